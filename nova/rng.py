@@ -1,0 +1,56 @@
+"""Nova's counter-based random numbers (used by dropout).
+
+Dropout masks are not drawn from torch's generator: every backend must produce
+the same bits, on any device, from nothing but integers. Element ``i`` of a
+mask with seed ``s`` and per-op salt ``t`` keeps its value iff ``u >= p`` where
+
+    x = (i * 0x9E3779B1 + t * 0x85EBCA77 + s * 0xC2B2AE3D) mod 2**32
+    x = fmix32(x)                      (MurmurHash3's finalizer)
+    u = (x >> 8) * 2**-24              (24 uniform bits in [0, 1))
+
+and kept values are scaled by 1 / (1 - p), as torch.nn.functional.dropout does.
+The seed is a runtime input of the step (Nova draws it from torch's default
+generator once per step), and the salt is fixed per dropout op at capture time,
+so masks differ between ops and between steps but replay identically.
+Consequence: Nova's dropout has torch's distribution, not torch's bit stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+M32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B1
+SALT_MUL = 0x85EBCA77
+SEED_MUL = 0xC2B2AE3D
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    # int64 arithmetic, masked back to 32 bits after every multiply: no overflow.
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & M32
+    x = x ^ (x >> 16)
+    return x
+
+
+def uniform(seed: int | torch.Tensor, salt: int, numel: int, device) -> torch.Tensor:
+    """The 24-bit uniforms in [0, 1) as float64, one per element index."""
+    seed_t = torch.as_tensor(seed, dtype=torch.int64, device=device) & M32
+    i = torch.arange(numel, dtype=torch.int64, device=device)
+    x = (i * GOLDEN) & M32
+    # int64 products of two 32-bit numbers may wrap; their low 32 bits stay exact.
+    x = (x + ((salt * SALT_MUL) & M32) + ((seed_t * SEED_MUL) & M32)) & M32
+    x = _fmix32(x)
+    return (x >> 8).to(torch.float64) * (2.0**-24)
+
+
+def dropout_scale(seed, salt: int, shape, p: float, dtype, device) -> torch.Tensor:
+    """The dropout multiplier: 0 where dropped, 1/(1-p) where kept."""
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    u = uniform(seed, salt, numel, device).reshape(tuple(shape))
+    keep = u >= p
+    return keep.to(dtype) * (1.0 / (1.0 - p))
