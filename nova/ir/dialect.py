@@ -1,0 +1,891 @@
+"""The nova dialect: value-semantic tensor ops for a whole training step.
+
+Every op declares its operands, results and properties, and infers its result
+types from its operand types and properties (``infer``). The verifier checks
+the declared result types against that inference, and the builder
+(``nova.ir.builder``) uses the same inference to create ops, so the two can
+never disagree.
+
+Properties are builtin attributes: ``i64`` integers, ``f64`` floats,
+``array<i64: ...>`` index lists, strings and ``i1`` booleans.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from xdsl.dialects.builtin import (
+    I64,
+    BoolAttr,
+    DenseArrayBase,
+    Float64Type,
+    FloatAttr,
+    IntegerAttr,
+    StringAttr,
+    TensorType,
+    f32,
+    f64,
+    i1,
+    i64,
+)
+from xdsl.ir import Attribute, Dialect
+from xdsl.irdl import (
+    IRDLOperation,
+    irdl_op_definition,
+    operand_def,
+    prop_def,
+    result_def,
+    traits_def,
+)
+from xdsl.traits import Pure
+from xdsl.utils.exceptions import VerifyException
+
+from nova.ir.types import broadcast_shapes, elem_of, is_float, is_int, numel, shape_of, tensor
+
+# ----------------------------------------------------------------------------
+# property helpers
+
+
+def prop_value(attr: Attribute):
+    """A property attribute as a plain Python value."""
+    if isinstance(attr, IntegerAttr):
+        v = attr.value.data
+        return bool(v) if attr.type == i1 else int(v)
+    if isinstance(attr, FloatAttr):
+        return float(attr.value.data)
+    if isinstance(attr, DenseArrayBase):
+        return tuple(int(v) for v in attr.get_values())
+    if isinstance(attr, StringAttr):
+        return attr.data
+    raise TypeError(f"unsupported nova property attribute {attr}")
+
+
+def make_prop(value) -> Attribute:
+    """A plain Python value as the property attribute that holds it."""
+    if isinstance(value, bool):
+        return IntegerAttr(int(value), i1)
+    if isinstance(value, int):
+        return IntegerAttr(value, i64)
+    if isinstance(value, float):
+        return FloatAttr(value, f64)
+    if isinstance(value, str):
+        return StringAttr(value)
+    if isinstance(value, (tuple, list)):
+        return DenseArrayBase.from_list(i64, [int(v) for v in value])
+    raise TypeError(f"cannot store {value!r} as a nova property")
+
+
+IntProp = IntegerAttr[I64]
+FloatProp = FloatAttr[Float64Type]
+BoolProp = BoolAttr
+
+
+def _norm_dim(d: int, rank: int, what: str) -> int:
+    if not -max(rank, 1) <= d < max(rank, 1):
+        raise VerifyException(f"{what}: dim {d} out of range for rank {rank}")
+    return d % max(rank, 1)
+
+
+# ----------------------------------------------------------------------------
+# base class
+
+
+class NovaOp(IRDLOperation):
+    """Base of every nova op: verification is type inference, compared."""
+
+    # names of properties, in order, for ``props()``
+    PROPS: ClassVar[tuple[str, ...]] = ()
+    # ops whose result type is chosen by the creator (reshape, cast, full, ...)
+    # receive it as ``hint`` in ``infer``
+    FREE_RESULT: ClassVar[bool] = False
+
+    def props(self) -> dict:
+        return {k: prop_value(self.properties[k]) for k in self.PROPS}
+
+    @classmethod
+    def infer(cls, in_types: list[TensorType], props: dict, hint: TensorType | None) -> list[TensorType]:
+        raise NotImplementedError(cls.name)
+
+    def verify_(self) -> None:
+        in_types = [o.type for o in self.operands]
+        for t in in_types:
+            if not isinstance(t, TensorType):
+                raise VerifyException(f"{self.name}: operand type {t} is not a ranked tensor")
+        hint = self.results[0].type if self.FREE_RESULT else None
+        try:
+            expected = self.infer(in_types, self.props(), hint)
+        except ValueError as e:  # shape errors from helpers
+            raise VerifyException(f"{self.name}: {e}") from e
+        got = [r.type for r in self.results]
+        if list(expected) != got:
+            raise VerifyException(
+                f"{self.name}: result types {[str(t) for t in got]} do not match inferred "
+                f"{[str(t) for t in expected]}"
+            )
+
+
+def _require_float(name: str, *types: TensorType) -> None:
+    for t in types:
+        if not is_float(t):
+            raise VerifyException(f"{name}: expected a floating-point tensor, got {t}")
+
+
+def _same_elem(name: str, *types: TensorType) -> None:
+    elems = {elem_of(t) for t in types}
+    if len(elems) != 1:
+        raise VerifyException(f"{name}: operands have different element types {[str(e) for e in elems]}")
+
+
+# ----------------------------------------------------------------------------
+# elementwise
+
+
+class BinaryOp(NovaOp):
+    lhs = operand_def(TensorType)
+    rhs = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        a, b = in_types
+        _same_elem(cls.name, a, b)
+        _require_float(cls.name, a)
+        return [tensor(broadcast_shapes(shape_of(a), shape_of(b)), elem_of(a))]
+
+
+@irdl_op_definition
+class AddOp(BinaryOp):
+    name = "nova.add"
+
+
+@irdl_op_definition
+class SubOp(BinaryOp):
+    name = "nova.sub"
+
+
+@irdl_op_definition
+class MulOp(BinaryOp):
+    name = "nova.mul"
+
+
+@irdl_op_definition
+class DivOp(BinaryOp):
+    name = "nova.div"
+
+
+@irdl_op_definition
+class MaximumOp(BinaryOp):
+    name = "nova.maximum"
+
+
+@irdl_op_definition
+class PowOp(BinaryOp):
+    name = "nova.pow"
+
+
+class CompareOp(NovaOp):
+    lhs = operand_def(TensorType)
+    rhs = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        a, b = in_types
+        _same_elem(cls.name, a, b)
+        return [tensor(broadcast_shapes(shape_of(a), shape_of(b)), i1)]
+
+
+@irdl_op_definition
+class EqOp(CompareOp):
+    name = "nova.eq"
+
+
+@irdl_op_definition
+class NeOp(CompareOp):
+    name = "nova.ne"
+
+
+@irdl_op_definition
+class LtOp(CompareOp):
+    name = "nova.lt"
+
+
+@irdl_op_definition
+class LeOp(CompareOp):
+    name = "nova.le"
+
+
+@irdl_op_definition
+class GtOp(CompareOp):
+    name = "nova.gt"
+
+
+@irdl_op_definition
+class GeOp(CompareOp):
+    name = "nova.ge"
+
+
+@irdl_op_definition
+class WhereOp(NovaOp):
+    """``cond ? a : b`` with broadcasting; ``cond`` is i1."""
+
+    name = "nova.where"
+    cond = operand_def(TensorType)
+    lhs = operand_def(TensorType)
+    rhs = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        c, a, b = in_types
+        if elem_of(c) != i1:
+            raise VerifyException(f"{cls.name}: condition must be i1, got {c}")
+        _same_elem(cls.name, a, b)
+        return [tensor(broadcast_shapes(shape_of(c), shape_of(a), shape_of(b)), elem_of(a))]
+
+
+class UnaryOp(NovaOp):
+    input = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        (x,) = in_types
+        _require_float(cls.name, x)
+        return [x]
+
+
+@irdl_op_definition
+class NegOp(UnaryOp):
+    name = "nova.neg"
+
+
+@irdl_op_definition
+class ExpOp(UnaryOp):
+    name = "nova.exp"
+
+
+@irdl_op_definition
+class LogOp(UnaryOp):
+    name = "nova.log"
+
+
+@irdl_op_definition
+class SqrtOp(UnaryOp):
+    name = "nova.sqrt"
+
+
+@irdl_op_definition
+class RsqrtOp(UnaryOp):
+    name = "nova.rsqrt"
+
+
+@irdl_op_definition
+class TanhOp(UnaryOp):
+    name = "nova.tanh"
+
+
+@irdl_op_definition
+class SigmoidOp(UnaryOp):
+    name = "nova.sigmoid"
+
+
+@irdl_op_definition
+class ReluOp(UnaryOp):
+    name = "nova.relu"
+
+
+def _check_approximate(name: str, props: dict) -> None:
+    if props["approximate"] not in ("none", "tanh"):
+        raise VerifyException(f"{name}: approximate must be 'none' or 'tanh', got {props['approximate']!r}")
+
+
+@irdl_op_definition
+class GeluOp(UnaryOp):
+    name = "nova.gelu"
+    approximate = prop_def(StringAttr)
+    PROPS: ClassVar = ("approximate",)
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        _check_approximate(cls.name, props)
+        return UnaryOp.infer.__func__(cls, in_types, props, hint)
+
+
+@irdl_op_definition
+class GeluBackwardOp(NovaOp):
+    """d/dx gelu(x) * grad."""
+
+    name = "nova.gelu_backward"
+    grad = operand_def(TensorType)
+    input = operand_def(TensorType)
+    result = result_def(TensorType)
+    approximate = prop_def(StringAttr)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("approximate",)
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        g, x = in_types
+        _check_approximate(cls.name, props)
+        _same_elem(cls.name, g, x)
+        _require_float(cls.name, x)
+        if shape_of(g) != shape_of(x):
+            raise VerifyException(f"{cls.name}: grad shape {shape_of(g)} != input shape {shape_of(x)}")
+        return [x]
+
+
+@irdl_op_definition
+class CastOp(NovaOp):
+    """Element type conversion; the result type names the target."""
+
+    name = "nova.cast"
+    input = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    FREE_RESULT: ClassVar = True
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        (x,) = in_types
+        if hint is None or shape_of(hint) != shape_of(x):
+            raise VerifyException(f"{cls.name}: result must have the input's shape {shape_of(x)}")
+        return [hint]
+
+
+@irdl_op_definition
+class FullOp(NovaOp):
+    """A tensor filled with one value (scalars are 0-d fulls)."""
+
+    name = "nova.full"
+    value = prop_def(FloatProp)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("value",)
+    FREE_RESULT: ClassVar = True
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        if hint is None:
+            raise VerifyException(f"{cls.name}: needs a result type")
+        return [hint]
+
+
+@irdl_op_definition
+class ArangeOp(NovaOp):
+    """``start + step * i`` for i in [0, n); n is the result's only dimension."""
+
+    name = "nova.arange"
+    start = prop_def(IntProp)
+    step = prop_def(IntProp)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("start", "step")
+    FREE_RESULT: ClassVar = True
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        if hint is None or len(shape_of(hint)) != 1:
+            raise VerifyException(f"{cls.name}: result must be 1-D")
+        return [hint]
+
+
+@irdl_op_definition
+class DropoutMaskOp(NovaOp):
+    """The dropout multiplier (0 or 1/(1-p)) from Nova's counter-based RNG
+    (``nova.rng``): a pure function of the 0-d i64 ``seed`` and the op's salt."""
+
+    name = "nova.dropout_mask"
+    seed = operand_def(TensorType)
+    p = prop_def(FloatProp)
+    salt = prop_def(IntProp)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("p", "salt")
+    FREE_RESULT: ClassVar = True
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        (s,) = in_types
+        if shape_of(s) != () or elem_of(s) != i64:
+            raise VerifyException(f"{cls.name}: seed must be a 0-d i64 tensor, got {s}")
+        if not 0.0 <= props["p"] < 1.0:
+            raise VerifyException(f"{cls.name}: p must be in [0, 1), got {props['p']}")
+        if hint is None or not is_float(hint):
+            raise VerifyException(f"{cls.name}: result must be a float tensor")
+        return [hint]
+
+
+# ----------------------------------------------------------------------------
+# shapes
+
+
+@irdl_op_definition
+class ReshapeOp(NovaOp):
+    name = "nova.reshape"
+    input = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    FREE_RESULT: ClassVar = True
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        (x,) = in_types
+        if hint is None or numel(shape_of(hint)) != numel(shape_of(x)) or elem_of(hint) != elem_of(x):
+            raise VerifyException(f"{cls.name}: cannot reshape {x} to {hint}")
+        return [hint]
+
+
+@irdl_op_definition
+class TransposeOp(NovaOp):
+    """General permutation: result dim i is input dim perm[i]."""
+
+    name = "nova.transpose"
+    input = operand_def(TensorType)
+    perm = prop_def(DenseArrayBase)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("perm",)
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        (x,) = in_types
+        perm, shape = props["perm"], shape_of(x)
+        if sorted(perm) != list(range(len(shape))):
+            raise VerifyException(f"{cls.name}: {perm} is not a permutation of rank {len(shape)}")
+        return [tensor([shape[p] for p in perm], elem_of(x))]
+
+
+@irdl_op_definition
+class BroadcastToOp(NovaOp):
+    name = "nova.broadcast_to"
+    input = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    FREE_RESULT: ClassVar = True
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        (x,) = in_types
+        if hint is None or elem_of(hint) != elem_of(x):
+            raise VerifyException(f"{cls.name}: needs a result of element type {elem_of(x)}")
+        if broadcast_shapes(shape_of(x), shape_of(hint)) != shape_of(hint):
+            raise VerifyException(f"{cls.name}: {shape_of(x)} does not broadcast to {shape_of(hint)}")
+        return [hint]
+
+
+def _slice_len(size: int, start: int, end: int, step: int) -> int:
+    return max(0, (min(end, size) - start + step - 1) // step)
+
+
+@irdl_op_definition
+class SliceOp(NovaOp):
+    """Elements start, start+step, ... < end along dim (normalized, in range)."""
+
+    name = "nova.slice"
+    input = operand_def(TensorType)
+    dim = prop_def(IntProp)
+    start = prop_def(IntProp)
+    end = prop_def(IntProp)
+    step = prop_def(IntProp)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("dim", "start", "end", "step")
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        (x,) = in_types
+        shape = list(shape_of(x))
+        d = props["dim"]
+        if not 0 <= d < len(shape):
+            raise VerifyException(f"{cls.name}: dim {d} out of range")
+        if props["step"] < 1 or not 0 <= props["start"] <= props["end"] <= shape[d]:
+            raise VerifyException(f"{cls.name}: bad slice {props} of size {shape[d]}")
+        shape[d] = _slice_len(shape[d], props["start"], props["end"], props["step"])
+        return [tensor(shape, elem_of(x))]
+
+
+@irdl_op_definition
+class PadOp(NovaOp):
+    """The adjoint of slice: places the input at start, start+step, ... along
+    dim of a zero tensor whose dim has ``size`` elements."""
+
+    name = "nova.pad"
+    input = operand_def(TensorType)
+    dim = prop_def(IntProp)
+    start = prop_def(IntProp)
+    step = prop_def(IntProp)
+    size = prop_def(IntProp)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("dim", "start", "step", "size")
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        (x,) = in_types
+        shape = list(shape_of(x))
+        d = props["dim"]
+        if not 0 <= d < len(shape):
+            raise VerifyException(f"{cls.name}: dim {d} out of range")
+        n = shape[d]
+        if props["step"] < 1 or props["start"] < 0 or (n and props["start"] + (n - 1) * props["step"] >= props["size"]):
+            raise VerifyException(f"{cls.name}: {n} elements do not fit {props}")
+        shape[d] = props["size"]
+        return [tensor(shape, elem_of(x))]
+
+
+# ----------------------------------------------------------------------------
+# reductions
+
+
+class ReduceOp(NovaOp):
+    input = operand_def(TensorType)
+    dims = prop_def(DenseArrayBase)
+    keepdim = prop_def(BoolProp)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("dims", "keepdim")
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        (x,) = in_types
+        shape = shape_of(x)
+        dims = props["dims"]
+        if len(set(dims)) != len(dims) or any(not 0 <= d < len(shape) for d in dims):
+            raise VerifyException(f"{cls.name}: bad dims {dims} for rank {len(shape)}")
+        if props["keepdim"]:
+            out = [1 if i in dims else s for i, s in enumerate(shape)]
+        else:
+            out = [s for i, s in enumerate(shape) if i not in dims]
+        return [tensor(out, elem_of(x))]
+
+
+@irdl_op_definition
+class ReduceSumOp(ReduceOp):
+    name = "nova.reduce_sum"
+
+
+@irdl_op_definition
+class ReduceMaxOp(ReduceOp):
+    name = "nova.reduce_max"
+
+
+# ----------------------------------------------------------------------------
+# contraction
+
+
+@irdl_op_definition
+class MatmulOp(NovaOp):
+    """``a[..., M, K] @ b[..., K, N]`` with broadcast batch dims. Operands of
+    bf16 accumulate in f32; the result has the operands' element type."""
+
+    name = "nova.matmul"
+    lhs = operand_def(TensorType)
+    rhs = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        a, b = in_types
+        _same_elem(cls.name, a, b)
+        _require_float(cls.name, a)
+        sa, sb = shape_of(a), shape_of(b)
+        if len(sa) < 2 or len(sb) < 2:
+            raise VerifyException(f"{cls.name}: operands must be at least 2-D, got {sa} and {sb}")
+        if sa[-1] != sb[-2]:
+            raise VerifyException(f"{cls.name}: contraction sizes differ: {sa} @ {sb}")
+        batch = broadcast_shapes(sa[:-2], sb[:-2])
+        return [tensor([*batch, sa[-2], sb[-1]], elem_of(a))]
+
+
+# ----------------------------------------------------------------------------
+# neural-network ops with hand-written adjoints
+
+
+class _DimOp(NovaOp):
+    dim = prop_def(IntProp)
+    PROPS: ClassVar = ("dim",)
+
+
+class _RowwiseOp(_DimOp):
+    input = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        (x,) = in_types
+        _require_float(cls.name, x)
+        _norm_dim(props["dim"], len(shape_of(x)), cls.name)
+        return [x]
+
+
+@irdl_op_definition
+class SoftmaxOp(_RowwiseOp):
+    name = "nova.softmax"
+
+
+@irdl_op_definition
+class LogSoftmaxOp(_RowwiseOp):
+    name = "nova.log_softmax"
+
+
+class _SoftmaxBackwardBase(_DimOp):
+    output = operand_def(TensorType)
+    grad = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        y, g = in_types
+        _same_elem(cls.name, y, g)
+        if shape_of(y) != shape_of(g):
+            raise VerifyException(f"{cls.name}: output and grad shapes differ")
+        _norm_dim(props["dim"], len(shape_of(y)), cls.name)
+        return [y]
+
+
+@irdl_op_definition
+class SoftmaxBackwardOp(_SoftmaxBackwardBase):
+    """Given y = softmax(x) and dL/dy: dL/dx = y * (g - sum(g*y))."""
+
+    name = "nova.softmax_backward"
+
+
+@irdl_op_definition
+class LogSoftmaxBackwardOp(_SoftmaxBackwardBase):
+    """Given y = log_softmax(x) and dL/dy: dL/dx = g - exp(y) * sum(g)."""
+
+    name = "nova.log_softmax_backward"
+
+
+@irdl_op_definition
+class LayerNormOp(NovaOp):
+    """Normalizes over the last dimension; also returns the per-row mean and
+    reciprocal standard deviation that layer_norm_backward consumes."""
+
+    name = "nova.layer_norm"
+    input = operand_def(TensorType)
+    weight = operand_def(TensorType)
+    bias = operand_def(TensorType)
+    eps = prop_def(FloatProp)
+    result = result_def(TensorType)
+    mean = result_def(TensorType)
+    rstd = result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("eps",)
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        x, w, b = in_types
+        _require_float(cls.name, x)
+        _same_elem(cls.name, x, w, b)
+        shape = shape_of(x)
+        if not shape or shape_of(w) != shape[-1:] or shape_of(b) != shape[-1:]:
+            raise VerifyException(f"{cls.name}: weight/bias must have shape {shape[-1:]}")
+        stat = tensor(shape[:-1], elem_of(x))
+        return [x, stat, stat]
+
+
+@irdl_op_definition
+class LayerNormBackwardOp(NovaOp):
+    name = "nova.layer_norm_backward"
+    grad = operand_def(TensorType)
+    input = operand_def(TensorType)
+    weight = operand_def(TensorType)
+    mean = operand_def(TensorType)
+    rstd = operand_def(TensorType)
+    grad_input = result_def(TensorType)
+    grad_weight = result_def(TensorType)
+    grad_bias = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        g, x, w, m, r = in_types
+        _same_elem(cls.name, g, x, w, m, r)
+        shape = shape_of(x)
+        if shape_of(g) != shape or shape_of(w) != shape[-1:] or shape_of(m) != shape[:-1] or shape_of(r) != shape[:-1]:
+            raise VerifyException(f"{cls.name}: inconsistent shapes")
+        return [x, w, w]
+
+
+@irdl_op_definition
+class EmbeddingOp(NovaOp):
+    """``weight[ids]``; ids are i64 of any shape."""
+
+    name = "nova.embedding"
+    weight = operand_def(TensorType)
+    ids = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        w, ids = in_types
+        if len(shape_of(w)) != 2 or not is_int(ids) or elem_of(ids) == i1:
+            raise VerifyException(f"{cls.name}: needs a 2-D weight and integer ids, got {w}, {ids}")
+        return [tensor([*shape_of(ids), shape_of(w)[1]], elem_of(w))]
+
+
+@irdl_op_definition
+class EmbeddingBackwardOp(NovaOp):
+    """Scatter-adds grad rows into a zero [num_embeddings, D] table; rows of
+    ``padding_idx`` (if >= 0) get no gradient, as in torch."""
+
+    name = "nova.embedding_backward"
+    grad = operand_def(TensorType)
+    ids = operand_def(TensorType)
+    num_embeddings = prop_def(IntProp)
+    padding_idx = prop_def(IntProp)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("num_embeddings", "padding_idx")
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        g, ids = in_types
+        if shape_of(g)[:-1] != shape_of(ids):
+            raise VerifyException(f"{cls.name}: grad {shape_of(g)} does not match ids {shape_of(ids)}")
+        return [tensor([props["num_embeddings"], shape_of(g)[-1]], elem_of(g))]
+
+
+def _check_ce(name: str, logits: TensorType, target: TensorType, props: dict) -> None:
+    if len(shape_of(logits)) != 2 or shape_of(target) != shape_of(logits)[:1]:
+        raise VerifyException(f"{name}: expects logits [N, C] and target [N], got {logits}, {target}")
+    if elem_of(target) != i64:
+        raise VerifyException(f"{name}: target must be i64")
+    if props["reduction"] not in ("mean", "sum"):
+        raise VerifyException(f"{name}: reduction must be 'mean' or 'sum'")
+
+
+@irdl_op_definition
+class CrossEntropyOp(NovaOp):
+    """Softmax cross-entropy of logits [N, C] against class ids [N]; ids equal
+    to ignore_index count neither in the sum nor in the mean's denominator."""
+
+    name = "nova.cross_entropy"
+    logits = operand_def(TensorType)
+    target = operand_def(TensorType)
+    ignore_index = prop_def(IntProp)
+    reduction = prop_def(StringAttr)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("ignore_index", "reduction")
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        logits, target = in_types
+        _require_float(cls.name, logits)
+        _check_ce(cls.name, logits, target, props)
+        return [tensor([], elem_of(logits))]
+
+
+@irdl_op_definition
+class CrossEntropyBackwardOp(NovaOp):
+    """dL/dlogits = grad * (softmax(logits) - onehot(target)) / count."""
+
+    name = "nova.cross_entropy_backward"
+    grad = operand_def(TensorType)
+    logits = operand_def(TensorType)
+    target = operand_def(TensorType)
+    ignore_index = prop_def(IntProp)
+    reduction = prop_def(StringAttr)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("ignore_index", "reduction")
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        g, logits, target = in_types
+        _check_ce(cls.name, logits, target, props)
+        if shape_of(g) != ():
+            raise VerifyException(f"{cls.name}: grad must be 0-d")
+        return [logits]
+
+
+def _check_attention(name: str, q: TensorType, k: TensorType, v: TensorType) -> None:
+    sq, sk, sv = shape_of(q), shape_of(k), shape_of(v)
+    _same_elem(name, q, k, v)
+    if len(sq) != 4 or sk != sv or sq[:2] != sk[:2] or sq[3] != sk[3]:
+        raise VerifyException(f"{name}: expects q [B,H,Tq,D], k and v [B,H,Tk,D]; got {sq}, {sk}, {sv}")
+
+
+@irdl_op_definition
+class AttentionOp(NovaOp):
+    """softmax(q k^T * scale (+ causal mask)) v; also returns the per-row
+    log-sum-exp [B, H, Tq] (f32 or wider) that attention_backward uses."""
+
+    name = "nova.attention"
+    q = operand_def(TensorType)
+    k = operand_def(TensorType)
+    v = operand_def(TensorType)
+    causal = prop_def(BoolProp)
+    scale = prop_def(FloatProp)
+    result = result_def(TensorType)
+    lse = result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("causal", "scale")
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        q, k, v = in_types
+        _require_float(cls.name, q)
+        _check_attention(cls.name, q, k, v)
+        return [q, tensor(shape_of(q)[:3], _stat_elem(q))]
+
+
+def _stat_elem(t: TensorType) -> Attribute:
+    # statistics of low-precision tensors are kept in f32
+    return elem_of(t) if elem_of(t) == f64 else f32
+
+
+@irdl_op_definition
+class AttentionBackwardOp(NovaOp):
+    name = "nova.attention_backward"
+    grad = operand_def(TensorType)
+    q = operand_def(TensorType)
+    k = operand_def(TensorType)
+    v = operand_def(TensorType)
+    output = operand_def(TensorType)
+    lse = operand_def(TensorType)
+    causal = prop_def(BoolProp)
+    scale = prop_def(FloatProp)
+    grad_q = result_def(TensorType)
+    grad_k = result_def(TensorType)
+    grad_v = result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("causal", "scale")
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        g, q, k, v, o, lse = in_types
+        _check_attention(cls.name, q, k, v)
+        if shape_of(g) != shape_of(q) or shape_of(o) != shape_of(q) or shape_of(lse) != shape_of(q)[:3]:
+            raise VerifyException(f"{cls.name}: inconsistent shapes")
+        return [q, k, v]
+
+
+NOVA_OPS: list[type[NovaOp]] = [
+    AddOp, SubOp, MulOp, DivOp, MaximumOp, PowOp,
+    EqOp, NeOp, LtOp, LeOp, GtOp, GeOp, WhereOp,
+    NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, TanhOp, SigmoidOp, ReluOp,
+    GeluOp, GeluBackwardOp, CastOp, FullOp, ArangeOp, DropoutMaskOp,
+    ReshapeOp, TransposeOp, BroadcastToOp, SliceOp, PadOp,
+    ReduceSumOp, ReduceMaxOp, MatmulOp,
+    SoftmaxOp, LogSoftmaxOp, SoftmaxBackwardOp, LogSoftmaxBackwardOp,
+    LayerNormOp, LayerNormBackwardOp, EmbeddingOp, EmbeddingBackwardOp,
+    CrossEntropyOp, CrossEntropyBackwardOp, AttentionOp, AttentionBackwardOp,
+]  # fmt: skip
+
+Nova = Dialect("nova", NOVA_OPS, [])
+
+OP_BY_NAME: dict[str, type[NovaOp]] = {op.name: op for op in NOVA_OPS}
+
+__all__ = [op.__name__ for op in NOVA_OPS] + ["Nova", "NovaOp", "OP_BY_NAME", "prop_value", "make_prop"]
