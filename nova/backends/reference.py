@@ -1,0 +1,318 @@
+"""The reference executor: runs nova IR op by op with torch operations.
+
+It is the oracle every backend and every pass is tested against, so each op's
+implementation here is the plainest correct one, on any torch device and dtype.
+Statistics (softmax sums, attention scores, norms) of low-precision inputs are
+computed in f32, as the dialect specifies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from xdsl.dialects import func
+from xdsl.ir import Operation, SSAValue
+
+from nova import rng
+from nova.ir import dialect as nv
+from nova.ir.types import elem_of, shape_of, to_torch_dtype
+
+Impl = Callable[[Operation, list[torch.Tensor]], Sequence[torch.Tensor]]
+IMPLS: dict[type, Impl] = {}
+
+
+def impl(*op_classes):
+    def register(fn):
+        for c in op_classes:
+            IMPLS[c] = fn
+        return fn
+
+    return register
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """Low-precision floats are widened to f32 for statistics."""
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+
+
+def _result_dtype(op: Operation, i: int = 0) -> torch.dtype:
+    return to_torch_dtype(elem_of(op.results[i].type))
+
+
+_BINARY = {
+    nv.AddOp: torch.add, nv.SubOp: torch.sub, nv.MulOp: torch.mul, nv.DivOp: torch.div,
+    nv.MaximumOp: torch.maximum, nv.PowOp: torch.pow,
+    nv.EqOp: torch.eq, nv.NeOp: torch.ne, nv.LtOp: torch.lt, nv.LeOp: torch.le,
+    nv.GtOp: torch.gt, nv.GeOp: torch.ge,
+}  # fmt: skip
+_UNARY = {
+    nv.NegOp: torch.neg, nv.ExpOp: torch.exp, nv.LogOp: torch.log, nv.SqrtOp: torch.sqrt,
+    nv.RsqrtOp: torch.rsqrt, nv.TanhOp: torch.tanh, nv.SigmoidOp: torch.sigmoid, nv.ReluOp: torch.relu,
+}  # fmt: skip
+
+
+@impl(*_BINARY)
+def _binary(op, xs):
+    return [_BINARY[type(op)](xs[0], xs[1])]
+
+
+@impl(*_UNARY)
+def _unary(op, xs):
+    return [_UNARY[type(op)](xs[0])]
+
+
+@impl(nv.WhereOp)
+def _where(op, xs):
+    return [torch.where(*xs)]
+
+
+@impl(nv.GeluOp)
+def _gelu(op, xs):
+    return [F.gelu(xs[0], approximate=op.props()["approximate"])]
+
+
+@impl(nv.GeluBackwardOp)
+def _gelu_bwd(op, xs):
+    return [torch.ops.aten.gelu_backward(xs[0], xs[1], approximate=op.props()["approximate"])]
+
+
+@impl(nv.CastOp)
+def _cast(op, xs):
+    return [xs[0].to(_result_dtype(op))]
+
+
+@impl(nv.FullOp)
+def _full(op, xs, device=None):
+    return [torch.full(shape_of(op.results[0].type), op.props()["value"], dtype=_result_dtype(op), device=device)]
+
+
+@impl(nv.ArangeOp)
+def _arange(op, xs, device=None):
+    p, (n,) = op.props(), shape_of(op.results[0].type)
+    r = torch.arange(n, dtype=torch.int64, device=device) * p["step"] + p["start"]
+    return [r.to(_result_dtype(op))]
+
+
+@impl(nv.DropoutMaskOp)
+def _dropout_mask(op, xs):
+    p = op.props()
+    shape = shape_of(op.results[0].type)
+    return [rng.dropout_scale(xs[0], p["salt"], shape, p["p"], _result_dtype(op), xs[0].device)]
+
+
+@impl(nv.ReshapeOp)
+def _reshape(op, xs):
+    return [xs[0].reshape(shape_of(op.results[0].type))]
+
+
+@impl(nv.TransposeOp)
+def _transpose(op, xs):
+    return [xs[0].permute(op.props()["perm"])]
+
+
+@impl(nv.BroadcastToOp)
+def _broadcast(op, xs):
+    return [xs[0].expand(shape_of(op.results[0].type))]
+
+
+@impl(nv.SliceOp)
+def _slice(op, xs):
+    p = op.props()
+    idx = [slice(None)] * xs[0].dim()
+    idx[p["dim"]] = slice(p["start"], p["end"], p["step"])
+    return [xs[0][tuple(idx)]]
+
+
+@impl(nv.PadOp)
+def _pad(op, xs):
+    p, x = op.props(), xs[0]
+    out = x.new_zeros(shape_of(op.results[0].type))
+    idx = [slice(None)] * x.dim()
+    idx[p["dim"]] = slice(p["start"], p["start"] + x.shape[p["dim"]] * p["step"], p["step"])
+    out[tuple(idx)] = x
+    return [out]
+
+
+@impl(nv.ReduceSumOp)
+def _sum(op, xs):
+    p = op.props()
+    if not p["dims"]:
+        return [xs[0]]
+    return [torch.sum(xs[0], dim=p["dims"], keepdim=p["keepdim"])]
+
+
+@impl(nv.ReduceMaxOp)
+def _max(op, xs):
+    p = op.props()
+    if not p["dims"]:
+        return [xs[0]]
+    return [torch.amax(xs[0], dim=p["dims"], keepdim=p["keepdim"])]
+
+
+@impl(nv.MatmulOp)
+def _matmul(op, xs):
+    return [torch.matmul(xs[0], xs[1])]
+
+
+@impl(nv.SoftmaxOp)
+def _softmax(op, xs):
+    return [torch.softmax(_wide(xs[0]), op.props()["dim"]).to(xs[0].dtype)]
+
+
+@impl(nv.LogSoftmaxOp)
+def _log_softmax(op, xs):
+    return [torch.log_softmax(_wide(xs[0]), op.props()["dim"]).to(xs[0].dtype)]
+
+
+@impl(nv.SoftmaxBackwardOp)
+def _softmax_bwd(op, xs):
+    y, g = _wide(xs[0]), _wide(xs[1])
+    d = op.props()["dim"]
+    return [(y * (g - (g * y).sum(d, keepdim=True))).to(xs[0].dtype)]
+
+
+@impl(nv.LogSoftmaxBackwardOp)
+def _log_softmax_bwd(op, xs):
+    y, g = _wide(xs[0]), _wide(xs[1])
+    d = op.props()["dim"]
+    return [(g - torch.exp(y) * g.sum(d, keepdim=True)).to(xs[0].dtype)]
+
+
+@impl(nv.LayerNormOp)
+def _layer_norm(op, xs):
+    x, w, b = xs
+    xf = _wide(x)
+    mean = xf.mean(-1)
+    var = (xf - mean.unsqueeze(-1)).square().mean(-1)
+    rstd = torch.rsqrt(var + op.props()["eps"])
+    y = (xf - mean.unsqueeze(-1)) * rstd.unsqueeze(-1) * _wide(w) + _wide(b)
+    return [y.to(x.dtype), mean.to(x.dtype), rstd.to(x.dtype)]
+
+
+@impl(nv.LayerNormBackwardOp)
+def _layer_norm_bwd(op, xs):
+    g, x, w, mean, rstd = (_wide(t) for t in xs)
+    xhat = (x - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    lead = tuple(range(x.dim() - 1))
+    gw = (g * xhat).sum(lead) if lead else g * xhat
+    gb = g.sum(lead) if lead else g
+    gxhat = g * w
+    n = x.shape[-1]
+    gx = rstd.unsqueeze(-1) / n * (
+        n * gxhat - gxhat.sum(-1, keepdim=True) - xhat * (gxhat * xhat).sum(-1, keepdim=True)
+    )
+    dt = xs[1].dtype
+    return [gx.to(dt), gw.to(dt), gb.to(dt)]
+
+
+def _check_ids(ids: torch.Tensor, n: int, what: str, ignore: int | None = None) -> None:
+    valid = ids if ignore is None else ids[ids != ignore]
+    if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= n):
+        raise IndexError(f"{what}: index out of range [0, {n}) (min {int(valid.min())}, max {int(valid.max())})")
+
+
+@impl(nv.EmbeddingOp)
+def _embedding(op, xs):
+    w, ids = xs
+    _check_ids(ids, w.shape[0], "nova.embedding")
+    return [F.embedding(ids, w)]
+
+
+@impl(nv.EmbeddingBackwardOp)
+def _embedding_bwd(op, xs):
+    g, ids = xs
+    p = op.props()
+    out = torch.zeros(p["num_embeddings"], g.shape[-1], dtype=g.dtype, device=g.device)
+    out.index_add_(0, ids.reshape(-1), g.reshape(-1, g.shape[-1]))
+    if p["padding_idx"] >= 0:
+        out[p["padding_idx"]] = 0
+    return [out]
+
+
+@impl(nv.CrossEntropyOp)
+def _cross_entropy(op, xs):
+    logits, target = xs
+    p = op.props()
+    _check_ids(target, logits.shape[1], "nova.cross_entropy", p["ignore_index"])
+    loss = F.cross_entropy(_wide(logits), target, ignore_index=p["ignore_index"], reduction=p["reduction"])
+    return [loss.to(logits.dtype)]
+
+
+@impl(nv.CrossEntropyBackwardOp)
+def _cross_entropy_bwd(op, xs):
+    g, logits, target = xs
+    p = op.props()
+    valid = target != p["ignore_index"]
+    probs = torch.softmax(_wide(logits), dim=1)
+    onehot = torch.zeros_like(probs)
+    onehot[valid, target[valid]] = 1.0
+    d = (probs - onehot) * valid.unsqueeze(1)
+    if p["reduction"] == "mean":
+        d = d / valid.sum()
+    return [(d * _wide(g)).to(logits.dtype)]
+
+
+def _scores(q, k, p):
+    s = torch.matmul(_wide(q), _wide(k).transpose(-1, -2)) * p["scale"]
+    if p["causal"]:
+        tq, tk = s.shape[-2], s.shape[-1]
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=s.device).tril(tk - tq)
+        s = s.masked_fill(~mask, float("-inf"))
+    return s
+
+
+@impl(nv.AttentionOp)
+def _attention(op, xs):
+    q, k, v = xs
+    p = op.props()
+    s = _scores(q, k, p)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _wide(v))
+    return [out.to(q.dtype), lse.to(_result_dtype(op, 1))]
+
+
+@impl(nv.AttentionBackwardOp)
+def _attention_bwd(op, xs):
+    g, q, k, v, o, lse = xs
+    p = op.props()
+    P = torch.exp(_scores(q, k, p) - _wide(lse).unsqueeze(-1))
+    gf, vf = _wide(g), _wide(v)
+    dv = torch.matmul(P.transpose(-1, -2), gf)
+    dp = torch.matmul(gf, vf.transpose(-1, -2))
+    delta = (gf * _wide(o)).sum(-1, keepdim=True)
+    ds = P * (dp - delta) * p["scale"]
+    dq = torch.matmul(ds, _wide(k))
+    dk = torch.matmul(ds.transpose(-1, -2), _wide(q))
+    return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
+
+
+_NEEDS_DEVICE = (nv.FullOp, nv.ArangeOp)
+
+
+def run_ops(ops, env: dict[SSAValue, torch.Tensor], device: torch.device) -> None:
+    """Executes ``ops`` in order, reading and extending ``env``."""
+    for op in ops:
+        if isinstance(op, func.ReturnOp):
+            continue
+        fn = IMPLS.get(type(op))
+        if fn is None:
+            raise NotImplementedError(f"reference executor has no implementation of {op.name}")
+        xs = [env[v] for v in op.operands]
+        outs = fn(op, xs, device) if isinstance(op, _NEEDS_DEVICE) else fn(op, xs)
+        for r, t in zip(op.results, outs, strict=True):
+            env[r] = t
+
+
+def run_function(fn: func.FuncOp, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Runs ``@train_step`` on positional arguments; returns its results."""
+    block = fn.body.block
+    if len(args) != len(block.args):
+        raise ValueError(f"@{fn.sym_name.data} takes {len(block.args)} arguments, got {len(args)}")
+    device = args[0].device if args else torch.device("cpu")
+    env: dict[SSAValue, torch.Tensor] = dict(zip(block.args, args))
+    run_ops(block.ops, env, device)
+    ret = block.last_op
+    return [env[v] for v in ret.operands]
+
