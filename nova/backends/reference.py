@@ -258,7 +258,8 @@ def _scores(q, k, p):
     s = torch.matmul(_wide(q), _wide(k).transpose(-1, -2)) * p["scale"]
     if p["causal"]:
         tq, tk = s.shape[-2], s.shape[-1]
-        mask = torch.ones(tq, tk, dtype=torch.bool, device=s.device).tril(tk - tq)
+        # top-left aligned, as torch.nn.functional.scaled_dot_product_attention(is_causal=True)
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=s.device).tril(0)
         s = s.masked_fill(~mask, float("-inf"))
     return s
 

@@ -110,3 +110,12 @@ def print_module(module: ModuleOp) -> str:
 
 def parse_module(text: str) -> ModuleOp:
     return Parser(context(), text).parse_module()
+
+
+def add_arg(fn: func.FuncOp, slot: Slot) -> SSAValue:
+    """Appends an argument to ``@train_step``, keeping its signature in step."""
+    block = fn.body.block
+    arg = block.insert_arg(slot.type, len(block.args))
+    fn.function_type = func.FunctionType.from_lists([*fn.function_type.inputs.data, slot.type], fn.function_type.outputs.data)
+    fn.arg_attrs = ArrayAttr([*(fn.arg_attrs.data if fn.arg_attrs else ()), slot.attrs()])
+    return arg
