@@ -1,0 +1,532 @@
+"""The op-mapping table: ATen ops (as torch.export records them) -> nova IR.
+
+Each converter receives the capture context and the node's arguments with
+tensors already replaced by SSA values, and returns the SSA value(s) of the
+node's result. A converter raises ``Unsupported`` for arguments Nova does not
+handle (an attention mask, label smoothing, ...); capture collects those and
+reports them all at once.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Sequence
+
+import torch
+from xdsl.dialects.builtin import f32, i64
+from xdsl.ir import SSAValue
+
+from nova.ir import dialect as nv
+from nova.ir.builder import OpBuilder
+from nova.ir.types import elem_of, from_torch_dtype, is_float, numel, shape_of, tensor, to_torch_dtype
+
+aten = torch.ops.aten
+
+
+class Unsupported(Exception):
+    """An op or argument Nova cannot compile (message says which)."""
+
+
+class Ctx:
+    """What converters need besides their arguments."""
+
+    def __init__(self, b: OpBuilder, seed: Callable[[], SSAValue]):
+        self.b = b
+        self._seed = seed
+        self.salt = 0
+
+    def seed(self) -> SSAValue:
+        return self._seed()
+
+
+Converter = Callable[..., SSAValue | tuple[SSAValue, ...]]
+CONVERTERS: dict[object, Converter] = {}
+# ops that only assert metadata and produce nothing the step needs
+IGNORED = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
+
+
+def converts(*targets):
+    def register(fn):
+        for t in targets:
+            CONVERTERS[t] = fn
+        return fn
+
+    return register
+
+
+# --- helpers ---------------------------------------------------------------
+
+
+def _shape(v: SSAValue) -> tuple[int, ...]:
+    return shape_of(v.type)
+
+
+def _dim(d: int, rank: int) -> int:
+    return d % rank if rank else 0
+
+
+def _promote(cx: Ctx, a, b) -> tuple[SSAValue, SSAValue]:
+    """torch's type promotion for two operands, Python scalars included."""
+    if not isinstance(a, SSAValue):
+        a, b = b, a
+        swapped = True
+    else:
+        swapped = False
+    if not isinstance(b, SSAValue):
+        # a Python scalar takes the tensor's type unless it is a float and the tensor is integral
+        elem = elem_of(a.type)
+        if isinstance(b, float) and not is_float(a.type):
+            elem = f32
+            a = cx.b.cast(a, elem)
+        b = cx.b.full(float(b), (), elem)
+    else:
+        ta, tb = to_torch_dtype(elem_of(a.type)), to_torch_dtype(elem_of(b.type))
+        if ta != tb:
+            # 0-d tensors do not promote dimensioned tensors of the same category
+            if _shape(b) == () and _shape(a) != () and is_float(b.type) == is_float(a.type):
+                target = ta
+            elif _shape(a) == () and _shape(b) != () and is_float(b.type) == is_float(a.type):
+                target = tb
+            else:
+                target = torch.promote_types(ta, tb)
+            a, b = cx.b.cast(a, from_torch_dtype(target)), cx.b.cast(b, from_torch_dtype(target))
+    return (b, a) if swapped else (a, b)
+
+
+def _binary(op_cls):
+    def convert(cx: Ctx, a, b, alpha=1):
+        if not isinstance(a, SSAValue) and not isinstance(b, SSAValue):
+            raise Unsupported(f"{op_cls.name} of two Python scalars")
+        a, b = _promote(cx, a, b)
+        if alpha != 1:
+            b = cx.b.scale(b, float(alpha))
+        return cx.b.one(op_cls, [a, b])
+
+    return convert
+
+
+converts(aten.add.Tensor, aten.add.Scalar)(_binary(nv.AddOp))
+converts(aten.sub.Tensor, aten.sub.Scalar)(_binary(nv.SubOp))
+converts(aten.mul.Tensor, aten.mul.Scalar)(_binary(nv.MulOp))
+converts(aten.div.Tensor, aten.div.Scalar)(_binary(nv.DivOp))
+converts(aten.maximum.default)(_binary(nv.MaximumOp))
+converts(aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor)(_binary(nv.PowOp))
+converts(operator.add)(_binary(nv.AddOp))
+converts(operator.mul)(_binary(nv.MulOp))
+
+
+@converts(aten.rsub.Scalar, aten.rsub.Tensor)
+def _rsub(cx, a, b, alpha=1):
+    return _binary(nv.SubOp)(cx, b, cx.b.scale(a, float(alpha)) if alpha != 1 else a)
+
+
+def _compare(op_cls):
+    def convert(cx: Ctx, a, b):
+        a, b = _promote(cx, a, b)
+        return cx.b.one(op_cls, [a, b])
+
+    return convert
+
+
+converts(aten.eq.Scalar, aten.eq.Tensor)(_compare(nv.EqOp))
+converts(aten.ne.Scalar, aten.ne.Tensor)(_compare(nv.NeOp))
+converts(aten.lt.Scalar, aten.lt.Tensor)(_compare(nv.LtOp))
+converts(aten.le.Scalar, aten.le.Tensor)(_compare(nv.LeOp))
+converts(aten.gt.Scalar, aten.gt.Tensor)(_compare(nv.GtOp))
+converts(aten.ge.Scalar, aten.ge.Tensor)(_compare(nv.GeOp))
+
+
+def _unary(op_cls):
+    def convert(cx: Ctx, x):
+        return cx.b.one(op_cls, [x])
+
+    return convert
+
+
+for _t, _c in [
+    (aten.neg.default, nv.NegOp), (aten.exp.default, nv.ExpOp), (aten.log.default, nv.LogOp),
+    (aten.sqrt.default, nv.SqrtOp), (aten.rsqrt.default, nv.RsqrtOp), (aten.tanh.default, nv.TanhOp),
+    (aten.sigmoid.default, nv.SigmoidOp), (aten.relu.default, nv.ReluOp),
+]:  # fmt: skip
+    converts(_t)(_unary(_c))
+
+
+@converts(aten.square.default)
+def _square(cx, x):
+    return cx.b.mul(x, x)
+
+
+@converts(aten.gelu.default)
+def _gelu(cx, x, approximate="none"):
+    return cx.b.one(nv.GeluOp, [x], {"approximate": approximate})
+
+
+@converts(aten.silu.default)
+def _silu(cx, x):
+    return cx.b.mul(x, cx.b.one(nv.SigmoidOp, [x]))
+
+
+@converts(aten.where.self)
+def _where(cx, cond, a, b):
+    a, b = _promote(cx, a, b)
+    return cx.b.where(cond, a, b)
+
+
+@converts(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def _masked_fill(cx, x, mask, value):
+    if isinstance(value, SSAValue):
+        value = cx.b.cast(value, elem_of(x.type))
+    else:
+        value = cx.b.full(float(value), (), elem_of(x.type))
+    return cx.b.where(mask, value, x)
+
+
+# --- dtype and constants ---------------------------------------------------
+
+
+@converts(aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout)
+def _to(cx, x, dtype=None, **kw):
+    # device arguments are dropped: the whole step runs on the parameters' device
+    if dtype is None:
+        return x
+    return cx.b.cast(x, from_torch_dtype(dtype))
+
+
+@converts(aten.type_as.default)
+def _type_as(cx, x, other):
+    return cx.b.cast(x, elem_of(other.type))
+
+
+def _fill(cx, shape, value, dtype):
+    return cx.b.full(float(value), [int(s) for s in shape], from_torch_dtype(dtype or torch.float32))
+
+
+@converts(aten.full.default)
+def _full(cx, size, value, dtype=None, **kw):
+    if dtype is None:
+        dtype = torch.int64 if isinstance(value, int) and not isinstance(value, bool) else torch.float32
+    return _fill(cx, size, value, dtype)
+
+
+@converts(aten.zeros.default)
+def _zeros(cx, size, dtype=None, **kw):
+    return _fill(cx, size, 0.0, dtype)
+
+
+@converts(aten.ones.default)
+def _ones(cx, size, dtype=None, **kw):
+    return _fill(cx, size, 1.0, dtype)
+
+
+@converts(aten.zeros_like.default)
+def _zeros_like(cx, x, dtype=None, **kw):
+    return _fill(cx, _shape(x), 0.0, dtype or to_torch_dtype(elem_of(x.type)))
+
+
+@converts(aten.ones_like.default)
+def _ones_like(cx, x, dtype=None, **kw):
+    return _fill(cx, _shape(x), 1.0, dtype or to_torch_dtype(elem_of(x.type)))
+
+
+@converts(aten.full_like.default)
+def _full_like(cx, x, value, dtype=None, **kw):
+    return _fill(cx, _shape(x), value, dtype or to_torch_dtype(elem_of(x.type)))
+
+
+@converts(aten.scalar_tensor.default)
+def _scalar_tensor(cx, value, dtype=None, **kw):
+    return _fill(cx, (), value, dtype)
+
+
+@converts(aten.arange.default, aten.arange.start, aten.arange.start_step)
+def _arange(cx, *args, dtype=None, **kw):
+    start, end, step = (0, args[0], 1) if len(args) == 1 else (*args, 1)[:3]
+    if not all(isinstance(v, int) for v in (start, end, step)):
+        raise Unsupported("arange with non-integer bounds")
+    n = max(0, -(-(end - start) // step))
+    out = cx.b.one(nv.ArangeOp, [], {"start": start, "step": step}, tensor([n], i64))
+    return cx.b.cast(out, from_torch_dtype(dtype)) if dtype is not None else out
+
+
+@converts(aten.dropout.default, aten.native_dropout.default)
+def _dropout(cx, x, p, train=True):
+    if not train or p == 0.0:
+        return x
+    if p >= 1.0:
+        return cx.b.full(0.0, _shape(x), elem_of(x.type))
+    cx.salt += 1
+    mask = cx.b.one(nv.DropoutMaskOp, [cx.seed()], {"p": float(p), "salt": cx.salt}, x.type)
+    return cx.b.mul(x, mask)
+
+
+# --- shapes ----------------------------------------------------------------
+
+
+def _infer_shape(shape: Sequence[int], total: int) -> list[int]:
+    shape = [int(s) for s in shape]
+    if -1 in shape:
+        known = numel([s for s in shape if s != -1])
+        shape[shape.index(-1)] = total // known if known else 0
+    return shape
+
+
+@converts(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+def _view(cx, x, shape):
+    return cx.b.reshape(x, _infer_shape(shape, numel(_shape(x))))
+
+
+@converts(aten.flatten.using_ints)
+def _flatten(cx, x, start_dim=0, end_dim=-1):
+    s = _shape(x)
+    if not s:
+        return cx.b.reshape(x, [1])
+    a, e = _dim(start_dim, len(s)), _dim(end_dim, len(s))
+    return cx.b.reshape(x, [*s[:a], numel(s[a : e + 1]), *s[e + 1 :]])
+
+
+@converts(aten.unsqueeze.default)
+def _unsqueeze(cx, x, dim):
+    s = list(_shape(x))
+    s.insert(dim % (len(s) + 1), 1)
+    return cx.b.reshape(x, s)
+
+
+@converts(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def _squeeze(cx, x, dim=None):
+    s = _shape(x)
+    dims = range(len(s)) if dim is None else [dim] if isinstance(dim, int) else dim
+    drop = {_dim(d, len(s)) for d in dims if s[_dim(d, len(s))] == 1}
+    return cx.b.reshape(x, [n for i, n in enumerate(s) if i not in drop])
+
+
+@converts(aten.transpose.int)
+def _transpose(cx, x, d0, d1):
+    r = len(_shape(x))
+    perm = list(range(r))
+    a, b = _dim(d0, r), _dim(d1, r)
+    perm[a], perm[b] = perm[b], perm[a]
+    return cx.b.transpose(x, perm)
+
+
+@converts(aten.t.default, aten.numpy_T.default)
+def _t(cx, x):
+    r = len(_shape(x))
+    return cx.b.transpose(x, list(reversed(range(r))))
+
+
+@converts(aten.permute.default)
+def _permute(cx, x, perm):
+    r = len(_shape(x))
+    return cx.b.transpose(x, [_dim(p, r) for p in perm])
+
+
+@converts(aten.expand.default)
+def _expand(cx, x, size, implicit=False):
+    s = _shape(x)
+    lead = len(size) - len(s)
+    target = [s[i - lead] if n == -1 else n for i, n in enumerate(size)]
+    return cx.b.broadcast_to(x, target)
+
+
+@converts(aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
+          aten.lift_fresh_copy.default, aten.lift_fresh.default)  # fmt: skip
+def _identity(cx, x, **kw):
+    # value semantics: layout-only ops are no-ops; detach matters only to torch.autograd
+    return x
+
+
+def _slice_value(cx, x, dim, start, end, step=1):
+    s = _shape(x)
+    d = _dim(dim, len(s))
+    start, end, _ = slice(start, end, step).indices(s[d])
+    if start == 0 and end >= s[d] and step == 1:
+        return x
+    end = max(end, start)
+    return cx.b.one(nv.SliceOp, [x], {"dim": d, "start": start, "end": end, "step": step})
+
+
+@converts(aten.slice.Tensor)
+def _slice(cx, x, dim=0, start=None, end=None, step=1):
+    return _slice_value(cx, x, dim, start, end, step)
+
+
+@converts(aten.select.int)
+def _select(cx, x, dim, index):
+    s = _shape(x)
+    d = _dim(dim, len(s))
+    i = index % s[d]
+    y = _slice_value(cx, x, d, i, i + 1)
+    return cx.b.reshape(y, [n for j, n in enumerate(s) if j != d])
+
+
+@converts(aten.split.Tensor, aten.split_with_sizes.default)
+def _split(cx, x, sizes, dim=0):
+    s = _shape(x)
+    d = _dim(dim, len(s))
+    if isinstance(sizes, int):
+        sizes = [min(sizes, s[d] - i) for i in range(0, s[d], sizes)]
+    outs, start = [], 0
+    for n in sizes:
+        outs.append(_slice_value(cx, x, d, start, start + n))
+        start += n
+    return tuple(outs)
+
+
+@converts(aten.chunk.default)
+def _chunk(cx, x, chunks, dim=0):
+    n = _shape(x)[_dim(dim, len(_shape(x)))]
+    return _split(cx, x, -(-n // chunks), dim)
+
+
+@converts(aten.unbind.int)
+def _unbind(cx, x, dim=0):
+    s = _shape(x)
+    return tuple(_select(cx, x, dim, i) for i in range(s[_dim(dim, len(s))]))
+
+
+# --- reductions ------------------------------------------------------------
+
+
+def _dims(x, dim) -> list[int]:
+    r = len(_shape(x))
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return list(range(r))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return sorted({_dim(d, r) for d in dims})
+
+
+@converts(aten.sum.dim_IntList, aten.sum.default)
+def _sum(cx, x, dim=None, keepdim=False, dtype=None):
+    if dtype is not None:
+        x = cx.b.cast(x, from_torch_dtype(dtype))
+    return cx.b.reduce_sum(x, _dims(x, dim), keepdim)
+
+
+@converts(aten.mean.dim, aten.mean.default)
+def _mean(cx, x, dim=None, keepdim=False, dtype=None):
+    if dtype is not None:
+        x = cx.b.cast(x, from_torch_dtype(dtype))
+    dims = _dims(x, dim)
+    n = numel([_shape(x)[d] for d in dims])
+    return cx.b.scale(cx.b.reduce_sum(x, dims, keepdim), 1.0 / n)
+
+
+@converts(aten.var.correction, aten.var.dim)
+def _var(cx, x, dim=None, unbiased=None, keepdim=False, correction=None):
+    dims = _dims(x, dim)
+    n = numel([_shape(x)[d] for d in dims])
+    corr = correction if correction is not None else (1 if unbiased in (None, True) else 0)
+    mean = cx.b.scale(cx.b.reduce_sum(x, dims, True), 1.0 / n)
+    dev = cx.b.sub(x, mean)
+    return cx.b.scale(cx.b.reduce_sum(cx.b.mul(dev, dev), dims, keepdim), 1.0 / max(n - corr, 0) if n > corr else math.inf)
+
+
+@converts(aten.amax.default)
+def _amax(cx, x, dim=(), keepdim=False):
+    return cx.b.one(nv.ReduceMaxOp, [x], {"dims": tuple(_dims(x, dim)), "keepdim": keepdim})
+
+
+# --- contractions ----------------------------------------------------------
+
+
+def _matmul(cx, a, b):
+    sa, sb = _shape(a), _shape(b)
+    if len(sa) == 1 and len(sb) == 1:
+        return cx.b.reshape(cx.b.matmul(cx.b.reshape(a, [1, sa[0]]), cx.b.reshape(b, [sb[0], 1])), [])
+    if len(sa) == 1:
+        out = cx.b.matmul(cx.b.reshape(a, [1, sa[0]]), b)
+        return cx.b.reshape(out, [*_shape(out)[:-2], _shape(out)[-1]])
+    if len(sb) == 1:
+        out = cx.b.matmul(a, cx.b.reshape(b, [sb[0], 1]))
+        return cx.b.reshape(out, _shape(out)[:-1])
+    if len(sb) == 2 and len(sa) > 2:
+        # fold the batch into rows: one 2-D matmul, and the weight gradient needs no batch sum
+        flat = cx.b.reshape(a, [numel(sa[:-1]), sa[-1]])
+        return cx.b.reshape(cx.b.matmul(flat, b), [*sa[:-1], sb[-1]])
+    return cx.b.matmul(a, b)
+
+
+converts(aten.matmul.default, aten.mm.default, aten.bmm.default)(_matmul)
+
+
+@converts(aten.linear.default)
+def _linear(cx, x, w, bias=None):
+    y = _matmul(cx, x, cx.b.transpose(w, [1, 0]))
+    return cx.b.add(y, bias) if bias is not None else y
+
+
+@converts(aten.addmm.default)
+def _addmm(cx, bias, a, b, beta=1, alpha=1):
+    y = _matmul(cx, a, b)
+    if alpha != 1:
+        y = cx.b.scale(y, float(alpha))
+    return cx.b.add(y, cx.b.scale(bias, float(beta)) if beta != 1 else bias)
+
+
+# --- neural-network ops ----------------------------------------------------
+
+
+def _softmax_like(op_cls):
+    def convert(cx, x, dim, half_to_float=False, dtype=None):
+        if dtype is not None:
+            x = cx.b.cast(x, from_torch_dtype(dtype))
+        return cx.b.one(op_cls, [x], {"dim": _dim(dim, len(_shape(x)))})
+
+    return convert
+
+
+converts(aten.softmax.int, aten._softmax.default)(_softmax_like(nv.SoftmaxOp))
+converts(aten.log_softmax.int, aten._log_softmax.default)(_softmax_like(nv.LogSoftmaxOp))
+
+
+@converts(aten.layer_norm.default)
+def _layer_norm(cx, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    s = _shape(x)
+    k = len(normalized_shape)
+    d = numel(s[len(s) - k :])
+    flat = cx.b.reshape(x, [*s[: len(s) - k], d]) if k != 1 else x
+    elem = elem_of(x.type)
+    w = cx.b.reshape(weight, [d]) if weight is not None else cx.b.full(1.0, [d], elem)
+    b = cx.b.reshape(bias, [d]) if bias is not None else cx.b.full(0.0, [d], elem)
+    y = cx.b.create(nv.LayerNormOp, [flat, w, b], {"eps": float(eps)}).results[0]
+    return cx.b.reshape(y, s)
+
+
+@converts(aten.embedding.default)
+def _embedding(cx, weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    if padding_idx not in (-1, None):
+        raise Unsupported("embedding with padding_idx")
+    if scale_grad_by_freq or sparse:
+        raise Unsupported("embedding with scale_grad_by_freq or sparse gradients")
+    return cx.b.one(nv.EmbeddingOp, [weight, ids])
+
+
+@converts(aten.cross_entropy_loss.default)
+def _cross_entropy(cx, logits, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
+    if weight is not None:
+        raise Unsupported("cross_entropy with class weights")
+    if label_smoothing:
+        raise Unsupported("cross_entropy with label_smoothing")
+    if reduction not in (1, 2):
+        raise Unsupported("cross_entropy with reduction='none'")
+    if len(_shape(logits)) != 2 or elem_of(target.type) != i64:
+        raise Unsupported("cross_entropy needs logits [N, C] and int64 class targets [N]")
+    red = "mean" if reduction == 1 else "sum"
+    return cx.b.one(nv.CrossEntropyOp, [logits, target], {"ignore_index": int(ignore_index), "reduction": red})
+
+
+@converts(aten.scaled_dot_product_attention.default)
+def _sdpa(cx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if attn_mask is not None:
+        raise Unsupported("scaled_dot_product_attention with attn_mask (use is_causal=True)")
+    if dropout_p:
+        raise Unsupported("scaled_dot_product_attention with dropout_p > 0")
+    if enable_gqa:
+        raise Unsupported("scaled_dot_product_attention with enable_gqa")
+    if len(_shape(q)) != 4:
+        raise Unsupported("scaled_dot_product_attention needs [B, H, T, D] inputs")
+    scale = 1.0 / math.sqrt(_shape(q)[-1]) if scale is None else float(scale)
+    op = cx.b.create(nv.AttentionOp, [q, k, v], {"causal": bool(is_causal), "scale": scale})
+    return op.results[0]
+

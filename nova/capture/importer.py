@@ -1,0 +1,169 @@
+"""Capture: trace the model's forward + loss with torch.export and import the
+graph into ``func.func @train_step`` of the nova dialect.
+
+torch.export (non-strict) records ATen ops with static shapes, lifts
+parameters, buffers and constants to inputs, and keeps a stack trace per
+node, which becomes each op's ``nova.loc`` so errors can point at user code.
+Every op Nova cannot convert is collected, and one ``UnsupportedError`` lists
+them all before anything runs.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch.export.graph_signature import InputKind, OutputKind
+from xdsl.dialects import func
+from xdsl.dialects.builtin import ModuleOp, i64
+from xdsl.ir import SSAValue
+
+from nova.capture.aten import CONVERTERS, IGNORED, Ctx, Unsupported
+from nova.errors import CaptureError, UnsupportedError
+from nova.ir.builder import OpBuilder
+from nova.ir.module import Slot, add_arg, new_step, set_results
+from nova.ir.types import from_torch_dtype, is_float, shape_of, tensor
+
+SEED = "dropout.seed"
+
+
+@dataclass
+class Captured:
+    module: ModuleOp
+    fn: func.FuncOp
+    # name in the IR -> the tensor object it binds to (params and buffers by
+    # identity with the user's module, so in-place updates reach the model)
+    params: dict[str, torch.nn.Parameter] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    batch_names: list[str] = field(default_factory=list)
+
+
+def _location(node: torch.fx.Node) -> str:
+    """Where a node came from: the owning submodule, the node, and the source
+    line torch.export recorded (it keeps only the innermost frame, and none
+    for some ops)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        path, kind = list(stack.values())[-1]
+        kind = getattr(kind, "__name__", str(kind)).rsplit(".", 1)[-1]
+        owner = f"{path or '<root>'} ({kind})"
+    else:
+        owner = "<root>"
+    where = f"{owner}, node {node.name}"
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', node.meta.get("stack_trace") or "")
+    if frames:
+        path, line, _, code = frames[-1]
+        where += f", {path}:{line}: {code.strip()}"
+    return where
+
+
+def _tensor_slot(role: str, name: str, t: torch.Tensor) -> Slot:
+    return Slot(role, name, tensor(t.shape, from_torch_dtype(t.dtype)))
+
+
+def export(model: torch.nn.Module, batch: tuple) -> torch.export.ExportedProgram:
+    try:
+        return torch.export.export(model, tuple(batch), strict=False)
+    except Exception as e:  # torch raises many types; name the stage and keep the cause
+        raise CaptureError(f"tracing the model with torch.export failed: {type(e).__name__}: {e}") from e
+
+
+def capture(model: torch.nn.Module, batch: tuple) -> Captured:
+    ep = export(model, batch)
+    sig = ep.graph_signature
+    problems: list[tuple[str, str]] = []
+
+    for spec in sig.output_specs:
+        if spec.kind != OutputKind.USER_OUTPUT:
+            problems.append((f"model forward mutates {spec.kind.name.lower()} {spec.target!r}", "forward"))
+
+    # --- arguments -------------------------------------------------------
+    slots: list[Slot] = []
+    bindings: dict[str, tuple[str, object]] = {}  # placeholder name -> (role, tensor)
+    cap = Captured(module=None, fn=None)  # type: ignore[arg-type]
+    user_i = 0
+    for spec in sig.input_specs:
+        ph = spec.arg.name
+        if spec.kind == InputKind.PARAMETER:
+            t = model.get_parameter(spec.target)
+            slots.append(_tensor_slot("param", spec.target, t))
+            cap.params[spec.target] = t
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            t = model.get_buffer(spec.target) if spec.kind == InputKind.BUFFER else ep.constants[spec.target]
+            name = spec.target if spec.kind == InputKind.BUFFER else f"constant.{spec.target}"
+            slots.append(_tensor_slot("buffer", name, t))
+            cap.buffers[name] = t
+        elif spec.kind == InputKind.USER_INPUT:
+            t = batch[user_i]
+            if not isinstance(t, torch.Tensor):
+                raise CaptureError(f"batch element {user_i} is a {type(t).__name__}, not a tensor")
+            name = f"batch.{user_i}"
+            slots.append(_tensor_slot("batch", name, t))
+            cap.batch_names.append(name)
+            user_i += 1
+        else:
+            problems.append((f"input kind {spec.kind.name}", ph))
+        bindings[ph] = (slots[-1].role, None)
+
+    module, fn = new_step(slots)
+    cap.module, cap.fn = module, fn
+    block = fn.body.block
+    env: dict[torch.fx.Node, object] = {}
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    for node, arg in zip(placeholders, block.args, strict=True):
+        env[node] = arg
+
+    seed: list[SSAValue] = []
+
+    def get_seed() -> SSAValue:
+        if not seed:
+            seed.append(add_arg(fn, Slot("seed", SEED, tensor([], i64))))
+        return seed[0]
+
+    b = OpBuilder(block)
+    cx = Ctx(b, get_seed)
+    output = None
+    for node in ep.graph.nodes:
+        if node.op != "call_function":
+            if node.op == "output":
+                output = node
+            continue
+        if node.target in IGNORED:
+            continue
+        where = _location(node)
+        if node.target is operator.getitem:
+            src, i = node.args
+            if src in env:
+                env[node] = env[src][i]
+            continue
+        conv = CONVERTERS.get(node.target)
+        if conv is None:
+            problems.append((f"{node.target} (no nova conversion)", where))
+            continue
+        inputs = node.all_input_nodes
+        if any(n not in env for n in inputs):
+            continue  # downstream of an op already reported
+        args = torch.fx.node.map_arg(node.args, lambda n: env[n])
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n])
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "layout", "pin_memory", "memory_format")}
+        b.location = where
+        try:
+            env[node] = conv(cx, *args, **kwargs)
+        except Unsupported as e:
+            problems.append((f"{node.target}: {e}", where))
+    b.location = None
+
+    if problems:
+        raise UnsupportedError(problems)
+
+    outs = output.args[0]
+    if len(outs) != 1 or not isinstance(outs[0], torch.fx.Node):
+        raise CaptureError(f"the model must return one scalar loss tensor; it returned {len(outs)} values")
+    loss = env[outs[0]]
+    if not isinstance(loss, SSAValue) or shape_of(loss.type) != () or not is_float(loss.type):
+        raise CaptureError(f"the model must return a 0-d floating-point loss; it returned {loss.type}")
+    set_results(fn, [("loss", "loss", loss)])
+    module.verify()
+    return cap
