@@ -1,0 +1,19 @@
+"""Nova: a just-in-time compiler for whole deep-learning training steps.
+
+    step = nova.compile(model, optimizer, precision="fp32")
+    loss = step(x, y)   # forward, backward and optimizer update in one call
+"""
+
+from nova.errors import AutodiffError, BatchError, CaptureError, NovaError, UnsupportedError
+
+__all__ = ["compile", "CompiledStep", "NovaError", "UnsupportedError", "AutodiffError", "CaptureError", "BatchError"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # the compiler (xDSL, torch.export) loads on first use, so `import nova` stays light
+    if name in ("compile", "CompiledStep"):
+        from nova import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'nova' has no attribute {name!r}")

@@ -81,13 +81,19 @@ def capture(model: torch.nn.Module, batch: tuple) -> Captured:
 
     # --- arguments -------------------------------------------------------
     slots: list[Slot] = []
-    bindings: dict[str, tuple[str, object]] = {}  # placeholder name -> (role, tensor)
+    owner: list[str] = []  # placeholder name of each slot
+    seen: dict[int, str] = {}  # id(parameter) -> placeholder of its slot
+    alias: dict[str, str] = {}  # tied placeholder -> placeholder of the same tensor
     cap = Captured(module=None, fn=None)  # type: ignore[arg-type]
     user_i = 0
     for spec in sig.input_specs:
         ph = spec.arg.name
         if spec.kind == InputKind.PARAMETER:
             t = model.get_parameter(spec.target)
+            if id(t) in seen:  # a tied parameter: one argument under its first name
+                alias[ph] = seen[id(t)]
+                continue
+            seen[id(t)] = ph
             slots.append(_tensor_slot("param", spec.target, t))
             cap.params[spec.target] = t
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
@@ -105,15 +111,17 @@ def capture(model: torch.nn.Module, batch: tuple) -> Captured:
             user_i += 1
         else:
             problems.append((f"input kind {spec.kind.name}", ph))
-        bindings[ph] = (slots[-1].role, None)
+            continue
+        owner.append(ph)
 
     module, fn = new_step(slots)
     cap.module, cap.fn = module, fn
     block = fn.body.block
     env: dict[torch.fx.Node, object] = {}
-    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
-    for node, arg in zip(placeholders, block.args, strict=True):
-        env[node] = arg
+    arg_of = dict(zip(owner, block.args, strict=True))
+    for node in ep.graph.nodes:
+        if node.op == "placeholder" and (node.name in arg_of or node.name in alias):
+            env[node] = arg_of[alias.get(node.name, node.name)]
 
     seed: list[SSAValue] = []
 

@@ -1,0 +1,87 @@
+"""The ordered list of stages: the one place where the pipeline's order lives.
+
+Each stage takes valid IR and leaves valid IR (the verifier runs after every
+stage), and the IR after each stage is kept as text for ``explain()``.
+
+  capture     torch.export the forward + loss, import into @train_step
+  autodiff    append the backward (Nova's own VJP rules)
+  optimizer   append the parameter and state update (Adam, AdamW, SGD)
+  precision   the bf16 / tf32 policy
+  simplify    CSE and DCE
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from xdsl.dialects.builtin import ModuleOp
+
+from nova.autodiff import append_backward
+from nova.capture.importer import Captured, capture
+from nova.ir.module import context, print_module
+from nova.transforms.optimizer import OptimizerSpec, append_optimizer
+from nova.transforms.precision import PrecisionPass
+from nova.transforms.simplify import Simplify
+
+
+@dataclass
+class Compilation:
+    """Everything the stages read and write for one program."""
+
+    model: torch.nn.Module
+    batch: tuple
+    optimizer: torch.optim.Optimizer | None  # None: forward + grads only
+    precision: str
+    step_dtype: torch.dtype
+    captured: Captured | None = None
+    spec: OptimizerSpec | None = None  # the optimizer's structure, named as in the IR
+    stages: dict[str, str] = field(default_factory=dict)  # stage name -> IR text after it
+
+    @property
+    def module(self) -> ModuleOp:
+        assert self.captured is not None
+        return self.captured.module
+
+
+def _capture(c: Compilation) -> None:
+    c.captured = capture(c.model, c.batch)
+
+
+def _autodiff(c: Compilation) -> None:
+    append_backward(c.module)
+
+
+def _optimizer(c: Compilation) -> None:
+    if c.optimizer is None:
+        return
+    names = {id(p): n for n, p in c.captured.params.items()}
+    c.spec = OptimizerSpec.from_torch(c.optimizer, names)
+    append_optimizer(c.module, c.spec, c.step_dtype)
+
+
+def _precision(c: Compilation) -> None:
+    PrecisionPass(c.precision).apply(context(), c.module)
+
+
+def _simplify(c: Compilation) -> None:
+    Simplify().apply(context(), c.module)
+
+
+STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
+    ("capture", _capture),
+    ("autodiff", _autodiff),
+    ("optimizer", _optimizer),
+    ("precision", _precision),
+    ("simplify", _simplify),
+]
+
+
+def run(c: Compilation, dump: bool = True) -> Compilation:
+    for name, stage in STAGES:
+        stage(c)
+        c.module.verify()
+        if dump:
+            c.stages[name] = print_module(c.module)
+    return c
