@@ -1,0 +1,682 @@
+"""``nova bench matmul``: Nova's analytically configured matmul against cuBLAS and
+against the best of a brute-force search over Nova's own template.
+
+For every shape M, N, K in {128, 512, 2048, 8192} (64 shapes) and each precision
+(tf32: fp32 operands on tf32 tensor cores; bf16: bf16 operands and output):
+
+* nova:    the kernel with the Analytic Configurator's config, the configurator
+           call timed with time.perf_counter (first call for that shape);
+* cublas:  torch.matmul (allow_tf32 on for tf32);
+* search:  >= 100 configs of the same template (tiles, BLOCK_K, warps, stages,
+           group_m, split_k, persistent; fewer where a shape makes configs
+           equivalent), each timed briefly; the 3 fastest are re-timed like the
+           other two and checked for accuracy, the best of them is "searched best".
+
+Timing: CUDA-graph replay of many calls (eager + CUDA events for calls over
+1 ms, where launch overhead is noise), median over repetitions, warm-up
+excluded, on torch.randn inputs rotated over as many input sets as it takes to
+exceed twice the L2 (capped at MAX_INPUT_SETS; shapes whose capped sets still
+fit in L2 are measured L2-warm, for cuBLAS and Nova alike).
+
+Compile cost: the template keeps M/N/K/strides runtime, so one binary per
+(config, dtype) serves every shape; all binaries are compiled up front in
+parallel worker processes (Triton's on-disk cache hands them to this process).
+Point TRITON_CACHE_DIR at a persistent directory to reuse them across parts.
+
+--dry-run exercises all of this on the CPU: two tiny shapes through the Triton
+interpreter with three configs, torch CPU matmul in place of cuBLAS, wall-clock
+timing; the numbers are meaningless, the outputs are complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import json
+import math
+import multiprocessing
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from nova.cli.errors import UsageError
+from nova.schedule.config import LoweringConfig
+
+REPO = Path(__file__).resolve().parents[1]
+GRID = (128, 512, 2048, 8192)
+QUICK_SHAPES = [  # one of each regime: small, square, skinny M/N, short K, long K
+    (128, 128, 128), (512, 512, 512), (2048, 2048, 2048), (8192, 8192, 8192),
+    (128, 8192, 8192), (8192, 128, 8192), (8192, 8192, 128), (2048, 512, 8192),
+]
+DRY_SHAPES = [(33, 17, 45), (32, 48, 64)]
+PRECISIONS = ("tf32", "bf16")
+CUBLAS_REFERENCE_TFLOPS = {"tf32": 65.5, "bf16": 112.8}  # geomean over the 64 shapes, measured on this H200
+MAX_INPUT_SETS = 32
+SMEM_BUDGET = 200 * 1024  # operand ring buffers; H200 allows 227 KiB per block, the rest is epilogue headroom
+LONG_CALL_MS = 1.0  # calls longer than this are timed eagerly: launch overhead is < 1% of them
+# (graph length in ms, most calls in one graph, replays): capturing costs one Python
+# launch (~tens of us) per call, so the brief search timings keep graphs short
+SEARCH_TIMING = (0.25, 64, 3)
+FINAL_TIMING = (2.0, 256, 15)  # nova, cublas and the search finalists
+FINALISTS = 3
+WITHIN = 0.03  # "within 3% of the searched best"
+ACCURACY_LIMIT = {"tf32": 1e-2, "bf16": 3e-2}  # a finalist less accurate than this is discarded
+
+
+# --------------------------------------------------------------------------- search space
+
+
+def _cfg(bm, bn, bk, warps, stages, group_m=8, split_k=1, persistent=False) -> LoweringConfig:
+    return LoweringConfig(
+        kind="matmul", block_m=bm, block_n=bn, block_k=bk, group_m=group_m, split_k=split_k,
+        persistent=persistent, num_warps=warps, num_stages=stages, instruction="wgmma", regime="search",
+    )
+
+
+def search_space(precision: str) -> list[LoweringConfig]:
+    """The brute-force space: every tile shape wgmma serves well, with the warps that
+    fit it, the BLOCK_K x stages rings that fit shared memory; plus split-K for the
+    smaller tiles, group_m=1 and persistent variants of the common tiles."""
+    elt = 4 if precision == "tf32" else 2
+    bks = (32, 64) if elt == 4 else (32, 64, 128)
+    tiles = [(64, 64), (64, 128), (128, 64), (128, 128), (64, 256), (256, 64), (128, 256), (256, 128)]
+    space: list[LoweringConfig] = []
+
+    def add(bm, bn, bk, warps, stages, **kw):
+        if stages * (bm + bn) * bk * elt <= SMEM_BUDGET:
+            space.append(_cfg(bm, bn, bk, warps, stages, **kw))
+
+    for bm, bn in tiles:
+        area = bm * bn
+        warp_choices = (4,) if area <= 64 * 64 else (4, 8) if area <= 128 * 128 else (8,)
+        for bk in bks:
+            for warps in warp_choices:
+                for stages in (2, 3, 4, 5) if elt == 4 else (3, 4, 5):
+                    add(bm, bn, bk, warps, stages)
+    for bm, bn in [(64, 64), (64, 128), (128, 64), (128, 128)]:
+        for split_k in (2, 4, 8):
+            for stages in (3, 4):
+                add(bm, bn, 64, 4, stages, split_k=split_k)
+    for bm, bn, warps in [(128, 128, 4), (128, 128, 8), (128, 256, 8), (64, 128, 4)]:
+        add(bm, bn, 32 if elt == 4 else 64, warps, 3, group_m=1)
+        add(bm, bn, 32 if elt == 4 else 64, warps, 3, persistent=True)
+    return space
+
+
+def dry_space(precision: str) -> list[LoweringConfig]:
+    return [_cfg(16, 16, 16, 4, 2), _cfg(32, 16, 16, 4, 2, group_m=2, split_k=2), _cfg(16, 32, 32, 4, 2, persistent=True)]
+
+
+def candidates(space, M, N, K, budget, num_sms) -> list[LoweringConfig]:
+    """The first ``budget`` configs of ``space`` that are distinct on this shape: a
+    group wider than the grid, a split that K is too short for, or a persistent grid
+    with no more tiles than SMs behave like a config already listed."""
+    from nova.codegen.triton.matmul import cdiv, split_k_plan
+
+    seen, out = set(), []
+    for cfg in space:
+        splits = split_k_plan(K, cfg)[1]
+        pid_m = cdiv(M, cfg.block_m)
+        tiles = pid_m * cdiv(N, cfg.block_n) * splits
+        key = (
+            cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+            min(cfg.group_m, pid_m), splits, cfg.persistent and tiles > num_sms,
+        )
+        if key not in seen:
+            seen.add(key)
+            out.append(cfg)
+        if len(out) >= budget:
+            break
+    return out
+
+
+def describe(cfg: LoweringConfig | None) -> str:
+    if cfg is None:
+        return "-"
+    text = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} g{cfg.group_m}"
+    return text + (f" sk{cfg.split_k}" if cfg.split_k > 1 else "") + (" pers" if cfg.persistent else "")
+
+
+# --------------------------------------------------------------------------- timing
+
+
+class GpuTimer:
+    """Median time of one call, from CUDA-graph replays (or eager + events for long calls)."""
+
+    def measure(self, launch, n_sets: int, est_ms: float, timing: tuple) -> float:
+        target_ms, max_inner, reps = timing
+        for i in range(min(n_sets, 2)):  # warm-up: binary load, allocator, cuBLAS heuristics
+            launch(i)
+        torch.cuda.synchronize()
+        if est_ms >= LONG_CALL_MS:
+            pairs = []
+            for r in range(reps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                launch(r % n_sets)
+                end.record()
+                pairs.append((start, end))
+            torch.cuda.synchronize()
+            return statistics.median(s.elapsed_time(e) for s, e in pairs)
+        inner = max(n_sets, min(max_inner, math.ceil(target_ms / max(est_ms, 1e-3))))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for j in range(inner):
+                launch(j % n_sets)
+        graph.replay()  # warm-up replay
+        pairs = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            pairs.append((start, end))
+        torch.cuda.synchronize()
+        del graph
+        return statistics.median(s.elapsed_time(e) / inner for s, e in pairs)
+
+
+class WallTimer:
+    """The dry run's stand-in: wall clock on the CPU (the interpreter's numbers mean nothing)."""
+
+    def measure(self, launch, n_sets: int, est_ms: float, timing: tuple) -> float:
+        launch(0)
+        times = []
+        for r in range(2):
+            t0 = time.perf_counter()
+            launch(r % n_sets)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+# --------------------------------------------------------------------------- compile ahead
+
+
+def compile_ahead(jobs: list[tuple[LoweringConfig, tuple[int, int, int]]], dtype_name, precision, workers, log):
+    """Compile every (config, representative shape) in parallel processes. Returns
+    {config: error or None}; configs over the shared-memory limit count as errors."""
+    if not jobs:
+        return {}
+    from nova.codegen.triton.matmul import precompile_specs
+
+    limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    specs = [(i, cfg.to_dict(), *shape, dtype_name, precision) for i, (cfg, shape) in enumerate(jobs)]
+    chunks = [specs[i :: workers * 2] for i in range(workers * 2) if specs[i :: workers * 2]]
+    t0 = time.perf_counter()
+    status: dict[LoweringConfig, str | None] = {}
+    ctx = multiprocessing.get_context("spawn")  # CUDA does not survive fork
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        for result in pool.map(precompile_specs, chunks):
+            for index, smem, err in result:
+                cfg = jobs[index][0]
+                if err is None and smem > limit:
+                    err = f"needs {smem} B of shared memory, the device has {limit}"
+                if err is not None or cfg not in status:
+                    status[cfg] = err
+    failed = sum(e is not None for e in status.values())
+    log(f"  compiled {len(jobs)} kernels in {time.perf_counter() - t0:.1f} s on {workers} processes ({failed} rejected)")
+    return status
+
+
+# --------------------------------------------------------------------------- one shape
+
+
+def _tflops(M, N, K, ms):
+    return 2.0 * M * N * K / (ms * 1e-3) / 1e12 if ms else None
+
+
+def _rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((c.double() - ref).norm() / ref.norm()).item()
+
+
+class ShapeBench:
+    """Inputs, reference and timing of one (shape, precision)."""
+
+    def __init__(self, M, N, K, precision, device, timer):
+        self.M, self.N, self.K, self.precision, self.timer = M, N, K, precision, timer
+        self.dtype = torch.float32 if precision == "tf32" else torch.bfloat16
+        elt = self.dtype.itemsize
+        set_bytes = (M * K + K * N + M * N) * elt
+        if device.type == "cuda":
+            l2 = torch.cuda.get_device_properties(device).L2_cache_size
+            self.n_sets = max(1, min(MAX_INPUT_SETS, math.ceil(2 * l2 / set_bytes)))
+            self.l2_warm = self.n_sets * set_bytes <= l2
+        else:
+            self.n_sets, self.l2_warm = 2, True
+        self.A = [torch.randn(M, K, device=device, dtype=self.dtype) for _ in range(self.n_sets)]
+        self.B = [torch.randn(K, N, device=device, dtype=self.dtype) for _ in range(self.n_sets)]
+        self.C = [torch.empty(M, N, device=device, dtype=self.dtype) for _ in range(self.n_sets)]
+        self.ref = self.A[0].double() @ self.B[0].double()
+        peak = 3e14 if precision == "tf32" else 6e14  # optimistic rate: only sizes the graphs
+        self.est_ms = max(2.0 * M * N * K / peak * 1e3, 2e-3)
+
+    def nova_launcher(self, cfg):
+        from nova.codegen.triton.matmul import matmul
+
+        return lambda i: matmul(self.A[i], self.B[i], cfg=cfg, precision=self.precision, out=self.C[i])
+
+    def cublas_launcher(self):
+        return lambda i: torch.matmul(self.A[i], self.B[i], out=self.C[i])
+
+    def time(self, launch, final: bool) -> float:
+        return self.timer.measure(launch, self.n_sets, self.est_ms, FINAL_TIMING if final else SEARCH_TIMING)
+
+    def error(self, launch) -> float:
+        launch(0)
+        return _rel_err(self.C[0], self.ref)
+
+
+def bench_shape(sb: ShapeBench, nova_cfg, cfg_ms, cands, search_seconds, deadline, log) -> dict:
+    M, N, K, p = sb.M, sb.N, sb.K, sb.precision
+    row = {"M": M, "N": N, "K": K, "precision": p, "flops": 2 * M * N * K, "input_sets": sb.n_sets,
+           "l2_warm": sb.l2_warm, "configurator_ms": cfg_ms}
+    launch = sb.nova_launcher(nova_cfg)
+    try:
+        ms = sb.time(launch, final=True)
+        row["nova"] = {"config": nova_cfg.to_dict(), "ms": ms, "tflops": _tflops(M, N, K, ms), "rel_err": sb.error(launch)}
+    except Exception as e:  # recorded and shouted about, so one bad config does not lose the whole run
+        _recover()
+        row["nova"] = {"config": nova_cfg.to_dict(), "ms": None, "tflops": None, "rel_err": None,
+                       "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        log(f"  ERROR: nova's config {describe(nova_cfg)} failed on {M}x{N}x{K} {p}: {row['nova']['error']}")
+    with _cublas_precision(p):
+        launch = sb.cublas_launcher()
+        ms = sb.time(launch, final=True)
+        row["cublas"] = {"ms": ms, "tflops": _tflops(M, N, K, ms), "rel_err": sb.error(launch)}
+
+    search = {"candidates": len(cands), "timed": 0, "failed": [], "truncated": False}
+    t0 = time.perf_counter()
+    timed = []
+    for cfg in cands:
+        if time.perf_counter() - t0 > search_seconds or time.perf_counter() > deadline:
+            search["truncated"] = True
+            break
+        try:
+            timed.append((sb.time(sb.nova_launcher(cfg), final=False), cfg))
+        except Exception as e:  # a config that does not run on this shape is skipped, and listed
+            search["failed"].append({"config": describe(cfg), "error": f"{type(e).__name__}: {str(e)[:160]}"})
+            _recover()
+    search["timed"] = len(timed)
+    timed.sort(key=lambda t: t[0])
+    best = None
+    for _, cfg in timed[:FINALISTS]:
+        launch = sb.nova_launcher(cfg)
+        err = sb.error(launch)
+        if err > ACCURACY_LIMIT[p]:
+            search["failed"].append({"config": describe(cfg), "error": f"rel err {err:.2e}"})
+            continue
+        ms = sb.time(launch, final=True)
+        if best is None or ms < best["ms"]:
+            best = {"config": cfg.to_dict(), "ms": ms, "tflops": _tflops(M, N, K, ms), "rel_err": err}
+    search["seconds"] = time.perf_counter() - t0
+    search["best"] = best
+    row["search"] = search
+    nova_ms = row["nova"]["ms"]
+    row["nova_vs_cublas"] = row["cublas"]["ms"] / nova_ms if nova_ms else None
+    row["nova_vs_best"] = best["ms"] / nova_ms if best and nova_ms else None
+    row["within_3pct_of_best"] = bool(best and nova_ms and nova_ms <= (1 + WITHIN) * best["ms"])
+    log(
+        f"  {p} {M:>5}x{N:<5}x{K:<5} nova {_fmt(row['nova']['tflops']):>7}  cublas {_fmt(row['cublas']['tflops']):>7}  "
+        f"best {_fmt(best['tflops'] if best else None):>7} TFLOP/s  ({search['timed']} searched in "
+        f"{search['seconds']:.1f} s)  cfg {cfg_ms:.3f} ms  err {_fmt(row['nova']['rel_err'], '.1e')}  [{describe(nova_cfg)}]"
+    )
+    return row
+
+
+class _cublas_precision:
+    def __init__(self, precision):
+        self.precision = precision
+
+    def __enter__(self):
+        self.saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = self.precision == "tf32"
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.saved
+
+
+def _recover():
+    if torch.cuda.is_available():
+        try:
+            torch.cuda.synchronize()
+        except Exception:
+            pass
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def _shapes(opts) -> list[tuple[int, int, int]]:
+    if opts.dry_run:
+        shapes = list(DRY_SHAPES)
+    elif opts.quick:
+        shapes = list(QUICK_SHAPES)
+    else:
+        shapes = [(M, N, K) for M in GRID for N in GRID for K in GRID]
+    i, n = opts.part
+    return shapes[i - 1 :: n]  # strided: every part gets a similar mix of big and small shapes
+
+
+def run(opts, checkpoint=None, log=print) -> dict:
+    """Measure every shape of this part; ``checkpoint(doc)`` gets the results so far
+    after each shape (a run killed by a time limit still leaves them behind)."""
+    from nova.codegen.triton import matmul as mm
+
+    device = torch.device("cpu" if opts.dry_run else "cuda")
+    timer = WallTimer() if opts.dry_run else GpuTimer()
+    spec = mm.device_spec(device)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else spec.num_sms
+    shapes = _shapes(opts)
+    started = time.perf_counter()
+    deadline = started + opts.time_limit
+    mm.configure(64, 64, 64, 1, torch.float32, torch.float32, "tf32", "row", "row", False, spec)  # imports, not timed
+    rows = []
+    for precision in opts.precisions:
+        dtype = torch.float32 if precision == "tf32" else torch.bfloat16
+        space = (dry_space if opts.dry_run else search_space)(precision)
+        log(f"{precision}: {len(shapes)} shapes, search space {len(space)} configs, budget {opts.search_budget}")
+        plans = []
+        for M, N, K in shapes:
+            t0 = time.perf_counter()
+            nova_cfg = mm.configure(M, N, K, 1, dtype, dtype, precision, "row", "row", False, spec)
+            cfg_ms = (time.perf_counter() - t0) * 1e3
+            plans.append(((M, N, K), nova_cfg, cfg_ms, candidates(space, M, N, K, opts.search_budget, num_sms)))
+        if device.type == "cuda":
+            jobs, seen = [], set()
+            for shape, nova_cfg, _, cands in plans:
+                for cfg in [nova_cfg, *cands]:
+                    key = _binary_key(cfg, *shape)
+                    if key not in seen:
+                        seen.add(key)
+                        jobs.append((cfg, shape))
+            status = compile_ahead(jobs, str(dtype).removeprefix("torch."), precision, opts.workers, log)
+            plans = [
+                (shape, nova_cfg, cfg_ms, [c for c in cands if status.get(c) is None])
+                for shape, nova_cfg, cfg_ms, cands in plans
+            ]
+        for (M, N, K), nova_cfg, cfg_ms, cands in plans:
+            sb = ShapeBench(M, N, K, precision, device, timer)
+            rows.append(bench_shape(sb, nova_cfg, cfg_ms, cands, opts.search_seconds, deadline, log))
+            del sb
+            if checkpoint is not None:
+                checkpoint(_document(rows, opts, device, time.perf_counter() - started, complete=False))
+            if device.type == "cuda" and M * N * K >= 2048**3:
+                torch.cuda.empty_cache()
+    log(f"done in {time.perf_counter() - started:.0f} s")
+    return _document(rows, opts, device, time.perf_counter() - started)
+
+
+def _binary_key(cfg, M, N, K):
+    """What makes two (config, shape) pairs need different binaries."""
+    from nova.codegen.triton.matmul import split_k_plan
+
+    k_split, splits = split_k_plan(K, cfg)
+    even = M % cfg.block_m == 0 and N % cfg.block_n == 0 and K % k_split == 0
+    div16 = tuple(x % 16 == 0 for x in (M, N, K))
+    return dataclasses.replace(cfg, split_k=min(splits, 2), regime=""), even, div16
+
+
+def _git():
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except Exception:
+        return {"commit": "unknown", "dirty": None}
+
+
+def _document(rows, opts, device, seconds, complete=True) -> dict:
+    import triton
+
+    return {
+        "benchmark": "matmul",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu (dry run: Triton interpreter)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "git": _git(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "settings": {
+            "part": f"{opts.part[0]}/{opts.part[1]}", "search_budget": opts.search_budget,
+            "precisions": list(opts.precisions), "quick": opts.quick, "dry_run": opts.dry_run,
+            "search_seconds": opts.search_seconds, "time_limit": opts.time_limit, "seconds": seconds,
+            "complete": complete,
+        },
+        "shapes": rows,
+        "summary": summarize(rows),
+    }
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _geomean(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def summarize(rows) -> dict:
+    out = {}
+    for p in PRECISIONS:
+        rs = [r for r in rows if r["precision"] == p]
+        if not rs:
+            continue
+        searched = [r for r in rs if r["search"]["best"]]
+        nova, cublas = _geomean(r["nova"]["tflops"] for r in rs), _geomean(r["cublas"]["tflops"] for r in rs)
+        out[p] = {
+            "shapes": len(rs),
+            "geomean_tflops_nova": nova,
+            "geomean_tflops_cublas": cublas,
+            "geomean_nova_vs_cublas": nova / cublas if nova and cublas else None,
+            "geomean_tflops_searched_best": _geomean(r["search"]["best"]["tflops"] for r in searched),
+            "geomean_nova_vs_searched_best": _geomean(r["nova_vs_best"] for r in searched),
+            "fraction_within_3pct_of_searched_best": (
+                sum(r["within_3pct_of_best"] for r in searched) / len(searched) if searched else None
+            ),
+            "max_configurator_ms": max(r["configurator_ms"] for r in rs),
+            "max_rel_err_nova": max((r["nova"]["rel_err"] for r in rs if r["nova"]["rel_err"] is not None), default=None),
+            "nova_failures": sum(r["nova"]["ms"] is None for r in rs),
+            "max_rel_err_cublas": max(r["cublas"]["rel_err"] for r in rs),
+            "cublas_reference_geomean_tflops": CUBLAS_REFERENCE_TFLOPS[p],
+        }
+    out["max_configurator_ms"] = max((r["configurator_ms"] for r in rows), default=None)
+    out["max_tf32_rel_err"] = out.get("tf32", {}).get("max_rel_err_nova")
+    return out
+
+
+def _fmt(x, spec=".1f"):
+    if x is None:
+        return "-"
+    if spec == ".1f" and abs(x) < 0.1:
+        spec = ".2g"  # the dry run's tiny CPU rates
+    return format(x, spec)
+
+
+def markdown(doc) -> str:
+    s = doc["settings"]
+    lines = [
+        "# nova bench matmul",
+        "",
+        f"{doc['device']} | torch {doc['torch']} | triton {doc['triton']} | commit {doc['git']['commit'][:12]}"
+        + (" (dirty)" if doc["git"].get("dirty") else "")
+        + f" | search budget {s['search_budget']} | {doc['created']}",
+        "",
+        "| precision | shapes | Nova TFLOP/s | cuBLAS TFLOP/s | Nova/cuBLAS | searched best TFLOP/s | Nova/best "
+        "| within 3% of best | max configurator ms | max rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in PRECISIONS:
+        m = doc["summary"].get(p)
+        if m:
+            lines.append(
+                f"| {p} | {m['shapes']} | {_fmt(m['geomean_tflops_nova'])} | {_fmt(m['geomean_tflops_cublas'])} "
+                f"| {_fmt(m['geomean_nova_vs_cublas'], '.3f')} | {_fmt(m['geomean_tflops_searched_best'])} "
+                f"| {_fmt(m['geomean_nova_vs_searched_best'], '.3f')} "
+                f"| {_fmt(m['fraction_within_3pct_of_searched_best'], '.0%')} | {m['max_configurator_ms']:.3f} "
+                f"| {_fmt(m['max_rel_err_nova'], '.1e')} |"
+            )
+    lines += ["", "TFLOP/s are geometric means over shapes.", ""]
+    lines += [
+        "| prec | M | N | K | Nova | cuBLAS | best | Nova/cuBLAS | Nova/best | cfg ms | rel err | Nova config | best config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["shapes"]:
+        best = r["search"]["best"]
+        lines.append(
+            f"| {r['precision']} | {r['M']} | {r['N']} | {r['K']} | {_fmt(r['nova']['tflops'])} "
+            f"| {_fmt(r['cublas']['tflops'])} | {_fmt(best['tflops'] if best else None)} "
+            f"| {_fmt(r['nova_vs_cublas'], '.2f')} | {_fmt(r['nova_vs_best'], '.2f')} | {r['configurator_ms']:.3f} "
+            f"| {_fmt(r['nova']['rel_err'], '.1e')} | {describe(LoweringConfig.from_dict(r['nova']['config']))} "
+            f"| {describe(LoweringConfig.from_dict(best['config'])) if best else '-'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def chart(doc, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    precs = [p for p in PRECISIONS if p in doc["summary"]]
+    fig, axes = plt.subplots(len(precs), 1, figsize=(16, 4.5 * len(precs)), squeeze=False)
+    for ax, p in zip(axes[:, 0], precs):
+        rs = sorted((r for r in doc["shapes"] if r["precision"] == p), key=lambda r: (r["flops"], r["M"], r["N"]))
+        x = range(len(rs))
+        best = [r["search"]["best"]["tflops"] if r["search"]["best"] else float("nan") for r in rs]
+        ax.plot(x, [r["cublas"]["tflops"] for r in rs], "s-", ms=4, label="cuBLAS")
+        ax.plot(x, best, "^--", ms=4, label="searched best (Nova template)")
+        ax.plot(x, [r["nova"]["tflops"] or float("nan") for r in rs], "o-", ms=4, label="Nova (Analytic Configurator)")
+        ax.set_yscale("log")
+        ax.set_ylabel("TFLOP/s")
+        m = doc["summary"][p]
+        ax.set_title(
+            f"{p}: geomean Nova {_fmt(m['geomean_tflops_nova'])} vs cuBLAS {_fmt(m['geomean_tflops_cublas'])} TFLOP/s; "
+            f"{_fmt(m['fraction_within_3pct_of_searched_best'], '.0%')} of shapes within 3% of searched best"
+        )
+        ax.set_xticks(list(x))
+        ax.set_xticklabels([f"{r['M']}x{r['N']}x{r['K']}" for r in rs], rotation=90, fontsize=7)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(loc="upper left")
+    fig.suptitle(f"nova bench matmul on {doc['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write(doc, out_dir: Path, stem: str) -> list[Path]:
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md", out_dir / f"{stem}.png"]
+    _write_text(paths[0], json.dumps(doc, indent=1))
+    _write_text(paths[1], markdown(doc))
+    chart(doc, paths[2])
+    return paths
+
+
+def merge(files: list[Path]) -> dict:
+    docs = [json.loads(Path(f).read_text()) for f in files]
+    if not docs:
+        raise UsageError("--merge: no part JSONs to merge")
+    rows = {}
+    for d in docs:
+        for r in d["shapes"]:
+            rows[(r["precision"], r["M"], r["N"], r["K"])] = r
+    doc = dict(docs[0])
+    doc["shapes"] = sorted(rows.values(), key=lambda r: (PRECISIONS.index(r["precision"]), r["M"], r["N"], r["K"]))
+    doc["settings"] = dict(doc["settings"], part="merged", merged_from=[str(f) for f in files],
+                           seconds=sum(d["settings"]["seconds"] for d in docs))
+    commits = {d["git"]["commit"] for d in docs}
+    if len(commits) > 1:
+        doc["git"] = dict(doc["git"], commit="mixed:" + ",".join(sorted(commits)))
+    doc["summary"] = summarize(doc["shapes"])
+    return doc
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _part(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--part wants i/n, got {text!r}") from None
+    if not 1 <= i <= n:
+        raise argparse.ArgumentTypeError(f"--part {text}: need 1 <= i <= n")
+    return i, n
+
+
+def _precisions(text: str) -> tuple[str, ...]:
+    ps = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in ps if p not in PRECISIONS]
+    if bad or not ps:
+        raise argparse.ArgumentTypeError(f"--precisions: choose from {','.join(PRECISIONS)}, got {text!r}")
+    return ps
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--part", type=_part, default=(1, 1), metavar="I/N", help="run the I-th of N interleaved subsets of the shapes")
+    p.add_argument("--search-budget", type=int, default=100, metavar="N", help="configs searched per shape (default 100; 0: no search)")
+    p.add_argument("--precisions", type=_precisions, default=PRECISIONS, metavar="LIST", help="tf32,bf16 (default both)")
+    p.add_argument("--quick", action="store_true", help=f"{len(QUICK_SHAPES)} representative shapes instead of 64")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default bench/results; a temp dir for --dry-run)")
+    p.add_argument("--dry-run", action="store_true", help="2 tiny shapes, 3 configs, through the Triton interpreter on the CPU")
+    p.add_argument("--merge", nargs="*", type=Path, default=None, metavar="JSON",
+                   help="merge part JSONs (default: every matmul_part*.json in --out) into matmul.json/.md/.png")
+    p.add_argument("--search-seconds", type=float, default=20.0, help="cap on one shape's search (default 20)")
+    p.add_argument("--time-limit", type=float, default=540.0, help="after this many seconds of the run, stop searching (default 540)")
+    p.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)), help="compile processes")
+
+
+def run_args(opts, log=print) -> list[Path]:
+    if opts.merge is not None:
+        out_dir = opts.out or REPO / "bench" / "results"
+        files = opts.merge or sorted(out_dir.glob("matmul_part*.json"))
+        paths = write(merge(files), out_dir, "matmul")
+        log(f"merged {len(files)} files into " + ", ".join(map(str, paths)))
+        return paths
+    if opts.dry_run:
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is created
+        from nova.codegen.triton.source import interpreting
+
+        if not interpreting():
+            raise UsageError("--dry-run needs the Triton interpreter, but this process already built compiled kernels")
+        out_dir = opts.out or Path(tempfile.mkdtemp(prefix="nova-bench-matmul-"))
+    else:
+        if not torch.cuda.is_available():
+            raise UsageError("nova bench matmul needs a CUDA device (or --dry-run)")
+        out_dir = opts.out or REPO / "bench" / "results"
+    i, n = opts.part
+    stem = "matmul" if n == 1 else f"matmul_part{i}of{n}"
+    doc = run(opts, lambda d: _write_text(out_dir / f"{stem}.json", json.dumps(d, indent=1)), log)
+    paths = write(doc, out_dir, stem)
+    log("wrote " + ", ".join(map(str, paths)))
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nova bench matmul", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    opts = parser.parse_args(argv)
+    run_args(opts, log=lambda s: print(s, flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""``nova bench <benchmark>``: the benchmark programs of ``bench/``.
+
+The programs live in the repository's ``bench/`` folder, beside their results,
+not in the installed package; this command loads them from the checkout that
+holds this package (an editable install), so ``nova bench matmul`` and
+``python bench/matmul.py`` run the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from nova.cli.errors import UsageError
+
+HELP = "run a benchmark on the GPU (matmul: Nova vs cuBLAS vs a config search)"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
+BENCHMARKS = {"matmul": "Nova's configured matmul vs cuBLAS vs the best of a config search"}
+
+
+def load_benchmark(name: str) -> ModuleType:
+    path = BENCH_DIR / f"{name}.py"
+    if not path.is_file():
+        raise UsageError(f"{path} not found: nova bench runs from a source checkout (pip install -e .)")
+    module_name = f"nova_bench_{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # dataclasses and pickling look modules up by name
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
+    return sys.modules[module_name]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    for name, help_text in BENCHMARKS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            load_benchmark(name).add_arguments(p)
+        except UsageError:
+            pass  # no checkout: `run` says so when the benchmark is asked for
+
+
+def run(args: argparse.Namespace) -> int:
+    module = load_benchmark(args.benchmark)
+    module.run_args(args, log=lambda s: print(s, flush=True))
+    return 0
+
+
+def bench_matmul_main(argv: list[str] | None = None) -> int:
+    """``nova bench matmul ARGS`` as a function (for tests and scripts)."""
+    try:
+        return load_benchmark("matmul").main(argv)
+    except UsageError as e:
+        print(f"nova bench matmul: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,550 @@
+"""Matmul template: C[b] = A[b] @ B[b] (+ bias over rows), as generated Triton source.
+
+``matmul_source`` writes the text of one kernel specialised to a ``LoweringConfig``
+(tile sizes, group-M swizzle, split-K, persistence) and to the operation (dtypes,
+precision, bias, batching). ``matmul`` validates torch tensors, asks the Analytic
+Configurator for a config when none is given, and launches.
+
+Design choices, and why:
+
+* M, N, K and every stride are runtime arguments, never constexpr: one compiled
+  config serves every shape, and any stride pattern (a transposed operand is just
+  swapped strides, no copy). Triton still specialises integer arguments on
+  ``== 1`` and ``% 16 == 0``, which is what vectorised loads need.
+* Tile sizes and the swizzle are baked into the text as module-level constexprs;
+  ``num_warps``/``num_stages`` are launch options. Configs that differ only in
+  warps, stages or the split count share one source file (and one JITFunction).
+* Ragged edges use masked loads/stores. ``EVEN`` (a constexpr chosen at launch:
+  every tile full and every K chunk a whole number of BLOCK_K) drops the masks, so
+  the aligned case compiles to the mask-free loop; at most two variants per config.
+* Accumulation is always fp32. ``precision`` says how 32-bit operands enter the
+  tensor cores: ``ieee`` (exact fp32 FMA path), ``tf32`` (``input_precision="tf32"``),
+  ``bf16`` (operands rounded to bf16). 16-bit operands go to ``tl.dot`` unchanged.
+* Split-K is deterministic, in two passes: split ``s`` writes its fp32 partial tile to
+  a workspace ``[S, B, M, N]``; a second kernel sums the S partials in a fixed order,
+  adds the bias and casts. Atomic adds would save the workspace traffic but make the
+  result depend on scheduling order (and need a zeroed fp32 output).
+* Persistent: ``grid = min(#SMs, #work items)`` programs loop over work items; the
+  work item order (tile fastest, then split, then batch) is the same as the
+  one-program-per-tile grid, so both walk tiles in the same L2-friendly order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import textwrap
+from dataclasses import dataclass
+
+import torch
+
+from nova.codegen.triton.source import interpreting, load_kernel
+from nova.schedule.config import LoweringConfig
+
+PRECISIONS = ("ieee", "tf32", "bf16")
+_TL_DTYPE = {"float32": "tl.float32", "bfloat16": "tl.bfloat16", "float16": "tl.float16"}
+_TORCH_TO_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+REDUCE_BLOCK = 1024  # elements per program of the split-K reduction (pure streaming)
+_INT32_MAX = 2**31 - 1
+
+
+def _dtype_name(dtype) -> str:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _TORCH_TO_NAME:
+            raise ValueError(f"matmul: unsupported dtype {dtype}; supported: float32, bfloat16, float16")
+        return _TORCH_TO_NAME[dtype]
+    name = str(dtype).removeprefix("torch.")
+    if name not in _TL_DTYPE:
+        raise ValueError(f"matmul: unsupported dtype {dtype!r}; supported: float32, bfloat16, float16")
+    return name
+
+
+def _check_config(cfg: LoweringConfig) -> None:
+    for field in ("block_m", "block_n", "block_k"):
+        v = getattr(cfg, field)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"matmul: {field}={v} must be a power of two >= 16 (tl.dot tile constraint)")
+    if cfg.group_m < 1:
+        raise ValueError(f"matmul: group_m={cfg.group_m} must be >= 1")
+    if cfg.split_k < 1:
+        raise ValueError(f"matmul: split_k={cfg.split_k} must be >= 1")
+
+
+# --------------------------------------------------------------------------- source
+
+
+def matmul_source(
+    cfg: LoweringConfig,
+    *,
+    has_bias: bool,
+    precision: str,
+    out_dtype="float32",
+    in_dtype="float32",
+    batched: bool = False,
+    index_64: bool = False,
+    name: str = "matmul_kernel",
+) -> str:
+    """Triton source for one matmul kernel (plus the split-K reduction when
+    ``cfg.split_k > 1``, named ``<name>_reduce``)."""
+    _check_config(cfg)
+    if precision not in PRECISIONS:
+        raise ValueError(f"matmul: precision must be one of {PRECISIONS}, got {precision!r}")
+    in_name, out_name = _dtype_name(in_dtype), _dtype_name(out_dtype)
+    split = cfg.split_k > 1
+    persistent = bool(cfg.persistent)
+
+    if in_name == "float32" and precision == "bf16":
+        cast = "\n            a = a.to(tl.bfloat16)\n            b = b.to(tl.bfloat16)"
+        dot = "tl.dot(a, b, acc)"
+    elif in_name == "float32":
+        cast = ""
+        dot = f'tl.dot(a, b, acc, input_precision="{precision}")'
+    else:
+        cast = ""
+        dot = "tl.dot(a, b, acc)"
+
+    idx = ".to(tl.int64)" if index_64 else ""
+    params = ["a_ptr", "b_ptr", "c_ptr"]
+    if has_bias and not split:
+        params.append("bias_ptr")
+    params += ["M", "N", "K"]
+    if split:
+        params += ["K_SPLIT", "SPLITS"]
+    if batched:
+        params.append("BATCH")
+    params += ["stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn"]
+    if batched:
+        params += ["stride_ab", "stride_bb", "stride_cb"]
+    if split:
+        params.append("stride_cs")
+    if has_bias and not split:
+        params.append("stride_bias")
+    if persistent:
+        params.append("NUM_PROGS")
+    params.append("EVEN: tl.constexpr")
+
+    # work item -> (batch, split, tile); the tile index is fastest
+    decode = ["tile = work % tiles"]
+    rest = "work // tiles"
+    if split:
+        decode.append(f"pid_s = ({rest}) % SPLITS")
+        rest = f"work // (tiles * SPLITS)"
+    if batched:
+        decode.append(f"pid_b = {rest}")
+    decode = "\n        ".join(decode)
+
+    a_base, b_base, c_base = "a_ptr", "b_ptr", "c_ptr"
+    if batched:
+        a_base = "a_ptr + pid_b.to(tl.int64) * stride_ab"
+        b_base = "b_ptr + pid_b.to(tl.int64) * stride_bb"
+        c_base = "c_ptr + pid_b.to(tl.int64) * stride_cb"
+    if split:
+        c_base += " + pid_s.to(tl.int64) * stride_cs"
+        k_range = "k0 = pid_s * K_SPLIT\n        k_len = tl.minimum(K - k0, K_SPLIT)"
+    else:
+        k_range = "k0 = 0\n        k_len = K"
+
+    bias = ""
+    if has_bias and not split:
+        bias = (
+            "\n        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)"
+            "\n        acc += bias.to(tl.float32)[None, :]"
+        )
+    store_ty = "tl.float32" if split else _TL_DTYPE[out_name]
+
+    body = f"""\
+        {decode}
+        # group-M swizzle: GROUP_M rows of tiles are walked column by column so
+        # the A rows and B columns they share stay resident in L2
+        group = tile // tiles_per_group
+        first_m = group * GROUP_M
+        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % tiles_per_group) % group_rows
+        pid_n = (tile % tiles_per_group) // group_rows
+        offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)){idx}
+        offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)){idx}
+        offs_k = tl.arange(0, BLOCK_K)
+        {k_range}
+        a_ptrs = {a_base} + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak
+        b_ptrs = {b_base} + (k0 + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, k_len, BLOCK_K):
+            if EVEN:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_len - k), other=0.0)
+                b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_len - k) & mask_n[None, :], other=0.0){cast}
+            acc = {dot}
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk{bias}
+        c_ptrs = {c_base} + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        c = acc.to({store_ty})
+        if EVEN:
+            tl.store(c_ptrs, c)
+        else:
+            tl.store(c_ptrs, c, mask=mask_m[:, None] & mask_n[None, :])
+"""
+    if persistent:
+        total = "tiles" + (" * SPLITS" if split else "") + (" * BATCH" if batched else "")
+        loop = f"    total = {total}\n    for work in range(tl.program_id(0), total, NUM_PROGS):\n"
+    else:
+        loop = "    work = tl.program_id(0)\n"
+        body = textwrap.indent(textwrap.dedent(body), "    ")
+    # the split count and the persistent grid size vary from shape to shape: keep
+    # them out of Triton's integer specialisation (== 1, % 16) so they share a binary
+    dns = [p for p in ("SPLITS", "NUM_PROGS") if p in params]
+    decorator = f"@triton.jit(do_not_specialize={dns})\n" if dns else "@triton.jit\n"
+    kernel = (
+        decorator
+        + f"def {name}(\n    " + ",\n    ".join(params) + ",\n):\n"
+        "    num_pid_m = tl.cdiv(M, BLOCK_M)\n"
+        "    num_pid_n = tl.cdiv(N, BLOCK_N)\n"
+        "    tiles = num_pid_m * num_pid_n\n"
+        "    tiles_per_group = GROUP_M * num_pid_n\n" + loop + body
+    )
+
+    header = textwrap.dedent(f"""\
+        # Generated by nova.codegen.triton.matmul; do not edit.
+        # block {cfg.block_m}x{cfg.block_n}x{cfg.block_k}, group_m {cfg.group_m}, split_k {'yes' if split else 'no'}, \
+persistent {'yes' if persistent else 'no'}
+        # in {in_name}, out {out_name}, precision {precision}, bias {'yes' if has_bias else 'no'}, \
+batched {'yes' if batched else 'no'}, index {'int64' if index_64 else 'int32'}
+        import triton
+        import triton.language as tl
+
+        BLOCK_M = tl.constexpr({cfg.block_m})
+        BLOCK_N = tl.constexpr({cfg.block_n})
+        BLOCK_K = tl.constexpr({cfg.block_k})
+        GROUP_M = tl.constexpr({cfg.group_m})
+        """)
+    text = header + "\n\n" + kernel
+    if split:
+        text += "\n\n" + _reduce_source(name + "_reduce", has_bias, _TL_DTYPE[out_name])
+    return text
+
+
+def _reduce_source(name: str, has_bias: bool, out_ty: str) -> str:
+    """Second split-K pass: sum the partials in split order (deterministic), add the
+    bias, cast, store through C's strides. The workspace is contiguous [S, B, M, N]."""
+    bias_param = "bias_ptr, stride_bias, " if has_bias else ""
+    bias = (
+        "\n    acc += tl.load(bias_ptr + n * stride_bias, mask=mask, other=0.0).to(tl.float32)" if has_bias else ""
+    )
+    return f"""\
+@triton.jit(do_not_specialize=["SPLITS"])
+def {name}(
+    ws_ptr, c_ptr, {bias_param}M, N, TOTAL, SPLITS, stride_ws, stride_cb, stride_cm, stride_cn,
+):
+    offs = tl.program_id(0).to(tl.int64) * {REDUCE_BLOCK} + tl.arange(0, {REDUCE_BLOCK})
+    mask = offs < TOTAL
+    acc = tl.zeros(({REDUCE_BLOCK},), dtype=tl.float32)
+    for s in range(0, SPLITS):
+        acc += tl.load(ws_ptr + s * stride_ws + offs, mask=mask, other=0.0)
+    n = offs % N
+    m = (offs // N) % M
+    b = offs // (M * N){bias}
+    tl.store(c_ptr + b * stride_cb + m * stride_cm + n * stride_cn, acc.to({out_ty}), mask=mask)
+"""
+
+
+@dataclass(frozen=True)
+class MatmulKernels:
+    main: object  # triton JITFunction
+    reduce: object | None  # split-K second pass
+    path: str  # the generated source file
+
+
+@functools.lru_cache(maxsize=None)
+def matmul_kernels(
+    cfg: LoweringConfig,
+    has_bias: bool,
+    precision: str,
+    out_dtype: str,
+    in_dtype: str,
+    batched: bool,
+    index_64: bool,
+    interpreted: bool = False,  # part of the key: @triton.jit builds a different object
+) -> MatmulKernels:
+    # num_warps / num_stages / the split count are launch-time: keep them out of the text
+    key_cfg = LoweringConfig(
+        kind="matmul",
+        block_m=cfg.block_m,
+        block_n=cfg.block_n,
+        block_k=cfg.block_k,
+        group_m=cfg.group_m,
+        split_k=2 if cfg.split_k > 1 else 1,
+        persistent=cfg.persistent,
+    )
+    src = matmul_source(
+        key_cfg,
+        has_bias=has_bias,
+        precision=precision,
+        out_dtype=out_dtype,
+        in_dtype=in_dtype,
+        batched=batched,
+        index_64=index_64,
+    )
+    main, path = load_kernel(src, "matmul_kernel")
+    reduce = load_kernel(src, "matmul_kernel_reduce")[0] if cfg.split_k > 1 else None
+    return MatmulKernels(main, reduce, str(path))
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def cdiv(x: int, y: int) -> int:
+    return -(-x // y)
+
+
+def split_k_plan(K: int, cfg: LoweringConfig) -> tuple[int, int]:
+    """(K elements per split, number of splits): chunks are whole BLOCK_Ks, and
+    splits that would get no K at all are dropped."""
+    k_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    return k_split, cdiv(K, k_split)
+
+
+def device_spec(device: torch.device):
+    """The configurator's description of ``device``; the H200 for CPU tensors (the
+    interpreter stands in for the GPU the kernels are tuned for)."""
+    from nova.schedule.devices import DEVICES, from_torch_device
+
+    return from_torch_device(device) if device.type == "cuda" else DEVICES["H200"]
+
+
+def layout(t: torch.Tensor) -> str:
+    """"row" when the last dim is contiguous, "col" when the second-to-last is, else "strided"."""
+    if t.stride(-1) == 1:
+        return "row"
+    if t.stride(-2) == 1:
+        return "col"
+    return "strided"
+
+
+def configure(M, N, K, batch, dtype, out_dtype, precision, a_layout, b_layout, has_bias, device) -> LoweringConfig:
+    """The Analytic Configurator's schedule for one matmul (``device``: a DeviceSpec)."""
+    from nova.schedule.configurator import configure_matmul
+
+    return configure_matmul(M, N, K, batch, dtype, dtype, out_dtype, precision, a_layout, b_layout, has_bias, device)
+
+
+def _span(t: torch.Tensor, margin: int) -> int:
+    """Upper bound on the element offsets a kernel may form for ``t`` (including
+    masked-off lanes up to ``margin`` past each edge)."""
+    return sum((size + margin) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return device_spec(device).num_sms
+
+
+def _validate(a, b, bias, out, out_dtype, precision, allow_meta=False):
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise ValueError("matmul: a and b must be torch tensors")
+    if a.dim() not in (2, 3) or b.dim() not in (2, 3):
+        raise ValueError(f"matmul: a and b must be 2-D or 3-D (batched), got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise ValueError(f"matmul: dtype mismatch, a is {a.dtype} and b is {b.dtype}")
+    in_name = _dtype_name(a.dtype)
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(
+            f"matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} do not contract "
+            f"(a has K={a.shape[-1]}, b has K={b.shape[-2]})"
+        )
+    ba = a.shape[0] if a.dim() == 3 else None
+    bb = b.shape[0] if b.dim() == 3 else None
+    if ba is not None and bb is not None and ba != bb and 1 not in (ba, bb):
+        raise ValueError(f"matmul: batch sizes differ, a has {ba} and b has {bb}")
+    batched = ba is not None or bb is not None
+    batch = max(ba or 1, bb or 1)
+    if a.device != b.device:
+        raise ValueError(f"matmul: a is on {a.device} and b on {b.device}")
+    if a.device.type != "cuda" and not (allow_meta and a.device.type == "meta") and not interpreting():
+        raise ValueError(f"matmul: tensors on {a.device} need a CUDA device or the Triton interpreter (TRITON_INTERPRET=1)")
+    if precision is None:
+        precision = "ieee" if in_name == "float32" else "bf16"
+    if precision not in PRECISIONS:
+        raise ValueError(f"matmul: precision must be one of {PRECISIONS}, got {precision!r}")
+    M, K, N = a.shape[-2], a.shape[-1], b.shape[-1]
+    shape = (batch, M, N) if batched else (M, N)
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise ValueError("matmul: out must be a torch tensor")
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise ValueError(f"matmul: out has dtype {out.dtype} but out_dtype={out_dtype}")
+        out_dtype = out.dtype
+        if tuple(out.shape) != shape:
+            raise ValueError(f"matmul: out has shape {tuple(out.shape)}, expected {shape}")
+        if out.device != a.device:
+            raise ValueError(f"matmul: out is on {out.device}, inputs on {a.device}")
+        if any(st == 0 and sz > 1 for sz, st in zip(out.shape, out.stride())):
+            raise ValueError("matmul: out has a zero stride (its elements overlap)")
+        if out.numel() and a.device.type != "meta" and out.untyped_storage().data_ptr() in (
+            a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()
+        ):
+            raise ValueError("matmul: out shares storage with an input")
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    out_name = _dtype_name(out_dtype)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != N:
+            got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise ValueError(f"matmul: bias must be a 1-D tensor of length N={N}, got {got}")
+        _dtype_name(bias.dtype)
+        if bias.device != a.device:
+            raise ValueError(f"matmul: bias is on {bias.device}, inputs on {a.device}")
+    return batched, batch, M, N, K, shape, in_name, out_name, out_dtype, precision
+
+
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    cfg: LoweringConfig | None = None,
+    precision: str | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    *,
+    num_programs: int | None = None,
+) -> torch.Tensor:
+    """``a @ b (+ bias)`` for 2-D or 3-D (batched; a batch of 1 or a 2-D operand
+    broadcasts) float32 / bfloat16 / float16 tensors with any strides.
+
+    ``precision``: "ieee" | "tf32" | "bf16" for float32 operands (default "ieee",
+    like torch without allow_tf32); 16-bit operands are used as they are.
+    ``out_dtype`` defaults to the input dtype. ``cfg`` defaults to the Analytic
+    Configurator's choice. ``num_programs`` caps a persistent grid (default: #SMs).
+    """
+    return _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup=False)
+
+
+def precompile(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    cfg: LoweringConfig | None = None,
+    precision: str | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> list:
+    """Compile (do not run) the kernels ``matmul`` would launch for these arguments.
+    ``a``, ``b`` and ``bias`` may be ``meta`` tensors: only dtypes, shapes and strides
+    matter. Triton specialises on integer arguments being 1 or multiples of 16 and
+    on 16-byte alignment, so one call serves every shape of the same classes.
+    Returns the compiled kernels (their ``metadata`` has e.g. the shared memory)."""
+    return _run(a, b, bias, cfg, precision, None, out_dtype, 1, warmup=True)
+
+
+def precompile_specs(specs: list[tuple]) -> list[tuple]:
+    """``precompile`` from plain data, for worker processes (picklable in and out).
+    Each spec is (key, config dict, M, N, K, dtype name, precision) for a row-major
+    A[M, K] @ B[K, N]; returns (key, max shared memory in bytes or None, error or None)."""
+    done = []
+    for key, cfg_dict, M, N, K, dtype_name, precision in specs:
+        dtype = getattr(torch, dtype_name)
+        a = torch.empty((M, K), dtype=dtype, device="meta")
+        b = torch.empty((K, N), dtype=dtype, device="meta")
+        try:
+            kernels = precompile(a, b, cfg=LoweringConfig.from_dict(cfg_dict), precision=precision)
+            done.append((key, max((k.metadata.shared for k in kernels), default=0), None))
+        except Exception as e:  # reported to the caller: a config the compiler rejects
+            done.append((key, None, f"{type(e).__name__}: {str(e)[:300]}"))
+    return done
+
+
+def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup):
+    batched, batch, M, N, K, shape, in_name, out_name, out_dtype, precision = _validate(
+        a, b, bias, out, out_dtype, precision, allow_meta=warmup
+    )
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=a.device)
+    if out.numel() == 0 or K == 0:
+        if warmup:
+            return []
+        if K == 0 and out.numel():  # empty contraction: the sum over nothing
+            out.zero_()
+            if bias is not None:
+                out += bias.to(out_dtype)
+        return out
+    if cfg is None:
+        cfg = configure(
+            M, N, K, batch, a.dtype, out_dtype, precision, layout(a), layout(b), bias is not None, device_spec(a.device)
+        )
+    elif cfg.kind != "matmul":
+        raise ValueError(f"matmul: config is for a {cfg.kind!r} kernel")
+    _check_config(cfg)
+    if in_name != "float32":
+        precision = "bf16"  # 16-bit operands: nothing to round; one kernel for every spelling
+
+    a3 = a if a.dim() == 3 else a.unsqueeze(0)
+    b3 = b if b.dim() == 3 else b.unsqueeze(0)
+    c3 = out if out.dim() == 3 else out.unsqueeze(0)
+    k_split, splits = split_k_plan(K, cfg)
+    split = splits > 1
+    if not split and cfg.split_k > 1:  # K too short to split: the one-pass kernel
+        cfg = dataclasses.replace(cfg, split_k=1)
+    margin = max(cfg.block_m, cfg.block_n, cfg.block_k)
+    spans = (_span(a3[0], margin), _span(b3[0], margin), _span(c3[0], margin), (M + margin) * (N + margin))
+    index_64 = max(spans) > _INT32_MAX
+    kern = matmul_kernels(cfg, bias is not None, precision, out_name, in_name, batched, index_64, interpreting())
+
+    even = M % cfg.block_m == 0 and N % cfg.block_n == 0 and K % k_split == 0
+    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
+    total = tiles * splits * batch
+
+    if split:
+        ws = torch.empty((splits, batch, M, N), dtype=torch.float32, device=a.device)
+        dst, dst_strides = ws, (N, 1)
+    else:
+        dst, dst_strides = c3, (c3.stride(1), c3.stride(2))
+    args = [a3, b3, dst]
+    if bias is not None and not split:
+        args.append(bias)
+    args += [M, N, K]
+    if split:
+        args += [k_split, splits]
+    if batched:
+        args.append(batch)
+    args += [a3.stride(1), a3.stride(2), b3.stride(1), b3.stride(2), *dst_strides]
+    if batched:
+        args += [
+            a3.stride(0) if a3.shape[0] > 1 else 0,
+            b3.stride(0) if b3.shape[0] > 1 else 0,
+            M * N if split else c3.stride(0),
+        ]
+    if split:
+        args.append(batch * M * N)
+    if bias is not None and not split:
+        args.append(bias.stride(0))
+    if cfg.persistent:
+        nprog = min(total, num_programs or _num_sms(a.device))
+        args.append(nprog)
+        grid = (nprog,)
+    else:
+        grid = (total,)
+    options = dict(EVEN=even, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if warmup:
+        compiled = [kern.main.warmup(*args, grid=grid, **options)]
+    else:
+        kern.main[grid](*args, **options)
+
+    if split:
+        n_out = batch * M * N
+        rargs = [ws, c3]
+        if bias is not None:
+            rargs += [bias, bias.stride(0)]
+        rargs += [M, N, n_out, splits, n_out, c3.stride(0), c3.stride(1), c3.stride(2)]
+        rgrid = (cdiv(n_out, REDUCE_BLOCK),)
+        if warmup:
+            compiled.append(kern.reduce.warmup(*rargs, grid=rgrid, num_warps=4))
+        else:
+            kern.reduce[rgrid](*rargs, num_warps=4)
+    return compiled if warmup else out
+
+
+__all__ = [
+    "matmul", "precompile", "precompile_specs", "matmul_source", "matmul_kernels", "configure", "device_spec", "layout",
+    "split_k_plan", "PRECISIONS", "MatmulKernels",
+]

@@ -1,0 +1,70 @@
+"""``nova bench matmul --dry-run``: the benchmark's whole logic (configurator calls,
+search, timing, error checks, JSON / markdown / PNG, parts and --merge) on two tiny
+shapes through the Triton interpreter. The timings mean nothing; the plumbing does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+pytest.importorskip("nova.schedule.configurator")
+
+from nova.cli.bench import bench_matmul_main, load_benchmark  # noqa: E402
+
+
+def test_dry_run_writes_complete_results(tmp_path):
+    assert bench_matmul_main(["--dry-run", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "matmul.json").read_text())
+    assert (tmp_path / "matmul.md").read_text().startswith("# nova bench matmul")
+    assert (tmp_path / "matmul.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {"device", "torch", "triton", "git", "shapes", "summary"} <= set(doc)
+    assert len(doc["shapes"]) == 4 and doc["settings"]["complete"]  # 2 shapes x 2 precisions
+    for row in doc["shapes"]:
+        assert row["nova"]["ms"] > 0 and row["cublas"]["ms"] > 0
+        assert row["search"]["timed"] == 3 and row["search"]["best"] is not None
+        limit = 1e-5 if row["precision"] == "tf32" else 1e-2  # the interpreter computes tf32 in fp32
+        assert row["nova"]["rel_err"] < limit
+        assert row["configurator_ms"] < 1.0
+    summary = doc["summary"]
+    for p in ("tf32", "bf16"):
+        assert summary[p]["shapes"] == 2
+        assert summary[p]["geomean_tflops_nova"] > 0 and summary[p]["geomean_tflops_cublas"] > 0
+        assert 0 <= summary[p]["fraction_within_3pct_of_searched_best"] <= 1
+    assert summary["max_configurator_ms"] < 1.0 and summary["max_tf32_rel_err"] < 1e-5
+
+
+def test_parts_merge_into_one_result(tmp_path):
+    for part in ("1/2", "2/2"):
+        argv = ["--dry-run", "--precisions", "bf16", "--search-budget", "1", "--part", part, "--out", str(tmp_path)]
+        assert bench_matmul_main(argv) == 0
+    assert bench_matmul_main(["--merge", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "matmul.json").read_text())
+    assert doc["settings"]["part"] == "merged" and len(doc["settings"]["merged_from"]) == 2
+    assert sorted((r["M"], r["N"], r["K"]) for r in doc["shapes"]) == sorted(load_benchmark("matmul").DRY_SHAPES)
+    assert doc["summary"]["bf16"]["shapes"] == 2 and "tf32" not in doc["summary"]
+
+
+def test_search_space_is_large_enough_and_fits_shared_memory():
+    bench = load_benchmark("matmul")
+    for p in ("tf32", "bf16"):
+        space = bench.search_space(p)
+        assert len(space) >= 100 and len(set(space)) == len(space)
+        elt = 4 if p == "tf32" else 2
+        assert all(c.num_stages * (c.block_m + c.block_n) * c.block_k * elt <= bench.SMEM_BUDGET for c in space)
+        # the big square shape admits the whole budget; tiny shapes make some configs equivalent
+        assert len(bench.candidates(space, 8192, 8192, 8192, 100, 132)) == 100
+        assert len(bench.candidates(space, 128, 128, 128, 100, 132)) < 100
+
+
+def test_bad_arguments(tmp_path, capsys):
+    if not torch.cuda.is_available():
+        assert bench_matmul_main(["--quick", "--out", str(tmp_path)]) == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_matmul_main(["--part", "3/2"])
+    with pytest.raises(SystemExit):
+        bench_matmul_main(["--precisions", "fp8"])

@@ -1,0 +1,185 @@
+"""The generated matmul kernel against float64 torch, through the Triton interpreter
+on the CPU (the real compiler on a GPU). Shapes are tiny and ragged on purpose:
+the interpreter runs every program in Python."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nova.codegen.triton import matmul as mm
+from nova.codegen.triton.source import kernel_source, load_kernel
+from nova.schedule.config import LoweringConfig
+
+# the interpreter's range() over a 0-d array (triton's own code) warns under numpy >= 1.25
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+
+def cfg(bm=16, bn=16, bk=16, group_m=1, split_k=1, persistent=False, warps=4, stages=2):
+    return LoweringConfig(
+        kind="matmul", block_m=bm, block_n=bn, block_k=bk, group_m=group_m, split_k=split_k,
+        persistent=persistent, num_warps=warps, num_stages=stages,
+    )
+
+
+def rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((c.double() - ref).norm() / ref.norm()).item()
+
+
+def reference(a, b, bias=None):
+    ref = a.double() @ b.double()
+    return ref if bias is None else ref + bias.double()
+
+
+# (config, shape M x N x K): ragged everywhere, one aligned case for the mask-free path
+FP32_CASES = [
+    (cfg(group_m=2), (33, 17, 45)),
+    (cfg(bn=32, group_m=3, split_k=3), (33, 17, 45)),  # split-K, last split ragged
+    (cfg(bm=32, group_m=2, persistent=True), (40, 33, 20)),
+    (cfg(bm=32, bn=32, bk=16, split_k=2), (64, 32, 64)),  # EVEN: no masks
+]
+
+
+@pytest.mark.parametrize("config,shape", FP32_CASES, ids=lambda x: str(x) if isinstance(x, tuple) else "")
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp32_ieee_2d(device, config, shape, with_bias):
+    torch.manual_seed(0)
+    M, N, K = shape
+    a = torch.randn(M, K, device=device)
+    b = torch.randn(K, N, device=device)
+    bias = torch.randn(N, device=device) if with_bias else None
+    c = mm.matmul(a, b, bias, cfg=config, precision="ieee", num_programs=3)
+    assert c.shape == (M, N) and c.dtype == torch.float32
+    assert rel_err(c, reference(a, b, bias)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "config", [cfg(group_m=2), cfg(group_m=2, split_k=2, persistent=True)], ids=["plain", "persistent-splitk"]
+)
+def test_batched_transposed_strides(device, config):
+    """Transposed A and B are plain stride swaps (no copies); C is written through
+    a transposed view too; a 2-D operand broadcasts over the batch."""
+    torch.manual_seed(1)
+    B, M, N, K = 3, 19, 21, 35
+    a = torch.randn(B, K, M, device=device).transpose(1, 2)  # column-major A[b]
+    b = torch.randn(B, N, K, device=device).transpose(1, 2)  # column-major B[b]
+    bias = torch.randn(N, device=device)
+    out = torch.empty(B, N, M, device=device).transpose(1, 2)
+    c = mm.matmul(a, b, bias, cfg=config, precision="ieee", out=out, num_programs=4)
+    assert c is out
+    assert rel_err(c, reference(a, b, bias)) < 1e-5
+    w = torch.randn(K, N, device=device)[:, ::1]
+    c2 = mm.matmul(a, w, cfg=config, precision="ieee", num_programs=4)
+    assert c2.shape == (B, M, N)
+    assert rel_err(c2, reference(a, w)) < 1e-5
+
+
+@pytest.mark.parametrize("config", [cfg(group_m=2), cfg(bm=32, split_k=2)], ids=["plain", "splitk"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_inputs(device, config, out_dtype):
+    torch.manual_seed(2)
+    a = torch.randn(2, 33, 45, device=device, dtype=torch.bfloat16)
+    b = torch.randn(2, 45, 17, device=device, dtype=torch.bfloat16)
+    bias = torch.randn(17, device=device, dtype=torch.bfloat16)
+    c = mm.matmul(a, b, bias, cfg=config, out_dtype=out_dtype)
+    assert c.dtype == out_dtype
+    assert rel_err(c, reference(a, b, bias)) < 1e-2
+
+
+def test_fp32_with_reduced_precisions(device):
+    """tf32 and bf16 rounding of fp32 operands (the interpreter computes tf32 exactly,
+    so only the GPU shows tf32 error; bf16 rounding shows everywhere)."""
+    torch.manual_seed(3)
+    a = torch.randn(33, 45, device=device)
+    b = torch.randn(45, 17, device=device)
+    ref = reference(a, b)
+    assert rel_err(mm.matmul(a, b, cfg=cfg(), precision="tf32"), ref) < 5e-3
+    assert rel_err(mm.matmul(a, b, cfg=cfg(), precision="bf16"), ref) < 1e-2
+
+
+def test_int64_indexing_path(device, monkeypatch):
+    """Tensors past 2**31 elements switch the kernel to int64 offsets; exercise that
+    code path on a tiny shape by lowering the threshold."""
+    monkeypatch.setattr(mm, "_INT32_MAX", 10)
+    torch.manual_seed(4)
+    a, b = torch.randn(20, 18, device=device), torch.randn(18, 9, device=device)
+    c = mm.matmul(a, b, cfg=cfg(split_k=2), precision="ieee")
+    assert rel_err(c, reference(a, b)) < 1e-5
+    src = mm.matmul_source(cfg(), has_bias=False, precision="ieee", index_64=True)
+    assert ".to(tl.int64)" in src
+
+
+def test_tiny_and_empty(device):
+    a, b = torch.randn(1, 1, device=device), torch.randn(1, 1, device=device)
+    assert rel_err(mm.matmul(a, b, cfg=cfg(), precision="ieee"), reference(a, b)) < 1e-6
+    bias = torch.randn(3, device=device)
+    c = mm.matmul(torch.randn(2, 0, device=device), torch.randn(0, 3, device=device), bias, cfg=cfg())
+    torch.testing.assert_close(c, bias.expand(2, 3))
+    assert mm.matmul(torch.randn(0, 4, device=device), torch.randn(4, 3, device=device), cfg=cfg()).shape == (0, 3)
+
+
+def test_split_k_is_deterministic(device):
+    torch.manual_seed(5)
+    a, b = torch.randn(17, 64, device=device), torch.randn(64, 16, device=device)
+    first = mm.matmul(a, b, cfg=cfg(split_k=4), precision="ieee")
+    assert torch.equal(first, mm.matmul(a, b, cfg=cfg(split_k=4), precision="ieee"))
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda d: (torch.randn(4, 5, device=d), torch.randn(5, 3, device=d, dtype=torch.bfloat16)), "dtype mismatch"),
+        (lambda d: (torch.ones(4, 5, device=d, dtype=torch.int32), torch.ones(5, 3, device=d, dtype=torch.int32)),
+         "unsupported dtype"),
+        (lambda d: (torch.randn(4, 5, device=d, dtype=torch.float64), torch.randn(5, 3, device=d, dtype=torch.float64)),
+         "unsupported dtype"),
+        (lambda d: (torch.randn(4, 5, device=d), torch.randn(6, 3, device=d)), "do not contract"),
+        (lambda d: (torch.randn(2, 4, 5, device=d), torch.randn(3, 5, 3, device=d)), "batch sizes differ"),
+        (lambda d: (torch.randn(5, device=d), torch.randn(5, 3, device=d)), "2-D or 3-D"),
+    ],
+)
+def test_bad_inputs_raise(device, make, match):
+    a, b = make(device)
+    with pytest.raises(ValueError, match=match):
+        mm.matmul(a, b, cfg=cfg())
+
+
+def test_bad_arguments_raise(device):
+    a, b = torch.randn(4, 5, device=device), torch.randn(5, 3, device=device)
+    with pytest.raises(ValueError, match="bias"):
+        mm.matmul(a, b, torch.randn(4, device=device), cfg=cfg())
+    with pytest.raises(ValueError, match="precision"):
+        mm.matmul(a, b, cfg=cfg(), precision="fp8")
+    with pytest.raises(ValueError, match="out has shape"):
+        mm.matmul(a, b, cfg=cfg(), out=torch.empty(3, 4, device=device))
+    with pytest.raises(ValueError, match="out has dtype"):
+        mm.matmul(a, b, cfg=cfg(), out=torch.empty(4, 3, device=device), out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="shares storage"):
+        big = torch.randn(5, 5, device=device)
+        mm.matmul(big, big, cfg=cfg(), out=big)
+    with pytest.raises(ValueError, match="power of two"):
+        mm.matmul(a, b, cfg=cfg(bm=24))
+    with pytest.raises(ValueError, match="config is for"):
+        mm.matmul(a, b, cfg=LoweringConfig(kind="reduction", block=128))
+
+
+def test_configurator_default(device):
+    pytest.importorskip("nova.schedule.configurator")
+    torch.manual_seed(6)
+    a, b = torch.randn(33, 45, device=device), torch.randn(45, 17, device=device)
+    assert rel_err(mm.matmul(a, b, precision="ieee"), reference(a, b)) < 1e-5
+
+
+def test_load_kernel_is_content_addressed(tmp_path):
+    src = mm.matmul_source(cfg(bm=64), has_bias=True, precision="tf32", batched=True)
+    k1, p1 = load_kernel(src, "matmul_kernel", cache_dir=tmp_path)
+    k2, p2 = load_kernel(src, "matmul_kernel", cache_dir=tmp_path)
+    assert k1 is k2 and p1 == p2 and p1.parent == tmp_path
+    assert p1.read_text() == src == kernel_source(k1)
+    assert list(tmp_path.glob("*.tmp")) == []
+    # warps, stages and the split count are launch options: they share one source
+    assert mm.matmul_source(cfg(warps=8, stages=4), has_bias=False, precision="ieee") == mm.matmul_source(
+        cfg(), has_bias=False, precision="ieee"
+    )
+    with pytest.raises(ValueError, match="defines no"):
+        load_kernel(src, "no_such_kernel", cache_dir=tmp_path)
