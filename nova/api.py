@@ -110,6 +110,8 @@ class CompiledStep:
         with torch.no_grad():
             outs = run_function(prog.fn, args)
             self._write_back(prog, outs, fresh_state)
+        # what optimizer.step() records, so LR schedulers see a stepped optimizer
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return outs[0].detach()
 
     def _gather(self, prog: Program, batch: tuple):
@@ -169,11 +171,14 @@ class CompiledStep:
 
     # --- introspection -----------------------------------------------------
     def explain(self) -> str:
-        """The MLIR text of the last-used program after each pipeline stage."""
+        """The MLIR text of the last-used program after each pipeline stage
+        (compiled again with dumping on: the stages rewrite the IR in place)."""
         if self._last is None:
             raise RuntimeError("explain() needs one call of the step first (the batch shapes select the program)")
-        parts = [f"// ===== after stage: {name} =====\n{text}" for name, text in self._last.compilation.stages.items()]
-        return "\n".join(parts)
+        last = self._last.compilation
+        c = pipeline.Compilation(self.model, last.batch, self.optimizer, self.precision, last.step_dtype)
+        pipeline.run(c, dump=True)
+        return "\n".join(f"// ===== after stage: {name} =====\n{text}" for name, text in c.stages.items())
 
     @property
     def num_programs(self) -> int:

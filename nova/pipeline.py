@@ -20,6 +20,7 @@ from xdsl.dialects.builtin import ModuleOp
 
 from nova.autodiff import append_backward
 from nova.capture.importer import Captured, capture
+from nova.config import SETTINGS
 from nova.ir.module import context, print_module
 from nova.transforms.optimizer import OptimizerSpec, append_optimizer
 from nova.transforms.precision import PrecisionPass
@@ -78,10 +79,15 @@ STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
 ]
 
 
-def run(c: Compilation, dump: bool = True) -> Compilation:
+def run(c: Compilation, dump: bool = False) -> Compilation:
+    """Runs every stage in order. ``dump`` keeps each stage's IR text (printing
+    a GPT's IR five times costs about as much as compiling it, so only
+    ``explain()`` asks for it)."""
     for name, stage in STAGES:
         stage(c)
-        c.module.verify()
+        if SETTINGS.verify_each_stage:
+            c.module.verify()
         if dump:
             c.stages[name] = print_module(c.module)
+    c.module.verify()
     return c

@@ -1,0 +1,10 @@
+import os
+
+# verify the IR after every pipeline stage in tests (read once by nova.config)
+os.environ.setdefault("NOVA_VERIFY_EACH_STAGE", "1")
+
+import torch  # noqa: E402
+
+# one thread per test process: the suite runs in parallel workers on 2 cores, and
+# oversubscribed OpenMP threads make small CPU kernels 100x slower
+torch.set_num_threads(1)
