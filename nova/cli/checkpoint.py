@@ -1,0 +1,76 @@
+"""Atomic file writes and the training checkpoint format.
+
+A checkpoint holds only tensors and plain Python values, so it loads with
+``torch.load(weights_only=True)``: opening one never runs pickled code.
+Every write goes to a temporary file in the same directory, is fsynced, and
+then renamed over the target: a crash leaves either the old file or the new
+one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+import torch
+
+FORMAT = "nova-train-checkpoint/1"
+
+
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    # fsync the directory too, so the rename itself survives a power loss.
+    if hasattr(os, "O_DIRECTORY"):
+        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def rng_state(data_generator: torch.Generator) -> dict:
+    state = {"torch": torch.get_rng_state(), "data": data_generator.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict, data_generator: torch.Generator) -> None:
+    torch.set_rng_state(state["torch"])
+    data_generator.set_state(state["data"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(path: str | Path, *, model, optimizer, step: int, config: dict, rng: dict, history: dict) -> None:
+    payload = {
+        "format": FORMAT,
+        "step": step,
+        "config": config,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "rng": rng,
+        "history": history,
+    }
+    atomic_write(path, lambda f: torch.save(payload, f))
+
+
+def load(path: str | Path) -> dict:
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a nova train checkpoint (expected format {FORMAT!r})")
+    return payload
