@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from nova import pipeline
-from nova.backends.reference import run_function
+from nova.backends.reference import precision_mode, run_function
 from nova.errors import BatchError, CaptureError
 from nova.ir.module import arg_slots, result_slots, step_func
 from nova.transforms.optimizer import hyper_values
@@ -107,7 +107,7 @@ class CompiledStep:
             self._batch_sig = [(t.dtype, t.device, t.dim()) for t in batch]
         self._last = prog
         args, fresh_state = self._gather(prog, batch)
-        with torch.no_grad():
+        with torch.no_grad(), precision_mode(self.precision):
             outs = run_function(prog.fn, args)
             self._write_back(prog, outs, fresh_state)
         # what optimizer.step() records, so LR schedulers see a stepped optimizer

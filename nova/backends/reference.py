@@ -8,6 +8,7 @@ computed in f32, as the dialect specifies.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -304,6 +305,18 @@ def run_ops(ops, env: dict[SSAValue, torch.Tensor], device: torch.device) -> Non
         outs = fn(op, xs, device) if isinstance(op, _NEEDS_DEVICE) else fn(op, xs)
         for r, t in zip(op.results, outs, strict=True):
             env[r] = t
+
+
+@contextlib.contextmanager
+def precision_mode(precision: str):
+    """tf32 lets f32 matmuls run on tensor cores in tf32 (GPU only; the CPU has
+    no tf32, so there it equals fp32); every other policy keeps full f32."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def run_function(fn: func.FuncOp, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
