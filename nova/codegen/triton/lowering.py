@@ -1,0 +1,64 @@
+"""The lowering registry: one function per nova op that turns the op (with
+its static shapes, properties and ``LoweringConfig``) into a ``Kernel``.
+
+A lowering runs at compile time: it generates Triton source, loads it with
+``source.load_kernel`` and returns a ``Kernel`` whose ``launch`` runs it. At
+step time the Triton backend only calls ``launch``.
+
+Contract of ``launch(inputs) -> outputs``:
+  * ``inputs`` are torch tensors on the GPU (or CPU under TRITON_INTERPRET=1),
+    one per operand, with the operand's shape and dtype. They may be strided
+    views (transposes, broadcasts with stride 0, slices with an offset): a
+    lowering that needs another layout says so in ``Kernel.needs_contiguous``
+    (operand indices) and the backend materializes those first.
+  * ``outputs`` are new tensors, one per result, contiguous, with the
+    result's shape and dtype.
+  * Out-of-range inputs that would read or write out of bounds (token ids,
+    class ids) raise a clear error instead.
+A missing lowering is an error that names the op (``lowering_for``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from nova.schedule.config import LoweringConfig
+
+
+@dataclass
+class Kernel:
+    name: str  # a readable name, e.g. "nova_layer_norm_fwd_512x768"
+    source: str  # the generated Triton source (dumped by explain)
+    launch: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+    needs_contiguous: tuple[int, ...] = ()
+    config: LoweringConfig | None = None
+    extra: dict = field(default_factory=dict)
+
+
+Lowering = Callable[..., Kernel]  # (op, cfg: LoweringConfig | None) -> Kernel
+LOWERINGS: dict[type, Lowering] = {}
+
+
+def lowers(*op_classes):
+    def register(fn):
+        for c in op_classes:
+            if c in LOWERINGS:
+                raise ValueError(f"{c.name} already has a lowering")
+            LOWERINGS[c] = fn
+        return fn
+
+    return register
+
+
+class NoLoweringError(NotImplementedError):
+    pass
+
+
+def lowering_for(op) -> Lowering:
+    fn = LOWERINGS.get(type(op))
+    if fn is None:
+        raise NoLoweringError(f"the Triton backend has no lowering for {op.name}")
+    return fn
