@@ -7,13 +7,13 @@ For every shape M, N, K in {128, 512, 2048, 8192} (64 shapes) and each precision
 * nova:    the kernel with the Analytic Configurator's config, the configurator
            call timed with time.perf_counter (first call for that shape);
 * cublas:  torch.matmul (allow_tf32 on for tf32);
-* search:  >= 100 configs of the same template (tiles, BLOCK_K, warps, stages,
-           group_m, split_k, persistent; fewer where a shape makes configs
-           equivalent), each timed briefly; the 3 fastest are re-timed like the
-           other two and checked for accuracy, the best of them is "searched best".
+* search:  the whole space of 121 (tf32) / 137 (bf16) configs of the same
+           template (tiles, BLOCK_K, warps, stages, group_m, split_k, persistent,
+           TMA; fewer where a shape makes configs equivalent, never fewer than 96),
+           each timed briefly; the 3 fastest are re-timed like the other two and
+           checked for accuracy, the best of them is the "searched best".
 
-Timing: CUDA-graph replay of many calls (eager + CUDA events for calls over
-1 ms, where launch overhead is noise), median over repetitions, warm-up
+Timing: CUDA-graph replay of many calls, median over repetitions, warm-up
 excluded, on torch.randn inputs rotated over as many input sets as it takes to
 exceed twice the L2 (capped at MAX_INPUT_SETS; shapes whose capped sets still
 fit in L2 are measured L2-warm, for cuBLAS and Nova alike).
@@ -48,10 +48,13 @@ from pathlib import Path
 
 import torch
 
-from nova.cli.errors import UsageError
-from nova.schedule.config import LoweringConfig
-
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python bench/matmul.py` from a checkout without an install
+    sys.path.insert(0, str(REPO))
+
+from nova.cli.errors import UsageError  # noqa: E402
+from nova.schedule.config import LoweringConfig  # noqa: E402
+
 GRID = (128, 512, 2048, 8192)
 QUICK_SHAPES = [  # one of each regime: small, square, skinny M/N, short K, long K
     (128, 128, 128), (512, 512, 512), (2048, 2048, 2048), (8192, 8192, 8192),
@@ -62,7 +65,6 @@ PRECISIONS = ("tf32", "bf16")
 CUBLAS_REFERENCE_TFLOPS = {"tf32": 65.5, "bf16": 112.8}  # geomean over the 64 shapes, measured on this H200
 MAX_INPUT_SETS = 32
 SMEM_BUDGET = 200 * 1024  # operand ring buffers; H200 allows 227 KiB per block, the rest is epilogue headroom
-LONG_CALL_MS = 1.0  # calls longer than this are timed eagerly: launch overhead is < 1% of them
 # (graph length in ms, most calls in one graph, replays): capturing costs one Python
 # launch (~tens of us) per call, so the brief search timings keep graphs short
 SEARCH_TIMING = (0.25, 64, 3)
@@ -75,17 +77,19 @@ ACCURACY_LIMIT = {"tf32": 1e-2, "bf16": 3e-2}  # a finalist less accurate than t
 # --------------------------------------------------------------------------- search space
 
 
-def _cfg(bm, bn, bk, warps, stages, group_m=8, split_k=1, persistent=False) -> LoweringConfig:
+def _cfg(bm, bn, bk, warps, stages, group_m=8, split_k=1, persistent=False, tma=False) -> LoweringConfig:
     return LoweringConfig(
         kind="matmul", block_m=bm, block_n=bn, block_k=bk, group_m=group_m, split_k=split_k,
-        persistent=persistent, num_warps=warps, num_stages=stages, instruction="wgmma", regime="search",
+        persistent=persistent, num_warps=warps, num_stages=stages, instruction="wgmma+tma" if tma else "wgmma",
+        regime="search",
     )
 
 
 def search_space(precision: str) -> list[LoweringConfig]:
     """The brute-force space: every tile shape wgmma serves well, with the warps that
     fit it, the BLOCK_K x stages rings that fit shared memory; plus split-K for the
-    smaller tiles, group_m=1 and persistent variants of the common tiles."""
+    smaller tiles, group_m=1, persistent and TMA variants of the common tiles.
+    Shuffled with a fixed seed, so a --search-budget below its size is an unbiased sample."""
     elt = 4 if precision == "tf32" else 2
     bks = (32, 64) if elt == 4 else (32, 64, 128)
     tiles = [(64, 64), (64, 128), (128, 64), (128, 128), (64, 256), (256, 64), (128, 256), (256, 128)]
@@ -106,9 +110,17 @@ def search_space(precision: str) -> list[LoweringConfig]:
         for split_k in (2, 4, 8):
             for stages in (3, 4):
                 add(bm, bn, 64, 4, stages, split_k=split_k)
+    bk = 32 if elt == 4 else 64
     for bm, bn, warps in [(128, 128, 4), (128, 128, 8), (128, 256, 8), (64, 128, 4)]:
-        add(bm, bn, 32 if elt == 4 else 64, warps, 3, group_m=1)
-        add(bm, bn, 32 if elt == 4 else 64, warps, 3, persistent=True)
+        add(bm, bn, bk, warps, 3, group_m=1)
+        add(bm, bn, bk, warps, 3, persistent=True)
+    for bm, bn, warps in [(64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (128, 256, 8), (256, 128, 8)]:
+        for stages in (3, 4):
+            add(bm, bn, bk, warps, stages, tma=True)
+    for bm, bn, warps in [(128, 128, 8), (128, 256, 8)]:
+        add(bm, bn, bk, warps, 3, tma=True, persistent=True)
+        add(bm, bn, bk, warps, 4, tma=True, persistent=True)
+    random.Random(0).shuffle(space)
     return space
 
 
@@ -129,7 +141,7 @@ def candidates(space, M, N, K, budget, num_sms) -> list[LoweringConfig]:
         tiles = pid_m * cdiv(N, cfg.block_n) * splits
         key = (
             cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
-            min(cfg.group_m, pid_m), splits, cfg.persistent and tiles > num_sms,
+            min(cfg.group_m, pid_m), splits, cfg.persistent and tiles > num_sms, cfg.instruction,
         )
         if key not in seen:
             seen.add(key)
@@ -143,30 +155,23 @@ def describe(cfg: LoweringConfig | None) -> str:
     if cfg is None:
         return "-"
     text = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} g{cfg.group_m}"
-    return text + (f" sk{cfg.split_k}" if cfg.split_k > 1 else "") + (" pers" if cfg.persistent else "")
+    text += f" sk{cfg.split_k}" if cfg.split_k > 1 else ""
+    return text + (" pers" if cfg.persistent else "") + (" tma" if "tma" in cfg.instruction else "")
 
 
 # --------------------------------------------------------------------------- timing
 
 
 class GpuTimer:
-    """Median time of one call, from CUDA-graph replays (or eager + events for long calls)."""
+    """Median time of one call: a CUDA graph holds ``inner`` calls over the rotating
+    input sets (enough calls to last about ``target_ms``); warm-up launches and a
+    warm-up replay are not timed; each timed replay is bracketed by CUDA events."""
 
     def measure(self, launch, n_sets: int, est_ms: float, timing: tuple) -> float:
         target_ms, max_inner, reps = timing
         for i in range(min(n_sets, 2)):  # warm-up: binary load, allocator, cuBLAS heuristics
             launch(i)
         torch.cuda.synchronize()
-        if est_ms >= LONG_CALL_MS:
-            pairs = []
-            for r in range(reps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                launch(r % n_sets)
-                end.record()
-                pairs.append((start, end))
-            torch.cuda.synchronize()
-            return statistics.median(s.elapsed_time(e) for s, e in pairs)
         inner = max(n_sets, min(max_inner, math.ceil(target_ms / max(est_ms, 1e-3))))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -475,6 +480,7 @@ def summarize(rows) -> dict:
         nova, cublas = _geomean(r["nova"]["tflops"] for r in rs), _geomean(r["cublas"]["tflops"] for r in rs)
         out[p] = {
             "shapes": len(rs),
+            "shapes_searched": len(searched),
             "geomean_tflops_nova": nova,
             "geomean_tflops_cublas": cublas,
             "geomean_nova_vs_cublas": nova / cublas if nova and cublas else None,
@@ -631,7 +637,8 @@ def _precisions(text: str) -> tuple[str, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--part", type=_part, default=(1, 1), metavar="I/N", help="run the I-th of N interleaved subsets of the shapes")
-    p.add_argument("--search-budget", type=int, default=100, metavar="N", help="configs searched per shape (default 100; 0: no search)")
+    p.add_argument("--search-budget", type=int, default=150, metavar="N",
+                   help="most configs searched per shape (default 150: the whole space, >= 100 configs; 0: no search)")
     p.add_argument("--precisions", type=_precisions, default=PRECISIONS, metavar="LIST", help="tf32,bf16 (default both)")
     p.add_argument("--quick", action="store_true", help=f"{len(QUICK_SHAPES)} representative shapes instead of 64")
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench/results; a temp dir for --dry-run)")

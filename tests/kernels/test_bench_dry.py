@@ -55,9 +55,11 @@ def test_search_space_is_large_enough_and_fits_shared_memory():
         assert len(space) >= 100 and len(set(space)) == len(space)
         elt = 4 if p == "tf32" else 2
         assert all(c.num_stages * (c.block_m + c.block_n) * c.block_k * elt <= bench.SMEM_BUDGET for c in space)
-        # the big square shape admits the whole budget; tiny shapes make some configs equivalent
+        # the big square shape admits the whole space; a tiny one makes some configs equivalent
+        assert len(bench.candidates(space, 8192, 8192, 8192, 1000, 132)) == len(space)
+        assert len(bench.candidates(space, 128, 128, 128, 1000, 132)) < len(space)
         assert len(bench.candidates(space, 8192, 8192, 8192, 100, 132)) == 100
-        assert len(bench.candidates(space, 128, 128, 128, 100, 132)) < 100
+        assert any("tma" in c.instruction for c in space) and any(c.split_k > 1 for c in space)
 
 
 def test_bad_arguments(tmp_path, capsys):

@@ -86,6 +86,32 @@ def test_bf16_inputs(device, config, out_dtype):
     assert rel_err(c, reference(a, b, bias)) < 1e-2
 
 
+@pytest.mark.parametrize(
+    "config", [cfg(bn=32, group_m=2), cfg(split_k=3, persistent=True)], ids=["plain", "persistent-splitk"]
+)
+def test_tma_descriptors_any_layout(device, config):
+    """The TMA variant: row- and column-major operands, batched and broadcast, ragged
+    edges read as zeros by the descriptor; shapes with 16-byte aligned strides."""
+    config = LoweringConfig.from_dict({**config.to_dict(), "instruction": "wgmma+tma"})
+    torch.manual_seed(7)
+    B, M, N, K = 2, 36, 24, 44  # fp32: every stride a multiple of 4 elements
+    a = torch.randn(B, K, M, device=device).transpose(1, 2)
+    b = torch.randn(N, K, device=device).t()
+    bias = torch.randn(N, device=device)
+    assert mm._tma_plan(config, a, b.unsqueeze(0))[0] == mm.TmaLayout("col", "col", True, False)
+    c = mm.matmul(a, b, bias, cfg=config, precision="ieee", num_programs=3)
+    assert rel_err(c, reference(a, b, bias)) < 1e-5
+    # bf16: strides must be multiples of 8 elements
+    a16 = torch.randn(M, 48, device=device, dtype=torch.bfloat16)
+    b16 = torch.randn(48, N, device=device, dtype=torch.bfloat16)
+    assert mm._tma_plan(config, a16[None], b16[None])[0] == mm.TmaLayout("row", "row", False, False)
+    assert rel_err(mm.matmul(a16, b16, cfg=config, num_programs=3), reference(a16, b16)) < 1e-2
+    # a stride TMA cannot address (33 * 4 bytes) falls back to the pointer kernel
+    a_odd = torch.randn(K, 33, device=device).t()
+    assert mm._tma_plan(config, a_odd[None], b.unsqueeze(0)) is None
+    assert rel_err(mm.matmul(a_odd, b, cfg=config, precision="ieee", num_programs=3), reference(a_odd, b)) < 1e-5
+
+
 def test_fp32_with_reduced_precisions(device):
     """tf32 and bf16 rounding of fp32 operands (the interpreter computes tf32 exactly,
     so only the GPU shows tf32 error; bf16 rounding shows everywhere)."""

@@ -73,6 +73,19 @@ def _check_config(cfg: LoweringConfig) -> None:
 # --------------------------------------------------------------------------- source
 
 
+@dataclass(frozen=True)
+class TmaLayout:
+    """How the TMA variant addresses A and B: ``row`` = the last dim is contiguous
+    (A: K, B: N), ``col`` = the second-to-last is (the tile is loaded transposed
+    and flipped in registers); ``*_batched`` = the operand has its own batch dim
+    (otherwise one matrix serves every batch)."""
+
+    a: str = "row"
+    b: str = "row"
+    a_batched: bool = False
+    b_batched: bool = False
+
+
 def matmul_source(
     cfg: LoweringConfig,
     *,
@@ -82,10 +95,13 @@ def matmul_source(
     in_dtype="float32",
     batched: bool = False,
     index_64: bool = False,
+    tma: TmaLayout | None = None,
     name: str = "matmul_kernel",
 ) -> str:
     """Triton source for one matmul kernel (plus the split-K reduction when
-    ``cfg.split_k > 1``, named ``<name>_reduce``)."""
+    ``cfg.split_k > 1``, named ``<name>_reduce``). With ``tma`` the operand tiles are
+    fetched through host-built tensor descriptors (Hopper TMA; out-of-bounds boxes
+    read as zeros, so the loads need no masks); otherwise through pointers."""
     _check_config(cfg)
     if precision not in PRECISIONS:
         raise ValueError(f"matmul: precision must be one of {PRECISIONS}, got {precision!r}")
@@ -104,7 +120,7 @@ def matmul_source(
         dot = "tl.dot(a, b, acc)"
 
     idx = ".to(tl.int64)" if index_64 else ""
-    params = ["a_ptr", "b_ptr", "c_ptr"]
+    params = ["a_desc", "b_desc", "c_ptr"] if tma else ["a_ptr", "b_ptr", "c_ptr"]
     if has_bias and not split:
         params.append("bias_ptr")
     params += ["M", "N", "K"]
@@ -112,9 +128,11 @@ def matmul_source(
         params += ["K_SPLIT", "SPLITS"]
     if batched:
         params.append("BATCH")
-    params += ["stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn"]
+    if not tma:
+        params += ["stride_am", "stride_ak", "stride_bk", "stride_bn"]
+    params += ["stride_cm", "stride_cn"]
     if batched:
-        params += ["stride_ab", "stride_bb", "stride_cb"]
+        params += ["stride_cb"] if tma else ["stride_ab", "stride_bb", "stride_cb"]
     if split:
         params.append("stride_cs")
     if has_bias and not split:
@@ -128,7 +146,7 @@ def matmul_source(
     rest = "work // tiles"
     if split:
         decode.append(f"pid_s = ({rest}) % SPLITS")
-        rest = f"work // (tiles * SPLITS)"
+        rest = "work // (tiles * SPLITS)"
     if batched:
         decode.append(f"pid_b = {rest}")
     decode = "\n        ".join(decode)
@@ -143,6 +161,31 @@ def matmul_source(
         k_range = "k0 = pid_s * K_SPLIT\n        k_len = tl.minimum(K - k0, K_SPLIT)"
     else:
         k_range = "k0 = 0\n        k_len = K"
+
+    if tma:
+        a_load = _tma_load("a_desc", tma.a == "row", tma.a_batched, "pid_m * BLOCK_M", "BLOCK_M", k_last=True)
+        b_load = _tma_load("b_desc", tma.b == "col", tma.b_batched, "pid_n * BLOCK_N", "BLOCK_N", k_last=False)
+        operands = ""
+        loads = f"""\
+            # tensor-descriptor (TMA) loads: boxes past M, N or K read as zeros
+            a = {a_load}
+            b = {b_load}"""
+        advance = ""
+    else:
+        operands = f"""
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = {a_base} + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak
+        b_ptrs = {b_base} + (k0 + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn"""
+        loads = """\
+            if EVEN:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_len - k), other=0.0)
+                b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_len - k) & mask_n[None, :], other=0.0)"""
+        advance = """
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk"""
 
     bias = ""
     if has_bias and not split:
@@ -163,23 +206,13 @@ def matmul_source(
         pid_n = (tile % tiles_per_group) // group_rows
         offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)){idx}
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)){idx}
-        offs_k = tl.arange(0, BLOCK_K)
-        {k_range}
-        a_ptrs = {a_base} + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak
-        b_ptrs = {b_base} + (k0 + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        {k_range}{operands}
         mask_m = offs_m < M
         mask_n = offs_n < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, k_len, BLOCK_K):
-            if EVEN:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_len - k), other=0.0)
-                b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_len - k) & mask_n[None, :], other=0.0){cast}
-            acc = {dot}
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk{bias}
+{loads}{cast}
+            acc = {dot}{advance}{bias}
         c_ptrs = {c_base} + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
         c = acc.to({store_ty})
         if EVEN:
@@ -212,6 +245,7 @@ def matmul_source(
 persistent {'yes' if persistent else 'no'}
         # in {in_name}, out {out_name}, precision {precision}, bias {'yes' if has_bias else 'no'}, \
 batched {'yes' if batched else 'no'}, index {'int64' if index_64 else 'int32'}
+        # operands {'through tensor descriptors (TMA): ' + repr(tma) if tma else 'through pointers'}
         import triton
         import triton.language as tl
 
@@ -224,6 +258,19 @@ batched {'yes' if batched else 'no'}, index {'int64' if index_64 else 'int32'}
     if split:
         text += "\n\n" + _reduce_source(name + "_reduce", has_bias, _TL_DTYPE[out_name])
     return text
+
+
+def _tma_load(desc: str, k_contiguous: bool, batched: bool, offset: str, size: str, k_last: bool) -> str:
+    """One operand tile through a descriptor. The box is laid out like the operand in
+    memory ([size, BLOCK_K] when K is the contiguous dim, else [BLOCK_K, size]);
+    ``k_last`` says which way round the dot wants it (A: [BLOCK_M, BLOCK_K], B:
+    [BLOCK_K, BLOCK_N]), and a box the other way round is transposed after loading."""
+    coords, box = ([offset, "k0 + k"], [size, "BLOCK_K"]) if k_contiguous else (["k0 + k", offset], ["BLOCK_K", size])
+    if batched:
+        text = f"{desc}.load([pid_b, {coords[0]}, {coords[1]}]).reshape({box[0]}, {box[1]})"
+    else:
+        text = f"{desc}.load([{coords[0]}, {coords[1]}])"
+    return text if k_contiguous == k_last else f"tl.trans({text})"
 
 
 def _reduce_source(name: str, has_bias: bool, out_ty: str) -> str:
@@ -267,6 +314,7 @@ def matmul_kernels(
     batched: bool,
     index_64: bool,
     interpreted: bool = False,  # part of the key: @triton.jit builds a different object
+    tma: TmaLayout | None = None,
 ) -> MatmulKernels:
     # num_warps / num_stages / the split count are launch-time: keep them out of the text
     key_cfg = LoweringConfig(
@@ -286,6 +334,7 @@ def matmul_kernels(
         in_dtype=in_dtype,
         batched=batched,
         index_64=index_64,
+        tma=tma,
     )
     main, path = load_kernel(src, "matmul_kernel")
     reduce = load_kernel(src, "matmul_kernel_reduce")[0] if cfg.split_k > 1 else None
@@ -334,6 +383,49 @@ def _span(t: torch.Tensor, margin: int) -> int:
     """Upper bound on the element offsets a kernel may form for ``t`` (including
     masked-off lanes up to ``margin`` past each edge)."""
     return sum((size + margin) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+
+
+def _tma_operand(t3: torch.Tensor, k_dim: int, box: tuple[int, int]):
+    """How one operand ([batch, rows, cols], K at ``k_dim`` of the last two) is read
+    through a tensor descriptor, or None when TMA cannot address it: one of the last
+    two dims must be contiguous, the other strides and the base 16-byte aligned."""
+    elt = t3.element_size()
+    if t3.stride(2) == 1:
+        layout, lead = "row", 1
+    elif t3.stride(1) == 1:
+        layout, lead = "col", 2
+    else:
+        return None
+    batched = t3.shape[0] > 1
+    strides = ([t3.stride(0)] if batched else []) + [t3.stride(lead)]
+    if t3.data_ptr() % 16 or any(st * elt % 16 for st in strides):
+        return None
+    contiguous = 2 if layout == "row" else 1
+    dims = [t3.shape[lead], t3.shape[contiguous]]  # memory order: outer, contiguous
+    # the box follows the memory order too: (size along rows/cols of the stored matrix)
+    box_rows, box_cols = box
+    blocks = [box_rows, box_cols] if layout == "row" else [box_cols, box_rows]
+    if batched:
+        dims, strides, blocks = [t3.shape[0], *dims], [*strides, 1], [1, *blocks]
+    else:
+        strides = [*strides, 1]
+    return layout, batched, (dims, strides, blocks)
+
+
+def _tma_plan(cfg: LoweringConfig, a3, b3):
+    """Descriptors for A and B when the config asks for TMA and both operands allow it
+    (else None: the pointer kernel runs, which handles every stride)."""
+    if "tma" not in cfg.instruction:
+        return None
+    a = _tma_operand(a3, 2, (cfg.block_m, cfg.block_k))
+    b = _tma_operand(b3, 1, (cfg.block_k, cfg.block_n))
+    if a is None or b is None:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    layout = TmaLayout(a=a[0], b=b[0], a_batched=a[1], b_batched=b[1])
+    descs = [TensorDescriptor(t, *spec) for t, (_, _, spec) in ((a3, a), (b3, b))]
+    return layout, descs
 
 
 def _num_sms(device: torch.device) -> int:
@@ -488,7 +580,10 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup):
     margin = max(cfg.block_m, cfg.block_n, cfg.block_k)
     spans = (_span(a3[0], margin), _span(b3[0], margin), _span(c3[0], margin), (M + margin) * (N + margin))
     index_64 = max(spans) > _INT32_MAX
-    kern = matmul_kernels(cfg, bias is not None, precision, out_name, in_name, batched, index_64, interpreting())
+    tma = _tma_plan(cfg, a3, b3)
+    kern = matmul_kernels(
+        cfg, bias is not None, precision, out_name, in_name, batched, index_64, interpreting(), tma and tma[0]
+    )
 
     even = M % cfg.block_m == 0 and N % cfg.block_n == 0 and K % k_split == 0
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
@@ -499,7 +594,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup):
         dst, dst_strides = ws, (N, 1)
     else:
         dst, dst_strides = c3, (c3.stride(1), c3.stride(2))
-    args = [a3, b3, dst]
+    args = [*tma[1], dst] if tma else [a3, b3, dst]
     if bias is not None and not split:
         args.append(bias)
     args += [M, N, K]
@@ -507,13 +602,13 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup):
         args += [k_split, splits]
     if batched:
         args.append(batch)
-    args += [a3.stride(1), a3.stride(2), b3.stride(1), b3.stride(2), *dst_strides]
+    if not tma:
+        args += [a3.stride(1), a3.stride(2), b3.stride(1), b3.stride(2)]
+    args += dst_strides
     if batched:
-        args += [
-            a3.stride(0) if a3.shape[0] > 1 else 0,
-            b3.stride(0) if b3.shape[0] > 1 else 0,
-            M * N if split else c3.stride(0),
-        ]
+        if not tma:
+            args += [a3.stride(0) if a3.shape[0] > 1 else 0, b3.stride(0) if b3.shape[0] > 1 else 0]
+        args.append(M * N if split else c3.stride(0))
     if split:
         args.append(batch * M * N)
     if bias is not None and not split:
@@ -546,5 +641,5 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup):
 
 __all__ = [
     "matmul", "precompile", "precompile_specs", "matmul_source", "matmul_kernels", "configure", "device_spec", "layout",
-    "split_k_plan", "PRECISIONS", "MatmulKernels",
+    "split_k_plan", "PRECISIONS", "MatmulKernels", "TmaLayout",
 ]
