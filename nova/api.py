@@ -16,21 +16,28 @@ import torch
 
 from nova import pipeline
 from nova.backends.reference import precision_mode, run_function
+from nova.config import triton_interpreted
 from nova.errors import BatchError, CaptureError
 from nova.ir.module import arg_slots, result_slots, step_func
 from nova.transforms.optimizer import hyper_values
 from nova.transforms.precision import PRECISIONS
 
-BACKENDS = ("reference", "auto")
+BACKENDS = ("reference", "triton", "auto")
 
 
 @dataclass
 class Program:
     compilation: pipeline.Compilation
+    kernels: object | None = None  # nova.backends.triton.TritonProgram for the GPU backend
 
     @property
     def fn(self):
         return step_func(self.compilation.module)
+
+    def run(self, args: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.kernels is not None:
+            return self.kernels(args)
+        return run_function(self.fn, args)
 
 
 class CompiledStep:
@@ -53,8 +60,15 @@ class CompiledStep:
                         "of the model: Nova updates only the model's own parameters"
                     )
         self.model, self.optimizer, self.precision = model, optimizer, precision
-        # "auto" picks the GPU backend once it exists; today every device runs the reference executor
-        self.backend = "reference"
+        device = next(model.parameters()).device
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "reference"
+        if backend == "triton" and device.type != "cuda" and not triton_interpreted():
+            raise ValueError(
+                f"backend='triton' needs the model on a CUDA device (it is on {device}); "
+                "on the CPU use backend='reference' (or TRITON_INTERPRET=1 to run the kernels in Triton's interpreter)"
+            )
+        self.backend = backend
         self._programs: dict[tuple, Program] = {}
         self._batch_sig: list[tuple[torch.dtype, torch.device, int]] | None = None
         self._last: Program | None = None
@@ -86,9 +100,23 @@ class CompiledStep:
         prog = self._programs.get(key)
         if prog is None:
             c = pipeline.Compilation(self.model, batch, self.optimizer, self.precision, _step_dtype())
+            c.device = self._device_spec()
             prog = Program(pipeline.run(c))
+            if self.backend == "triton":
+                from nova.backends.triton import TritonProgram
+
+                prog.kernels = TritonProgram(prog.fn, self.precision)
             self._programs[key] = prog
         return prog
+
+    def _device_spec(self):
+        if self.backend != "triton":
+            return None
+        from nova.schedule.devices import DEVICES, from_torch_device
+
+        device = next(self.model.parameters()).device
+        # under the interpreter the kernels are scheduled for the H200 they will run on
+        return from_torch_device(device) if device.type == "cuda" else DEVICES["H200"]
 
     def _spec_key(self) -> tuple:
         # the structure of the optimizer (not its values) selects the program
@@ -108,7 +136,7 @@ class CompiledStep:
         self._last = prog
         args, fresh_state = self._gather(prog, batch)
         with torch.no_grad(), precision_mode(self.precision):
-            outs = run_function(prog.fn, args)
+            outs = prog.run(args)
             self._write_back(prog, outs, fresh_state)
         # what optimizer.step() records, so LR schedulers see a stepped optimizer
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
@@ -177,8 +205,15 @@ class CompiledStep:
             raise RuntimeError("explain() needs one call of the step first (the batch shapes select the program)")
         last = self._last.compilation
         c = pipeline.Compilation(self.model, last.batch, self.optimizer, self.precision, last.step_dtype)
+        c.device = last.device
         pipeline.run(c, dump=True)
         return "\n".join(f"// ===== after stage: {name} =====\n{text}" for name, text in c.stages.items())
+
+    def kernel_sources(self) -> dict[str, str]:
+        """The generated Triton source of every kernel of the last-used program."""
+        if self._last is None or self._last.kernels is None:
+            raise RuntimeError("kernel_sources() needs a step run with backend='triton'")
+        return self._last.kernels.sources()
 
     @property
     def num_programs(self) -> int:

@@ -2,6 +2,7 @@
 
   NOVA_VERIFY_EACH_STAGE=1   run the IR verifier after every pipeline stage
                              (the final IR is always verified); tests turn it on
+  TRITON_INTERPRET=1         (Triton's own) run generated kernels on the CPU
 """
 
 from __future__ import annotations
@@ -20,3 +21,9 @@ class Settings:
 
 
 SETTINGS = Settings.from_env()
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter. Read live, not once:
+    it is Triton's own variable, which Triton itself reads when a kernel is created."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -8,6 +8,8 @@ stage), and the IR after each stage is kept as text for ``explain()``.
   optimizer   append the parameter and state update (Adam, AdamW, SGD)
   precision   the bf16 / tf32 policy
   simplify    CSE and DCE
+  configure   the Analytic Configurator's #nova.lowering_config on every kernel
+              (only for a GPU target; the reference executor needs none)
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Compilation:
     step_dtype: torch.dtype
     captured: Captured | None = None
     spec: OptimizerSpec | None = None  # the optimizer's structure, named as in the IR
+    device: object | None = None  # nova.schedule.devices.DeviceSpec of a GPU target, else None
     stages: dict[str, str] = field(default_factory=dict)  # stage name -> IR text after it
 
     @property
@@ -70,12 +73,21 @@ def _simplify(c: Compilation) -> None:
     Simplify().apply(context(), c.module)
 
 
+def _configure(c: Compilation) -> None:
+    if c.device is None:
+        return
+    from nova.transforms.configure import Configure  # the scheduler loads only for GPU targets
+
+    Configure(c.device, c.precision).apply(context(), c.module)
+
+
 STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
     ("capture", _capture),
     ("autodiff", _autodiff),
     ("optimizer", _optimizer),
     ("precision", _precision),
     ("simplify", _simplify),
+    ("configure", _configure),
 ]
 
 

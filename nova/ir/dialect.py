@@ -18,6 +18,7 @@ from xdsl.dialects.builtin import (
     I64,
     BoolAttr,
     DenseArrayBase,
+    DictionaryAttr,
     Float64Type,
     FloatAttr,
     IntegerAttr,
@@ -31,6 +32,8 @@ from xdsl.dialects.builtin import (
 from xdsl.ir import Attribute, Dialect
 from xdsl.irdl import (
     IRDLOperation,
+    ParametrizedAttribute,
+    irdl_attr_definition,
     irdl_op_definition,
     operand_def,
     prop_def,
@@ -884,7 +887,17 @@ NOVA_OPS: list[type[NovaOp]] = [
     CrossEntropyOp, CrossEntropyBackwardOp, AttentionOp, AttentionBackwardOp,
 ]  # fmt: skip
 
-Nova = Dialect("nova", NOVA_OPS, [])
+@irdl_attr_definition
+class LoweringConfigAttr(ParametrizedAttribute):
+    """``#nova.lowering_config<{...}>``: the schedule the Analytic Configurator
+    chose for an op (the fields of ``nova.schedule.config.LoweringConfig``),
+    attached to the op as its ``nova.lowering_config`` attribute."""
+
+    name = "nova.lowering_config"
+    config: DictionaryAttr
+
+
+Nova = Dialect("nova", NOVA_OPS, [LoweringConfigAttr])
 
 OP_BY_NAME: dict[str, type[NovaOp]] = {op.name: op for op in NOVA_OPS}
 

@@ -1,0 +1,178 @@
+"""The Triton backend: @train_step as a list of generated Triton kernels.
+
+At compile time every op becomes one step of a launch plan:
+  * layout ops (transpose, broadcast_to, slice, and reshape where the data
+    allows) become zero-copy strided views: no kernel, no bytes moved;
+  * a matmul whose only use adds a row-broadcast bias becomes one kernel with
+    the bias in its epilogue (the natural group);
+  * every other op is lowered through the registry in
+    ``nova.codegen.triton.lowering`` with the ``#nova.lowering_config`` the
+    configure stage wrote on it.
+At step time the plan only launches kernels. ``sources()`` returns every
+kernel's generated Triton source for dumping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from xdsl.dialects import func
+from xdsl.ir import Operation, SSAValue
+
+from nova.codegen.triton import lowering as lw
+from nova.codegen.triton import matmul as mm
+from nova.ir import dialect as nv
+from nova.ir.types import elem_of, shape_of, to_torch_dtype
+from nova.schedule.config import LoweringConfig
+
+VIEW_OPS = (nv.TransposeOp, nv.BroadcastToOp, nv.SliceOp, nv.ReshapeOp)
+
+
+def config_of(op: Operation) -> LoweringConfig | None:
+    attr = op.attributes.get("nova.lowering_config")
+    if attr is None:
+        return None
+    return LoweringConfig.from_dict({k: nv.prop_value(v) for k, v in attr.config.data.items()})
+
+
+@dataclass
+class Step:
+    op: Operation
+    inputs: tuple[SSAValue, ...]
+    outputs: tuple[SSAValue, ...]
+    run: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    kernel: lw.Kernel | None = None  # None for views
+
+
+def _view(op: Operation, copy: Callable[[torch.Tensor], torch.Tensor]):
+    p = op.props()
+    out_shape = shape_of(op.results[0].type)
+    if isinstance(op, nv.TransposeOp):
+        return lambda xs: [xs[0].permute(p["perm"])]
+    if isinstance(op, nv.BroadcastToOp):
+        return lambda xs: [xs[0].expand(out_shape)]
+    if isinstance(op, nv.SliceOp):
+
+        def slice_(xs):
+            idx = [slice(None)] * xs[0].dim()
+            idx[p["dim"]] = slice(p["start"], p["end"], p["step"])
+            return [xs[0][tuple(idx)]]
+
+        return slice_
+
+    def reshape(xs):
+        try:
+            return [xs[0].view(out_shape)]
+        except RuntimeError:  # strides do not allow a view: materialize with a copy kernel
+            return [copy(xs[0]).view(out_shape)]
+
+    return reshape
+
+
+def _matmul_run(op: Operation, precision: str, with_bias: bool, copy: Callable[[torch.Tensor], torch.Tensor]):
+    cfg = config_of(op)
+    out_shape = shape_of(op.results[0].type)
+    out_dtype = to_torch_dtype(elem_of(op.results[0].type))
+    batch = out_shape[:-2]
+    # f32 operands: exact fp32 unless the step runs in tf32; 16-bit operands are used as they are
+    prec = "tf32" if precision == "tf32" else "ieee"
+
+    def flat3(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 2:
+            return t  # the launcher broadcasts a 2-D operand over the batch
+        t = t.expand(*batch, *t.shape[-2:])
+        try:
+            return t.view(-1, *t.shape[-2:])
+        except RuntimeError:  # batch dims that strides cannot merge: one copy kernel
+            return copy(t).view(-1, *t.shape[-2:])
+
+    def run(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        a, b = xs[0], xs[1]
+        bias = xs[2] if with_bias else None
+        if batch:
+            a, b = flat3(a), flat3(b)
+        y = mm.matmul(a, b, bias=bias, cfg=cfg, precision=prec, out_dtype=out_dtype)
+        return [y.view(out_shape)]
+
+    return run
+
+
+def _bias_epilogue(op: Operation) -> Operation | None:
+    """The add that can ride in this matmul's epilogue: its only use, adding a
+    [N] vector broadcast over rows, in the same dtype."""
+    uses = list(op.results[0].uses)
+    if len(uses) != 1 or not isinstance(uses[0].operation, nv.AddOp):
+        return None
+    add = uses[0].operation
+    other = add.operands[1 - uses[0].index]
+    n = shape_of(op.results[0].type)[-1]
+    if shape_of(other.type) != (n,) or elem_of(other.type) != elem_of(op.results[0].type):
+        return None
+    if shape_of(add.results[0].type) != shape_of(op.results[0].type):
+        return None
+    return add
+
+
+class TritonProgram:
+    def __init__(self, fn: func.FuncOp, precision: str):
+        self.fn = fn
+        self.precision = precision
+        self.steps: list[Step] = []
+        self._copy_kernels: dict[tuple, lw.Kernel] = {}
+        fused: set[Operation] = set()
+        for op in fn.body.block.ops:
+            if isinstance(op, func.ReturnOp) or op in fused:
+                continue
+            if isinstance(op, VIEW_OPS):
+                self.steps.append(Step(op, tuple(op.operands), tuple(op.results), _view(op, self.copy)))
+            elif isinstance(op, nv.MatmulOp):
+                add = _bias_epilogue(op)
+                if add is not None:
+                    fused.add(add)
+                    bias = add.operands[1] if add.operands[0] is op.results[0] else add.operands[0]
+                    self.steps.append(Step(op, (*op.operands, bias), tuple(add.results), _matmul_run(op, precision, True, self.copy)))
+                else:
+                    self.steps.append(Step(op, tuple(op.operands), tuple(op.results), _matmul_run(op, precision, False, self.copy)))
+            else:
+                fn_lower = lw.lowering_for(op)
+                kwargs = {"precision": precision} if isinstance(op, (nv.AttentionOp, nv.AttentionBackwardOp)) else {}
+                kernel = fn_lower(op, config_of(op), **kwargs)
+                self.steps.append(Step(op, tuple(op.operands), tuple(op.results), self._launcher(kernel), kernel))
+        self.returned = tuple(fn.body.block.last_op.operands)
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy made by a generated kernel (for layouts a kernel cannot read)."""
+        from nova.codegen.triton.elementwise import copy_kernel
+
+        key = (tuple(t.shape), t.dtype)
+        if key not in self._copy_kernels:
+            self._copy_kernels[key] = copy_kernel(tuple(t.shape), t.dtype)
+        return self._copy_kernels[key].launch([t])[0]
+
+    def _launcher(self, kernel: lw.Kernel):
+        need = set(kernel.needs_contiguous)
+
+        def run(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+            if need:
+                xs = [self.copy(x) if i in need and not x.is_contiguous() else x for i, x in enumerate(xs)]
+            return kernel.launch(xs)
+
+        return run
+
+    def __call__(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        block = self.fn.body.block
+        env: dict[SSAValue, torch.Tensor] = dict(zip(block.args, args, strict=True))
+        for st in self.steps:
+            outs = st.run([env[v] for v in st.inputs])
+            for r, t in zip(st.outputs, outs, strict=True):
+                env[r] = t
+        return [env[v] for v in self.returned]
+
+    def sources(self) -> dict[str, str]:
+        out = {}
+        for st in self.steps:
+            if st.kernel is not None:
+                out[st.kernel.name] = st.kernel.source
+        return out

@@ -1,0 +1,95 @@
+"""The configure stage: the Analytic Configurator writes ``#nova.lowering_config``
+on every op that becomes a kernel.
+
+The schedule is a pure function of the op's shapes, dtypes and layouts and of
+the target's device description (``nova.schedule.devices``); nothing is timed
+or searched (``docs/configurator.md`` gives the model). Layout ops (transpose,
+broadcast, slice, reshape) become strided views in the Triton backend and get
+no config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xdsl.context import Context
+from xdsl.dialects.builtin import DictionaryAttr, ModuleOp
+from xdsl.passes import ModulePass
+
+from nova.ir import dialect as nv
+from nova.ir.module import step_func
+from nova.ir.types import elem_of, numel, shape_of, to_torch_dtype
+from nova.schedule import configurator as cf
+from nova.schedule.config import LoweringConfig
+from nova.schedule.devices import DeviceSpec
+
+LAYOUT_OPS = (nv.TransposeOp, nv.BroadcastToOp, nv.SliceOp, nv.ReshapeOp)
+ROWWISE = {
+    nv.SoftmaxOp: "softmax", nv.LogSoftmaxOp: "softmax", nv.SoftmaxBackwardOp: "softmax_backward",
+    nv.LogSoftmaxBackwardOp: "softmax_backward", nv.LayerNormOp: "layer_norm",
+    nv.LayerNormBackwardOp: "layer_norm_backward", nv.CrossEntropyOp: "cross_entropy",
+    nv.CrossEntropyBackwardOp: "cross_entropy_backward", nv.ReduceSumOp: "sum", nv.ReduceMaxOp: "max",
+}  # fmt: skip
+PRECISION_PATH = {"fp32": "ieee", "tf32": "tf32", "bf16": "ieee"}
+
+
+def _swaps_last_two(v) -> bool:
+    op = v.owner
+    if not isinstance(op, nv.TransposeOp):
+        return False
+    perm = op.props()["perm"]
+    r = len(perm)
+    return r >= 2 and perm[-2:] == (r - 1, r - 2)
+
+
+def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringConfig | None:
+    if isinstance(op, LAYOUT_OPS):
+        return None
+    dt = to_torch_dtype(elem_of(op.results[0].type)) if op.results else None
+    if isinstance(op, nv.MatmulOp):
+        a, b = shape_of(op.operands[0].type), shape_of(op.operands[1].type)
+        out = shape_of(op.results[0].type)
+        in_dt = to_torch_dtype(elem_of(op.operands[0].type))
+        path = "bf16" if in_dt.itemsize == 2 else PRECISION_PATH[precision]
+        return cf.configure_matmul(
+            a[-2], b[-1], a[-1], numel(out[:-2]), in_dt, in_dt, dt, path,
+            "col" if _swaps_last_two(op.operands[0]) else "row",
+            "col" if _swaps_last_two(op.operands[1]) else "row", False, device,
+        )  # fmt: skip
+    if isinstance(op, (nv.AttentionOp, nv.AttentionBackwardOp)):
+        q = shape_of(op.operands[0 if isinstance(op, nv.AttentionOp) else 1].type)
+        in_dt = to_torch_dtype(elem_of(op.operands[0].type))
+        return cf.configure_attention(q[0], q[1], q[2], q[3], op.props()["causal"], in_dt, device)
+    if type(op) in ROWWISE:
+        x = shape_of(op.operands[1 if isinstance(op, (nv.LayerNormBackwardOp, nv.CrossEntropyBackwardOp)) else 0].type)
+        if isinstance(op, (nv.ReduceSumOp, nv.ReduceMaxOp)):
+            dims = op.props()["dims"]
+            cols = numel([x[d] for d in dims])
+        elif "dim" in op.PROPS:
+            cols = x[op.props()["dim"]]
+        else:
+            cols = x[-1]
+        rows = max(1, numel(x) // max(cols, 1))
+        return cf.configure_reduction(rows, cols, to_torch_dtype(elem_of(op.operands[0].type)), device, ROWWISE[type(op)])
+    shape = shape_of(op.results[0].type)
+    return cf.configure_elementwise(numel(shape), dt, len(op.operands), device)
+
+
+def config_attr(cfg: LoweringConfig) -> nv.LoweringConfigAttr:
+    return nv.LoweringConfigAttr(DictionaryAttr({k: nv.make_prop(v) for k, v in cfg.to_dict().items()}))
+
+
+@dataclass(frozen=True)
+class Configure(ModulePass):
+    name = "nova-configure"
+    device: DeviceSpec | None = None
+    precision: str = "fp32"
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        if self.device is None:
+            return  # the reference executor needs no schedules
+        for o in step_func(op).body.block.ops:
+            if isinstance(o, nv.NovaOp):
+                cfg = configure_op(o, self.device, self.precision)
+                if cfg is not None:
+                    o.attributes["nova.lowering_config"] = config_attr(cfg)
