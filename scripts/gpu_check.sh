@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one call on the device machine:
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests|gpt2|bench|all] 
+# Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
+# tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
+set -uo pipefail
+what=${1:-all}
+OUT=${OUT:-/tmp/nova-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 NOVA_CACHE_DIR=/tmp/nova-cache
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/gpu.txt"
+if [[ $what == tests || $what == all ]]; then
+  timeout 300 python3 -m pytest -q -x tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+fi
+if [[ $what == gpt2 || $what == all ]]; then
+  for p in fp32 tf32; do
+    timeout 240 python3 bench/gpt2_step.py --precision $p --steps 20 --out "$OUT" 2>&1 | tail -30
+  done
+fi
+if [[ $what == bench ]]; then
+  shift
+  python3 -m nova.cli.main bench matmul --out "$OUT" "$@" 2>&1 | tail -40
+fi
