@@ -106,6 +106,10 @@ def test_tma_descriptors_any_layout(device, config):
     b16 = torch.randn(48, N, device=device, dtype=torch.bfloat16)
     assert mm._tma_plan(config, a16[None], b16[None])[0] == mm.TmaLayout("row", "row", False, False)
     assert rel_err(mm.matmul(a16, b16, cfg=config, num_programs=3), reference(a16, b16)) < 1e-2
+    # an expanded (stride-0) batch is one matrix for the descriptor too
+    b_exp = torch.randn(K, N, device=device).expand(B, K, N)
+    assert mm._tma_plan(config, a, b_exp)[0] == mm.TmaLayout("col", "row", True, False)
+    assert rel_err(mm.matmul(a, b_exp, cfg=config, precision="ieee", num_programs=3), reference(a, b_exp)) < 1e-5
     # a stride TMA cannot address (33 * 4 bytes) falls back to the pointer kernel
     a_odd = torch.randn(K, 33, device=device).t()
     assert mm._tma_plan(config, a_odd[None], b.unsqueeze(0)) is None

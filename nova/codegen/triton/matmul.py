@@ -396,7 +396,7 @@ def _tma_operand(t3: torch.Tensor, k_dim: int, box: tuple[int, int]):
         layout, lead = "col", 2
     else:
         return None
-    batched = t3.shape[0] > 1
+    batched = t3.shape[0] > 1 and t3.stride(0) != 0  # an expanded batch is one matrix
     strides = ([t3.stride(0)] if batched else []) + [t3.stride(lead)]
     if t3.data_ptr() % 16 or any(st * elt % 16 for st in strides):
         return None
