@@ -56,7 +56,7 @@ def set_rng_state(state: dict, data_generator: torch.Generator) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(path: str | Path, *, model, optimizer, step: int, config: dict, rng: dict, history: dict) -> None:
+def save(path: str | Path, *, model, optimizer, step: int, config: dict, rng: dict, history: dict, meta: dict) -> None:
     payload = {
         "format": FORMAT,
         "step": step,
@@ -65,6 +65,7 @@ def save(path: str | Path, *, model, optimizer, step: int, config: dict, rng: di
         "optimizer": optimizer.state_dict(),
         "rng": rng,
         "history": history,
+        "meta": meta,  # facts to check on resume (e.g. a digest of the training text)
     }
     atomic_write(path, lambda f: torch.save(payload, f))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -224,9 +225,17 @@ def train(given: dict, resume: bool = False) -> dict:
     torch.set_num_threads(cfg.threads or available_cores())
     device = pick_device(cfg.device)
     try:
-        data = TextDataset.from_text(load_text(cfg.data), cfg.block_size)
+        text = load_text(cfg.data)
+        data = TextDataset.from_text(text, cfg.block_size)
     except DataError as e:
         raise UsageError(str(e)) from None
+    # Resuming on different text would silently continue a different run.
+    data_digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if saved is not None:
+        if saved["meta"]["data_sha256"] != data_digest:
+            raise UsageError(f"the training text differs from the checkpoint's ({cfg.data or 'built-in corpus'} changed)")
+        if saved["step"] > cfg.steps:
+            raise UsageError(f"the checkpoint is at step {saved['step']}, beyond --steps {cfg.steps}")
 
     torch.manual_seed(cfg.seed)
     model_cfg = GPTConfig(vocab_size=VOCAB_SIZE, block_size=cfg.block_size, n_layer=cfg.n_layer,
@@ -248,7 +257,7 @@ def train(given: dict, resume: bool = False) -> dict:
 
     def save_checkpoint(step: int) -> None:
         checkpoint.save(ckpt_path, model=model, optimizer=optimizer, step=step, config=dataclasses.asdict(cfg),
-                        rng=checkpoint.rng_state(data_gen), history=history)
+                        rng=checkpoint.rng_state(data_gen), history=history, meta={"data_sha256": data_digest})
 
     print(f"nova train: {model.num_params() / 1e6:.2f}M params, engine {cfg.engine}"
           + (f" (backend {cfg.backend}, {cfg.precision})" if cfg.engine == "nova" else f" ({cfg.precision})")

@@ -43,7 +43,6 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.n_embd = config.n_embd
-        self.dropout = config.dropout
         self.attention = config.attention
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -62,8 +61,10 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, hd).transpose(1, 2)
         v = v.view(B, T, self.n_head, hd).transpose(1, 2)
         if self.attention == "sdpa":
-            p = self.dropout if self.training else 0.0
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            # No dropout_p: the fused op draws its mask inside, from torch's RNG
+            # stream, which Nova's counter-based dropout cannot reproduce (and its
+            # capture rejects). Attention-probability dropout is "manual" only.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
             att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))

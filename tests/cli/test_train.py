@@ -88,3 +88,22 @@ def test_progress_bar_redraws_one_line():
     quiet = io.StringIO()
     ProgressBar(3, stream=quiet).update(1, 2.0, None)  # StringIO is not a terminal: no bar
     assert quiet.getvalue() == ""
+
+
+def test_nova_engine_matches_eager(tmp_path):
+    # The harness drives the compiled step exactly as it drives eager PyTorch.
+    args = ["--steps", "6", "--eval-interval", "3", "--dropout", "0.0"]
+    eager = train(tmp_path / "eager", *args)
+    compiled = train(tmp_path / "nova", *args, "--engine", "nova", "--backend", "reference")
+    for (s1, l1), (s2, l2) in zip(eager["train_loss"], compiled["train_loss"], strict=True):
+        assert s1 == s2 and l2 == pytest.approx(l1, rel=1e-4)
+    assert compiled["engine"] == "nova"
+
+
+def test_resume_rejects_changed_data(tmp_path, capsys):
+    data = tmp_path / "d.txt"
+    data.write_text("abcdefghij" * 100)
+    train(tmp_path / "out", "--data", str(data), "--steps", "4", "--stop-at", "2")
+    data.write_text("klmnopqrst" * 100)
+    assert main(["train", *TINY, "--out", str(tmp_path / "out"), "--resume"]) == 2
+    assert "training text differs" in capsys.readouterr().err
