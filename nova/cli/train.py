@@ -42,8 +42,10 @@ StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass
 class TrainConfig:
-    """Every setting of a run. The defaults are the no-flag run: sized to finish
-    in about 1-1.5 minutes of eager PyTorch on 2 CPU cores with a clear fall in loss."""
+    """Every setting of a run. The defaults are the no-flag run, sized for a 3-minute
+    budget on 2 CPU cores. Measured on 2 idle cores: 57 s with --engine eager,
+    100 s with the nova engine on its reference backend; val loss 5.56 -> 0.30
+    nats/byte, against a unigram entropy of 3.04."""
 
     data: str | None = None  # None: the built-in corpus
     steps: int = 600
@@ -107,7 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt-interval", type=int, default=S, help=f"steps between checkpoints (default {d.ckpt_interval})")
     p.add_argument("--stop-at", type=int, default=S, metavar="STEP",
                    help="stop after this step as if interrupted (checkpoint written); the LR schedule still spans --steps")
-    p.add_argument("--threads", type=int, default=S, help="CPU threads for torch (default: available cores)")
+    p.add_argument("--threads", type=int, default=S,
+                   help="CPU threads for torch (default: available cores; on a busy machine use fewer, "
+                   "as OpenMP threads that spin-wait for a shared core slow every kernel several-fold)")
     p.add_argument("--out", metavar="DIR", default=S, help=f"output directory (default {d.out})")
     p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
 
