@@ -7,11 +7,12 @@ For every shape M, N, K in {128, 512, 2048, 8192} (64 shapes) and each precision
 * nova:    the kernel with the Analytic Configurator's config, the configurator
            call timed with time.perf_counter (first call for that shape);
 * cublas:  torch.matmul (allow_tf32 on for tf32);
-* search:  the whole space of 121 (tf32) / 137 (bf16) configs of the same
+* search:  the whole space of 144 (tf32) / 157 (bf16) configs of the same
            template (tiles, BLOCK_K, warps, stages, group_m, split_k, persistent,
-           TMA; fewer where a shape makes configs equivalent, never fewer than 96),
-           each timed briefly; the 3 fastest are re-timed like the other two and
-           checked for accuracy, the best of them is the "searched best".
+           TMA or pointer loads; fewer where a shape makes configs equivalent,
+           never fewer than 120), each timed briefly; the 3 fastest are re-timed
+           like the other two and checked for accuracy; the best of them is the
+           "searched best".
 
 Timing: CUDA-graph replay of many calls, median over repetitions, warm-up
 excluded, on torch.randn inputs rotated over as many input sets as it takes to
@@ -67,7 +68,7 @@ MAX_INPUT_SETS = 32
 SMEM_BUDGET = 200 * 1024  # operand ring buffers; H200 allows 227 KiB per block, the rest is epilogue headroom
 # (graph length in ms, most calls in one graph, replays): capturing costs one Python
 # launch (~tens of us) per call, so the brief search timings keep graphs short
-SEARCH_TIMING = (0.25, 64, 3)
+SEARCH_TIMING = (0.2, 32, 3)
 FINAL_TIMING = (2.0, 256, 15)  # nova, cublas and the search finalists
 FINALISTS = 3
 WITHIN = 0.03  # "within 3% of the searched best"
@@ -86,40 +87,47 @@ def _cfg(bm, bn, bk, warps, stages, group_m=8, split_k=1, persistent=False, tma=
 
 
 def search_space(precision: str) -> list[LoweringConfig]:
-    """The brute-force space: every tile shape wgmma serves well, with the warps that
-    fit it, the BLOCK_K x stages rings that fit shared memory; plus split-K for the
-    smaller tiles, group_m=1, persistent and TMA variants of the common tiles.
-    Shuffled with a fixed seed, so a --search-budget below its size is an unbiased sample."""
+    """The brute-force space over the template's knobs. Core: every wgmma-sized tile
+    with the warps that fit it and every BLOCK_K x stages ring that fits shared
+    memory, on the TMA path (the configurator's path on Hopper). Around it: the
+    pointer path for the common tiles, small mma tiles for launch-bound shapes,
+    split-K, GROUP_M 1..16 and persistent grids. Shuffled with a fixed seed, so a
+    --search-budget below its size is an unbiased sample."""
     elt = 4 if precision == "tf32" else 2
     bks = (32, 64) if elt == 4 else (32, 64, 128)
+    bk = bks[0] if elt == 4 else 64  # the usual choice, for the variants around the core
     tiles = [(64, 64), (64, 128), (128, 64), (128, 128), (64, 256), (256, 64), (128, 256), (256, 128)]
     space: list[LoweringConfig] = []
 
     def add(bm, bn, bk, warps, stages, **kw):
-        if stages * (bm + bn) * bk * elt <= SMEM_BUDGET:
-            space.append(_cfg(bm, bn, bk, warps, stages, **kw))
+        cfg = _cfg(bm, bn, bk, warps, stages, **kw)
+        if stages * (bm + bn) * bk * elt <= SMEM_BUDGET and cfg not in space:
+            space.append(cfg)
 
-    for bm, bn in tiles:
+    for bm, bn in tiles:  # core
         area = bm * bn
         warp_choices = (4,) if area <= 64 * 64 else (4, 8) if area <= 128 * 128 else (8,)
-        for bk in bks:
+        for k in bks:
             for warps in warp_choices:
                 for stages in (2, 3, 4, 5) if elt == 4 else (3, 4, 5):
-                    add(bm, bn, bk, warps, stages)
+                    add(bm, bn, k, warps, stages, tma=True)
+    for bm, bn, warps in [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (128, 256, 8), (256, 128, 8)]:
+        for stages in (3, 4):  # pointer loads (cp.async) instead of TMA
+            add(bm, bn, bk, warps, stages)
+    for bm, bn in [(16, 16), (32, 32), (32, 64), (64, 32)]:  # mma tiles for tiny shapes
+        for stages in (2, 3):
+            add(bm, bn, 64, 4, stages, tma=True)
+            add(bm, bn, 64, 4, stages)
     for bm, bn in [(64, 64), (64, 128), (128, 64), (128, 128)]:
         for split_k in (2, 4, 8):
             for stages in (3, 4):
-                add(bm, bn, 64, 4, stages, split_k=split_k)
-    bk = 32 if elt == 4 else 64
-    for bm, bn, warps in [(128, 128, 4), (128, 128, 8), (128, 256, 8), (64, 128, 4)]:
-        add(bm, bn, bk, warps, 3, group_m=1)
-        add(bm, bn, bk, warps, 3, persistent=True)
-    for bm, bn, warps in [(64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (128, 256, 8), (256, 128, 8)]:
-        for stages in (3, 4):
-            add(bm, bn, bk, warps, stages, tma=True)
+                add(bm, bn, bk, 4, stages, split_k=split_k, tma=True)
     for bm, bn, warps in [(128, 128, 8), (128, 256, 8)]:
-        add(bm, bn, bk, warps, 3, tma=True, persistent=True)
-        add(bm, bn, bk, warps, 4, tma=True, persistent=True)
+        for group_m in (1, 2, 4, 16):
+            add(bm, bn, bk, warps, 3, group_m=group_m, tma=True)
+    for bm, bn, warps in [(64, 128, 4), (128, 128, 8), (128, 256, 8), (256, 128, 8)]:
+        for stages in (3, 4):
+            add(bm, bn, bk, warps, stages, persistent=True, tma=True)
     random.Random(0).shuffle(space)
     return space
 
@@ -637,8 +645,8 @@ def _precisions(text: str) -> tuple[str, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--part", type=_part, default=(1, 1), metavar="I/N", help="run the I-th of N interleaved subsets of the shapes")
-    p.add_argument("--search-budget", type=int, default=150, metavar="N",
-                   help="most configs searched per shape (default 150: the whole space, >= 100 configs; 0: no search)")
+    p.add_argument("--search-budget", type=int, default=200, metavar="N",
+                   help="most configs searched per shape (default 200: the whole space, >= 120 configs; 0: no search)")
     p.add_argument("--precisions", type=_precisions, default=PRECISIONS, metavar="LIST", help="tf32,bf16 (default both)")
     p.add_argument("--quick", action="store_true", help=f"{len(QUICK_SHAPES)} representative shapes instead of 64")
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench/results; a temp dir for --dry-run)")

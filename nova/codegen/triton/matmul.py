@@ -27,6 +27,13 @@ Design choices, and why:
 * Persistent: ``grid = min(#SMs, #work items)`` programs loop over work items; the
   work item order (tile fastest, then split, then batch) is the same as the
   one-program-per-tile grid, so both walk tiles in the same L2-friendly order.
+* TMA (``"tma" in cfg.instruction``): A and B tiles come through host-built tensor
+  descriptors (Hopper's Tensor Memory Accelerator; out-of-bounds boxes read as zeros,
+  so no load masks). An operand needs one contiguous dim of its last two (a
+  column-major operand is loaded as the transposed box and flipped in registers) and
+  16-byte aligned base and strides; when either operand does not qualify, the
+  pointer kernel runs instead, which takes any strides. C is always stored through
+  pointers (any strides, masked edges).
 """
 
 from __future__ import annotations
@@ -355,9 +362,11 @@ def split_k_plan(K: int, cfg: LoweringConfig) -> tuple[int, int]:
     return k_split, cdiv(K, k_split)
 
 
+@functools.lru_cache(maxsize=None)
 def device_spec(device: torch.device):
     """The configurator's description of ``device``; the H200 for CPU tensors (the
-    interpreter stands in for the GPU the kernels are tuned for)."""
+    interpreter stands in for the GPU the kernels are tuned for). Cached: it reads
+    the driver's device properties."""
     from nova.schedule.devices import DEVICES, from_torch_device
 
     return from_torch_device(device) if device.type == "cuda" else DEVICES["H200"]
