@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 @dataclass(frozen=True)
 class LoweringConfig:
     kind: str  # "matmul" | "reduction" | "elementwise" | "attention" | ...
-    # contractions
+    # contractions (reductions reuse block_m = rows per program, split_k = programs per row)
     block_m: int = 0
     block_n: int = 0
     block_k: int = 0
@@ -24,7 +24,7 @@ class LoweringConfig:
     block: int = 0  # reductions / elementwise: elements per program along the fast axis
     num_warps: int = 4
     num_stages: int = 1
-    # instruction path, e.g. "wgmma+tma", "mma", "fma"
+    # instruction path, e.g. "wgmma+tma", "mma", "fma"; "simt" for non-contractions
     instruction: str = "mma"
     # why: the regime the configurator classified the op into, e.g. "compute-bound"
     regime: str = ""

@@ -1,0 +1,637 @@
+"""The Analytic Configurator: from an op's shapes, dtypes and layouts and a
+``DeviceSpec`` to a ``LoweringConfig``, by arithmetic alone.
+
+No search over timed candidates, no timing, no randomness: every choice follows
+from a formula over the shape and the device's numbers, and every threshold below
+names the hardware fact (or the measurement) it comes from. ``docs/configurator.md``
+states the whole model with its equations; keep the two in step.
+
+Entry points: ``configure_matmul`` (and ``plan_matmul``, which also returns the
+intermediate quantities), ``configure_reduction``, ``configure_elementwise``,
+``configure_attention``; ``CONFIGURATORS`` maps a kernel kind to its function.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nova.schedule.config import LoweringConfig
+from nova.schedule.devices import DEVICES, KiB, DeviceSpec, lookup
+
+# --------------------------------------------------------------------------- hardware facts
+# Each constant is a fact of the hardware or of the compiler, not a tuning knob.
+
+LINE_BYTES = 128  # L2 cache line; also the widest shared-memory swizzle of wgmma / TMA
+VECTOR_BYTES = 16  # widest per-thread global load (ld.global.v4.b32 / 128-bit)
+WARPGROUP = 4  # warps in a wgmma warpgroup = the 4 SM sub-partitions, one warp each
+WGMMA_M = 64  # rows of one wgmma instruction: BLOCK_M must be a multiple on that path
+MIN_DOT = 16  # tl.dot: every block dim a power of two >= 16
+MAX_BOX = 256  # TMA box and wgmma N: at most 256 elements along a dim
+MAX_STAGES = 5  # the deepest ring nova bench's matmul search times; deeper only adds bytes in flight
+MAX_WARPS = 8  # 8 warps x 32 threads x ~230 registers (the 128-register accumulators
+# measured below) is ~59K of the 64K-register file: one such block per SM
+# Register model of the Triton 3.6 matmul template, per instruction family, from
+# `cuobjdump --dump-resource-usage` of offline builds (ptxas for sm_90a / sm_80 / sm_86;
+# "acc" = fp32 accumulator registers per thread = BM BN / (32 warps)):
+#   wgmma: acc 16 -> 48-56 regs, 32 -> 64-72, 64 -> 117-128, 128 -> 193-232
+#   mma:   acc 2-8 -> 37-54, 16 -> 54-72, 32 -> 80-128, 64 -> 128-188,
+#          128 -> 237-255 (at the 255 cap in 2 of 4 builds, with a 16-byte stack frame)
+#   fma:   acc 32 -> 96-128, 64 -> 168-188
+# so the accumulator budget per thread is 128 registers on wgmma and 64 on mma / fma
+# (the largest below the 255 cap with room to spare), and regs ~= a * acc + b fits
+# every build of its family within -25% / +27%: (budget, a, b)
+REG_MODEL = {"wgmma": (128, 1.5, 32), "mma": (64, 1.75, 40), "fma": (64, 1.75, 40)}
+REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256 ([CG], cc >= 5)
+# shared memory bookkeeping: Triton 3.6's sm_90 cubins declare 1 KiB of static shared
+# memory (cuobjdump: SHARED:1024) on top of the dynamic ring; the driver also reserves
+# 1 KiB per resident block ([CG] cc >= 8.0: smem_per_sm - smem_per_block = 1 KiB).
+# The TMA variant adds its mbarriers next to the ring (measured: 32-56 bytes above
+# the ring at 4-5 stages), so every ring budget keeps BARRIER_SMEM free: room for 16
+# eight-byte mbarriers, two per stage at MAX_STAGES plus the epilogue's
+STATIC_SMEM = 1 * KiB
+SYSTEM_SMEM_PER_BLOCK = 1 * KiB
+BARRIER_SMEM = 128
+
+PRECISIONS = ("ieee", "tf32", "bf16")
+_ELT = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+_ALIASES = {
+    "f64": "float64", "fp64": "float64", "double": "float64",
+    "f32": "float32", "fp32": "float32", "float": "float32",
+    "bf16": "bfloat16", "f16": "float16", "fp16": "float16", "half": "float16",
+}  # fmt: skip
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2_ceil(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, int(x)).bit_length() - 1)
+
+
+def dtype_name(dtype) -> str:
+    """Canonical name of a torch dtype or a string spelling of one."""
+    name = str(dtype).removeprefix("torch.")
+    name = _ALIASES.get(name, name)
+    if name not in _ELT:
+        raise ValueError(f"configurator: unsupported dtype {dtype!r}; supported: {sorted(_ELT)}")
+    return name
+
+
+def _device(device) -> DeviceSpec:
+    if isinstance(device, DeviceSpec):
+        return device
+    if isinstance(device, str):
+        spec = lookup(device)
+        if spec is not None:
+            return spec
+        raise ValueError(f"configurator: unknown device {device!r}; known: {sorted(DEVICES)}")
+    raise TypeError(f"configurator: device must be a DeviceSpec or a DEVICES key, got {type(device).__name__}")
+
+
+def _positive(**dims: int) -> None:
+    for k, v in dims.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"configurator: {k} must be a positive int, got {v!r}")
+
+
+def arithmetic_path(dtype_a, dtype_b, precision: str) -> str:
+    """Which peak the contraction runs at: "bf16" | "tf32" | "fp32" | "fp64".
+    16-bit operands use the 16-bit tensor cores whatever ``precision`` says;
+    fp32 operands follow ``precision``; any fp64 operand means fp64 FMA."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"configurator: precision must be one of {PRECISIONS}, got {precision!r}")
+    names = {dtype_name(dtype_a), dtype_name(dtype_b)}
+    if "float64" in names:
+        return "fp64"
+    if names <= {"bfloat16", "float16"}:
+        return "bf16"
+    return {"ieee": "fp32", "tf32": "tf32", "bf16": "bf16"}[precision]
+
+
+def _tensor_cores(dev: DeviceSpec, path: str) -> bool:
+    # tf32 and bf16 mma exist from sm_80 (Ampere) on
+    return path in ("bf16", "tf32") and dev.compute_capability >= (8, 0)
+
+
+def _regs_per_thread(family: str, acc_regs: float) -> int:
+    _, a, b = REG_MODEL[family]
+    return min(255, math.ceil(a * acc_regs + b))
+
+
+def _occupancy_without_smem(dev: DeviceSpec, warps: int, regs: int) -> int:
+    """Blocks per SM the registers, the thread limit and the block limit allow."""
+    per_warp = _cdiv(regs * dev.warp_size, REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    by_regs = dev.regs_per_sm // (per_warp * warps)
+    by_threads = dev.max_threads_per_sm // (warps * dev.warp_size)
+    return max(1, min(by_regs, by_threads, dev.max_blocks_per_sm))
+
+
+def _smem_limit(dev: DeviceSpec, blocks: int) -> int:
+    """Dynamic shared memory one block may use when ``blocks`` share an SM."""
+    share = dev.smem_per_sm // blocks - SYSTEM_SMEM_PER_BLOCK
+    return min(dev.smem_per_block, share) - STATIC_SMEM - BARRIER_SMEM
+
+
+def _blocks_by_smem(dev: DeviceSpec, smem: int) -> int:
+    return max(1, dev.smem_per_sm // (smem + BARRIER_SMEM + STATIC_SMEM + SYSTEM_SMEM_PER_BLOCK))
+
+
+# --------------------------------------------------------------------------- matmul
+
+
+@dataclass(frozen=True)
+class MatmulPlan:
+    """The configurator's decision with the quantities it was derived from."""
+
+    config: LoweringConfig
+    path: str  # arithmetic path: bf16 | tf32 | fp32 | fp64
+    flops: int  # 2 M N K batch
+    bytes: int  # compulsory DRAM traffic: A, B, C (and bias) once
+    ai_flop_per_byte: float
+    ai_flop_per_element: float
+    ridge: float  # device peak / bandwidth for this path, FLOP/byte
+    tiles: int  # output tiles (x batch)
+    work_items: int  # tiles x split_k
+    blocks_per_sm: int  # occupancy of the chosen config
+    waves: float  # work_items / (sm_count * blocks_per_sm)
+    wave_efficiency: float  # waves / ceil(waves)
+    smem_bytes: int  # dynamic shared memory: max(operand ring, epilogue tile)
+    regs_per_thread: int  # estimate (REG_MODEL)
+
+
+# Tile ladder, smallest to largest (long side, short side). Each step halves the
+# area; the long side goes along the longer of M and N.
+_LADDER = ((16, 16), (32, 16), (32, 32), (64, 32), (64, 64), (128, 64), (128, 128), (256, 128))
+_FLOOR = _LADDER.index((64, 64))  # see plan_matmul, step 4
+
+
+def _oriented(rung: int, M: int, N: int) -> tuple[int, int]:
+    long, short = _LADDER[rung]
+    bm, bn = (short, long) if N >= M else (long, short)
+    # a tile wider than the matrix only computes padding
+    return min(bm, max(MIN_DOT, _pow2_ceil(M))), min(bn, max(MIN_DOT, _pow2_ceil(N)))
+
+
+def _warps(bm: int, bn: int, acc_words: int, family: str) -> int:
+    """Fewest warps (>= 4: one per SM sub-partition) that keep the accumulator within
+    the family's per-thread register budget; on the wgmma path also one warpgroup
+    per 64 rows, up to two."""
+    budget = REG_MODEL[family][0]
+    warps = max(WARPGROUP, _pow2_ceil(_cdiv(bm * bn * acc_words, 32 * budget)))
+    if family == "wgmma":
+        warps = max(warps, WARPGROUP * min(2, bm // WGMMA_M))
+    return min(MAX_WARPS, warps)
+
+
+@dataclass(frozen=True)
+class _Tile:
+    """A tile shape with what follows from it on one device."""
+
+    bm: int
+    bn: int
+    family: str  # instruction family: wgmma | mma | fma
+    warps: int
+    regs: int  # estimated registers per thread
+    blocks: int  # blocks per SM the registers / threads / block limit allow
+    stage_bytes: int  # one K-step of A and B in shared memory
+
+
+def plan_matmul(
+    M: int,
+    N: int,
+    K: int,
+    batch: int,
+    dtype_a,
+    dtype_b,
+    out_dtype,
+    precision: str,
+    a_layout: str = "row",
+    b_layout: str = "row",
+    has_bias: bool = False,
+    device=None,
+) -> MatmulPlan:
+    """``configure_matmul`` with its reasoning. Steps 1-9 are the sections of
+    docs/configurator.md, "Matmul"."""
+    _positive(M=M, N=N, K=K, batch=batch)
+    dev = _device(device if device is not None else "H200")
+    for name, lay in (("a_layout", a_layout), ("b_layout", b_layout)):
+        if lay not in ("row", "col", "strided"):
+            raise ValueError(f"configurator: {name} must be 'row', 'col' or 'strided', got {lay!r}")
+    path = arithmetic_path(dtype_a, dtype_b, precision)
+    ea, eb = _ELT[dtype_name(dtype_a)], _ELT[dtype_name(dtype_b)]
+    eo = _ELT[dtype_name(out_dtype)]
+    acc_words = 2 if path == "fp64" else 1  # 32-bit registers per accumulator element
+    tensor = _tensor_cores(dev, path)
+    S = dev.sm_count
+    peak, bw = dev.flops(path), dev.mem_bandwidth
+
+    # 1. roofline: arithmetic intensity against the ridge point
+    flops = 2 * M * N * K * batch
+    elements = batch * (M * K + K * N + M * N)
+    nbytes = batch * (M * K * ea + K * N * eb + M * N * eo) + (N * eo if has_bias else 0)
+    ai, ridge = flops / nbytes, peak / bw
+
+    # 2. BLOCK_K: one 128-byte line of K per operand row, no longer than K itself
+    bk = min(max(MIN_DOT, LINE_BYTES // max(ea, eb)), max(MIN_DOT, _pow2_ceil(K)))
+    k_steps = _cdiv(K, bk)
+    smem_budget = _smem_limit(dev, 1)
+
+    def tile(rung: int) -> _Tile:
+        bm, bn = _oriented(rung, M, N)
+        family = "fma" if not tensor else "wgmma" if dev.has_wgmma and bm % WGMMA_M == 0 else "mma"
+        warps = _warps(bm, bn, acc_words, family)
+        regs = _regs_per_thread(family, bm * bn * acc_words / (warps * 32))
+        blocks = _occupancy_without_smem(dev, warps, regs)
+        return _Tile(bm, bn, family, warps, regs, blocks, (bm * ea + bn * eb) * bk)
+
+    def fits(t: _Tile) -> bool:
+        # two stages (double buffering, the least a pipelined K loop needs) in one
+        # block's shared memory; the epilogue may stage the fp32 output tile through
+        # shared memory after the loop (measured on sm_90: shared = max(ring, tile)),
+        # so it is bounded separately; the accumulator fits MAX_WARPS warps' budget
+        return (
+            2 * t.stage_bytes <= smem_budget
+            and t.bm * t.bn * 4 <= smem_budget
+            and t.bm * t.bn * acc_words <= MAX_WARPS * 32 * REG_MODEL[t.family][0]
+        )
+
+    def n_tiles(t: _Tile) -> int:
+        return _cdiv(M, t.bm) * _cdiv(N, t.bn) * batch
+
+    def stages(t: _Tile, steps: int, items: int) -> int:
+        # fill the shared memory of the blocks that will share an SM (the bytes in
+        # flight per SM, blocks x (stages - 1) x stage, hide the load latency: Little's
+        # law), up to MAX_STAGES and no more than the K-steps; one stage when there is
+        # a single K-step (nothing to overlap)
+        if steps <= 1:
+            return 1
+        resident = min(t.blocks, _cdiv(items, S), _blocks_by_smem(dev, 2 * t.stage_bytes))
+        fit = _smem_limit(dev, resident) // t.stage_bytes
+        return max(2, min(fit, steps, MAX_STAGES))
+
+    rungs = [r for r in range(len(_LADDER)) if fits(tile(r))]
+    if not rungs:
+        raise ValueError(f"configurator: no matmul tile fits {dev.name}'s {dev.smem_per_block} bytes of shared memory")
+
+    def smaller(r: int) -> int | None:
+        """The next smaller rung that is a different tile on this shape."""
+        here = _oriented(r, M, N)
+        return next((s for s in reversed(rungs) if s < r and _oriented(s, M, N) != here), None)
+
+    # 3. the largest tile worth having: the smallest rung whose operand intensity
+    # 2 BM BN / (BM ea + BN eb) reaches the ridge (its operands could then stream
+    # from DRAM as fast as the SM computes on them), else the largest that fits
+    rung = rungs[-1]
+    for r in rungs:
+        bm, bn = _oriented(r, M, N)
+        if 2 * bm * bn / (bm * ea + bn * eb) >= ridge:
+            rung = r
+            break
+
+    # 4. fill the machine: a tile runs on one SM; while there are at most S/2 tiles,
+    # halving the tile doubles them and they still run in one wave, so every SM
+    # does half the work. Not below the 64x64 floor (one wgmma M=64 warpgroup, and
+    # the 4 warps of a block each own a 32x32 accumulator): there split-K (5) is
+    # preferred, as it keeps the tile's intensity
+    while n_tiles(tile(rung)) * 2 <= S:
+        nxt = smaller(rung)
+        if nxt is None or nxt < _FLOOR:
+            break
+        rung = nxt
+    t = tile(rung)
+    tiles = n_tiles(t)
+
+    # 5. split-K. Model: a tile's whole K takes tau = 2 BM BN K / (peak / S) on one
+    # SM; W = ceil(tiles s / S) waves of tau / s each; the fp32 partials cost
+    # c = 8 M N batch / bw per split (4 bytes written, 4 read back per output element):
+    #     T(s) = ceil(tiles s / S) tau / s + c s   (s > 1),   T(1) = ceil(tiles / S) tau.
+    # Single wave with half the SMs idle (tiles <= S/2): T(s) = tau / s + c s is least at
+    # s* = sqrt(tau / c); s is also bounded by one wave (tiles s <= S) and by >= 2
+    # K-steps per split (so a load can overlap an MMA). Several waves whose last one
+    # is at most half full: s = 2 halves that tail (ceil(2w) / 2 < ceil(w)). Either
+    # way a split is taken only where the model says T(s) < T(1).
+    tau = 2 * t.bm * t.bn * K / (peak / S)
+    c = 8 * M * N * batch / bw
+
+    def model_time(s: int) -> float:
+        return math.ceil(tiles * s / S) * tau / s + (c * s if s > 1 else 0.0)
+
+    tail = tiles / S - tiles // S
+    if tiles * 2 <= S:
+        s = min(S // tiles, k_steps // 2, int(math.sqrt(tau / c)))
+    elif 0 < tail <= 0.5 and k_steps >= 4:
+        s = 2
+    else:
+        s = 1
+    split = 1
+    if s >= 2 and model_time(s) < model_time(1):
+        k_split = _cdiv(_cdiv(K, s), bk) * bk  # whole BLOCK_Ks per split, as the launcher does
+        split = _cdiv(K, k_split)
+
+    # 6. launch-bound: at most S/2 work items and K too short to split; tiles smaller
+    # than the floor are then the only way to reach more SMs
+    launch_bound = False
+    while split == 1 and n_tiles(tile(rung)) * 2 <= S:
+        nxt = smaller(rung)
+        if nxt is None:
+            break
+        rung, launch_bound = nxt, True
+    t = tile(rung)
+    tiles = n_tiles(t)
+    items = tiles * split
+    num_stages = stages(t, _cdiv(_cdiv(K, split), bk), items)
+    smem = max(num_stages * t.stage_bytes, t.bm * t.bn * 4)
+    blocks = min(t.blocks, _blocks_by_smem(dev, smem))
+    waves = items / (S * blocks)
+
+    # 7. GROUP_M: consecutive tiles walk GROUP_M rows of tiles column by column, so
+    # the W = S x blocks tiles in flight cover G rows x W/G columns and read
+    # G BM + (W/G) BN operand rows: fewest at G = sqrt(W BN / BM). The group's G
+    # A-panels (BM x K each) are reused along the whole group, so they must stay in
+    # L2: at most half of it (the other half for the B panels streaming through and C).
+    # Rounded down to a power of two: GROUP_M is part of the kernel text, and fewer
+    # distinct values mean fewer compiled kernels across shapes
+    g_traffic = math.sqrt(S * blocks * t.bn / t.bm)
+    g_l2 = dev.l2_bytes // 2 // (t.bm * _cdiv(K, split) * ea)
+    group_m = _pow2_floor(max(1, min(g_traffic, g_l2, _cdiv(M, t.bm))))
+
+    # 8. persistent grid (#SMs programs looping over work items) when every program
+    # gets >= 2 items, so block launch and setup are paid once per SM rather than
+    # once per tile; only at one block per SM, as the grid is sized to the SMs
+    persistent = blocks == 1 and items >= 2 * S
+
+    # 9. instruction path: TMA needs a contiguous dim in each operand. Layouts change
+    # nothing else: a 16-element tile side is >= one 32-byte L2 sector in every dtype
+    instruction = t.family
+    if t.family == "wgmma" and dev.has_tma and a_layout != "strided" and b_layout != "strided":
+        instruction = "wgmma+tma"
+
+    regime = "launch-bound" if launch_bound else "compute-bound" if ai >= ridge else "memory-bound"
+    cfg = LoweringConfig(
+        kind="matmul",
+        block_m=t.bm,
+        block_n=t.bn,
+        block_k=bk,
+        group_m=group_m,
+        split_k=split,
+        persistent=persistent,
+        num_warps=t.warps,
+        num_stages=num_stages,
+        instruction=instruction,
+        regime=regime,
+    )
+    return MatmulPlan(
+        config=cfg,
+        path=path,
+        flops=flops,
+        bytes=nbytes,
+        ai_flop_per_byte=ai,
+        ai_flop_per_element=flops / elements,
+        ridge=ridge,
+        tiles=tiles,
+        work_items=items,
+        blocks_per_sm=blocks,
+        waves=waves,
+        wave_efficiency=waves / math.ceil(waves),
+        smem_bytes=smem,
+        regs_per_thread=t.regs,
+    )
+
+
+def configure_matmul(
+    M: int,
+    N: int,
+    K: int,
+    batch: int,
+    dtype_a,
+    dtype_b,
+    out_dtype,
+    precision: str,
+    a_layout: str = "row",
+    b_layout: str = "row",
+    has_bias: bool = False,
+    device=None,
+) -> LoweringConfig:
+    """The LoweringConfig for C[batch, M, N] = A[batch, M, K] @ B[batch, K, N] (+ bias).
+
+    ``precision`` ("ieee" | "tf32" | "bf16") says how fp32 operands enter the
+    tensor cores; layouts are "row" (last dim contiguous), "col" (transposed) or
+    "strided"; ``device`` is a DeviceSpec or a DEVICES key (default "H200")."""
+    return plan_matmul(
+        M, N, K, batch, dtype_a, dtype_b, out_dtype, precision, a_layout, b_layout, has_bias, device
+    ).config
+
+
+# --------------------------------------------------------------------------- streaming kernels
+# Reductions and elementwise kernels do O(1) FLOP per byte, far below every ridge
+# point: they are bound by DRAM bandwidth (or by launch latency when small), and
+# the schedule's job is to keep enough bytes in flight with full-width loads.
+
+MAX_REDUCTION_WARPS = 16  # 512 threads: 3 blocks fit sm_86's 1536 threads, 4 the 2048 of sm_80/90
+VALUES_PER_THREAD = 2  # 16-byte vectors each thread loads before using any (a choice: two loads in flight)
+# a row kept in registers (single pass) may use a quarter of the register file: 16K fp32
+# values = 32 per thread at 16 warps, so four such blocks fill registers and threads alike
+ROW_REGS_FRACTION = 4
+# kinds whose result needs the whole row twice (normalise after reducing): single pass
+# keeps the row in registers; longer rows loop over it again
+ROW_KINDS = ("softmax", "log_softmax", "layernorm", "rmsnorm", "cross_entropy", "var")
+SPLITTABLE_KINDS = ("sum", "mean", "max", "min", "amax", "amin", "sumsq", "norm")
+REDUCTION_KINDS = ROW_KINDS + SPLITTABLE_KINDS
+
+
+def _min_warps(dev: DeviceSpec) -> int:
+    """Fewest warps per block that can still fill an SM's threads within its block
+    limit: max_threads_per_sm / (max_blocks_per_sm x 32) = 2 on sm_80/90, 3 -> 4 on sm_86."""
+    return _pow2_ceil(_cdiv(dev.max_threads_per_sm, dev.max_blocks_per_sm * dev.warp_size))
+
+
+def configure_reduction(rows: int, cols: int, dtype, device, kind: str = "sum") -> LoweringConfig:
+    """Reduce each of ``rows`` rows of ``cols`` contiguous elements (``kind``: one of
+    REDUCTION_KINDS). ``block`` = columns per program step, ``block_m`` = rows per
+    program, ``split_k`` = programs per row (a second pass combines them; only for
+    SPLITTABLE_KINDS), ``num_stages`` 2 when the row is looped over (the next chunk's
+    loads overlap the current chunk's arithmetic)."""
+    _positive(rows=rows, cols=cols)
+    if kind not in REDUCTION_KINDS:
+        raise ValueError(f"configurator: unknown reduction kind {kind!r}; expected one of {REDUCTION_KINDS}")
+    dev = _device(device)
+    elt = _ELT[dtype_name(dtype)]
+    acc_words = 2 if elt == 8 else 1  # fp64 accumulates in fp64, everything else in fp32
+    S = dev.sm_count
+    vec = VECTOR_BYTES // elt  # elements per 16-byte load
+    per_thread = VALUES_PER_THREAD * vec
+    single_max = dev.regs_per_sm // ROW_REGS_FRACTION // acc_words  # row elements held in registers
+
+    width = max(vec, _pow2_ceil(cols))
+    looped = width > single_max
+    block = min(width, single_max)
+    if looped:
+        # chunks of one full block of 16-byte vectors: MAX warps x 32 x VALUES_PER_THREAD vectors
+        block = MAX_REDUCTION_WARPS * 32 * per_thread
+    # short rows: pack rows into a program until _min_warps warps each have one
+    # 16-byte load, while keeping at least one program per SM
+    lanes = _min_warps(dev) * 32 * vec
+    rows_per_prog = 1
+    if block < lanes:
+        rows_per_prog = max(1, min(lanes // block, _pow2_floor(max(1, rows // S))))
+    tile = block * rows_per_prog
+    warps = max(1, min(MAX_REDUCTION_WARPS, tile // (32 * per_thread)))
+    if tile >= lanes:
+        warps = max(warps, _min_warps(dev))
+    programs = _cdiv(rows, rows_per_prog)
+
+    # few rows, long rows: split each row over programs (partials, then a second pass)
+    split = 1
+    if kind in SPLITTABLE_KINDS and programs * 2 <= S and cols > block:
+        split = min(S // programs, _cdiv(cols, block))
+    launch_bound = programs * split * 2 <= S and not looped
+    return LoweringConfig(
+        kind="reduction",
+        block=block,
+        block_m=rows_per_prog,
+        split_k=split,
+        num_warps=warps,
+        num_stages=2 if looped or split > 1 else 1,
+        instruction="simt",
+        regime="launch-bound" if launch_bound else "memory-bound",
+    )
+
+
+def configure_elementwise(numel: int, dtype, n_inputs: int, device) -> LoweringConfig:
+    """A pointwise kernel over ``numel`` elements reading ``n_inputs`` tensors and
+    writing one: ``block`` = elements per program."""
+    _positive(numel=numel, n_inputs=n_inputs)
+    dev = _device(device)
+    elt = _ELT[dtype_name(dtype)]
+    words = 2 if elt == 8 else 1  # fp32 registers per value once loaded (fp64: 2)
+    S = dev.sm_count
+    vec = VECTOR_BYTES // elt
+    # two 16-byte loads per input per thread when the values fit the registers a
+    # thread has at full occupancy (regs_per_sm / max_threads_per_sm: 32 on sm_80/90),
+    # else one
+    budget = dev.regs_per_sm // dev.max_threads_per_sm
+    per_thread = VALUES_PER_THREAD * vec if (n_inputs + 1) * VALUES_PER_THREAD * vec * words <= budget else vec
+    warps = WARPGROUP  # one warp per SM sub-partition
+    block = warps * 32 * per_thread
+    # small tensors: halve the block while the grid leaves half the SMs idle, down
+    # to one warp issuing one 16-byte load per thread
+    launch_bound = False
+    while _cdiv(numel, block) * 2 <= S and block > 32 * vec:
+        block //= 2
+        launch_bound = True
+    warps = max(1, min(warps, block // (32 * vec)))
+    launch_bound = launch_bound or _cdiv(numel, block) * 2 <= S
+    return LoweringConfig(
+        kind="elementwise",
+        block=block,
+        num_warps=warps,
+        num_stages=1,
+        instruction="simt",
+        regime="launch-bound" if launch_bound else "memory-bound",
+    )
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def configure_attention(
+    B: int, H: int, T: int, D: int, causal: bool, dtype, device, precision: str | None = None
+) -> LoweringConfig:
+    """Flash-attention forward over [B, H, T, D]: ``block_m`` queries per program,
+    ``block_n`` keys per inner step, ``block_k`` = D rounded up to a power of two.
+    ``precision`` as for matmul (default: "ieee" for fp32/fp64, tensor cores for
+    16-bit)."""
+    _positive(B=B, H=H, T=T, D=D)
+    dev = _device(device)
+    name = dtype_name(dtype)
+    elt = _ELT[name]
+    if precision is None:
+        precision = "ieee" if elt >= 4 else "bf16"
+    path = arithmetic_path(name, name, precision)
+    tensor = _tensor_cores(dev, path)
+    acc_words = 2 if path == "fp64" else 1
+    S = dev.sm_count
+    d = max(MIN_DOT, _pow2_ceil(D))
+    if d > MAX_BOX:
+        raise ValueError(f"configurator: attention head dim {D} > {MAX_BOX} is not supported")
+    t_pow2 = max(MIN_DOT, _pow2_ceil(T))
+    smem_budget = _smem_limit(dev, 1)
+
+    def family(bm: int) -> str:
+        return "fma" if not tensor else "wgmma" if dev.has_wgmma and bm % WGMMA_M == 0 else "mma"
+
+    def fits(bm: int, bn: int) -> bool:
+        # registers: the output accumulator (BM x D) and the score tile (BM x BN) in
+        # fp32 within MAX_WARPS warps' budget; shared memory: Q resident, K and V
+        # double-buffered
+        acc = (bm * d + bm * bn) * acc_words
+        ring = bm * d * elt + 2 * (2 * bn * d * elt)
+        return acc <= MAX_WARPS * 32 * REG_MODEL[family(bm)][0] and ring <= smem_budget
+
+    # largest query block (one or two m64 warpgroups: 128), then the largest key
+    # block that fits; then halve the query block while the grid leaves half the SMs idle
+    options = [(bm, bn) for bm in (128, 64, 32, 16) for bn in (128, 64, 32, 16)
+               if bm <= t_pow2 and bn <= t_pow2 and fits(bm, bn)]  # fmt: skip
+    if not options:
+        raise ValueError(f"configurator: no attention tile fits {dev.name} for head dim {D}")
+    bm, bn = options[0]
+    floor = WGMMA_M if family(bm) == "wgmma" else MIN_DOT
+    while _cdiv(T, bm) * B * H * 2 <= S and bm // 2 >= floor:
+        smaller = [o for o in options if o[0] == bm // 2]
+        if not smaller:
+            break
+        bm, bn = smaller[0]
+    fam = family(bm)
+    acc_regs = (bm * d + bm * bn) * acc_words
+    budget = REG_MODEL[fam][0]
+    warps = max(WARPGROUP, _pow2_ceil(_cdiv(acc_regs, 32 * budget)))
+    if fam == "wgmma":
+        warps = max(warps, WARPGROUP * min(2, bm // WGMMA_M))
+    warps = min(MAX_WARPS, warps)
+    regs = _regs_per_thread(fam, acc_regs / (warps * 32))
+    blocks = _occupancy_without_smem(dev, warps, regs)
+    programs = _cdiv(T, bm) * B * H
+    resident = max(1, min(blocks, _cdiv(programs, S)))
+    stage = 2 * bn * d * elt  # one K tile and one V tile
+    kv_steps = _cdiv(T, bn)
+    fit = (_smem_limit(dev, resident) - bm * d * elt) // stage
+    stages = 1 if kv_steps <= 1 else max(2, min(fit, kv_steps, MAX_STAGES))
+
+    flops = 4 * B * H * T * T * D // (2 if causal else 1)
+    nbytes = 4 * B * H * T * D * elt  # Q, K, V read, O written
+    instruction = "wgmma+tma" if fam == "wgmma" and dev.has_tma else fam
+    regime = "compute-bound" if flops / nbytes >= dev.ridge(path) else "memory-bound"
+    if programs * 2 <= S:
+        regime = "launch-bound"
+    return LoweringConfig(
+        kind="attention",
+        block_m=bm,
+        block_n=bn,
+        block_k=d,
+        num_warps=warps,
+        num_stages=stages,
+        instruction=instruction,
+        regime=regime,
+    )
+
+
+CONFIGURATORS = {
+    "matmul": configure_matmul,
+    "reduction": configure_reduction,
+    "elementwise": configure_elementwise,
+    "attention": configure_attention,
+}
+
+__all__ = [
+    "configure_matmul", "plan_matmul", "MatmulPlan", "configure_reduction", "configure_elementwise",
+    "configure_attention", "arithmetic_path", "dtype_name", "CONFIGURATORS", "REDUCTION_KINDS",
+]  # fmt: skip
