@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from xdsl.context import Context
 from xdsl.dialects.builtin import DictionaryAttr, ModuleOp
 from xdsl.passes import ModulePass
@@ -24,11 +25,13 @@ from nova.schedule.config import LoweringConfig
 from nova.schedule.devices import DeviceSpec
 
 LAYOUT_OPS = (nv.TransposeOp, nv.BroadcastToOp, nv.SliceOp, nv.ReshapeOp)
+# the configurator's reduction kind for each row-wise op (backward passes read
+# and reduce the same rows as their forward)
 ROWWISE = {
-    nv.SoftmaxOp: "softmax", nv.LogSoftmaxOp: "softmax", nv.SoftmaxBackwardOp: "softmax_backward",
-    nv.LogSoftmaxBackwardOp: "softmax_backward", nv.LayerNormOp: "layer_norm",
-    nv.LayerNormBackwardOp: "layer_norm_backward", nv.CrossEntropyOp: "cross_entropy",
-    nv.CrossEntropyBackwardOp: "cross_entropy_backward", nv.ReduceSumOp: "sum", nv.ReduceMaxOp: "max",
+    nv.SoftmaxOp: "softmax", nv.LogSoftmaxOp: "log_softmax", nv.SoftmaxBackwardOp: "softmax",
+    nv.LogSoftmaxBackwardOp: "log_softmax", nv.LayerNormOp: "layernorm",
+    nv.LayerNormBackwardOp: "layernorm", nv.CrossEntropyOp: "cross_entropy",
+    nv.CrossEntropyBackwardOp: "cross_entropy", nv.ReduceSumOp: "sum", nv.ReduceMaxOp: "max",
 }  # fmt: skip
 PRECISION_PATH = {"fp32": "ieee", "tf32": "tf32", "bf16": "ieee"}
 
@@ -72,7 +75,11 @@ def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringC
         rows = max(1, numel(x) // max(cols, 1))
         return cf.configure_reduction(rows, cols, to_torch_dtype(elem_of(op.operands[0].type)), device, ROWWISE[type(op)])
     shape = shape_of(op.results[0].type)
-    return cf.configure_elementwise(numel(shape), dt, len(op.operands), device)
+    # the elementwise model needs only the element size: integers and masks are
+    # scheduled as the float of the same (or the nearest supported) width
+    dt = {torch.int64: torch.float64, torch.bool: torch.float16}.get(dt, dt)
+    # generators (full, arange) read no tensor but still write one: count the output as the stream
+    return cf.configure_elementwise(numel(shape), dt, max(1, len(op.operands)), device)
 
 
 def config_attr(cfg: LoweringConfig) -> nv.LoweringConfigAttr:
