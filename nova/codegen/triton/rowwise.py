@@ -1,0 +1,812 @@
+"""Row-wise lowerings: softmax, log_softmax and their backwards, layer_norm and its
+backward, cross_entropy and its backward, as generated Triton source.
+
+Design choices, and why:
+
+* Static shapes are baked into the text (row length, row count, the sizes that
+  turn a program id into a row), strides are launch arguments: every operand is
+  read through its own strides, so a softmax over a non-last dim, a transposed or
+  a broadcast view needs no copy (``needs_contiguous`` is empty for every op
+  here). Row offsets are int64 (rows x row stride can pass 2**31); offsets inside
+  a row are int32, and the launcher checks that they fit.
+* One program per row. Statistics are computed in fp32 (fp64 for f64 inputs) and
+  the results cast to the result dtype, as the reference executor does.
+* A row whose padded length ``next_power_of_2(n)`` fits the in-register limit is
+  loaded once and kept in registers; a longer row (a 50304-entry vocabulary) is
+  walked in column blocks: an online max/sum pass, then a pass that writes.
+* Reductions across rows (layer_norm's weight/bias gradients, the cross-entropy
+  loss and its row count) are two-stage: programs write partials into a buffer
+  (fp32, fp64 for f64), and a second small kernel sums them in a fixed order. No atomics, so a
+  result is the same bit for bit from run to run.
+* Out-of-range class ids never address memory (the loads are masked); their
+  row's loss is NaN, and the launcher raises IndexError after the kernel (skipped
+  while a CUDA graph is being captured, where the host cannot read the count).
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+
+import torch
+
+from nova.codegen.triton.lowering import Kernel, lowers
+from nova.codegen.triton.source import load_kernel
+from nova.ir import dialect as nv
+from nova.ir.types import elem_of, shape_of, to_torch_dtype
+from nova.schedule.config import LoweringConfig
+
+# Longest padded row kept in registers: 16384 fp32 over 16 warps is 32 registers
+# per thread per live row tensor; a softmax row (x, exp(x)) then fits the 255
+# registers of an SM90 thread without spilling.
+ROW_BLOCK_LIMIT = 16384
+# layer_norm_backward keeps about six row tensors live (x, g, w, xhat and two
+# partial sums carried across rows): at 8192 fp32 the sm_90 build spills (ptxas
+# -v: 128 registers, ~300 bytes of spill stores at 16 warps); 4096 does not.
+LN_BWD_BLOCK_LIMIT = 4096
+# Column block of the looping path: 16 KiB of fp32 per load, 16 elements per
+# thread at 8 warps: enough bytes in flight per program to stream at HBM rate.
+LOOP_BLOCK = 4096
+# Partial-sum programs of a cross-row reduction per SM: a few resident programs
+# per SM hide load latency; the fp32 partial buffer grows with the count.
+PARTIALS_PER_SM = 4
+H200_SMS = 132  # the interpreter stands in for the H200 the kernels are built for
+_FINAL_BLOCK = 1024  # rows per step of a single-program final reduction
+_COLSUM_P, _COLSUM_N = 16, 128  # tile (partials x columns) of the column-sum kernel
+_INT32_MAX = 2**31 - 1
+_NEG_INF = '-float("inf")'
+
+_TL = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16", torch.float64: "tl.float64"}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def torch_dtype(t) -> torch.dtype:
+    return to_torch_dtype(elem_of(t))
+
+
+def acc_type(dtype: torch.dtype) -> str:
+    """The statistics type: fp64 for f64 data, fp32 for everything narrower."""
+    if dtype not in _TL:
+        raise ValueError(f"row-wise kernels support float32, bfloat16, float16 and float64, not {dtype}")
+    return "tl.float64" if dtype == torch.float64 else "tl.float32"
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _warps(block: int) -> int:
+    # at most 8-16 row elements per thread per live tensor (see ROW_BLOCK_LIMIT)
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+def row_plan(n: int, cfg: LoweringConfig | None, limit: int) -> tuple[int, bool, int]:
+    """(BLOCK, looping, num_warps) for rows of ``n`` elements: the whole padded row
+    in one block when it fits ``limit`` (or ``cfg.block`` when given), else column
+    blocks of ``min(LOOP_BLOCK, limit)`` (or ``cfg.block``)."""
+    if cfg is not None and cfg.block:
+        block = cfg.block
+        if block & (block - 1):
+            raise ValueError(f"row-wise kernel: cfg.block={block} must be a power of two")
+    elif next_pow2(n) <= limit:
+        block = next_pow2(n)
+    else:
+        block = min(LOOP_BLOCK, next_pow2(limit + 1) // 2)
+    looping = next_pow2(n) > block
+    block = min(block, next_pow2(n))
+    warps = cfg.num_warps if cfg is not None and cfg.num_warps else _warps(block)
+    return block, looping, warps
+
+
+def _effective(cfg: LoweringConfig | None, block: int, warps: int) -> LoweringConfig:
+    if cfg is not None:
+        return cfg
+    return LoweringConfig(kind="reduction", block=block, num_warps=warps, regime="memory-bound")
+
+
+def _contiguous_strides(shape) -> list[int]:
+    strides, s = [], 1
+    for n in reversed(shape):
+        strides.append(s)
+        s *= n
+    return strides[::-1]
+
+
+class Rows:
+    """The rows of a tensor of ``shape`` along ``dim``: every index of the other
+    dims in row-major order. Generates the code that turns the row number ``row``
+    into the row's element offset through per-dim strides (one div/mod per dim
+    and program: a strided view is read where it lies, with no copy)."""
+
+    def __init__(self, shape: tuple[int, ...], dim: int):
+        self.shape, self.dim = tuple(shape), dim
+        self.n = shape[dim]
+        others = [k for k in range(len(shape)) if k != dim]
+        self.count = math.prod(shape[k] for k in others)
+        self.live = [k for k in others if shape[k] > 1]  # size-1 dims never move the offset
+
+    def decode(self) -> str:
+        """Lines that set ``i<k>`` for every live dim from the int64 ``row``."""
+        lines, rem = [], "row"
+        for j, k in enumerate(reversed(self.live)):
+            if j == len(self.live) - 1:
+                lines.append(f"i{k} = {rem}")
+            else:
+                lines += [f"i{k} = {rem} % {self.shape[k]}", f"rem = {rem} // {self.shape[k]}"]
+                rem = "rem"
+        return "\n".join(lines)
+
+    def offset(self, prefix: str) -> str:
+        """The row's offset through the stride arguments ``<prefix><k>``."""
+        return " + ".join(f"i{k} * {prefix}{k}" for k in self.live) or "0"
+
+    def contiguous_offset(self) -> str:
+        strides = _contiguous_strides(self.shape)
+        return " + ".join(f"i{k} * {strides[k]}" for k in self.live) or "0"
+
+    def params(self, prefix: str) -> list[str]:
+        return [f"{prefix}{k}" for k in self.live] + [f"{prefix}c"]
+
+    def args(self, t: torch.Tensor) -> list[int]:
+        return [t.stride(k) for k in self.live] + [t.stride(self.dim)]
+
+
+def _lines(text: str, level: int = 0) -> str:
+    return textwrap.indent(textwrap.dedent(text).strip("\n"), "    " * level)
+
+
+def _code(*parts) -> str:
+    """Join code parts: text at level 0, or (level, text)."""
+    return "\n".join(_lines(*(p if isinstance(p, tuple) else (p, 0))) for p in parts)
+
+
+def _kernel(name: str, params: list[str], body: str) -> str:
+    return f"\n\n@triton.jit\ndef {name}(\n    " + ",\n    ".join(params) + ",\n):\n" + _lines(body, 1) + "\n"
+
+
+def _header(kind: str, line: str, constants: dict) -> str:
+    consts = "".join(f"{k} = tl.constexpr({v!r})\n" for k, v in constants.items())
+    return (
+        f"# Generated by nova.codegen.triton.rowwise ({kind}); do not edit.\n# {line}\n"
+        f"import triton\nimport triton.language as tl\n\n{consts}"
+    )
+
+
+def _mask(n: int, block: int, var: str = "cols") -> str:
+    """The mask of a row of ``n`` in one block; "None" when the row fills it."""
+    return "None" if n == block else f"{var} < {n}"
+
+
+def _masked(n: int, block: int):
+    """(load suffix for an ``other`` value, store suffix) of a row of ``n`` held in
+    one block: no mask at all when the row fills the block."""
+    if n == block:
+        return (lambda other: ""), ""
+    return (lambda other: f", mask=cols < {n}, other={other}"), f", mask=cols < {n}"
+
+
+def _check_inputs(name: str, op, inputs) -> None:
+    if len(inputs) != len(op.operands):
+        raise ValueError(f"{name}: expected {len(op.operands)} inputs, got {len(inputs)}")
+    for i, (t, v) in enumerate(zip(inputs, op.operands)):
+        if tuple(t.shape) != shape_of(v.type) or t.dtype != torch_dtype(v.type):
+            raise ValueError(
+                f"{name}: input {i} is {tuple(t.shape)} {t.dtype}, the op needs {shape_of(v.type)} {torch_dtype(v.type)}"
+            )
+
+
+def _check_span(name: str, n: int, block: int, *strides: int) -> None:
+    """Offsets inside a row are int32: make sure the farthest lane fits."""
+    for s in strides:
+        if (n + block) * abs(s) > _INT32_MAX:
+            raise ValueError(f"{name}: one row spans more than 2**31 elements (stride {s}); not supported")
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return H200_SMS
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _shape_name(shape) -> str:
+    return "x".join(map(str, shape)) or "scalar"
+
+
+def _plan_line(dtype, block: int, looping: bool) -> str:
+    return f"{str(dtype).removeprefix('torch.')}, block {block}, {'column loop' if looping else 'row in registers'}"
+
+
+# --------------------------------------------------------------------------- softmax / log_softmax
+
+
+def _norm_dim(op) -> int:
+    rank = len(shape_of(op.operands[0].type))
+    if rank == 0:
+        raise ValueError(f"{op.name}: 0-d input has no dim to normalize over")
+    return op.props()["dim"] % rank
+
+
+def softmax_source(shape, dim: int, dtype, log: bool, block: int, looping: bool) -> str:
+    rows = Rows(shape, dim)
+    n, acc, out = rows.n, acc_type(dtype), _TL[dtype]
+    out_c = _contiguous_strides(shape)[dim]
+    head = f"""
+        row = tl.program_id(0).to(tl.int64)
+        {{decode}}
+        x_row = x_ptr + ({rows.offset('sx')})
+        y_row = y_ptr + ({rows.contiguous_offset()})
+        cols = tl.arange(0, BLOCK)
+    """.replace("{decode}", "\n        ".join(rows.decode().splitlines()) or "pass")
+    if not looping:
+        ld, stm = _masked(n, block)
+        result = "x - m - tl.log(s)" if log else "e / s"
+        body = f"""
+            x = tl.load(x_row + cols * sxc{ld(_NEG_INF)}).to({acc})
+            m = tl.max(x, axis=0)
+            e = tl.exp(x - m)
+            s = tl.sum(e, axis=0)
+            tl.store(y_row + cols * {out_c}, ({result}).to({out}){stm})
+        """
+    else:
+        result = "x - lse" if log else "tl.exp(x - m) / s"
+        body = f"""
+            m = tl.full((), {_NEG_INF}, {acc})
+            s = tl.zeros((), {acc})
+            for c0 in range(0, {n}, BLOCK):
+                c = c0 + cols
+                x = tl.load(x_row + c * sxc, mask=c < {n}, other={_NEG_INF}).to({acc})
+                m_new = tl.maximum(m, tl.max(x, axis=0))
+                m_safe = tl.where(m_new == {_NEG_INF}, 0.0, m_new)  # all -inf so far: no inf - inf
+                s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
+                m = m_new
+            lse = m + tl.log(s)
+            for c0 in range(0, {n}, BLOCK):
+                c = c0 + cols
+                x = tl.load(x_row + c * sxc, mask=c < {n}, other=0.0).to({acc})
+                tl.store(y_row + c * {out_c}, ({result}).to({out}), mask=c < {n})
+        """
+    kind = "log_softmax" if log else "softmax"
+    return _header(kind, f"shape {list(shape)}, dim {dim}, {_plan_line(dtype, block, looping)}", {"BLOCK": block}) + _kernel(
+        f"{kind}_kernel", ["x_ptr", "y_ptr", *rows.params("sx")], _code(head, body)
+    )
+
+
+def softmax_backward_source(shape, dim: int, dtype, log: bool, block: int, looping: bool) -> str:
+    """dx = y * (g - sum(g * y)) after softmax; dx = g - exp(y) * sum(g) after log_softmax."""
+    rows = Rows(shape, dim)
+    n, acc, out = rows.n, acc_type(dtype), _TL[dtype]
+    out_c = _contiguous_strides(shape)[dim]
+    stat = "g" if log else "g * y"
+    result = "g - tl.exp(y) * t" if log else "y * (g - t)"
+    head = f"""
+        row = tl.program_id(0).to(tl.int64)
+        {{decode}}
+        y_row = y_ptr + ({rows.offset('sy')})
+        g_row = g_ptr + ({rows.offset('sg')})
+        d_row = d_ptr + ({rows.contiguous_offset()})
+        cols = tl.arange(0, BLOCK)
+    """.replace("{decode}", "\n        ".join(rows.decode().splitlines()) or "pass")
+    if not looping:
+        ld, stm = _masked(n, block)
+        body = f"""
+            y = tl.load(y_row + cols * syc{ld(0.0)}).to({acc})
+            g = tl.load(g_row + cols * sgc{ld(0.0)}).to({acc})
+            t = tl.sum({stat}, axis=0)
+            tl.store(d_row + cols * {out_c}, ({result}).to({out}){stm})
+        """
+    else:
+        body = f"""
+            part = tl.zeros((BLOCK,), {acc})
+            for c0 in range(0, {n}, BLOCK):
+                c = c0 + cols
+                y = tl.load(y_row + c * syc, mask=c < {n}, other=0.0).to({acc})
+                g = tl.load(g_row + c * sgc, mask=c < {n}, other=0.0).to({acc})
+                part += {stat}
+            t = tl.sum(part, axis=0)
+            for c0 in range(0, {n}, BLOCK):
+                c = c0 + cols
+                y = tl.load(y_row + c * syc, mask=c < {n}, other=0.0).to({acc})
+                g = tl.load(g_row + c * sgc, mask=c < {n}, other=0.0).to({acc})
+                tl.store(d_row + c * {out_c}, ({result}).to({out}), mask=c < {n})
+        """
+    kind = "log_softmax_backward" if log else "softmax_backward"
+    params = ["y_ptr", "g_ptr", "d_ptr", *rows.params("sy"), *rows.params("sg")]
+    return _header(kind, f"shape {list(shape)}, dim {dim}, {_plan_line(dtype, block, looping)}", {"BLOCK": block}) + _kernel(
+        f"{kind}_kernel", params, _code(head, body)
+    )
+
+
+def _lower_rowwise(op, cfg, kind: str, source_fn, log: bool, max_row_block: int) -> Kernel:
+    shape, dtype = shape_of(op.operands[0].type), torch_dtype(op.operands[0].type)
+    dim = _norm_dim(op)
+    rows = Rows(shape, dim)
+    block, looping, warps = row_plan(rows.n, cfg, max_row_block)
+    src = source_fn(shape, dim, dtype, log, block, looping)
+    kernel, _ = load_kernel(src, f"{kind}_kernel")
+    name = f"nova_{kind}_{_shape_name(shape)}_dim{dim}"
+
+    def launch(inputs):
+        _check_inputs(name, op, inputs)
+        out = torch.empty(shape, dtype=dtype, device=inputs[0].device)
+        if out.numel() == 0:
+            return [out]
+        args = []
+        for t in inputs:
+            _check_span(name, rows.n, block, t.stride(dim))
+            args += rows.args(t)
+        kernel[(rows.count,)](*inputs, out, *args, num_warps=warps)
+        return [out]
+
+    return Kernel(name, src, launch, config=_effective(cfg, block, warps), extra={"looping": looping})
+
+
+@lowers(nv.SoftmaxOp)
+def lower_softmax(op, cfg: LoweringConfig | None = None, *, max_row_block: int = ROW_BLOCK_LIMIT, **_) -> Kernel:
+    return _lower_rowwise(op, cfg, "softmax", softmax_source, False, max_row_block)
+
+
+@lowers(nv.LogSoftmaxOp)
+def lower_log_softmax(op, cfg: LoweringConfig | None = None, *, max_row_block: int = ROW_BLOCK_LIMIT, **_) -> Kernel:
+    return _lower_rowwise(op, cfg, "log_softmax", softmax_source, True, max_row_block)
+
+
+@lowers(nv.SoftmaxBackwardOp)
+def lower_softmax_backward(op, cfg: LoweringConfig | None = None, *, max_row_block: int = ROW_BLOCK_LIMIT, **_) -> Kernel:
+    return _lower_rowwise(op, cfg, "softmax_backward", softmax_backward_source, False, max_row_block)
+
+
+@lowers(nv.LogSoftmaxBackwardOp)
+def lower_log_softmax_backward(
+    op, cfg: LoweringConfig | None = None, *, max_row_block: int = ROW_BLOCK_LIMIT, **_
+) -> Kernel:
+    return _lower_rowwise(op, cfg, "log_softmax_backward", softmax_backward_source, True, max_row_block)
+
+
+# --------------------------------------------------------------------------- layer_norm
+
+
+def layer_norm_source(shape, dtype, eps: float, block: int, looping: bool) -> str:
+    """y = (x - mean) * rstd * w + b over the last dim, with the biased variance and
+    rstd = rsqrt(var + eps), as the reference; mean and rstd are outputs too."""
+    rows = Rows(shape, len(shape) - 1)
+    n, acc, out = rows.n, acc_type(dtype), _TL[dtype]
+    head = f"""
+        row = tl.program_id(0).to(tl.int64)
+        {{decode}}
+        x_row = x_ptr + ({rows.offset('sx')})
+        y_row = y_ptr + row * {n}
+        cols = tl.arange(0, BLOCK)
+    """.replace("{decode}", "\n        ".join(rows.decode().splitlines()) or "pass")
+    if not looping:
+        mask = _mask(n, block)
+        ld, stm = _masked(n, block)
+        center = "x - mean" if n == block else f"tl.where({mask}, x - mean, 0.0)"
+        body = f"""
+            x = tl.load(x_row + cols * sxc{ld(0.0)}).to({acc})
+            mean = tl.sum(x, axis=0) / {n}
+            xc = {center}
+            rstd = tl.rsqrt(tl.sum(xc * xc, axis=0) / {n} + EPS)
+            w = tl.load(w_ptr + cols * swc{ld(0.0)}).to({acc})
+            b = tl.load(b_ptr + cols * sbc{ld(0.0)}).to({acc})
+            tl.store(y_row + cols, (xc * rstd * w + b).to({out}){stm})
+        """
+    else:  # three passes: mean, then the centered variance (exact as the reference), then y
+        body = f"""
+            part = tl.zeros((BLOCK,), {acc})
+            for c0 in range(0, {n}, BLOCK):
+                c = c0 + cols
+                part += tl.load(x_row + c * sxc, mask=c < {n}, other=0.0).to({acc})
+            mean = tl.sum(part, axis=0) / {n}
+            part = tl.zeros((BLOCK,), {acc})
+            for c0 in range(0, {n}, BLOCK):
+                c = c0 + cols
+                x = tl.load(x_row + c * sxc, mask=c < {n}, other=0.0).to({acc})
+                xc = tl.where(c < {n}, x - mean, 0.0)
+                part += xc * xc
+            rstd = tl.rsqrt(tl.sum(part, axis=0) / {n} + EPS)
+            for c0 in range(0, {n}, BLOCK):
+                c = c0 + cols
+                x = tl.load(x_row + c * sxc, mask=c < {n}, other=0.0).to({acc})
+                w = tl.load(w_ptr + c * swc, mask=c < {n}, other=0.0).to({acc})
+                b = tl.load(b_ptr + c * sbc, mask=c < {n}, other=0.0).to({acc})
+                tl.store(y_row + c, ((x - mean) * rstd * w + b).to({out}), mask=c < {n})
+        """
+    tail = f"""
+        tl.store(mean_ptr + row, mean.to({out}))
+        tl.store(rstd_ptr + row, rstd.to({out}))
+    """
+    params = ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "mean_ptr", "rstd_ptr", *rows.params("sx"), "swc", "sbc"]
+    header = _header("layer_norm", f"shape {list(shape)}, eps {eps!r}, {_plan_line(dtype, block, looping)}",
+                     {"BLOCK": block, "EPS": float(eps)})
+    return header + _kernel("layer_norm_kernel", params, _code(head, body, tail))
+
+
+@lowers(nv.LayerNormOp)
+def lower_layer_norm(op, cfg: LoweringConfig | None = None, *, max_row_block: int = ROW_BLOCK_LIMIT, **_) -> Kernel:
+    shape, dtype = shape_of(op.operands[0].type), torch_dtype(op.operands[0].type)
+    rows = Rows(shape, len(shape) - 1)
+    block, looping, warps = row_plan(rows.n, cfg, max_row_block)
+    src = layer_norm_source(shape, dtype, op.props()["eps"], block, looping)
+    kernel, _ = load_kernel(src, "layer_norm_kernel")
+    name = f"nova_layer_norm_{_shape_name(shape)}"
+
+    def launch(inputs):
+        _check_inputs(name, op, inputs)
+        x, w, b = inputs
+        y = torch.empty(shape, dtype=dtype, device=x.device)
+        mean = torch.empty(shape[:-1], dtype=dtype, device=x.device)
+        rstd = torch.empty(shape[:-1], dtype=dtype, device=x.device)
+        if y.numel():
+            _check_span(name, rows.n, block, x.stride(-1), w.stride(0), b.stride(0))
+            kernel[(rows.count,)](x, w, b, y, mean, rstd, *rows.args(x), w.stride(0), b.stride(0), num_warps=warps)
+        elif mean.numel():  # rows of no elements: the mean of nothing
+            mean.fill_(float("nan"))
+            rstd.fill_(float("nan"))
+        return [y, mean, rstd]
+
+    return Kernel(name, src, launch, config=_effective(cfg, block, warps), extra={"looping": looping})
+
+
+def layer_norm_backward_source(shape, dtype, block: int, looping: bool) -> str:
+    """Program p takes ROWS_PER_PROG consecutive rows: grad_input row by row, and its
+    partial column sums of g * xhat and g into row p of buffers [P, n] (fp32, fp64
+    for f64); the
+    ``colsum`` kernel then adds the P partials in order."""
+    rows = Rows(shape, len(shape) - 1)
+    n, acc, out = rows.n, acc_type(dtype), _TL[dtype]
+    head = f"""
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        row_start = pid.to(tl.int64) * ROWS_PER_PROG
+        row_end = tl.minimum(row_start + ROWS_PER_PROG, {rows.count})
+        pw_row = pw_ptr + pid.to(tl.int64) * {n}
+        pb_row = pb_ptr + pid.to(tl.int64) * {n}
+    """
+    row_head = f"""
+        {{decode}}
+        x_row = x_ptr + ({rows.offset('sx')})
+        g_row = g_ptr + ({rows.offset('sg')})
+        d_row = d_ptr + row * {n}
+        mean = tl.load(mean_ptr + row * smean).to({acc})
+        rstd = tl.load(rstd_ptr + row * srstd).to({acc})
+    """.replace("{decode}", "\n        ".join(rows.decode().splitlines()) or "pass")
+    grad = f"d = rstd / {n} * ({n} * gxhat - c1 - xhat * c2)"
+    if not looping:
+        mask = _mask(n, block)
+        ld, stm = _masked(n, block)
+        xhat = "(x - mean) * rstd" if n == block else f"tl.where({mask}, (x - mean) * rstd, 0.0)"
+        body = _code(f"""
+            w = tl.load(w_ptr + cols * swc{ld(0.0)}).to({acc})
+            part_w = tl.zeros((BLOCK,), {acc})
+            part_b = tl.zeros((BLOCK,), {acc})
+            for row in range(row_start, row_end):
+        """, (row_head, 1), (f"""
+            x = tl.load(x_row + cols * sxc{ld(0.0)}).to({acc})
+            g = tl.load(g_row + cols * sgc{ld(0.0)}).to({acc})
+            xhat = {xhat}
+            gxhat = g * w
+            c1 = tl.sum(gxhat, axis=0)
+            c2 = tl.sum(gxhat * xhat, axis=0)
+            {grad}
+            tl.store(d_row + cols, d.to({out}){stm})
+            part_w += g * xhat
+            part_b += g
+        """, 1), f"""
+            tl.store(pw_row + cols, part_w{stm})
+            tl.store(pb_row + cols, part_b{stm})
+        """)
+    else:
+        # Phase A: the row sums c1, c2 of every row, into [rows] buffers. Phase B, per
+        # column block: grad_input of every row and the block's partial sums, held in
+        # registers across the rows (no read-modify-write of the partial rows).
+        load2 = f"""
+            x = tl.load(x_row + c * sxc, mask=c < {n}, other=0.0).to({acc})
+            g = tl.load(g_row + c * sgc, mask=c < {n}, other=0.0).to({acc})
+            xhat = tl.where(c < {n}, (x - mean) * rstd, 0.0)
+            gxhat = g * w
+        """
+        body = _code("for row in range(row_start, row_end):", (row_head, 1), (f"""
+            a1 = tl.zeros((BLOCK,), {acc})
+            a2 = tl.zeros((BLOCK,), {acc})
+            for c0 in range(0, {n}, BLOCK):
+                c = c0 + cols
+                w = tl.load(w_ptr + c * swc, mask=c < {n}, other=0.0).to({acc})
+        """, 1), (load2, 2), (f"""
+                a1 += gxhat
+                a2 += gxhat * xhat
+            tl.store(c1_ptr + row, tl.sum(a1, axis=0))
+            tl.store(c2_ptr + row, tl.sum(a2, axis=0))
+        tl.debug_barrier()  # phase B reads row sums that other threads of the program stored
+        for c0 in range(0, {n}, BLOCK):
+            c = c0 + cols
+            w = tl.load(w_ptr + c * swc, mask=c < {n}, other=0.0).to({acc})
+            part_w = tl.zeros((BLOCK,), {acc})
+            part_b = tl.zeros((BLOCK,), {acc})
+            for row in range(row_start, row_end):
+        """, 0), (row_head, 2), (load2, 2), (f"""
+            c1 = tl.load(c1_ptr + row)
+            c2 = tl.load(c2_ptr + row)
+            {grad}
+            tl.store(d_row + c, d.to({out}), mask=c < {n})
+            part_w += g * xhat
+            part_b += g
+        """, 2), (f"""
+            tl.store(pw_row + c, part_w, mask=c < {n})
+            tl.store(pb_row + c, part_b, mask=c < {n})
+        """, 1))
+    params = ["g_ptr", "x_ptr", "w_ptr", "mean_ptr", "rstd_ptr", "d_ptr", "pw_ptr", "pb_ptr"]
+    params += ["c1_ptr", "c2_ptr"] if looping else []
+    params += [*rows.params("sg"), *rows.params("sx"), "swc", "smean", "srstd", "ROWS_PER_PROG"]
+    header = _header("layer_norm_backward", f"shape {list(shape)}, {_plan_line(dtype, block, looping)}", {"BLOCK": block})
+    return (header + _kernel("layer_norm_backward_kernel", params, _code(head, body))
+            + colsum_source("layer_norm_backward_colsum", n, acc, out))
+
+
+def colsum_source(name: str, n: int, acc: str, out: str) -> str:
+    """ow[j] = sum_p pw[p, j] and ob[j] = sum_p pb[p, j], over p in a fixed order."""
+    return _kernel(name, ["pw_ptr", "pb_ptr", "ow_ptr", "ob_ptr", "P"], f"""
+        cols = tl.program_id(0) * {_COLSUM_N} + tl.arange(0, {_COLSUM_N})
+        ps = tl.arange(0, {_COLSUM_P})
+        acc_w = tl.zeros(({_COLSUM_N},), {acc})
+        acc_b = tl.zeros(({_COLSUM_N},), {acc})
+        for p0 in range(0, P, {_COLSUM_P}):
+            p = p0 + ps
+            m = (p[:, None] < P) & (cols[None, :] < {n})
+            offs = p[:, None].to(tl.int64) * {n} + cols[None, :]
+            acc_w += tl.sum(tl.load(pw_ptr + offs, mask=m, other=0.0), axis=0)
+            acc_b += tl.sum(tl.load(pb_ptr + offs, mask=m, other=0.0), axis=0)
+        tl.store(ow_ptr + cols, acc_w.to({out}), mask=cols < {n})
+        tl.store(ob_ptr + cols, acc_b.to({out}), mask=cols < {n})
+    """)
+
+
+@lowers(nv.LayerNormBackwardOp)
+def lower_layer_norm_backward(
+    op, cfg: LoweringConfig | None = None, *, max_row_block: int = LN_BWD_BLOCK_LIMIT,
+    partial_programs: int | None = None, **_,
+) -> Kernel:
+    """``partial_programs`` fixes the number of partial-sum programs (default
+    PARTIALS_PER_SM per SM, at most one per row); the weight and bias gradients
+    are deterministic for a given count (the count depends only on the device)."""
+    shape, dtype = shape_of(op.operands[1].type), torch_dtype(op.operands[1].type)
+    rows = Rows(shape, len(shape) - 1)
+    n = rows.n
+    # fp64 statistics take two registers each: half the row fits
+    block, looping, warps = row_plan(n, cfg, max_row_block // 2 if dtype == torch.float64 else max_row_block)
+    if cfg is None or not cfg.num_warps:
+        # ~8 elements per thread per row tensor: with three carried across rows and the
+        # pointers of x, g and dx, 16 per thread (8 warps at 4096) needs ~250 registers
+        # on sm_90 and leaves one program per SM
+        warps = min(16, max(4, block // 256))
+    src = layer_norm_backward_source(shape, dtype, block, looping)
+    main, _ = load_kernel(src, "layer_norm_backward_kernel")
+    colsum, _ = load_kernel(src, "layer_norm_backward_colsum")
+    name = f"nova_layer_norm_backward_{_shape_name(shape)}"
+
+    def launch(inputs):
+        _check_inputs(name, op, inputs)
+        g, x, w, mean, rstd = inputs
+        dev = x.device
+        dx = torch.empty(shape, dtype=dtype, device=dev)
+        dw = torch.empty((n,), dtype=dtype, device=dev)
+        db = torch.empty((n,), dtype=dtype, device=dev)
+        if n == 0:
+            return [dx, dw, db]
+        if rows.count == 0:
+            return [dx, dw.zero_(), db.zero_()]
+        _check_span(name, n, block, g.stride(-1), x.stride(-1), w.stride(0))
+        progs = min(rows.count, partial_programs or PARTIALS_PER_SM * _num_sms(dev))
+        per = -(-rows.count // progs)
+        progs = -(-rows.count // per)  # no program without rows
+        stat = torch.float64 if dtype == torch.float64 else torch.float32
+        pw = torch.empty((progs, n), dtype=stat, device=dev)
+        pb = torch.empty((progs, n), dtype=stat, device=dev)
+        row_sums = [torch.empty((rows.count,), dtype=stat, device=dev) for _ in range(2)] if looping else []
+        # mean and rstd have the leading dims' shape: read them by one row index
+        m1, r1 = mean.reshape(-1), rstd.reshape(-1)
+        main[(progs,)](
+            g, x, w, m1, r1, dx, pw, pb, *row_sums, *rows.args(g), *rows.args(x), w.stride(0),
+            m1.stride(0), r1.stride(0), per, num_warps=warps,
+        )
+        colsum[(-(-n // _COLSUM_N),)](pw, pb, dw, db, progs, num_warps=4)
+        return [dx, dw, db]
+
+    return Kernel(name, src, launch, config=_effective(cfg, block, warps), extra={"looping": looping})
+
+
+# --------------------------------------------------------------------------- cross_entropy
+
+
+def _ce_lse(n_cls: int, block: int, acc: str, looping: bool) -> str:
+    """Lines that set ``lse`` of the row at ``x_row`` (and ``x``, the row, when it is
+    one block)."""
+    if not looping:
+        ld, _ = _masked(n_cls, block)
+        return f"""
+            x = tl.load(x_row + cols * sxc{ld(_NEG_INF)}).to({acc})
+            m = tl.max(x, axis=0)
+            m_safe = tl.where(m == {_NEG_INF}, 0.0, m)
+            lse = m_safe + tl.log(tl.sum(tl.exp(x - m_safe), axis=0))
+        """
+    return f"""
+        m = tl.full((), {_NEG_INF}, {acc})
+        s = tl.zeros((), {acc})
+        for c0 in range(0, {n_cls}, BLOCK):
+            c = c0 + cols
+            xb = tl.load(x_row + c * sxc, mask=c < {n_cls}, other={_NEG_INF}).to({acc})
+            m_new = tl.maximum(m, tl.max(xb, axis=0))
+            m_safe = tl.where(m_new == {_NEG_INF}, 0.0, m_new)  # all -inf so far: no inf - inf
+            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(xb - m_safe), axis=0)
+            m = m_new
+        lse = tl.where(m == {_NEG_INF}, 0.0, m) + tl.log(s)
+    """
+
+
+def _ce_count(n_rows: int, n_cls: int, ignore: int, acc: str) -> str:
+    """One program: ``count`` rows whose target is not ignored, ``bad`` of them out of range."""
+    return f"""
+        r = tl.arange(0, {_FINAL_BLOCK})
+        count = tl.zeros(({_FINAL_BLOCK},), {acc})
+        bad = tl.zeros(({_FINAL_BLOCK},), tl.int32)
+        for r0 in range(0, {n_rows}, {_FINAL_BLOCK}):
+            rr = r0 + r
+            t = tl.load(t_ptr + rr.to(tl.int64) * st, mask=rr < {n_rows}, other={ignore})
+            valid = t != {ignore}
+            count += valid.to({acc})
+            bad += (valid & ((t < 0) | (t >= {n_cls}))).to(tl.int32)
+        count = tl.sum(count, axis=0)
+        tl.store(bad_ptr, tl.sum(bad, axis=0))
+    """
+
+
+def cross_entropy_source(n_rows, n_cls, dtype, ignore: int, reduction: str, block: int, looping: bool) -> str:
+    """Per row: loss = lse - x[target] (0 when ignored, NaN for an out-of-range id)
+    into a buffer; then one program sums the buffer in order and divides by the
+    number of rows that count (the mean of no rows is 0 / 0 = NaN, as in torch)."""
+    acc, out = acc_type(dtype), _TL[dtype]
+    rows_body = _code(f"""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        x_row = x_ptr + row * sxr
+        t = tl.load(t_ptr + row * st)
+        valid = t != {ignore}
+        inb = (t >= 0) & (t < {n_cls})
+    """, _ce_lse(n_cls, block, acc, looping), f"""
+        xt = tl.load(x_row + tl.where(inb, t, 0) * sxc, mask=valid & inb, other=0.0).to({acc})
+        loss = tl.where(valid, lse - xt, 0.0)
+        loss = tl.where(valid & ((t < 0) | (t >= {n_cls})), float("nan"), loss)
+        tl.store(loss_ptr + row, loss)
+    """)
+    final_body = _code(_ce_count(n_rows, n_cls, ignore, acc), f"""
+        total = tl.zeros(({_FINAL_BLOCK},), {acc})
+        for r0 in range(0, {n_rows}, {_FINAL_BLOCK}):
+            rr = r0 + r
+            total += tl.load(loss_ptr + rr, mask=rr < {n_rows}, other=0.0)
+        total = tl.sum(total, axis=0)
+        tl.store(out_ptr, ({'total / count' if reduction == 'mean' else 'total'}).to({out}))
+    """)
+    header = _header("cross_entropy", f"logits [{n_rows}, {n_cls}], ignore_index {ignore}, reduction {reduction}, "
+                     f"{_plan_line(dtype, block, looping)}", {"BLOCK": block})
+    return (header + _kernel("cross_entropy_rows", ["x_ptr", "t_ptr", "loss_ptr", "sxr", "sxc", "st"], rows_body)
+            + _kernel("cross_entropy_final", ["t_ptr", "loss_ptr", "out_ptr", "bad_ptr", "st"], final_body))
+
+
+def cross_entropy_backward_source(n_rows, n_cls, dtype, ignore: int, reduction: str, block: int, looping: bool) -> str:
+    """One program counts the rows that count and writes scale = grad / count (mean)
+    or grad (sum); then per row d = (softmax(x) - onehot(target)) * valid * scale."""
+    acc, out = acc_type(dtype), _TL[dtype]
+    scale_body = _code(_ce_count(n_rows, n_cls, ignore, acc), f"""
+        g = tl.load(g_ptr).to({acc})
+        tl.store(scale_ptr, {'g / count' if reduction == 'mean' else 'g'})
+    """)
+    head = f"""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        x_row = x_ptr + row * sxr
+        d_row = d_ptr + row * {n_cls}
+        t = tl.load(t_ptr + row * st)
+        # 0 for ignored rows, times the scale: 0 * NaN is NaN, like the reference's 0 / 0
+        w = tl.where(t != {ignore}, 1.0, 0.0).to({acc}) * tl.load(scale_ptr)
+    """
+    if not looping:
+        _, stm = _masked(n_cls, block)
+        tail = f"""
+            d = (tl.exp(x - lse) - tl.where(cols == t, 1.0, 0.0)) * w
+            tl.store(d_row + cols, d.to({out}){stm})
+        """
+    else:
+        tail = f"""
+            for c0 in range(0, {n_cls}, BLOCK):
+                c = c0 + cols
+                xb = tl.load(x_row + c * sxc, mask=c < {n_cls}, other=0.0).to({acc})
+                d = (tl.exp(xb - lse) - tl.where(c == t, 1.0, 0.0)) * w
+                tl.store(d_row + c, d.to({out}), mask=c < {n_cls})
+        """
+    header = _header("cross_entropy_backward", f"logits [{n_rows}, {n_cls}], ignore_index {ignore}, reduction "
+                     f"{reduction}, {_plan_line(dtype, block, looping)}", {"BLOCK": block})
+    return (header + _kernel("cross_entropy_backward_scale", ["g_ptr", "t_ptr", "scale_ptr", "bad_ptr", "st"], scale_body)
+            + _kernel("cross_entropy_backward_rows", ["x_ptr", "t_ptr", "scale_ptr", "d_ptr", "sxr", "sxc", "st"],
+                      _code(head, _ce_lse(n_cls, block, acc, looping), tail)))
+
+
+def _raise_bad_targets(name: str, target: torch.Tensor, n_cls: int, ignore: int, bad: torch.Tensor) -> None:
+    if _capturing(target.device):
+        return
+    n_bad = int(bad.item())
+    if n_bad:
+        ids = target[target != ignore]
+        raise IndexError(
+            f"{name}: {n_bad} target id(s) out of range [0, {n_cls}) "
+            f"(min {int(ids.min())}, max {int(ids.max())}; ignore_index {ignore})"
+        )
+
+
+def _lower_ce(op, cfg, max_row_block: int, check_ids: bool, backward: bool) -> Kernel:
+    logits_t = op.operands[1 if backward else 0].type
+    (n_rows, n_cls), dtype = shape_of(logits_t), torch_dtype(logits_t)
+    ignore, reduction = op.props()["ignore_index"], op.props()["reduction"]
+    block, looping, warps = row_plan(n_cls, cfg, max_row_block)
+    stat = torch.float64 if dtype == torch.float64 else torch.float32
+    kind = "cross_entropy_backward" if backward else "cross_entropy"
+    src = (cross_entropy_backward_source if backward else cross_entropy_source)(
+        n_rows, n_cls, dtype, ignore, reduction, block, looping
+    )
+    first, _ = load_kernel(src, "cross_entropy_backward_scale" if backward else "cross_entropy_rows")
+    second, _ = load_kernel(src, "cross_entropy_backward_rows" if backward else "cross_entropy_final")
+    name = f"nova_{kind}_{n_rows}x{n_cls}"
+
+    def launch(inputs):
+        _check_inputs(name, op, inputs)
+        *g, x, t = inputs
+        dev = x.device
+        bad = torch.empty((1,), dtype=torch.int32, device=dev)
+        if backward:
+            out = torch.empty((n_rows, n_cls), dtype=dtype, device=dev)
+            if out.numel() == 0:
+                return [out]
+            _check_span(name, n_cls, block, x.stride(1))
+            scale = torch.empty((1,), dtype=stat, device=dev)
+            first[(1,)](g[0], t, scale, bad, t.stride(0), num_warps=4)
+            second[(n_rows,)](x, t, scale, out, x.stride(0), x.stride(1), t.stride(0), num_warps=warps)
+        else:
+            out = torch.empty((), dtype=dtype, device=dev)
+            if n_rows == 0:
+                return [out.fill_(float("nan") if reduction == "mean" else 0.0)]
+            _check_span(name, n_cls, block, x.stride(1))
+            loss = torch.empty((n_rows,), dtype=stat, device=dev)
+            first[(n_rows,)](x, t, loss, x.stride(0), x.stride(1), t.stride(0), num_warps=warps)
+            second[(1,)](t, loss, out, bad, t.stride(0), num_warps=4)
+        if check_ids:
+            _raise_bad_targets(op.name, t, n_cls, ignore, bad)
+        return [out]
+
+    return Kernel(name, src, launch, config=_effective(cfg, block, warps), extra={"looping": looping})
+
+
+@lowers(nv.CrossEntropyOp)
+def lower_cross_entropy(
+    op, cfg: LoweringConfig | None = None, *, max_row_block: int = ROW_BLOCK_LIMIT, check_ids: bool = True, **_
+) -> Kernel:
+    """``check_ids``: read the out-of-range count back after the kernels and raise
+    IndexError (one host sync; rows with a bad id get a NaN loss either way)."""
+    return _lower_ce(op, cfg, max_row_block, check_ids, backward=False)
+
+
+@lowers(nv.CrossEntropyBackwardOp)
+def lower_cross_entropy_backward(
+    op, cfg: LoweringConfig | None = None, *, max_row_block: int = ROW_BLOCK_LIMIT, check_ids: bool = True, **_
+) -> Kernel:
+    return _lower_ce(op, cfg, max_row_block, check_ids, backward=True)
+
+
+__all__ = [
+    "ROW_BLOCK_LIMIT", "LN_BWD_BLOCK_LIMIT", "LOOP_BLOCK", "Rows", "row_plan", "next_pow2", "acc_type",
+    "lower_softmax", "lower_log_softmax", "lower_softmax_backward", "lower_log_softmax_backward",
+    "lower_layer_norm", "lower_layer_norm_backward", "lower_cross_entropy", "lower_cross_entropy_backward",
+]
