@@ -1,0 +1,562 @@
+"""Attention lowerings: FlashAttention-2 forward and backward as generated Triton source.
+
+q is [B, H, Tq, D], k and v are [B, H, Tk, D]; ``causal`` is top-left aligned (query
+i sees keys j <= i, as torch SDPA's is_causal); ``scale`` multiplies q k^T.
+
+Design choices, and why:
+
+* Static shapes (B, H, Tq, Tk, D), the scale and causality are baked into the text;
+  every operand's four strides are launch arguments, so q/k/v views split from a
+  packed qkv projection or transposed from [B, T, H, D] are read in place
+  (``needs_contiguous`` is empty). The (batch, head) base offset is int64; offsets
+  inside one head are int32 and the launcher checks that they fit.
+* D is padded to a power of two >= 16 (the tl.dot minimum) with masked loads, so
+  D = 96 works; D > 256 is refused (the q/acc tiles would not fit in registers).
+* Forward: one program per (query block, batch*head), online softmax in fp32
+  (fp64 for f64) in the base-2 domain (the scale folded with log2(e), one exp2 per
+  score). Key blocks are walked in two loops: whole blocks that need no mask, then
+  the blocks that straddle the causal diagonal or the key tail, with the mask.
+  Causal programs never visit key blocks above the diagonal.
+* Backward (FlashAttention-2): ``delta = rowsum(dO * O)``; a dK/dV kernel walks
+  query blocks for its key block and a dQ kernel walks key blocks for its query
+  block, both recomputing P = exp(q k^T * scale - lse). No atomics: every output
+  element is written by exactly one program, so gradients are deterministic.
+* Contractions use tl.dot with fp32 accumulation. 16-bit operands go in as they
+  are (P and dS are rounded to the operand dtype before their dots, as FA2 does);
+  fp32 operands use ``input_precision="ieee"`` unless the module's precision
+  policy is "tf32"; f64 operands use an f64 dot with f64 accumulation.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import textwrap
+
+import torch
+
+from nova.codegen.triton.lowering import Kernel, lowers
+from nova.codegen.triton.rowwise import next_pow2
+from nova.codegen.triton.source import load_kernel
+from nova.ir import dialect as nv
+from nova.ir.types import elem_of, shape_of, to_torch_dtype
+from nova.schedule.config import LoweringConfig
+
+MAX_HEAD_DIM = 256
+PRECISIONS = ("fp32", "tf32", "bf16")  # the module's precision policy (nova.precision)
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+_INT32_MAX = 2**31 - 1
+_DELTA_ELEMS = 4096  # dO and O elements per program of the delta = rowsum(dO * O) pass
+_TL = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16", torch.float64: "tl.float64"}
+
+
+# --------------------------------------------------------------------------- plan
+
+
+# Default tiles per kernel and dtype class, (BLOCK_M queries, BLOCK_N keys, warps),
+# for padded head dims <= 64, <= 128 and <= 256. Chosen from ptxas -v on sm_90a
+# builds (B=4, H=12, T=1024, causal and not): the largest tiles that keep the
+# tensor-core (wgmma / mma) path without register spills. The backward kernels
+# hold two [BLOCK_N, D] (dK/dV) or one [BLOCK_M, D] (dQ) fp32 accumulators across
+# their walk, so they take narrow tiles along the walked dim (16-bit, D=128: dK/dV
+# at 64x64 spills 144 bytes, at 32x128 up to 504, at 64x32 none).
+_TILES = {
+    "fwd": {
+        "16": ((128, 64, 8), (128, 64, 8), (64, 32, 8)),
+        "32": ((64, 32, 4), (64, 32, 4), (32, 32, 4)),
+        "64": ((32, 16, 4), (32, 16, 4), (16, 16, 4)),
+    },
+    "dkdv": {
+        "16": ((32, 128, 8), (64, 32, 8), (32, 32, 8)),
+        "32": ((64, 32, 8), (64, 32, 8), (32, 32, 8)),
+        "64": ((64, 32, 8), (32, 16, 8), (16, 16, 8)),
+    },
+    "dq": {
+        "16": ((128, 32, 8), (128, 32, 8), (32, 32, 8)),
+        "32": ((64, 32, 8), (64, 32, 8), (32, 32, 8)),
+        "64": ((32, 64, 8), (16, 32, 8), (16, 16, 8)),
+    },
+}
+
+
+def attention_plan(tq: int, tk: int, d: int, dtype: torch.dtype, cfg: LoweringConfig | None, kernel: str = "fwd"):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("fwd", "dkdv", "dq"):
+    ``cfg``'s when it sets block_m and block_n (both backward kernels then use
+    them), else the ``_TILES`` defaults, never larger than the padded sequence."""
+    if cfg is not None and cfg.block_m and cfg.block_n:
+        bm, bn = cfg.block_m, cfg.block_n
+        for name, v in (("block_m", bm), ("block_n", bn)):
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"attention: cfg.{name}={v} must be a power of two >= 16 (tl.dot tile minimum)")
+        return bm, bn, cfg.num_warps or 4, cfg.num_stages or 1
+    cls = "64" if dtype == torch.float64 else "32" if dtype == torch.float32 else "16"
+    bd = max(16, next_pow2(d))
+    bm, bn, warps = _TILES[kernel][cls][0 if bd <= 64 else 1 if bd <= 128 else 2]
+    bm = max(16, min(bm, next_pow2(tq)))
+    bn = max(16, min(bn, next_pow2(tk)))
+    # f64 has no multi-stage async-copy pipeline worth its shared memory
+    stages = 1 if dtype == torch.float64 else 3 if kernel == "fwd" else 2
+    return bm, bn, warps, stages
+
+
+def _delta_rows(bd: int) -> int:
+    return max(16, _DELTA_ELEMS // bd)
+
+
+def _dtype(t) -> torch.dtype:
+    return to_torch_dtype(elem_of(t))
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise ValueError(f"attention supports float32, bfloat16, float16 and float64 inputs, not {dtype}")
+
+
+def _check_head_dim(d: int) -> None:
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"attention: head dim D={d} > {MAX_HEAD_DIM} is not supported by the Triton kernels")
+
+
+def _input_precision(dtype: torch.dtype, precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"attention: precision must be one of {PRECISIONS}, got {precision!r}")
+    return "tf32" if dtype == torch.float32 and precision == "tf32" else "ieee"
+
+
+# --------------------------------------------------------------------------- source helpers
+
+
+class _Gen:
+    """Text snippets shared by the forward and backward kernels of one shape."""
+
+    def __init__(self, b, h, tq, tk, d, dtype, causal, scale, bm, bn, ip):
+        self.b, self.h, self.tq, self.tk, self.d = b, h, tq, tk, d
+        self.bd = max(16, next_pow2(d))
+        self.dtype, self.causal, self.scale, self.bm, self.bn = dtype, causal, scale, bm, bn
+        self.f64 = dtype == torch.float64
+        self.acc = "tl.float64" if self.f64 else "tl.float32"
+        self.ty = _TL[dtype]
+        self.ip = ip
+        # base-2 domain except for f64 (exp2 and log2(e) would cost digits there)
+        self.exp = "tl.exp" if self.f64 else "tl.exp2"
+        self.qk_scale = scale if self.f64 else scale * _LOG2E
+        self.lse_to_exp = 1.0 if self.f64 else _LOG2E  # natural lse -> the exp domain
+
+    def dot(self, a: str, b: str, acc: str | None = None) -> str:
+        args = [a, b] + ([acc] if acc else [])
+        if self.dtype in (torch.float32, torch.float64):
+            args.append(f'input_precision="{self.ip}"')
+        if self.f64 and acc:
+            args.append("out_dtype=tl.float64")
+        return f"tl.dot({', '.join(args)})"
+
+    def operand(self, x: str) -> str:
+        """A probability tile as a dot operand: rounded to 16-bit inputs' dtype."""
+        return x if self.dtype in (torch.float32, torch.float64) else f"{x}.to({self.ty})"
+
+    def header(self, kind: str, constants: dict | None = None) -> str:
+        constants = constants or {"BLOCK_M": self.bm, "BLOCK_N": self.bn, "BLOCK_D": self.bd}
+        return (
+            f"# Generated by nova.codegen.triton.attention ({kind}); do not edit.\n"
+            f"# q [{self.b}, {self.h}, {self.tq}, {self.d}], k/v [{self.b}, {self.h}, {self.tk}, {self.d}], "
+            f"{str(self.dtype).removeprefix('torch.')}, causal {self.causal}, scale {self.scale!r}, "
+            f"dot precision {self.ip}\n"
+            "import triton\nimport triton.language as tl\n\n"
+            + "".join(f"{k} = tl.constexpr({v})\n" for k, v in constants.items())
+        )
+
+    def mask(self, *parts: str | None) -> str | None:
+        parts = [p for p in parts if p]
+        return " & ".join(f"({p})" for p in parts) if parts else None
+
+    def d_ok(self, axis: str) -> str | None:
+        """Mask of the padded head dim, broadcast along ``axis`` ("row": [1, BD], "col": [BD, 1])."""
+        if self.d == self.bd:
+            return None
+        return "offs_d[None, :] < {}".format(self.d) if axis == "row" else "offs_d[:, None] < {}".format(self.d)
+
+    def load(self, ptr: str, mask: str | None) -> str:
+        return f"tl.load({ptr})" if mask is None else f"tl.load({ptr}, mask={mask}, other=0.0)"
+
+    def store(self, ptr: str, value: str, mask: str | None) -> str:
+        return f"tl.store({ptr}, {value})" if mask is None else f"tl.store({ptr}, {value}, mask={mask})"
+
+    def head_base(self, prefix: str) -> str:
+        return f"{prefix}_ptr + b * s{prefix}b + h * s{prefix}h"
+
+    def bh(self) -> str:
+        return textwrap.dedent(f"""\
+            pid_bh = tl.program_id(1)
+            b = (pid_bh // {self.h}).to(tl.int64)
+            h = (pid_bh % {self.h}).to(tl.int64)
+            offs_d = tl.arange(0, BLOCK_D)
+            """)
+
+
+def _strides(prefix: str) -> list[str]:
+    return [f"s{prefix}{c}" for c in "bhtd"]
+
+
+def _kernel(name: str, params: list[str], body: str) -> str:
+    return f"\n\n@triton.jit\ndef {name}(\n    " + ",\n    ".join(params) + ",\n):\n" + textwrap.indent(
+        textwrap.dedent(body).strip("\n"), "    "
+    ) + "\n"
+
+
+def _ind(text: str, level: int) -> str:
+    return textwrap.indent(textwrap.dedent(text).strip("\n"), "    " * level)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def attention_forward_source(g: _Gen) -> str:
+    tq, tk = g.tq, g.tk
+    m_ok = None if tq % g.bm == 0 else f"offs_m[:, None] < {tq}"
+    full_keys = (tk // g.bn) * g.bn
+
+    def key_loop(masked: bool) -> str:
+        n_ok = f"offs_n[None, :] < {tk}" if masked and tk % g.bn else None
+        keep = g.mask(n_ok, "offs_n[None, :] <= offs_m[:, None]" if g.causal else None)
+        kt = g.load("k_base + offs_n[None, :] * skt + offs_d[:, None] * skd", g.mask(n_ok, g.d_ok("col")))
+        v_n_ok = f"offs_n[:, None] < {tk}" if masked and tk % g.bn else None
+        v = g.load("v_base + offs_n[:, None] * svt + offs_d[None, :] * svd", g.mask(v_n_ok, g.d_ok("row")))
+        lo, hi = ("masked_lo", "masked_hi") if masked else ("0", "full_hi")
+        where = f"\n    s = tl.where({keep}, s, float(\"-inf\"))" if masked and keep else ""
+        return f"""
+for n0 in range({lo}, {hi}, BLOCK_N):
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    kt = {kt}
+    s = {g.dot("q", "kt")} * {g.qk_scale!r}{where}
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = {g.exp}(s - m_new[:, None])
+    alpha = {g.exp}(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = {v}
+    acc = {g.dot(g.operand("p"), "v", "acc * alpha[:, None]")}
+    m_i = m_new
+""".strip("\n")
+
+    if g.causal:
+        ranges = f"""
+            # key blocks wholly at or below the diagonal need no mask; the rest up to the
+            # block's last query (and the key tail) are masked; none above the diagonal
+            full_hi = tl.minimum((start_m + 1) // BLOCK_N * BLOCK_N, {full_keys})
+            masked_lo = full_hi
+            masked_hi = tl.minimum(start_m + BLOCK_M, {tk})
+        """
+    else:
+        ranges = f"""
+            full_hi = {full_keys}
+            masked_lo = {full_keys}
+            masked_hi = {tk if tk % g.bn else full_keys}
+        """
+    lse = "m_i + tl.log(l_i)" if g.f64 else f"(m_i + tl.log2(l_i)) * {_LN2!r}"
+    q = g.load("q_base + offs_m[:, None] * sqt + offs_d[None, :] * sqd", g.mask(m_ok, g.d_ok("row")))
+    body = "\n".join([
+        "start_m = tl.program_id(0) * BLOCK_M",
+        g.bh(),
+        _ind(f"""
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q_base = {g.head_base('q')}
+            k_base = {g.head_base('k')}
+            v_base = {g.head_base('v')}
+            q = {q}
+            m_i = tl.full((BLOCK_M,), float("-inf"), {g.acc})
+            l_i = tl.zeros((BLOCK_M,), {g.acc})
+            acc = tl.zeros((BLOCK_M, BLOCK_D), {g.acc})
+        """, 0),
+        _ind(ranges, 0),
+        key_loop(False),
+        key_loop(True) if (g.causal or tk % g.bn) else "",
+        _ind(f"""
+            out = acc / l_i[:, None]
+            o_base = o_ptr + pid_bh.to(tl.int64) * {tq * g.d}
+            {g.store(f"o_base + offs_m[:, None] * {g.d} + offs_d[None, :]", f"out.to({g.ty})", g.mask(m_ok, g.d_ok("row")))}
+            {g.store(f"lse_ptr + pid_bh.to(tl.int64) * {tq} + offs_m", lse, None if tq % g.bm == 0 else f"offs_m < {tq}")}
+        """, 0),
+    ])
+    params = ["q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr", *_strides("q"), *_strides("k"), *_strides("v")]
+    return g.header("attention forward") + _kernel("attention_fwd", params, body)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def attention_backward_source(g_kv: _Gen, g_q: _Gen) -> str:
+    """The delta, dK/dV and dQ kernels; ``g_kv`` and ``g_q`` (same shape, own tiles)
+    generate the dK/dV and the dQ kernel."""
+    g = g_kv
+    tq, tk = g.tq, g.tk
+    # ---- delta = rowsum(dO * O), in the statistics type, [B*H, Tq]
+    delta_body = _ind(f"""
+        rows = tl.program_id(0) * {_delta_rows(g.bd)} + tl.arange(0, {_delta_rows(g.bd)})
+        {g.bh().strip().replace(chr(10), chr(10) + '        ')}
+        ok = (rows[:, None] < {tq}){' & (offs_d[None, :] < ' + str(g.d) + ')' if g.d != g.bd else ''}
+        do = tl.load(do_ptr + b * sdob + h * sdoh + rows[:, None] * sdot + offs_d[None, :] * sdod, mask=ok, other=0.0)
+        o = tl.load(o_ptr + b * sob + h * soh + rows[:, None] * sot + offs_d[None, :] * sod, mask=ok, other=0.0)
+        delta = tl.sum(do.to({g.acc}) * o.to({g.acc}), axis=1)
+        tl.store(delta_ptr + pid_bh.to(tl.int64) * {tq} + rows, delta, mask=rows < {tq})
+    """, 0)
+
+    lse_in = "tl.load(lse_ptr + b * slb + h * slh + {rows} * slt{mask}).to(" + g.acc + ") * " + repr(g.lse_to_exp)
+    delta_in = "tl.load(delta_ptr + pid_bh.to(tl.int64) * " + str(tq) + " + {rows}{mask})"
+
+    def row_mask(var: str) -> str:
+        return "" if tq % g.bm == 0 else f", mask={var} < {tq}, other=0.0"
+
+    # ---- dK, dV: one program per key block, walking query blocks (P^T in registers)
+    n_ok_row = None if tk % g.bn == 0 else f"offs_n[:, None] < {tk}"
+    kv_mask = g.mask(n_ok_row, g.d_ok("row"))
+
+    def query_loop(masked: bool) -> str:
+        m_ok_col = None if tq % g.bm == 0 else f"offs_m[None, :] < {tq}"
+        m_ok_row = None if tq % g.bm == 0 else f"offs_m[:, None] < {tq}"
+        qt = g.load("q_base + offs_m[None, :] * sqt + offs_d[:, None] * sqd", g.mask(m_ok_col, g.d_ok("col")))
+        do = g.load("do_base + offs_m[:, None] * sdot + offs_d[None, :] * sdod", g.mask(m_ok_row, g.d_ok("row")))
+        causal = "\n    pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)" if masked else ""
+        lo, hi = ("masked_lo", "masked_hi") if masked else ("full_lo", str(tq))
+        return f"""
+for m0 in range({lo}, {hi}, BLOCK_M):
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    qt = {qt}
+    do = {do}
+    lse = {lse_in.format(rows='offs_m', mask=row_mask('offs_m'))}
+    dl = {delta_in.format(rows='offs_m', mask=row_mask('offs_m'))}
+    pt = {g.exp}({g.dot("k", "qt")} * {g.qk_scale!r} - lse[None, :]){causal}
+    dv = {g.dot(g.operand("pt"), "do", "dv")}
+    dpt = {g.dot("v", "tl.trans(do)")}
+    dst = pt * (dpt - dl[None, :])
+    dk = {g.dot(g.operand("dst"), "tl.trans(qt)", "dk")}
+""".strip("\n")
+
+    if g.causal:
+        ranges = f"""
+            # queries below the block's first key only; blocks straddling the diagonal masked
+            masked_lo = start_n // BLOCK_M * BLOCK_M
+            full_lo = tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M
+            masked_hi = tl.minimum(full_lo, {tq})
+        """
+    else:
+        ranges = "full_lo = 0"
+    dkdv_body = "\n".join([
+        "start_n = tl.program_id(0) * BLOCK_N",
+        g.bh(),
+        _ind(f"""
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            q_base = {g.head_base('q')}
+            do_base = {g.head_base('do')}
+            k = {g.load(f"{g.head_base('k')} + offs_n[:, None] * skt + offs_d[None, :] * skd", kv_mask)}
+            v = {g.load(f"{g.head_base('v')} + offs_n[:, None] * svt + offs_d[None, :] * svd", kv_mask)}
+            dk = tl.zeros((BLOCK_N, BLOCK_D), {g.acc})
+            dv = tl.zeros((BLOCK_N, BLOCK_D), {g.acc})
+        """, 0),
+        _ind(ranges, 0),
+        query_loop(True) if g.causal else "",
+        query_loop(False),
+        _ind(f"""
+            out_off = pid_bh.to(tl.int64) * {tk * g.d} + offs_n[:, None] * {g.d} + offs_d[None, :]
+            {g.store("dk_ptr + out_off", f"(dk * {g.scale!r}).to({g.ty})", kv_mask)}
+            {g.store("dv_ptr + out_off", f"dv.to({g.ty})", kv_mask)}
+        """, 0),
+    ])
+
+    # ---- dQ: one program per query block, walking key blocks
+    g = g_q
+    m_ok_row = None if tq % g.bm == 0 else f"offs_m[:, None] < {tq}"
+    q_mask = g.mask(m_ok_row, g.d_ok("row"))
+    full_keys = (tk // g.bn) * g.bn
+
+    def key_loop(masked: bool) -> str:
+        n_ok = f"offs_n[None, :] < {tk}" if masked and tk % g.bn else None
+        keep = g.mask(n_ok, "offs_n[None, :] <= offs_m[:, None]" if g.causal else None)
+        kt = g.load("k_base + offs_n[None, :] * skt + offs_d[:, None] * skd", g.mask(n_ok, g.d_ok("col")))
+        vt = g.load("v_base + offs_n[None, :] * svt + offs_d[:, None] * svd", g.mask(n_ok, g.d_ok("col")))
+        where = f"\n    p = tl.where({keep}, p, 0.0)" if masked and keep else ""
+        lo, hi = ("masked_lo", "masked_hi") if masked else ("0", "full_hi")
+        return f"""
+for n0 in range({lo}, {hi}, BLOCK_N):
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    kt = {kt}
+    vt = {vt}
+    p = {g.exp}({g.dot("q", "kt")} * {g.qk_scale!r} - lse[:, None]){where}
+    dp = {g.dot("do", "vt")}
+    ds = p * (dp - dl[:, None])
+    dq = {g.dot(g.operand("ds"), "tl.trans(kt)", "dq")}
+""".strip("\n")
+
+    if g.causal:
+        ranges = f"""
+            full_hi = tl.minimum((start_m + 1) // BLOCK_N * BLOCK_N, {full_keys})
+            masked_lo = full_hi
+            masked_hi = tl.minimum(start_m + BLOCK_M, {tk})
+        """
+    else:
+        ranges = f"""
+            full_hi = {full_keys}
+            masked_lo = {full_keys}
+            masked_hi = {tk if tk % g.bn else full_keys}
+        """
+    dq_body = "\n".join([
+        "start_m = tl.program_id(0) * BLOCK_M",
+        g.bh(),
+        _ind(f"""
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            k_base = {g.head_base('k')}
+            v_base = {g.head_base('v')}
+            q = {g.load(f"{g.head_base('q')} + offs_m[:, None] * sqt + offs_d[None, :] * sqd", q_mask)}
+            do = {g.load(f"{g.head_base('do')} + offs_m[:, None] * sdot + offs_d[None, :] * sdod", q_mask)}
+            lse = {lse_in.format(rows='offs_m', mask=row_mask('offs_m'))}
+            dl = {delta_in.format(rows='offs_m', mask=row_mask('offs_m'))}
+            dq = tl.zeros((BLOCK_M, BLOCK_D), {g.acc})
+        """, 0),
+        _ind(ranges, 0),
+        key_loop(False),
+        key_loop(True) if (g.causal or tk % g.bn) else "",
+        _ind(f"""
+            out_off = pid_bh.to(tl.int64) * {tq * g.d} + offs_m[:, None] * {g.d} + offs_d[None, :]
+            {g.store("dq_ptr + out_off", f"(dq * {g.scale!r}).to({g.ty})", q_mask)}
+        """, 0),
+    ])
+
+    lse_strides = ["slb", "slh", "slt"]
+    dkdv_body = re.sub(r"\bBLOCK_([MN])\b", r"KV_BLOCK_\1", dkdv_body)
+    dq_body = re.sub(r"\bBLOCK_([MN])\b", r"Q_BLOCK_\1", dq_body)
+    header = g.header("attention backward", {
+        "KV_BLOCK_M": g_kv.bm, "KV_BLOCK_N": g_kv.bn, "Q_BLOCK_M": g_q.bm, "Q_BLOCK_N": g_q.bn, "BLOCK_D": g.bd,
+    })
+    return (
+        header
+        + _kernel("attention_bwd_delta", ["do_ptr", "o_ptr", "delta_ptr", *_strides("do"), *_strides("o")], delta_body)
+        + _kernel(
+            "attention_bwd_dkdv",
+            ["q_ptr", "k_ptr", "v_ptr", "do_ptr", "lse_ptr", "delta_ptr", "dk_ptr", "dv_ptr",
+             *_strides("q"), *_strides("k"), *_strides("v"), *_strides("do"), *lse_strides],
+            dkdv_body,
+        )
+        + _kernel(
+            "attention_bwd_dq",
+            ["q_ptr", "k_ptr", "v_ptr", "do_ptr", "lse_ptr", "delta_ptr", "dq_ptr",
+             *_strides("q"), *_strides("k"), *_strides("v"), *_strides("do"), *lse_strides],
+            dq_body,
+        )
+    )
+
+
+# --------------------------------------------------------------------------- lowerings
+
+
+def _check_spans(name: str, margin: int, *tensors: torch.Tensor) -> None:
+    """Offsets inside one head are int32; the (batch, head) base is int64."""
+    for t in tensors:
+        span = sum((n + margin) * abs(s) for n, s in zip(t.shape[2:], t.stride()[2:]))
+        if span > _INT32_MAX:
+            raise ValueError(f"{name}: one head of an operand spans more than 2**31 elements; not supported")
+
+
+def _check_inputs(name: str, op, inputs) -> None:
+    if len(inputs) != len(op.operands):
+        raise ValueError(f"{name}: expected {len(op.operands)} inputs, got {len(inputs)}")
+    for i, (t, v) in enumerate(zip(inputs, op.operands)):
+        if tuple(t.shape) != shape_of(v.type) or t.dtype != _dtype(v.type):
+            raise ValueError(f"{name}: input {i} is {tuple(t.shape)} {t.dtype}, the op needs {shape_of(v.type)} {_dtype(v.type)}")
+
+
+def _plan(op, cfg, precision: str, kernel: str) -> tuple[_Gen, int, int]:
+    """The generator of one kernel of ``op`` (its shape, props and tiles), its
+    num_warps and num_stages."""
+    backward = isinstance(op, nv.AttentionBackwardOp)
+    q_t, k_t = op.operands[1 if backward else 0].type, op.operands[2 if backward else 1].type
+    (b, h, tq, d), tk = shape_of(q_t), shape_of(k_t)[2]
+    dtype = _dtype(q_t)
+    _check_dtype(dtype)
+    _check_head_dim(d)
+    p = op.props()
+    bm, bn, warps, stages = attention_plan(tq, tk, d, dtype, cfg, kernel)
+    g = _Gen(b, h, tq, tk, d, dtype, bool(p["causal"]), float(p["scale"]), bm, bn, _input_precision(dtype, precision))
+    return g, warps, stages
+
+
+def _effective(cfg, g: _Gen, warps: int, stages: int) -> LoweringConfig:
+    return cfg or LoweringConfig(kind="attention", block_m=g.bm, block_n=g.bn, num_warps=warps, num_stages=stages,
+                                 instruction="fma" if g.f64 else "mma", regime="compute-bound")
+
+
+def _strides4(t: torch.Tensor) -> list[int]:
+    return list(t.stride())
+
+
+def _name(kind: str, g: _Gen) -> str:
+    return f"nova_attention_{kind}_{g.b}x{g.h}x{g.tq}x{g.tk}x{g.d}{'_causal' if g.causal else ''}"
+
+
+@lowers(nv.AttentionOp)
+def lower_attention(op, cfg: LoweringConfig | None = None, *, precision: str = "fp32", **_) -> Kernel:
+    """``precision``: the module's policy ("fp32" | "tf32" | "bf16"); "tf32" lets
+    fp32 q k^T and P v run on tf32 tensor cores, anything else keeps them exact."""
+    g, warps, stages = _plan(op, cfg, precision, "fwd")
+    src = attention_forward_source(g)
+    kernel, _ = load_kernel(src, "attention_fwd")
+    name = _name("fwd", g)
+    lse_dtype = _dtype(op.results[1].type)
+    grid = (math.ceil(g.tq / g.bm), g.b * g.h)
+
+    def launch(inputs):
+        _check_inputs(name, op, inputs)
+        q, k, v = inputs
+        out = torch.empty((g.b, g.h, g.tq, g.d), dtype=g.dtype, device=q.device)
+        lse = torch.empty((g.b, g.h, g.tq), dtype=lse_dtype, device=q.device)
+        if out.numel() == 0:
+            return [out, lse]
+        if g.tk == 0:  # softmax over no keys: the reference's 0 / 0
+            return [out.fill_(float("nan")), lse.fill_(float("-inf"))]
+        _check_spans(name, max(g.bm, g.bn, g.bd), q, k, v)
+        kernel[grid](q, k, v, out, lse, *_strides4(q), *_strides4(k), *_strides4(v),
+                     num_warps=warps, num_stages=stages)
+        return [out, lse]
+
+    return Kernel(name, src, launch, config=_effective(cfg, g, warps, stages), extra={"precision": g.ip})
+
+
+@lowers(nv.AttentionBackwardOp)
+def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision: str = "fp32", **_) -> Kernel:
+    """Three kernels: delta, dK/dV, dQ (see the module docstring); ``precision`` as
+    for the forward. ``Kernel.config`` is the dK/dV kernel's schedule; the dQ
+    kernel's is in ``extra["dq_config"]``."""
+    g_kv, kv_warps, kv_stages = _plan(op, cfg, precision, "dkdv")
+    g_q, q_warps, q_stages = _plan(op, cfg, precision, "dq")
+    src = attention_backward_source(g_kv, g_q)
+    delta_k, _ = load_kernel(src, "attention_bwd_delta")
+    dkdv_k, _ = load_kernel(src, "attention_bwd_dkdv")
+    dq_k, _ = load_kernel(src, "attention_bwd_dq")
+    g = g_q
+    name = _name("bwd", g)
+    stat = torch.float64 if g.f64 else torch.float32
+    bh = g.b * g.h
+
+    def launch(inputs):
+        _check_inputs(name, op, inputs)
+        do, q, k, v, o, lse = inputs
+        dev = q.device
+        dq = torch.empty((g.b, g.h, g.tq, g.d), dtype=g.dtype, device=dev)
+        dk = torch.empty((g.b, g.h, g.tk, g.d), dtype=g.dtype, device=dev)
+        dv = torch.empty((g.b, g.h, g.tk, g.d), dtype=g.dtype, device=dev)
+        if bh * g.d == 0 or g.tq == 0 or g.tk == 0:
+            return [dq.zero_(), dk.zero_(), dv.zero_()]
+        _check_spans(name, 256, do, q, k, v, o)
+        delta = torch.empty((bh, g.tq), dtype=stat, device=dev)
+        delta_k[(math.ceil(g.tq / _delta_rows(g.bd)), bh)](do, o, delta, *_strides4(do), *_strides4(o), num_warps=4)
+        common = [*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do), *lse.stride()]
+        dkdv_k[(math.ceil(g.tk / g_kv.bn), bh)](q, k, v, do, lse, delta, dk, dv, *common,
+                                                 num_warps=kv_warps, num_stages=kv_stages)
+        dq_k[(math.ceil(g.tq / g_q.bm), bh)](q, k, v, do, lse, delta, dq, *common,
+                                              num_warps=q_warps, num_stages=q_stages)
+        return [dq, dk, dv]
+
+    return Kernel(name, src, launch, config=_effective(cfg, g_kv, kv_warps, kv_stages),
+                  extra={"precision": g.ip, "dq_config": _effective(cfg, g_q, q_warps, q_stages)})
+
+
+__all__ = ["MAX_HEAD_DIM", "attention_plan", "attention_forward_source", "attention_backward_source",
+           "lower_attention", "lower_attention_backward"]
