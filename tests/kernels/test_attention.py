@@ -130,6 +130,20 @@ def test_precision_policy_and_limits(device):
         fwd(op, LoweringConfig(kind="attention", block_m=24, block_n=16))
 
 
+def test_backward_caps_a_forward_sized_config():
+    """The configurator sizes attention for the forward; the backward kernels take
+    its tiles only as an upper bound (a 128x128 dK/dV tile would spill)."""
+    fwd, bwd = lowerings()
+    x = torch.empty(2, 4, 1024, 64, dtype=torch.bfloat16)
+    lse = torch.empty(2, 4, 1024)
+    cfg = LoweringConfig(kind="attention", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=5)
+    assert fwd(build(nv.AttentionOp, [x, x, x], {"causal": True, "scale": 0.125}), cfg).config == cfg
+    kernel = bwd(build(nv.AttentionBackwardOp, [x, x, x, x, x, lse], {"causal": True, "scale": 0.125}), cfg)
+    kv, q = kernel.config, kernel.extra["dq_config"]
+    assert (kv.block_m, kv.block_n, q.block_m, q.block_n) == (32, 128, 128, 32)
+    assert kv.num_stages == q.num_stages == 2 and "KV_BLOCK_N = tl.constexpr(128)" in kernel.source
+
+
 def test_attention_ops_registered():
     from nova.codegen.triton import attention  # noqa: F401
     from nova.codegen.triton.lowering import LOWERINGS

@@ -108,8 +108,16 @@ def test_config_block_and_errors(device):
     op = build(nv.LogSoftmaxOp, [x], {"dim": 1})
     cfg = LoweringConfig(kind="reduction", block=16, num_warps=2)
     kernel = lowering(op)(op, cfg)
-    assert kernel.extra["looping"] and kernel.config is cfg and "BLOCK = tl.constexpr(16)" in kernel.source
+    assert kernel.extra["looping"] and kernel.config == cfg and "BLOCK = tl.constexpr(16)" in kernel.source
     run_and_compare(op, [x], cfg=cfg)
+    # layer_norm_backward takes a configurator block as an upper bound (its rows hold
+    # three times the forward's tensors): 8192 becomes column blocks of 4096
+    x, w = torch.empty(4, 8192), torch.empty(8192)
+    ins = [x, x, w, w[:4], w[:4]]
+    op_bwd = build(nv.LayerNormBackwardOp, ins)
+    big = LoweringConfig(kind="reduction", block=8192, num_warps=16)
+    ln_bwd = lowering(op_bwd)(op_bwd, big)
+    assert ln_bwd.extra["looping"] and ln_bwd.config.block == 4096
     with pytest.raises(ValueError, match="power of two"):
         lowering(op)(op, LoweringConfig(kind="reduction", block=24))
     with pytest.raises(ValueError, match="input 0"):

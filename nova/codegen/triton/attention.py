@@ -29,6 +29,7 @@ Design choices, and why:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import textwrap
@@ -81,22 +82,30 @@ _TILES = {
 
 
 def attention_plan(tq: int, tk: int, d: int, dtype: torch.dtype, cfg: LoweringConfig | None, kernel: str = "fwd"):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("fwd", "dkdv", "dq"):
-    ``cfg``'s when it sets block_m and block_n (both backward kernels then use
-    them), else the ``_TILES`` defaults, never larger than the padded sequence."""
-    if cfg is not None and cfg.block_m and cfg.block_n:
-        bm, bn = cfg.block_m, cfg.block_n
-        for name, v in (("block_m", bm), ("block_n", bn)):
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"attention: cfg.{name}={v} must be a power of two >= 16 (tl.dot tile minimum)")
-        return bm, bn, cfg.num_warps or 4, cfg.num_stages or 1
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("fwd", "dkdv", "dq").
+
+    The forward takes ``cfg``'s tiles when it sets block_m and block_n. The
+    configurator sizes attention for the forward pass only, and the backward
+    kernels hold two to three times the accumulators, so for them ``cfg``'s tiles
+    are an upper bound on the ``_TILES`` defaults (and at most 2 stages). Without
+    ``cfg``: the defaults. Tiles never exceed the padded sequence."""
     cls = "64" if dtype == torch.float64 else "32" if dtype == torch.float32 else "16"
     bd = max(16, next_pow2(d))
     bm, bn, warps = _TILES[kernel][cls][0 if bd <= 64 else 1 if bd <= 128 else 2]
-    bm = max(16, min(bm, next_pow2(tq)))
-    bn = max(16, min(bn, next_pow2(tk)))
     # f64 has no multi-stage async-copy pipeline worth its shared memory
     stages = 1 if dtype == torch.float64 else 3 if kernel == "fwd" else 2
+    if cfg is not None and cfg.block_m and cfg.block_n:
+        for name, v in (("block_m", cfg.block_m), ("block_n", cfg.block_n)):
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"attention: cfg.{name}={v} must be a power of two >= 16 (tl.dot tile minimum)")
+        if kernel == "fwd":
+            return cfg.block_m, cfg.block_n, cfg.num_warps or warps, cfg.num_stages or stages
+        if cfg.block_m <= bm and cfg.block_n <= bn:  # cfg's tiles fit: its warps too
+            warps = cfg.num_warps or warps
+        bm, bn = min(bm, cfg.block_m), min(bn, cfg.block_n)
+        stages = min(stages, cfg.num_stages or stages)
+    bm = max(16, min(bm, next_pow2(tq)))
+    bn = max(16, min(bn, next_pow2(tk)))
     return bm, bn, warps, stages
 
 
@@ -479,8 +488,11 @@ def _plan(op, cfg, precision: str, kernel: str) -> tuple[_Gen, int, int]:
 
 
 def _effective(cfg, g: _Gen, warps: int, stages: int) -> LoweringConfig:
-    return cfg or LoweringConfig(kind="attention", block_m=g.bm, block_n=g.bn, num_warps=warps, num_stages=stages,
-                                 instruction="fma" if g.f64 else "mma", regime="compute-bound")
+    """The schedule a kernel runs with: ``cfg`` with the tiles actually used."""
+    if cfg is not None:
+        return dataclasses.replace(cfg, block_m=g.bm, block_n=g.bn, num_warps=warps, num_stages=stages)
+    return LoweringConfig(kind="attention", block_m=g.bm, block_n=g.bn, block_k=g.bd, num_warps=warps,
+                          num_stages=stages, instruction="mma", regime="compute-bound")
 
 
 def _strides4(t: torch.Tensor) -> list[int]:

@@ -25,6 +25,7 @@ Design choices, and why:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import textwrap
 
@@ -101,9 +102,15 @@ def row_plan(n: int, cfg: LoweringConfig | None, limit: int) -> tuple[int, bool,
 
 
 def _effective(cfg: LoweringConfig | None, block: int, warps: int) -> LoweringConfig:
+    """The schedule a kernel runs with: ``cfg`` with the block and warps actually used."""
     if cfg is not None:
-        return cfg
+        return dataclasses.replace(cfg, block=block, num_warps=warps)
     return LoweringConfig(kind="reduction", block=block, num_warps=warps, regime="memory-bound")
+
+
+def _launch_options(cfg: LoweringConfig | None, warps: int) -> dict:
+    """num_warps, and cfg's num_stages when it sets one (Triton's default otherwise)."""
+    return {"num_warps": warps, **({"num_stages": cfg.num_stages} if cfg is not None and cfg.num_stages else {})}
 
 
 def _contiguous_strides(shape) -> list[int]:
@@ -330,6 +337,7 @@ def _lower_rowwise(op, cfg, kind: str, source_fn, log: bool, max_row_block: int)
     src = source_fn(shape, dim, dtype, log, block, looping)
     kernel, _ = load_kernel(src, f"{kind}_kernel")
     name = f"nova_{kind}_{_shape_name(shape)}_dim{dim}"
+    opts = _launch_options(cfg, warps)
 
     def launch(inputs):
         _check_inputs(name, op, inputs)
@@ -340,7 +348,7 @@ def _lower_rowwise(op, cfg, kind: str, source_fn, log: bool, max_row_block: int)
         for t in inputs:
             _check_span(name, rows.n, block, t.stride(dim))
             args += rows.args(t)
-        kernel[(rows.count,)](*inputs, out, *args, num_warps=warps)
+        kernel[(rows.count,)](*inputs, out, *args, **opts)
         return [out]
 
     return Kernel(name, src, launch, config=_effective(cfg, block, warps), extra={"looping": looping})
@@ -435,6 +443,7 @@ def lower_layer_norm(op, cfg: LoweringConfig | None = None, *, max_row_block: in
     src = layer_norm_source(shape, dtype, op.props()["eps"], block, looping)
     kernel, _ = load_kernel(src, "layer_norm_kernel")
     name = f"nova_layer_norm_{_shape_name(shape)}"
+    opts = _launch_options(cfg, warps)
 
     def launch(inputs):
         _check_inputs(name, op, inputs)
@@ -444,7 +453,7 @@ def lower_layer_norm(op, cfg: LoweringConfig | None = None, *, max_row_block: in
         rstd = torch.empty(shape[:-1], dtype=dtype, device=x.device)
         if y.numel():
             _check_span(name, rows.n, block, x.stride(-1), w.stride(0), b.stride(0))
-            kernel[(rows.count,)](x, w, b, y, mean, rstd, *rows.args(x), w.stride(0), b.stride(0), num_warps=warps)
+            kernel[(rows.count,)](x, w, b, y, mean, rstd, *rows.args(x), w.stride(0), b.stride(0), **opts)
         elif mean.numel():  # rows of no elements: the mean of nothing
             mean.fill_(float("nan"))
             rstd.fill_(float("nan"))
@@ -578,7 +587,12 @@ def lower_layer_norm_backward(
     rows = Rows(shape, len(shape) - 1)
     n = rows.n
     # fp64 statistics take two registers each: half the row fits
-    block, looping, warps = row_plan(n, cfg, max_row_block // 2 if dtype == torch.float64 else max_row_block)
+    limit = max_row_block // 2 if dtype == torch.float64 else max_row_block
+    if cfg is not None and cfg.block > limit:
+        # the configurator sizes layer-norm rows for the forward (two row tensors
+        # live); this kernel holds three times that: cfg.block is an upper bound
+        cfg = dataclasses.replace(cfg, block=next_pow2(limit + 1) // 2, num_warps=0)
+    block, looping, warps = row_plan(n, cfg, limit)
     if cfg is None or not cfg.num_warps:
         # ~8 elements per thread per row tensor: with three carried across rows and the
         # pointers of x, g and dx, 16 per thread (8 warps at 4096) needs ~250 registers
@@ -588,6 +602,7 @@ def lower_layer_norm_backward(
     main, _ = load_kernel(src, "layer_norm_backward_kernel")
     colsum, _ = load_kernel(src, "layer_norm_backward_colsum")
     name = f"nova_layer_norm_backward_{_shape_name(shape)}"
+    opts = _launch_options(cfg, warps)
 
     def launch(inputs):
         _check_inputs(name, op, inputs)
@@ -612,7 +627,7 @@ def lower_layer_norm_backward(
         m1, r1 = mean.reshape(-1), rstd.reshape(-1)
         main[(progs,)](
             g, x, w, m1, r1, dx, pw, pb, *row_sums, *rows.args(g), *rows.args(x), w.stride(0),
-            m1.stride(0), r1.stride(0), per, num_warps=warps,
+            m1.stride(0), r1.stride(0), per, **opts,
         )
         colsum[(-(-n // _COLSUM_N),)](pw, pb, dw, db, progs, num_warps=4)
         return [dx, dw, db]
@@ -760,6 +775,7 @@ def _lower_ce(op, cfg, max_row_block: int, check_ids: bool, backward: bool) -> K
     first, _ = load_kernel(src, "cross_entropy_backward_scale" if backward else "cross_entropy_rows")
     second, _ = load_kernel(src, "cross_entropy_backward_rows" if backward else "cross_entropy_final")
     name = f"nova_{kind}_{n_rows}x{n_cls}"
+    opts = _launch_options(cfg, warps)
 
     def launch(inputs):
         _check_inputs(name, op, inputs)
@@ -773,14 +789,14 @@ def _lower_ce(op, cfg, max_row_block: int, check_ids: bool, backward: bool) -> K
             _check_span(name, n_cls, block, x.stride(1))
             scale = torch.empty((1,), dtype=stat, device=dev)
             first[(1,)](g[0], t, scale, bad, t.stride(0), num_warps=4)
-            second[(n_rows,)](x, t, scale, out, x.stride(0), x.stride(1), t.stride(0), num_warps=warps)
+            second[(n_rows,)](x, t, scale, out, x.stride(0), x.stride(1), t.stride(0), **opts)
         else:
             out = torch.empty((), dtype=dtype, device=dev)
             if n_rows == 0:
                 return [out.fill_(float("nan") if reduction == "mean" else 0.0)]
             _check_span(name, n_cls, block, x.stride(1))
             loss = torch.empty((n_rows,), dtype=stat, device=dev)
-            first[(n_rows,)](x, t, loss, x.stride(0), x.stride(1), t.stride(0), num_warps=warps)
+            first[(n_rows,)](x, t, loss, x.stride(0), x.stride(1), t.stride(0), **opts)
             second[(1,)](t, loss, out, bad, t.stride(0), num_warps=4)
         if check_ids:
             _raise_bad_targets(op.name, t, n_cls, ignore, bad)
