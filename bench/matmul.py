@@ -272,10 +272,11 @@ class ShapeBench:
         peak = 3e14 if precision == "tf32" else 6e14  # optimistic rate: only sizes the graphs
         self.est_ms = max(2.0 * M * N * K / peak * 1e3, 2e-3)
 
-    def nova_launcher(self, cfg):
+    def nova_launcher(self, cfg, precision=None):
         from nova.codegen.triton.matmul import matmul
 
-        return lambda i: matmul(self.A[i], self.B[i], cfg=cfg, precision=self.precision, out=self.C[i])
+        prec = precision or self.precision
+        return lambda i: matmul(self.A[i], self.B[i], cfg=cfg, precision=prec, out=self.C[i])
 
     def cublas_launcher(self):
         return lambda i: torch.matmul(self.A[i], self.B[i], out=self.C[i])
@@ -288,7 +289,8 @@ class ShapeBench:
         return _rel_err(self.C[0], self.ref)
 
 
-def bench_shape(sb: ShapeBench, nova_cfg, cfg_ms, cands, search_seconds, deadline, log) -> dict:
+def bench_shape(sb: ShapeBench, nova_cfg, cfg_ms, cands, search_seconds, deadline, log, keep_search=True,
+                tf32_variants=()) -> dict:
     M, N, K, p = sb.M, sb.N, sb.K, sb.precision
     row = {"M": M, "N": N, "K": K, "precision": p, "flops": 2 * M * N * K, "input_sets": sb.n_sets,
            "l2_warm": sb.l2_warm, "configurator_ms": cfg_ms}
@@ -301,6 +303,18 @@ def bench_shape(sb: ShapeBench, nova_cfg, cfg_ms, cands, search_seconds, deadlin
         row["nova"] = {"config": nova_cfg.to_dict(), "ms": None, "tflops": None, "rel_err": None,
                        "error": f"{type(e).__name__}: {str(e)[:300]}"}
         log(f"  ERROR: nova's config {describe(nova_cfg)} failed on {M}x{N}x{K} {p}: {row['nova']['error']}")
+    for variant in tf32_variants if p == "tf32" else ():
+        # the same config with another fp32 operand treatment (e.g. tf32-rn: operands
+        # rounded to nearest tf32 in the kernel): its cost and accuracy beside nova's
+        launch = sb.nova_launcher(nova_cfg, variant)
+        try:
+            ms = sb.time(launch, final=True)
+            row[f"nova_{variant}"] = {"ms": ms, "tflops": _tflops(M, N, K, ms), "rel_err": sb.error(launch)}
+        except Exception as e:
+            _recover()
+            row[f"nova_{variant}"] = {"ms": None, "tflops": None, "rel_err": None,
+                                      "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            log(f"  ERROR: {variant} with {describe(nova_cfg)} failed on {M}x{N}x{K}: {row[f'nova_{variant}']['error']}")
     with _cublas_precision(p):
         launch = sb.cublas_launcher()
         ms = sb.time(launch, final=True)
@@ -319,6 +333,8 @@ def bench_shape(sb: ShapeBench, nova_cfg, cfg_ms, cands, search_seconds, deadlin
             search["failed"].append({"config": describe(cfg), "error": f"{type(e).__name__}: {str(e)[:160]}"})
             _recover()
     search["timed"] = len(timed)
+    if keep_search:  # every candidate's (brief) search time, keyed by its describe() text
+        search["all"] = {describe(cfg): ms for ms, cfg in timed}
     timed.sort(key=lambda t: t[0])
     best = None
     for _, cfg in timed[:FINALISTS]:
@@ -412,13 +428,18 @@ def run(opts, checkpoint=None, log=print) -> dict:
                         seen.add(key)
                         jobs.append((cfg, shape))
             status = compile_ahead(jobs, str(dtype).removeprefix("torch."), precision, opts.workers, log)
+            if precision == "tf32":
+                for variant in opts.tf32_variants:
+                    vjobs = list({_binary_key(c, *s): (c, s) for s, c, _, _ in plans}.values())
+                    compile_ahead(vjobs, "float32", variant, opts.workers, log)
             plans = [
                 (shape, nova_cfg, cfg_ms, [c for c in cands if status.get(c) is None])
                 for shape, nova_cfg, cfg_ms, cands in plans
             ]
         for (M, N, K), nova_cfg, cfg_ms, cands in plans:
             sb = ShapeBench(M, N, K, precision, device, timer)
-            rows.append(bench_shape(sb, nova_cfg, cfg_ms, cands, opts.search_seconds, deadline, log))
+            rows.append(bench_shape(sb, nova_cfg, cfg_ms, cands, opts.search_seconds, deadline, log,
+                                    keep_search=opts.keep_search, tf32_variants=opts.tf32_variants))
             del sb
             if checkpoint is not None:
                 checkpoint(_document(rows, opts, device, time.perf_counter() - started, complete=False))
@@ -463,7 +484,8 @@ def _document(rows, opts, device, seconds, complete=True) -> dict:
             "part": f"{opts.part[0]}/{opts.part[1]}", "search_budget": opts.search_budget,
             "precisions": list(opts.precisions), "quick": opts.quick, "dry_run": opts.dry_run,
             "search_seconds": opts.search_seconds, "time_limit": opts.time_limit, "seconds": seconds,
-            "complete": complete,
+            "complete": complete, "keep_search": getattr(opts, "keep_search", False),
+            "tf32_variants": list(getattr(opts, "tf32_variants", ())),
         },
         "shapes": rows,
         "summary": summarize(rows),
@@ -503,6 +525,15 @@ def summarize(rows) -> dict:
             "max_rel_err_cublas": max(r["cublas"]["rel_err"] for r in rs),
             "cublas_reference_geomean_tflops": CUBLAS_REFERENCE_TFLOPS[p],
         }
+        for v in sorted({k[5:] for r in rs for k in r if k.startswith("nova_tf32")}):
+            vr = [r[f"nova_{v}"] for r in rs if r.get(f"nova_{v}")]
+            vt = _geomean(x["tflops"] for x in vr)
+            out[p][f"variant_{v}"] = {
+                "shapes": len(vr), "geomean_tflops": vt,
+                "geomean_vs_cublas": vt / cublas if vt and cublas else None,
+                "geomean_vs_nova": vt / nova if vt and nova else None,
+                "max_rel_err": max((x["rel_err"] for x in vr if x["rel_err"] is not None), default=None),
+            }
     out["max_configurator_ms"] = max((r["configurator_ms"] for r in rows), default=None)
     out["max_tf32_rel_err"] = out.get("tf32", {}).get("max_rel_err_nova")
     return out
@@ -539,6 +570,14 @@ def markdown(doc) -> str:
                 f"| {_fmt(m['fraction_within_3pct_of_searched_best'], '.0%')} | {m['max_configurator_ms']:.3f} "
                 f"| {_fmt(m['max_rel_err_nova'], '.1e')} |"
             )
+    for p in PRECISIONS:
+        for key, v in sorted((doc["summary"].get(p) or {}).items()):
+            if key.startswith("variant_"):
+                lines.append(
+                    f"\n{p} variant {key[8:]} (nova's configs): {v['shapes']} shapes, geomean "
+                    f"{_fmt(v['geomean_tflops'])} TFLOP/s = {_fmt(v['geomean_vs_nova'], '.3f')}x nova {p}, "
+                    f"{_fmt(v['geomean_vs_cublas'], '.3f')}x cuBLAS; max rel err {_fmt(v['max_rel_err'], '.1e')}"
+                )
     lines += ["", "TFLOP/s are geometric means over shapes.", ""]
     lines += [
         "| prec | M | N | K | Nova | cuBLAS | best | Nova/cuBLAS | Nova/best | cfg ms | rel err | Nova config | best config |",
@@ -643,6 +682,14 @@ def _precisions(text: str) -> tuple[str, ...]:
     return ps
 
 
+def _variants(text: str) -> tuple[str, ...]:
+    vs = tuple(v.strip() for v in text.split(",") if v.strip())
+    bad = [v for v in vs if v not in ("tf32-rn", "tf32x3")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"--tf32-variants: choose from tf32-rn,tf32x3, got {text!r}")
+    return vs
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--part", type=_part, default=(1, 1), metavar="I/N", help="run the I-th of N interleaved subsets of the shapes")
     p.add_argument("--search-budget", type=int, default=200, metavar="N",
@@ -655,6 +702,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="merge part JSONs (default: every matmul_part*.json in --out) into matmul.json/.md/.png")
     p.add_argument("--search-seconds", type=float, default=20.0, help="cap on one shape's search (default 20)")
     p.add_argument("--time-limit", type=float, default=540.0, help="after this many seconds of the run, stop searching (default 540)")
+    p.add_argument("--keep-search", action=argparse.BooleanOptionalAction, default=True,
+                   help="store every searched config's time per shape (search.all: {config text: ms}; default on, "
+                   "~1 MB for the full grid) so configurator changes can be scored offline "
+                   "(bench/configurator_vs_search.py)")
+    p.add_argument("--tf32-variants", type=_variants, default=("tf32-rn",), metavar="LIST",
+                   help="for tf32 shapes also time nova's config with these fp32 operand treatments "
+                   "(row nova_<variant>; default tf32-rn; '' for none; choices tf32-rn,tf32x3)")
     p.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)), help="compile processes")
 
 

@@ -53,7 +53,7 @@ STATIC_SMEM = 1 * KiB
 SYSTEM_SMEM_PER_BLOCK = 1 * KiB
 BARRIER_SMEM = 128
 
-PRECISIONS = ("ieee", "tf32", "bf16")
+PRECISIONS = ("ieee", "tf32", "tf32-rn", "tf32x3", "bf16")
 _ELT = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 _ALIASES = {
     "f64": "float64", "fp64": "float64", "double": "float64",
@@ -114,7 +114,8 @@ def arithmetic_path(dtype_a, dtype_b, precision: str) -> str:
         return "fp64"
     if names <= {"bfloat16", "float16"}:
         return "bf16"
-    return {"ieee": "fp32", "tf32": "tf32", "bf16": "bf16"}[precision]
+    # tf32-rn / tf32x3 (the template's rounded and 3-pass tf32) run on the tf32 tensor cores
+    return {"ieee": "fp32", "tf32": "tf32", "tf32-rn": "tf32", "tf32x3": "tf32", "bf16": "bf16"}[precision]
 
 
 def _tensor_cores(dev: DeviceSpec, path: str) -> bool:

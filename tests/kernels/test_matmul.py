@@ -127,6 +127,52 @@ def test_fp32_with_reduced_precisions(device):
     assert rel_err(mm.matmul(a, b, cfg=cfg(), precision="bf16"), ref) < 1e-2
 
 
+def _tf32_reference(x: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even to 11 significant bits (tf32's 10 stored mantissa bits),
+    computed independently of the template's bit trick: in float64 through
+    frexp / round-half-even / ldexp. For fp32 normals only."""
+    m, e = torch.frexp(x.double())  # x = m 2^e, 0.5 <= |m| < 1
+    return torch.ldexp(torch.round(m * 2.0**11), e - 11).float()
+
+
+def test_tf32_rn_rounding_is_bit_exact():
+    torch.manual_seed(0)
+    x = torch.randn(4096) * torch.logspace(-30, 30, 4096)
+    ulp = 2.0**-10  # tf32 spacing in [1, 2)
+    ties = torch.tensor([1 + ulp / 2, 1 + 3 * ulp / 2, -(1 + ulp / 2), -(1 + 3 * ulp / 2), 1 + ulp / 2 + 2.0**-23,
+                         2 - ulp / 4, 2 - ulp / 2 + 2.0**-23, 3.0, 0.1, -0.1, 65504.0, 1e-30])  # fmt: skip
+    x = torch.cat([x, ties])
+    got = mm.round_to_tf32(x)
+    assert torch.equal(got.view(torch.int32), _tf32_reference(x).view(torch.int32))
+    assert torch.equal(got[-12:-8], torch.tensor([1.0, 1 + 2 * ulp, -1.0, -(1 + 2 * ulp)]))  # ties to even
+    # kept bits only; specials survive; overflow rounds to inf like IEEE
+    assert not (got.view(torch.int32) & 0x1FFF).any()
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3.4028235e38])
+    out = mm.round_to_tf32(special)
+    assert torch.equal(out[:4].view(torch.int32), special[:4].view(torch.int32))
+    assert out[4].isnan() and out[5] == float("inf")
+
+
+def test_tf32_rn_kernel_rounds_operands_like_the_host(device):
+    """precision="tf32-rn" rounds both operand tiles in the kernel (the TF32_RN text,
+    the same arithmetic as round_to_tf32). The interpreter computes the tf32 dot in
+    fp32, so its result must match fp32 math on host-rounded operands; and the error
+    against float64 at K=1024 is cuBLAS-like, under 5e-4."""
+    torch.manual_seed(5)
+    a = torch.randn(32, 1024, device=device)
+    b = torch.randn(1024, 48, device=device)
+    ref = reference(a, b)
+    for config in (cfg(bm=32, bn=16, bk=32), cfg(bm=16, bn=16, bk=32, split_k=2)):
+        c = mm.matmul(a, b, cfg=config, precision="tf32-rn")
+        expect = reference(mm.round_to_tf32(a), mm.round_to_tf32(b))
+        assert rel_err(c, expect) < 1e-6
+        err = rel_err(c, ref)
+        assert 1e-5 < err < 5e-4, err  # rounding happened, and is round-to-nearest
+    src = mm.matmul_source(cfg(), has_bias=False, precision="tf32-rn")
+    assert "0xFFFFE000" in src and 'input_precision="tf32"' in src
+    assert 'input_precision="tf32x3"' in mm.matmul_source(cfg(), has_bias=False, precision="tf32x3")
+
+
 def test_int64_indexing_path(device, monkeypatch):
     """Tensors past 2**31 elements switch the kernel to int64 offsets; exercise that
     code path on a tiny shape by lowering the threshold."""

@@ -18,8 +18,13 @@ Design choices, and why:
   every tile full and every K chunk a whole number of BLOCK_K) drops the masks, so
   the aligned case compiles to the mask-free loop; at most two variants per config.
 * Accumulation is always fp32. ``precision`` says how 32-bit operands enter the
-  tensor cores: ``ieee`` (exact fp32 FMA path), ``tf32`` (``input_precision="tf32"``),
-  ``bf16`` (operands rounded to bf16). 16-bit operands go to ``tl.dot`` unchanged.
+  tensor cores: ``ieee`` (exact fp32 FMA path), ``tf32`` (``input_precision="tf32"``:
+  the tensor core *truncates* the 13 low mantissa bits, ~2.6x cuBLAS's error),
+  ``tf32-rn`` (the operand tiles are rounded to nearest-even tf32 in registers by
+  integer arithmetic before the same tf32 dot, as cuBLAS does: same error as
+  cuBLAS; costs a register round trip of both tiles, see ``TF32_RN``), ``tf32x3``
+  (Triton's 3-pass split tf32, ~fp32 accuracy at ~3x the MMA work), ``bf16``
+  (operands rounded to bf16). 16-bit operands go to ``tl.dot`` unchanged.
 * Split-K is deterministic, in two passes: split ``s`` writes its fp32 partial tile to
   a workspace ``[S, B, M, N]``; a second kernel sums the S partials in a fixed order,
   adds the bias and casts. Atomic adds would save the workspace traffic but make the
@@ -48,7 +53,7 @@ import torch
 from nova.codegen.triton.source import interpreting, load_kernel
 from nova.schedule.config import LoweringConfig
 
-PRECISIONS = ("ieee", "tf32", "bf16")
+PRECISIONS = ("ieee", "tf32", "tf32-rn", "tf32x3", "bf16")
 _TL_DTYPE = {"float32": "tl.float32", "bfloat16": "tl.bfloat16", "float16": "tl.float16"}
 _TORCH_TO_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 REDUCE_BLOCK = 1024  # elements per program of the split-K reduction (pure streaming)
@@ -64,6 +69,28 @@ def _dtype_name(dtype) -> str:
     if name not in _TL_DTYPE:
         raise ValueError(f"matmul: unsupported dtype {dtype!r}; supported: float32, bfloat16, float16")
     return name
+
+
+# Round-to-nearest-even of an fp32 tile to tf32 (10 mantissa bits), in integer
+# arithmetic on the bits: add half an ulp of tf32 (0xFFF) plus the lowest kept bit
+# (ties go to even), clear the 13 dropped bits. A carry out of the mantissa bumps the
+# exponent, which is the correctly rounded result (the largest finite values round to
+# inf, as IEEE rounding does); inf stays inf; NaNs stay NaN (their payload is in the
+# high mantissa bits for every NaN Triton or torch produces). The tensor core's own
+# conversion truncates, so after this it sees values it represents exactly.
+TF32_RN = """\
+{x}_bits = {x}.to(tl.uint32, bitcast=True)
+{x}_bits = ({x}_bits + 0xFFF + (({x}_bits >> 13) & 1)) & 0xFFFFE000
+{x} = {x}_bits.to(tl.float32, bitcast=True)"""
+
+
+def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
+    """``TF32_RN`` on the host: fp32 ``x`` rounded to nearest-even tf32 (for tests and
+    for reference results)."""
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits)
+    return bits.to(torch.int32).view(torch.float32).view_as(x)
 
 
 def _check_config(cfg: LoweringConfig) -> None:
@@ -119,6 +146,9 @@ def matmul_source(
     if in_name == "float32" and precision == "bf16":
         cast = "\n            a = a.to(tl.bfloat16)\n            b = b.to(tl.bfloat16)"
         dot = "tl.dot(a, b, acc)"
+    elif in_name == "float32" and precision == "tf32-rn":
+        cast = "\n" + textwrap.indent(TF32_RN.format(x="a") + "\n" + TF32_RN.format(x="b"), " " * 12)
+        dot = 'tl.dot(a, b, acc, input_precision="tf32")'
     elif in_name == "float32":
         cast = ""
         dot = f'tl.dot(a, b, acc, input_precision="{precision}")'
@@ -514,8 +544,9 @@ def matmul(
     """``a @ b (+ bias)`` for 2-D or 3-D (batched; a batch of 1 or a 2-D operand
     broadcasts) float32 / bfloat16 / float16 tensors with any strides.
 
-    ``precision``: "ieee" | "tf32" | "bf16" for float32 operands (default "ieee",
-    like torch without allow_tf32); 16-bit operands are used as they are.
+    ``precision``: "ieee" | "tf32" | "tf32-rn" | "tf32x3" | "bf16" for float32
+    operands (default "ieee", like torch without allow_tf32); 16-bit operands are
+    used as they are.
     ``out_dtype`` defaults to the input dtype. ``cfg`` defaults to the Analytic
     Configurator's choice. ``num_programs`` caps a persistent grid (default: #SMs).
     """
@@ -650,5 +681,5 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup):
 
 __all__ = [
     "matmul", "precompile", "precompile_specs", "matmul_source", "matmul_kernels", "configure", "device_spec", "layout",
-    "split_k_plan", "PRECISIONS", "MatmulKernels", "TmaLayout",
+    "split_k_plan", "PRECISIONS", "MatmulKernels", "TmaLayout", "round_to_tf32", "TF32_RN",
 ]
