@@ -14,6 +14,7 @@ intermediate quantities), ``configure_reduction``, ``configure_elementwise``,
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 from nova.schedule.config import LoweringConfig
@@ -49,6 +50,18 @@ REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256 ([CG], 
 # The TMA variant adds its mbarriers next to the ring (measured: 32-56 bytes above
 # the ring at 4-5 stages), so every ring budget keeps BARRIER_SMEM free: room for 16
 # eight-byte mbarriers, two per stage at MAX_STAGES plus the epilogue's
+# Calibrated on the H200 run of nova bench matmul (bench/results/matmul.json, see
+# docs/configurator.md "Calibration"): a K-step of at most STAGE_BYTES_MAX of operands
+# (BLOCK_K up to two 128-byte lines per row), and a ring whose bytes in flight
+# reach IN_FLIGHT_SECONDS of the SM's share of DRAM bandwidth (Little's law)
+STAGE_BYTES_MAX = 48 * KiB
+IN_FLIGHT_SECONDS = 2.5e-6
+# Triton 3.6 feeds tf32 wgmma only K-major shared-memory operands (PTX: wgmma .tf32
+# has no transpose); a row-major B ([K, N], N contiguous) tile is therefore pulled
+# through registers and re-stored transposed, so B tiles wider than one 64-column
+# warpgroup slice cost more than their reuse saves (measured: every searched-best tf32
+# config has BLOCK_N <= 64)
+TF32_NMAJOR_MAX_BN = 64
 STATIC_SMEM = 1 * KiB
 SYSTEM_SMEM_PER_BLOCK = 1 * KiB
 BARRIER_SMEM = 128
@@ -175,20 +188,28 @@ _LADDER = ((16, 16), (32, 16), (32, 32), (64, 32), (64, 64), (128, 64), (128, 12
 _FLOOR = _LADDER.index((64, 64))  # see plan_matmul, step 4
 
 
-def _oriented(rung: int, M: int, N: int) -> tuple[int, int]:
-    long, short = _LADDER[rung]
-    bm, bn = (short, long) if N >= M else (long, short)
+# tf32 with an N-major B: BLOCK_N capped (TF32_NMAJOR_MAX_BN), the long side on M
+_LADDER_TF32_NMAJOR = ((16, 16), (32, 16), (32, 32), (64, 32), (64, 64), (128, 64), (256, 64))
+
+
+def _oriented_on(rung: int, M: int, N: int, ladder=_LADDER) -> tuple[int, int]:
+    long, short = ladder[rung]
+    if ladder is _LADDER_TF32_NMAJOR:
+        bm, bn = long, short
+    else:
+        bm, bn = (short, long) if N >= M else (long, short)
     # a tile wider than the matrix only computes padding
     return min(bm, max(MIN_DOT, _pow2_ceil(M))), min(bn, max(MIN_DOT, _pow2_ceil(N)))
 
 
-def _warps(bm: int, bn: int, acc_words: int, family: str) -> int:
+def _warps(bm: int, bn: int, acc_words: int, family: str, per_rows: bool = True) -> int:
     """Fewest warps (>= 4: one per SM sub-partition) that keep the accumulator within
     the family's per-thread register budget; on the wgmma path also one warpgroup
-    per 64 rows, up to two."""
+    per 64 rows, up to two (not on the tf32 N-major path: there one warpgroup holds
+    a 256x64 accumulator in its 128-register budget, and the search's best agrees)."""
     budget = REG_MODEL[family][0]
     warps = max(WARPGROUP, _pow2_ceil(_cdiv(bm * bn * acc_words, 32 * budget)))
-    if family == "wgmma":
+    if family == "wgmma" and per_rows:
         warps = max(warps, WARPGROUP * min(2, bm // WGMMA_M))
     return min(MAX_WARPS, warps)
 
@@ -242,14 +263,20 @@ def plan_matmul(
     ai, ridge = flops / nbytes, peak / bw
 
     # 2. BLOCK_K: one 128-byte line of K per operand row, no longer than K itself
+    # (the split-K and tile-size steps use this; step 6b may widen it)
     bk = min(max(MIN_DOT, LINE_BYTES // max(ea, eb)), max(MIN_DOT, _pow2_ceil(K)))
     k_steps = _cdiv(K, bk)
     smem_budget = _smem_limit(dev, 1)
+    tf32_nmajor = path == "tf32" and b_layout != "col" and dev.has_wgmma
+    ladder = _LADDER_TF32_NMAJOR if tf32_nmajor else _LADDER
+
+    def _oriented(rung, M, N):  # noqa: F811 - this plan's ladder
+        return _oriented_on(rung, M, N, ladder)
 
     def tile(rung: int) -> _Tile:
         bm, bn = _oriented(rung, M, N)
         family = "fma" if not tensor else "wgmma" if dev.has_wgmma and bm % WGMMA_M == 0 else "mma"
-        warps = _warps(bm, bn, acc_words, family)
+        warps = _warps(bm, bn, acc_words, family, per_rows=not tf32_nmajor)
         regs = _regs_per_thread(family, bm * bn * acc_words / (warps * 32))
         blocks = _occupancy_without_smem(dev, warps, regs)
         return _Tile(bm, bn, family, warps, regs, blocks, (bm * ea + bn * eb) * bk)
@@ -273,13 +300,18 @@ def plan_matmul(
         # flight per SM, blocks x (stages - 1) x stage, hide the load latency: Little's
         # law), up to MAX_STAGES and no more than the K-steps; one stage when there is
         # a single K-step (nothing to overlap)
+        # fill only as far as Little's law asks: (stages - 1) K-steps in flight cover
+        # IN_FLIGHT_SECONDS of the SM's share of DRAM bandwidth (bw / S)
         if steps <= 1:
             return 1
         resident = min(t.blocks, _cdiv(items, S), _blocks_by_smem(dev, 2 * t.stage_bytes))
         fit = _smem_limit(dev, resident) // t.stage_bytes
-        return max(2, min(fit, steps, MAX_STAGES))
+        need = 1 + _cdiv(int(bw / S * IN_FLIGHT_SECONDS), resident * t.stage_bytes)
+        if tf32_nmajor and t.bm * t.bn >= 256 * 64:
+            need = 2  # B passes through registers anyway (measured: s2 best for 256x64)
+        return max(2, min(fit, steps, MAX_STAGES, need))
 
-    rungs = [r for r in range(len(_LADDER)) if fits(tile(r))]
+    rungs = [r for r in range(len(ladder)) if fits(tile(r))]
     if not rungs:
         raise ValueError(f"configurator: no matmul tile fits {dev.name}'s {dev.smem_per_block} bytes of shared memory")
 
@@ -349,6 +381,19 @@ def plan_matmul(
     t = tile(rung)
     tiles = n_tiles(t)
     items = tiles * split
+
+    # 6b. BLOCK_K, widened: without split-K, the largest power of two up to two
+    # 128-byte lines per row whose K-step (BM + BN) BK elt stays within STAGE_BYTES_MAX
+    # and K; fewer, longer K-steps halve the per-step barrier and issue overhead
+    if split == 1:
+        while (
+            bk * 2 * max(ea, eb) <= 2 * LINE_BYTES
+            and (t.bm * ea + t.bn * eb) * bk * 2 <= STAGE_BYTES_MAX
+            and bk * 2 <= _pow2_ceil(K) // 2  # keep >= 2 K-steps for the ring to overlap
+            and 2 * (t.bm * ea + t.bn * eb) * bk * 2 <= smem_budget
+        ):
+            bk *= 2
+        t = dataclasses.replace(t, stage_bytes=(t.bm * ea + t.bn * eb) * bk)
     num_stages = stages(t, _cdiv(_cdiv(K, split), bk), items)
     smem = max(num_stages * t.stage_bytes, t.bm * t.bn * 4)
     blocks = min(t.blocks, _blocks_by_smem(dev, smem))
@@ -368,7 +413,12 @@ def plan_matmul(
     # 8. persistent grid (#SMs programs looping over work items) when every program
     # gets >= 2 items, so block launch and setup are paid once per SM rather than
     # once per tile; only at one block per SM, as the grid is sized to the SMs
-    persistent = blocks == 1 and items >= 2 * S
+    # Measured (matmul.json): the template's persistent loop never beat the one-program-
+    # per-tile grid by 3% (it lost up to 25% on 12 of 12 shapes where it was chosen):
+    # Triton 3.6 does not overlap one tile's epilogue with the next tile's loads here,
+    # so it saves only the block launch (~1 us per wave) and gives up the hardware
+    # scheduler's balancing. Kept for when that changes; off in the model.
+    persistent = False
 
     # 9. instruction path: TMA needs a contiguous dim in each operand. Layouts change
     # nothing else: a 16-element tile side is >= one 32-byte L2 sector in every dtype
