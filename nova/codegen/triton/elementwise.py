@@ -1,0 +1,694 @@
+"""Elementwise lowerings: one generator for every op that maps output elements to
+input elements one by one (arithmetic, compares, where, activations, casts,
+constants, dropout masks, and the data-movement ops broadcast_to / transpose /
+reshape / slice / pad as materializing copies).
+
+``pointwise_source`` writes one N-D kernel over the output's index space: a
+program owns BLOCK consecutive flat output indices, turns them into a
+multi-index through the static output shape (divisions by constants), and reads
+each operand through its own strides, passed at launch. So a broadcast operand
+(stride 0, or a size-1 dim that simply has no term), a transposed or sliced view
+(strides and storage offset of the tensor itself) is read in place: no copies.
+The output is always written contiguously at the flat index (coalesced).
+
+Design choices, and why:
+
+* Shapes are static (baked into the text); strides are runtime arguments. Triton
+  specialises integer arguments equal to 1, so the contiguous axis of an operand
+  is known to the compiler and its loads vectorize.
+* ``DENSE<k>`` (constexpr, chosen at launch): operand k has the output's shape and
+  is contiguous, so it is read at the flat index itself, skipping the index math.
+* ``IDX64`` (constexpr, chosen at launch): index math in int64 when the output or
+  any operand's span could pass 2**31 - 1; int32 otherwise (cheaper).
+* Float math runs in fp32 for bf16/f16/f32 and fp64 for f64, then rounds once to
+  the result type, as torch does for reduced-precision elementwise ops. Constants
+  of fp64 math are created as fp64 (a bare literal would be an fp32 constant).
+* fp32 division is ``div_rn`` (Triton's ``/`` is ``div.full.f32``, ~2 ulp), sqrt is
+  ``sqrt_rn``. libdevice cannot run under the interpreter, so tanh and pow are
+  written out (Cephes tanh; pow through exp2/log2 in fp64 with C's special
+  cases): the text that is tested on the CPU is the text that runs on the GPU.
+* maximum propagates NaN explicitly (Triton's default ``maximum`` is maxnum).
+* Bool tensors are stored as bytes: they are passed as ``uint8`` views and
+  written as 0/1 bytes, never through ``*i1`` pointers.
+* dropout_mask reproduces ``nova.rng`` bit for bit in uint32 arithmetic; the
+  keep test ``u >= p`` is the exact integer test ``(x >> 8) >= ceil(p * 2**24)``,
+  and the kept value is the reference's own rounding of 1/(1-p) to the dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nova import rng
+from nova.codegen.triton.lowering import Kernel, lowers
+from nova.codegen.triton.source import interpreting, load_kernel
+from nova.ir import dialect as nv
+from nova.ir.types import elem_of, shape_of, to_torch_dtype
+from nova.schedule.config import LoweringConfig
+
+DEFAULT_BLOCK = 1024  # elements per program: 8 fp32 per thread at 4 warps, 16-byte vectors
+DEFAULT_WARPS = 4
+INT32_MAX = 2**31 - 1
+
+# register type tags -> Triton types; bool values live as int1 ("i1") after
+# compares and as 0/1 bytes ("u8") when loaded or stored
+_TL = {
+    "f32": "tl.float32", "f64": "tl.float64", "bf16": "tl.bfloat16", "f16": "tl.float16",
+    "i64": "tl.int64", "i1": "tl.int1", "u8": "tl.uint8",
+}  # fmt: skip
+_TAG = {
+    torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16",
+    torch.int64: "i64", torch.bool: "u8",
+}  # fmt: skip
+_FLOATS = ("f32", "f64", "bf16", "f16")
+
+
+class UnsupportedError(NotImplementedError):
+    """A case the Triton lowerings do not handle (the message names the op)."""
+
+
+def tag(dtype: torch.dtype) -> str:
+    try:
+        return _TAG[dtype]
+    except KeyError:
+        raise UnsupportedError(f"Triton lowerings do not support dtype {dtype}") from None
+
+
+def compute_tag(dtype: torch.dtype) -> str:
+    """The register type float math on ``dtype`` runs in (fp64 for f64, else fp32)."""
+    t = tag(dtype)
+    if t == "f64":
+        return "f64"
+    return "f32" if t in _FLOATS else t
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def span(t: torch.Tensor) -> int:
+    """The largest element offset a kernel forms for ``t`` from its data pointer."""
+    return sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 1)
+
+
+def storage_view(t: torch.Tensor) -> torch.Tensor:
+    """What a kernel receives for ``t``: bools as their 0/1 bytes."""
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def default_device() -> torch.device:
+    """Where ops without operands (full, arange) allocate when not told."""
+    return torch.device("cuda" if torch.cuda.is_available() and not interpreting() else "cpu")
+
+
+def sanitize(text: str) -> str:
+    return re.sub(r"[^0-9A-Za-z_]", "_", text)
+
+
+def shape_name(shape: Sequence[int]) -> str:
+    return "x".join(str(s) for s in shape) if shape else "scalar"
+
+
+def convert(expr: str, src: str, dst: str) -> str:
+    """Code converting ``expr`` (register type ``src``) to register type ``dst``, with
+    torch's rounding: f64 and i64 reach bf16/f16 through fp32 (c10's conversions),
+    bool results are 0/1 bytes, and any nonzero (NaN included) is True."""
+    if src == dst:
+        return expr
+    if dst == "u8":  # a bool result
+        if src == "i1":
+            return f"({expr}).to(tl.uint8)"
+        return f"(({expr}) != 0).to(tl.uint8)"
+    if dst == "i1":
+        return f"(({expr}) != 0)"
+    if src == "i1":  # through uint8: int1 converts as signed (True -> -1) otherwise
+        return convert(f"({expr}).to(tl.uint8)", "u8", dst)
+    if dst in ("bf16", "f16") and src in ("f64", "i64", "u8"):  # (and the interpreter has no int -> bf16)
+        return f"({expr}).to(tl.float32).to({_TL[dst]})"
+    return f"({expr}).to({_TL[dst]})"
+
+
+def const(value: float, ct: str) -> str:
+    """A float constant in compute type ``ct`` (a bare literal is an fp32 constant)."""
+    if ct == "f64":
+        return f"tl.full([], {float(value)!r}, tl.float64)"
+    return repr(float(value))
+
+
+def bits_const(value: torch.Tensor, block: int) -> str:
+    """A block filled with the 0-d tensor ``value``, exactly (NaN, inf, any dtype)."""
+    t = tag(value.dtype)
+    if t == "u8":
+        return f"tl.full([{block}], {int(bool(value))}, tl.uint8)"
+    if t == "i64":
+        return f"tl.full([{block}], {int(value)}, tl.int64)"
+    itype = {"f64": torch.int64, "f32": torch.int32, "bf16": torch.int16, "f16": torch.int16}[t]
+    ibits = int(value.reshape(1).view(itype)[0])
+    itl = {torch.int64: "tl.int64", torch.int32: "tl.int32", torch.int16: "tl.int16"}[itype]
+    return f"tl.full([{block}], {ibits}, {itl}).to({_TL[t]}, bitcast=True)"
+
+
+def fix_interpreter_bf16_rounding() -> None:
+    """Make the Triton interpreter round fp32 -> bf16 to nearest even, as the GPU's
+    ``cvt.rn.bf16.f32`` does (the interpreter truncates, and its own RTNE path rounds
+    ties away and drops the carry into the exponent); bf16 -> fp32 becomes the exact
+    16-bit shift. Only the interpreter changes; idempotent. (A sibling of
+    ``source._fix_interpreter_bf16_dot``.)"""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.cast_impl, "_nova_bf16_fix", False):
+        return
+    original = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        s, d = src.dtype.scalar, dst_type.scalar
+        if s == tl.float32 and d == tl.bfloat16:
+            data = np.asarray(src.data, dtype=np.float32)
+            bits = data.view(np.uint32)
+            r = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            r = np.where(np.isnan(data), (bits >> np.uint32(16)) | np.uint32(0x40), r).astype(np.uint16)
+            return interpreter.TensorHandle(r, tl.bfloat16)
+        if s == tl.bfloat16 and d == tl.float32:
+            bits = np.asarray(src.data).astype(np.uint32) << np.uint32(16)
+            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+        return original(self, src, dst_type)
+
+    cast_impl._nova_bf16_fix = True
+    builder.cast_impl = cast_impl
+
+
+def load(source: str, name: str):
+    """``load_kernel`` plus the interpreter's bf16 rounding fix when interpreting."""
+    if interpreting():
+        fix_interpreter_bf16_rounding()
+    return load_kernel(source, name)[0]
+
+
+# --------------------------------------------------------------------------- source
+
+
+@dataclass(frozen=True)
+class Operand:
+    """One input of a pointwise kernel.
+
+    ``shape`` is right-aligned against the iteration shape; a size-1 dim under a
+    larger iteration dim broadcasts. ``load``: "compute" widens floats to their
+    compute type and turns bools into int1; "raw" keeps the stored type (bools as
+    0/1 bytes). ``index`` overrides the index expression of some iteration dims
+    (``i<d>`` names iteration dim d) and ``mask`` restricts the load (masked-off
+    lanes read 0): together they express pad."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    load: str = "compute"
+    index: tuple[tuple[int, str], ...] = ()
+    mask: str = ""
+
+    def terms(self, rank: int) -> list[tuple[int, int, str]]:
+        """(operand dim, iteration dim, index expression) of the dims that move."""
+        lead = rank - len(self.shape)
+        custom = dict(self.index)
+        return [(k, k + lead, custom.get(k + lead, f"i{k + lead}")) for k, s in enumerate(self.shape) if s > 1]
+
+    def dense_capable(self, shape: tuple[int, ...]) -> bool:
+        return tuple(self.shape) == tuple(shape) and not self.index and not self.mask and numel(shape) > 1
+
+    def loaded_tag(self) -> str:
+        t = tag(self.dtype)
+        if self.load == "raw":
+            return t
+        return "i1" if t == "u8" else compute_tag(self.dtype)
+
+
+def pointwise_source(
+    name: str,
+    shape: Sequence[int],
+    operands: Sequence[Operand],
+    body: str,
+    y_tag: str,
+    out_dtype: torch.dtype,
+    block: int,
+    helpers: str = "",
+) -> str:
+    """Triton source of one pointwise kernel named ``name``.
+
+    Iterates over ``shape`` (row-major flat index = the output offset); loads
+    operand k into ``x<k>``; ``body`` (statements, may use ``offs`` and ``mask``)
+    assigns ``y`` of register type ``y_tag``, which is stored as ``out_dtype``.
+    Kernel arguments: operand pointers, the output pointer, the strides of every
+    operand dim that moves (in operand order), then DENSE<k> per dense-capable
+    operand and IDX64 (constexprs)."""
+    shape = tuple(int(s) for s in shape)
+    rank = len(shape)  # any rank: one division per moving dim
+    n = numel(shape)
+    even = n % block == 0
+    params = [f"in{k}" for k in range(len(operands))] + ["out"]
+    flags = []
+    lines = [
+        "pid = tl.program_id(0)",
+        "if IDX64:",
+        f"    offs = pid.to(tl.int64) * {block} + tl.arange(0, {block})",
+        "else:",
+        f"    offs = pid * {block} + tl.arange(0, {block})",
+        "mask = None" if even else f"mask = offs < {n}",
+    ]
+    used_dims = sorted({d for op in operands for _, d, _ in op.terms(rank)} | {d for op in operands for d, _ in op.index})
+    if used_dims:  # multi-index of the dims some operand needs; size-1 dims are always 0
+        outer = min(used_dims)
+        lines.append("rem = offs")
+        for d in range(rank - 1, outer - 1, -1):
+            if d == outer and numel(shape[:outer]) == 1:
+                lines.append(f"i{d} = rem")
+            elif shape[d] == 1:
+                lines.append(f"i{d} = 0")
+            else:
+                lines += [f"i{d} = rem % {shape[d]}", f"rem = rem // {shape[d]}"]
+    for k, op in enumerate(operands):
+        terms = op.terms(rank)
+        for kd, _, _ in terms:
+            params.append(f"s{k}_{kd}")
+        raw, loaded = tag(op.dtype), op.loaded_tag()
+        if not terms and not op.mask:
+            lines.append(f"x{k} = {convert(f'tl.load(in{k})', raw, loaded)}")  # one element for every lane
+            continue
+        off = " + ".join(f"({expr}) * s{k}_{kd}" for kd, _, expr in terms) or "offs * 0"
+        if op.dense_capable(shape):
+            flags.append(f"DENSE{k}")
+            lines += [f"if DENSE{k}:", f"    o{k} = offs", "else:", f"    o{k} = {off}"]
+        else:
+            lines.append(f"o{k} = {off}")
+        m = "mask"
+        if op.mask:
+            lines.append(f"m{k} = {op.mask}" if even else f"m{k} = mask & ({op.mask})")
+            m = f"m{k}"
+        other = ", other=0" if op.mask else ""
+        lines.append(f"x{k} = {convert(f'tl.load(in{k} + o{k}, mask={m}{other})', raw, loaded)}")
+    lines += body.strip("\n").splitlines()
+    lines.append(f"tl.store(out + offs, {convert('y', y_tag, tag(out_dtype))}, mask=mask)")
+    params += [f"{f}: tl.constexpr" for f in flags] + ["IDX64: tl.constexpr"]
+    text = "\n".join("    " + ln for ln in lines)
+    return (
+        "import triton\nimport triton.language as tl\n\n"
+        + (helpers.strip("\n") + "\n\n\n" if helpers else "")
+        + f"@triton.jit\ndef {name}({', '.join(params)}):\n{text}\n"
+    )
+
+
+@dataclass
+class Pointwise:
+    """A loaded pointwise kernel and how to launch it."""
+
+    fn: object
+    name: str
+    source: str
+    shape: tuple[int, ...]
+    operands: tuple[Operand, ...]
+    out_dtype: torch.dtype
+    block: int
+    num_warps: int
+
+    def __call__(self, xs: Sequence[torch.Tensor], device=None) -> torch.Tensor:
+        rank = len(self.shape)
+        out = torch.empty(self.shape, dtype=self.out_dtype, device=xs[0].device if xs else device or default_device())
+        n = out.numel()
+        if n == 0:
+            return out
+        args, flags = [], {}
+        big = n + self.block > INT32_MAX
+        for k, (op, x) in enumerate(zip(self.operands, xs, strict=True)):
+            if tuple(x.shape) != tuple(op.shape) or x.dtype != op.dtype:
+                raise ValueError(
+                    f"{self.name}: operand {k} is {tuple(x.shape)} {x.dtype}, expected {tuple(op.shape)} {op.dtype}"
+                )
+            args.append(storage_view(x))
+            big = big or span(x) > INT32_MAX
+            if op.dense_capable(self.shape):
+                flags[f"DENSE{k}"] = x.is_contiguous()
+        args.append(storage_view(out))
+        for op, x in zip(self.operands, xs):
+            args += [x.stride(kd) for kd, _, _ in op.terms(rank)]
+        grid = (-(-n // self.block),)
+        self.fn[grid](*args, **flags, IDX64=big, num_warps=self.num_warps)
+        return out
+
+
+def block_and_warps(n: int, cfg: LoweringConfig | None) -> tuple[int, int]:
+    """BLOCK (a power of two, no larger than the tensor needs) and num_warps."""
+    if cfg is not None and cfg.block:
+        block = cfg.block
+        if block & (block - 1):
+            raise ValueError(f"elementwise: block={block} must be a power of two")
+    else:
+        block = DEFAULT_BLOCK
+    block = max(16, min(block, next_pow2(n)))
+    if cfg is not None:
+        return block, cfg.num_warps
+    return block, max(1, min(DEFAULT_WARPS, block // 256))  # >= 8 elements per thread
+
+
+def pointwise(
+    name: str,
+    shape: Sequence[int],
+    operands: Sequence[Operand],
+    body: str,
+    y_tag: str,
+    out_dtype: torch.dtype,
+    cfg: LoweringConfig | None = None,
+    helpers: str = "",
+) -> Pointwise:
+    shape = tuple(int(s) for s in shape)
+    block, warps = block_and_warps(numel(shape), cfg)
+    fname = sanitize(name)
+    src = pointwise_source(fname, shape, operands, body, y_tag, out_dtype, block, helpers)
+    fn = load(src, fname)
+    return Pointwise(fn, name, src, shape, tuple(operands), out_dtype, block, warps)
+
+
+def kernel_of(pw: Pointwise, cfg, launch=None, needs_contiguous=()) -> Kernel:
+    return Kernel(
+        name=pw.name, source=pw.source, launch=launch or (lambda xs, device=None: [pw(xs, device)]),
+        needs_contiguous=tuple(needs_contiguous), config=cfg,
+    )
+
+
+# --------------------------------------------------------------------------- helpers in the text
+
+# Cephes tanhf (|x| < 0.625: odd polynomial, else 1 - 2 / (exp(2|x|) + 1)): ~2 ulp
+_TANH_F32 = """
+@triton.jit
+def _tanh(x):
+    ax = tl.abs(x)
+    z = x * x
+    p = ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z
+          + 1.33314422036e-1) * z - 3.33332819422e-1) * z * x + x
+    big = 1.0 - 2.0 / (tl.exp(2.0 * ax) + 1.0)
+    big = tl.where(x < 0, -big, big)
+    return tl.where(ax < 0.625, p, big)
+"""
+
+# Cephes tanh (double): rational approximation below 0.625
+_TANH_F64 = """
+@triton.jit
+def _tanh(x):
+    ax = tl.abs(x)
+    z = x * x
+    num = (tl.full([], -9.64399179425052238628e-1, tl.float64) * z
+           + tl.full([], -9.92877231001918586564e1, tl.float64)) * z + tl.full([], -1.61468768441708447952e3, tl.float64)
+    den = ((z + tl.full([], 1.12811678491632931402e2, tl.float64)) * z
+           + tl.full([], 2.23548839060100448583e3, tl.float64)) * z + tl.full([], 4.84406305325125486048e3, tl.float64)
+    p = x + x * z * (num / den)
+    big = 1.0 - 2.0 / (tl.exp(2.0 * ax) + 1.0)
+    big = tl.where(x < 0, -big, big)
+    return tl.where(ax < 0.625, p, big)
+"""
+
+# C pow in fp64: exp2(b * log2|a|), sign for odd integer b, NaN for a < 0 with
+# non-integer b, and pow(x, 0) = pow(1, y) = pow(-1, +-inf) = 1
+_POW = """
+@triton.jit
+def _pow(a, b):
+    aa = tl.abs(a)
+    r = tl.exp2(b * tl.log2(aa))
+    fb = tl.floor(b)
+    b_int = fb == b
+    b_odd = b_int & ((b - 2.0 * tl.floor(b * 0.5)) == 1.0)
+    neg = a < 0
+    r = tl.where(neg & b_odd, -r, r)
+    r = tl.where(neg & (fb != b) & (aa != float("inf")), float("nan"), r)
+    one = (b == 0) | (a == 1) | ((a == -1) & (tl.abs(b) == float("inf")))
+    return tl.where(one, 1.0, r)
+"""
+
+_SQRT1_2 = 0.70710678118654752440  # M_SQRT1_2
+_GELU_BETA = math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5  # M_SQRT2 * M_2_SQRTPI * 0.5
+_GELU_ALPHA = (2.0 / math.sqrt(math.pi)) * _SQRT1_2 * 0.5  # M_2_SQRTPI * M_SQRT1_2 * 0.5
+_KAPPA = 0.044715
+
+
+def _div(a: str, b: str, ct: str) -> str:
+    return f"tl.math.div_rn({a}, {b})" if ct == "f32" else f"({a}) / ({b})"
+
+
+# --------------------------------------------------------------------------- op bodies
+
+# (body(ct, c) -> code assigning y; result tag: None = the compute type, "i1" = bool)
+_BINARY: dict[type, Callable[[str], str]] = {
+    nv.AddOp: lambda ct: "y = x0 + x1",
+    nv.SubOp: lambda ct: "y = x0 - x1",
+    nv.MulOp: lambda ct: "y = x0 * x1",
+    nv.DivOp: lambda ct: "y = " + _div("x0", "x1", ct),
+    nv.MaximumOp: lambda ct: "y = tl.maximum(x0, x1, propagate_nan=tl.PropagateNan.ALL)",
+    nv.PowOp: lambda ct: (
+        "y = _pow(x0, x1)" if ct == "f64" else "y = _pow(x0.to(tl.float64), x1.to(tl.float64)).to(tl.float32)"
+    ),
+}
+_COMPARE = {nv.EqOp: "==", nv.NeOp: "!=", nv.LtOp: "<", nv.LeOp: "<=", nv.GtOp: ">", nv.GeOp: ">="}
+_UNARY: dict[type, Callable[[str], str]] = {
+    nv.NegOp: lambda ct: "y = -x0",
+    nv.ExpOp: lambda ct: "y = tl.exp(x0)",
+    nv.LogOp: lambda ct: "y = tl.log(x0)",
+    nv.SqrtOp: lambda ct: "y = tl.sqrt_rn(x0)" if ct == "f32" else "y = tl.sqrt(x0)",
+    nv.RsqrtOp: lambda ct: "y = tl.math.rsqrt(x0)",
+    nv.TanhOp: lambda ct: "y = _tanh(x0)",
+    nv.SigmoidOp: lambda ct: "y = " + _div(const(1.0, ct) if ct == "f64" else "tl.full([], 1.0, tl.float32)",
+                                           "1.0 + tl.exp(-x0)", ct),
+    nv.ReluOp: lambda ct: "y = tl.where(x0 < 0, 0.0, x0)",
+}  # fmt: skip
+
+
+def _gelu_body(approximate: str, ct: str) -> str:
+    c = lambda v: const(v, ct)  # noqa: E731
+    if approximate == "none":
+        return f"y = x0 * {c(0.5)} * ({c(1.0)} + tl.math.erf(x0 * {c(_SQRT1_2)}))"
+    return (
+        f"inner = {c(_GELU_BETA)} * (x0 + {c(_KAPPA)} * (x0 * x0 * x0))\n"
+        f"y = {c(0.5)} * x0 * ({c(1.0)} + _tanh(inner))"
+    )
+
+
+def _gelu_backward_body(approximate: str, ct: str) -> str:
+    c = lambda v: const(v, ct)  # noqa: E731
+    if approximate == "none":  # x0 = grad, x1 = input
+        return (
+            f"cdf = {c(0.5)} * ({c(1.0)} + tl.math.erf(x1 * {c(_SQRT1_2)}))\n"
+            f"pdf = {c(_GELU_ALPHA)} * tl.exp(x1 * x1 * {c(-0.5)})\n"
+            "y = x0 * (cdf + x1 * pdf)"
+        )
+    return (
+        "x_sq = x1 * x1\n"
+        f"inner = {c(_GELU_BETA)} * (x1 + {c(_KAPPA)} * (x_sq * x1))\n"
+        "t = _tanh(inner)\n"
+        f"left = {c(0.5)} * x1\n"
+        f"left_derivative = {c(0.5)} * ({c(1.0)} + t)\n"
+        f"right_derivative = left * ({c(1.0)} - t * t) * ({c(_GELU_BETA)} * ({c(1.0)} + {c(3.0 * _KAPPA)} * x_sq))\n"
+        "y = x0 * (left_derivative + right_derivative)"
+    )
+
+
+def _tanh_helper(ct: str) -> str:
+    return _TANH_F64 if ct == "f64" else _TANH_F32
+
+
+# --------------------------------------------------------------------------- lowerings
+
+
+def _types(op):
+    ins = [(shape_of(v.type), to_torch_dtype(elem_of(v.type))) for v in op.operands]
+    res = op.results[0].type
+    return ins, shape_of(res), to_torch_dtype(elem_of(res))
+
+
+def _short(dtype: torch.dtype) -> str:
+    return tag(dtype) if dtype != torch.bool else "i1"
+
+
+def _name(op, out_shape, out_dtype) -> str:
+    return f"nova_{op.name.removeprefix('nova.')}_{shape_name(out_shape)}_{_short(out_dtype)}"
+
+
+@lowers(*_BINARY, *_COMPARE, *_UNARY, nv.WhereOp, nv.GeluOp, nv.GeluBackwardOp)
+def lower_elementwise(op, cfg: LoweringConfig | None = None) -> Kernel:
+    """Arithmetic, compares, where and activations: broadcasting operands are read
+    through their strides (any view works: needs_contiguous is empty)."""
+    ins, out_shape, out_dtype = _types(op)
+    ct = compute_tag(ins[-1][1])
+    helpers = ""
+    if isinstance(op, nv.WhereOp):
+        operands = [Operand(s, d, load="raw") for s, d in ins]
+        body, y_tag = "y = tl.where(x0 != 0, x1, x2)", tag(out_dtype)
+    elif type(op) in _COMPARE:
+        load = "raw" if ins[0][1] == torch.bool else "compute"  # bools compare as 0/1 bytes
+        operands = [Operand(s, d, load=load) for s, d in ins]
+        body, y_tag = f"y = x0 {_COMPARE[type(op)]} x1", "i1"
+    else:
+        if tag(ins[0][1]) not in _FLOATS:
+            raise UnsupportedError(f"{op.name}: needs float operands, got {ins[0][1]}")
+        operands = [Operand(s, d) for s, d in ins]
+        y_tag = ct
+        if type(op) in _BINARY:
+            body = _BINARY[type(op)](ct)
+            helpers = _POW if isinstance(op, nv.PowOp) else ""
+        elif type(op) in _UNARY:
+            body = _UNARY[type(op)](ct)
+            helpers = _tanh_helper(ct) if isinstance(op, nv.TanhOp) else ""
+        elif isinstance(op, nv.GeluOp):
+            approx = op.props()["approximate"]
+            body, helpers = _gelu_body(approx, ct), _tanh_helper(ct) if approx == "tanh" else ""
+        else:
+            approx = op.props()["approximate"]
+            body, helpers = _gelu_backward_body(approx, ct), _tanh_helper(ct) if approx == "tanh" else ""
+    pw = pointwise(_name(op, out_shape, out_dtype), out_shape, operands, body, y_tag, out_dtype, cfg, helpers)
+    return kernel_of(pw, cfg)
+
+
+def cast_pointwise(shape: Sequence[int], src: torch.dtype, dst: torch.dtype, cfg: LoweringConfig | None = None):
+    name = f"nova_cast_{shape_name(shape)}_{_short(src)}_to_{_short(dst)}"
+    return pointwise(name, shape, [Operand(tuple(shape), src, load="raw")], "y = x0", tag(src), dst, cfg)
+
+
+def copy_pointwise(shape: Sequence[int], dtype: torch.dtype, cfg: LoweringConfig | None = None) -> Pointwise:
+    name = f"nova_copy_{shape_name(shape)}_{_short(dtype)}"
+    return pointwise(name, shape, [Operand(tuple(shape), dtype, load="raw")], "y = x0", tag(dtype), dtype, cfg)
+
+
+def cast_kernel(shape: Sequence[int], src: torch.dtype, dst: torch.dtype, cfg: LoweringConfig | None = None) -> Kernel:
+    """``launch([x])``: a ``src`` tensor of ``shape`` (any strides) converted to a new
+    contiguous ``dst`` one, rounding like torch's ``Tensor.to``."""
+    return kernel_of(cast_pointwise(shape, src, dst, cfg), cfg)
+
+
+def copy_kernel(shape: Sequence[int], dtype: torch.dtype, cfg: LoweringConfig | None = None) -> Kernel:
+    """``launch([x])``: a tensor of ``shape`` (any strides, offset, zero strides)
+    copied into a new contiguous one."""
+    return kernel_of(copy_pointwise(shape, dtype, cfg), cfg)
+
+
+@lowers(nv.CastOp)
+def lower_cast(op, cfg: LoweringConfig | None = None) -> Kernel:
+    ins, out_shape, out_dtype = _types(op)
+    return cast_kernel(out_shape, ins[0][1], out_dtype, cfg)
+
+
+@lowers(nv.FullOp)
+def lower_full(op, cfg: LoweringConfig | None = None) -> Kernel:
+    """No operands: ``launch([], device=...)`` (device defaults to CUDA when present)."""
+    _, out_shape, out_dtype = _types(op)
+    value = torch.full((), op.props()["value"], dtype=out_dtype)  # the reference's own conversion
+    block, _ = block_and_warps(numel(out_shape), cfg)
+    body = f"y = {bits_const(value, block)}"
+    return kernel_of(pointwise(_name(op, out_shape, out_dtype), out_shape, [], body, tag(out_dtype), out_dtype, cfg), cfg)
+
+
+@lowers(nv.ArangeOp)
+def lower_arange(op, cfg: LoweringConfig | None = None) -> Kernel:
+    """``start + step * i`` in int64, then converted like ``Tensor.to``."""
+    _, out_shape, out_dtype = _types(op)
+    p = op.props()
+    body = f"y = offs.to(tl.int64) * {int(p['step'])} + {int(p['start'])}"
+    return kernel_of(pointwise(_name(op, out_shape, out_dtype), out_shape, [], body, "i64", out_dtype, cfg), cfg)
+
+
+@lowers(nv.DropoutMaskOp)
+def lower_dropout_mask(op, cfg: LoweringConfig | None = None) -> Kernel:
+    """Bit-exact with ``nova.rng.dropout_scale`` (the seed operand is a 0-d int64)."""
+    _, out_shape, out_dtype = _types(op)
+    p = op.props()
+    prob, salt = float(p["p"]), int(p["salt"])
+    threshold = math.ceil(prob * 2**24)  # u >= p  <=>  (x >> 8) >= ceil(p * 2**24): exact
+    # the kept value exactly as the reference rounds it (a 1-D tensor times a Python float)
+    kept = (torch.ones(1, dtype=out_dtype) * (1.0 / (1.0 - prob)))[0]
+    block, _ = block_and_warps(numel(out_shape), cfg)
+    salt_term = (salt * rng.SALT_MUL) & rng.M32
+    body = f"""
+s = x0.to(tl.uint32)
+x = offs.to(tl.uint32) * {rng.GOLDEN} + s * {rng.SEED_MUL} + {salt_term}
+x = x ^ (x >> 16)
+x = x * 0x85EBCA6B
+x = x ^ (x >> 13)
+x = x * 0xC2B2AE35
+x = x ^ (x >> 16)
+y = tl.where((x >> 8) >= {threshold}, {bits_const(kept, block)}, {bits_const(torch.zeros((), dtype=out_dtype), block)})
+"""
+    seed = Operand((), torch.int64, load="raw")
+    name = f"{_name(op, out_shape, out_dtype)}_salt{salt & rng.M32}"
+    return kernel_of(pointwise(name, out_shape, [seed], body, tag(out_dtype), out_dtype, cfg), cfg)
+
+
+@lowers(nv.BroadcastToOp)
+def lower_broadcast_to(op, cfg: LoweringConfig | None = None) -> Kernel:
+    """A materialized broadcast (the backend normally uses a stride-0 view)."""
+    ins, out_shape, out_dtype = _types(op)
+    operand = Operand(ins[0][0], ins[0][1], load="raw")
+    pw = pointwise(_name(op, out_shape, out_dtype), out_shape, [operand], "y = x0", tag(out_dtype), out_dtype, cfg)
+    return kernel_of(pw, cfg)
+
+
+@lowers(nv.TransposeOp)
+def lower_transpose(op, cfg: LoweringConfig | None = None) -> Kernel:
+    """A materialized permutation: the input is read through its permuted strides."""
+    _, out_shape, out_dtype = _types(op)
+    perm = op.props()["perm"]
+    pw = copy_pointwise(out_shape, out_dtype, cfg)
+    return kernel_of(pw, cfg, lambda xs, device=None: [pw([xs[0].permute(perm)])])
+
+
+@lowers(nv.SliceOp)
+def lower_slice(op, cfg: LoweringConfig | None = None) -> Kernel:
+    """A strided copy: the input is read through the sliced view (offset, step * stride)."""
+    _, out_shape, out_dtype = _types(op)
+    p = op.props()
+    pw = copy_pointwise(out_shape, out_dtype, cfg)
+
+    def launch(xs, device=None):
+        idx = [slice(None)] * xs[0].dim()
+        idx[p["dim"]] = slice(p["start"], p["end"], p["step"])
+        return [pw([xs[0][tuple(idx)]])]
+
+    return kernel_of(pw, cfg, launch)
+
+
+@lowers(nv.ReshapeOp)
+def lower_reshape(op, cfg: LoweringConfig | None = None) -> Kernel:
+    """A copy in the input's row-major order (iterating over the input's shape, the
+    flat index is the output offset); the result is a view of that copy."""
+    ins, out_shape, out_dtype = _types(op)
+    pw = copy_pointwise(ins[0][0], out_dtype, cfg)
+    return kernel_of(pw, cfg, lambda xs, device=None: [pw([xs[0]]).view(out_shape)])
+
+
+@lowers(nv.PadOp)
+def lower_pad(op, cfg: LoweringConfig | None = None) -> Kernel:
+    """Zeros with the input at start, start+step, ... along dim: each output element
+    reads input index (i - start) / step where that is an integer in range."""
+    ins, out_shape, out_dtype = _types(op)
+    p = op.props()
+    d, start, step = p["dim"], p["start"], p["step"]
+    n = ins[0][0][d]
+    if step == 1:
+        index, mask = f"i{d} - {start}", f"(i{d} >= {start}) & (i{d} < {start + n})"
+    else:
+        index = f"(i{d} - {start}) // {step}"
+        mask = f"(i{d} >= {start}) & (i{d} < {start + n * step}) & ((i{d} - {start}) % {step} == 0)"
+    operand = Operand(ins[0][0], ins[0][1], load="raw", index=((d, index),), mask=mask)
+    pw = pointwise(_name(op, out_shape, out_dtype), out_shape, [operand], "y = x0", tag(out_dtype), out_dtype, cfg)
+    return kernel_of(pw, cfg)
+
+
+__all__ = [
+    "Operand", "Pointwise", "pointwise", "pointwise_source", "copy_kernel", "cast_kernel", "copy_pointwise",
+    "cast_pointwise", "UnsupportedError",
+    "lower_elementwise", "lower_cast", "lower_full", "lower_arange", "lower_dropout_mask", "lower_broadcast_to",
+    "lower_transpose", "lower_slice", "lower_reshape", "lower_pad",
+]  # fmt: skip
