@@ -1,0 +1,265 @@
+"""reduce_sum / reduce_max over any ``dims`` (keepdim or not), as generated Triton.
+
+The input is viewed as a matrix through its strides, without copies: the kept
+dims, flattened in order, are the rows (= the contiguous output), the reduced
+dims, flattened in order, are the columns. One program owns BLOCK_R rows and
+walks the columns in BLOCK_C chunks, accumulating a [BLOCK_R, BLOCK_C] tile that
+it reduces once at the end.
+
+Design choices, and why:
+
+* The tile's fast axis is the input's contiguous one: the columns when the last
+  input dim is reduced ("inner", e.g. a row sum), else the rows ("outer", e.g. a
+  bias gradient summed over tokens). ``cfg.block`` sizes that fast axis; the
+  other one gets TILE / block, so every program holds ~TILE accumulators.
+* Split reduction (deterministic, two passes): when the rows alone give too few
+  programs to fill the GPU (an outer reduction of [65536, 768] has 768 rows), the
+  columns are split S ways; pass 1 writes S partial results per row to an fp32
+  (fp64) workspace [S, R], pass 2 is the same template reducing that over S.
+  Atomics would skip the workspace but make sums depend on scheduling order.
+* Accumulation is fp32 for bf16/f16/f32 and fp64 for f64 (int64 for i64), and the
+  result is rounded once, as torch does.
+* reduce_max propagates NaN like ``torch.amax`` through a custom combine (Triton's
+  ``tl.max`` / default ``maximum`` drop NaN on the GPU); masked lanes read -inf.
+* ``IDX64`` (constexpr at launch): int64 offsets when the input's span could pass
+  2**31 - 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nova.codegen.triton.elementwise import (
+    INT32_MAX, UnsupportedError, convert, copy_kernel, load, next_pow2, numel, sanitize, shape_name,
+    span, tag,
+)  # fmt: skip
+from nova.codegen.triton.lowering import Kernel, lowers
+from nova.ir import dialect as nv
+from nova.ir.types import elem_of, shape_of, to_torch_dtype
+from nova.schedule.config import LoweringConfig
+
+TILE = 2048  # accumulators per program: 16 per thread at 4 warps
+DEFAULT_INNER_BLOCK = 1024  # columns per chunk when the reduced axis is contiguous
+DEFAULT_OUTER_BLOCK = 128  # rows per program when the kept axis is contiguous (512 B of fp32 per row)
+# 2 programs per SM on an H200 (132 SMs): below this the rows alone leave SMs idle
+TARGET_PROGRAMS = 264
+MIN_SPLIT_CHUNKS = 4  # a split must walk at least this many BLOCK_C chunks to pay for its workspace row
+
+_ACC = {"f32": "f32", "bf16": "f32", "f16": "f32", "f64": "f64", "i64": "i64"}
+_TL = {"f32": "tl.float32", "f64": "tl.float64", "i64": "tl.int64"}
+_ACC_TORCH = {"f32": torch.float32, "f64": torch.float64, "i64": torch.int64}
+
+_MAX_COMBINE = """
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+"""
+_MAX_COMBINE_INT = """
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b)
+"""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one reduction maps onto programs (all static)."""
+
+    shape: tuple[int, ...]  # input shape
+    rows: tuple[int, ...]  # kept input dims, in order
+    cols: tuple[int, ...]  # reduced input dims, in order
+    R: int
+    C: int
+    inner: bool  # the last (moving) input dim is reduced: columns are the fast axis
+    block_r: int
+    block_c: int
+    split: int  # column splits (1: one pass)
+    chunk: int  # columns per split, a multiple of block_c
+
+
+def plan(shape: Sequence[int], dims: Sequence[int], cfg: LoweringConfig | None) -> Plan:
+    shape = tuple(int(s) for s in shape)
+    cols = tuple(sorted(int(d) for d in dims))
+    rows = tuple(d for d in range(len(shape)) if d not in cols)
+    R, C = numel([shape[d] for d in rows]), numel([shape[d] for d in cols])
+    moving = [d for d in range(len(shape)) if shape[d] > 1]
+    inner = bool(moving) and moving[-1] in cols
+    if cfg is not None and cfg.block:
+        fast = cfg.block
+        if fast & (fast - 1):
+            raise ValueError(f"reduce: block={fast} must be a power of two")
+    else:
+        fast = DEFAULT_INNER_BLOCK if inner else DEFAULT_OUTER_BLOCK
+    if inner:
+        block_c = min(fast, next_pow2(C))
+        block_r = min(next_pow2(R), max(1, TILE // block_c))
+    else:
+        block_r = min(fast, next_pow2(R))
+        block_c = min(next_pow2(C), max(1, TILE // block_r))
+    row_programs = -(-R // block_r)
+    chunks = -(-C // block_c)
+    if cfg is not None and cfg.kind == "reduction":
+        split = max(1, cfg.split_k)
+    elif row_programs < TARGET_PROGRAMS:
+        split = max(1, min(-(-TARGET_PROGRAMS // row_programs), chunks // MIN_SPLIT_CHUNKS))
+    else:
+        split = 1
+    split = min(split, chunks) if chunks else 1
+    chunk = -(-chunks // split) * block_c
+    split = -(-C // chunk) if C else 1  # drop splits that would get no columns
+    return Plan(shape, rows, cols, R, C, inner, block_r, block_c, split, chunk)
+
+
+def _decompose(var: str, dims: Sequence[int], shape: Sequence[int], prefix: str) -> list[str]:
+    """Lines turning the flat index ``var`` over ``dims`` (row-major) into ``<prefix><d>``."""
+    moving = [d for d in dims if shape[d] > 1]
+    if not moving:
+        return []
+    lines = [f"{prefix}rem = {var}"]
+    for d in reversed(moving):
+        if d == moving[0]:
+            lines.append(f"{prefix}{d} = {prefix}rem")
+        else:
+            lines += [f"{prefix}{d} = {prefix}rem % {shape[d]}", f"{prefix}rem = {prefix}rem // {shape[d]}"]
+    return lines
+
+
+def reduce_source(name: str, p: Plan, kind: str, in_dtype: torch.dtype, out_tag: str) -> str:
+    """Triton source of one pass. Arguments: input, output, the strides of every
+    moving input dim, then IDX64. With ``p.split > 1`` the output is the [S, R]
+    workspace in the accumulator type and program (r, s) covers columns
+    [s * chunk, (s + 1) * chunk)."""
+    src = tag(in_dtype)
+    if src not in _ACC:
+        raise UnsupportedError(f"{name}: cannot reduce {in_dtype} tensors")
+    acc = _ACC[src]
+    is_float = acc != "i64"
+    if kind == "sum":
+        neutral, combine, final = "0", "acc + x", "tl.sum(acc, 1)"
+    else:
+        neutral = 'float("-inf")' if is_float else str(-(2**63))
+        combine, final = "_max_nan(acc, x)", "tl.reduce(acc, 1, _max_nan)"
+    moving = [d for d in range(len(p.shape)) if p.shape[d] > 1]
+    params = ["x_ptr", "out_ptr"] + [f"s{d}" for d in moving] + ["IDX64: tl.constexpr"]
+    row_off = " + ".join(f"r{d} * s{d}" for d in p.rows if p.shape[d] > 1) or "rows * 0"
+    col_off = " + ".join(f"c{d} * s{d}" for d in p.cols if p.shape[d] > 1) or "cols * 0"
+    lines = [
+        "pid_r = tl.program_id(0)",
+        "pid_s = tl.program_id(1)",
+        f"rows = pid_r * {p.block_r} + tl.arange(0, {p.block_r})",
+        "if IDX64:",
+        "    rows = rows.to(tl.int64)",
+        f"rmask = rows < {p.R}",
+        *_decompose("rows", p.rows, p.shape, "r"),
+        f"row_off = {row_off}",
+        f"acc = tl.full([{p.block_r}, {p.block_c}], {neutral}, {_TL[acc]})",
+        f"c_start = pid_s * {p.chunk}",
+        f"c_end = tl.minimum(c_start + {p.chunk}, {p.C})",
+        f"for c0 in range(c_start, c_end, {p.block_c}):",
+        f"    cols = c0 + tl.arange(0, {p.block_c})",
+        "    if IDX64:",
+        "        cols = cols.to(tl.int64)",
+        "    cmask = cols < c_end",
+        *("    " + ln for ln in _decompose("cols", p.cols, p.shape, "c")),
+        f"    col_off = {col_off}",
+        "    m = rmask[:, None] & cmask[None, :]",
+        f"    x = tl.load(x_ptr + row_off[:, None] + col_off[None, :], mask=m, other={neutral})",
+        f"    x = {convert('x', src, acc)}",
+        f"    acc = {combine}",
+        f"r = {final}",
+        f"tl.store(out_ptr + pid_s * {p.R} + rows, {convert('r', acc, out_tag)}, mask=rmask)",
+    ]
+    body = "\n".join("    " + ln for ln in lines)
+    return f"@triton.jit\ndef {name}({', '.join(params)}):\n{body}\n"
+
+
+def module_text(kind: str, acc_tag: str, kernels: Sequence[str]) -> str:
+    """One source file: imports, the max combine (if any), the kernels."""
+    parts = ["import triton\nimport triton.language as tl\n"]
+    if kind == "max":
+        parts.append((_MAX_COMBINE if acc_tag != "i64" else _MAX_COMBINE_INT).strip("\n") + "\n")
+    return "\n\n".join([*parts, *kernels])
+
+
+@dataclass
+class Reduction:
+    name: str
+    source: str
+    plan: Plan
+    fns: tuple  # (pass 1, pass 2 or None)
+    second: Plan | None
+    in_dtype: torch.dtype
+    out_dtype: torch.dtype
+    out_shape: tuple[int, ...]
+    acc_dtype: torch.dtype
+    num_warps: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.plan
+        if tuple(x.shape) != p.shape or x.dtype != self.in_dtype:
+            raise ValueError(f"{self.name}: input is {tuple(x.shape)} {x.dtype}, expected {p.shape} {self.in_dtype}")
+        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=x.device)
+        if out.numel() == 0:
+            return out
+        strides = [x.stride(d) for d in range(x.dim()) if x.shape[d] > 1]
+        big = span(x) > INT32_MAX or p.R + p.block_r > INT32_MAX or p.C + p.chunk > INT32_MAX
+        grid = (-(-p.R // p.block_r), p.split)
+        if p.split == 1:
+            self.fns[0][grid](x, out, *strides, IDX64=big, num_warps=self.num_warps)
+            return out
+        ws = torch.empty((p.split, p.R), dtype=self.acc_dtype, device=x.device)
+        self.fns[0][grid](x, ws, *strides, IDX64=big, num_warps=self.num_warps)
+        q = self.second
+        ws_strides = [ws.stride(d) for d in range(2) if ws.shape[d] > 1]
+        ws_big = ws.numel() + q.block_r > INT32_MAX
+        self.fns[1][(-(-q.R // q.block_r), 1)](ws, out, *ws_strides, IDX64=ws_big, num_warps=self.num_warps)
+        return out
+
+
+def reduction(
+    kind: str, shape: Sequence[int], dims: Sequence[int], keepdim: bool, dtype: torch.dtype,
+    cfg: LoweringConfig | None = None,
+) -> Reduction:  # fmt: skip
+    """The kernels of ``sum``/``max`` of a ``dtype`` tensor of ``shape`` over ``dims``."""
+    shape = tuple(int(s) for s in shape)
+    p = plan(shape, dims, cfg)
+    if kind == "max" and p.C == 0:
+        raise UnsupportedError(f"nova.reduce_max: cannot reduce over zero elements (shape {shape}, dims {tuple(dims)})")
+    out_shape = tuple(1 if i in p.cols else s for i, s in enumerate(shape)) if keepdim else tuple(shape[d] for d in p.rows)
+    acc = _ACC.get(tag(dtype))
+    if acc is None:
+        raise UnsupportedError(f"nova.reduce_{kind}: cannot reduce {dtype} tensors")
+    base = f"nova_reduce_{kind}_{shape_name(shape)}_d{'_'.join(map(str, p.cols))}_{tag(dtype)}"
+    warps = cfg.num_warps if cfg is not None else 4
+    acc_dtype = _ACC_TORCH[acc]
+    if p.split == 1:
+        n1 = sanitize(base)
+        src = module_text(kind, acc, [reduce_source(n1, p, kind, dtype, tag(dtype))])
+        return Reduction(base, src, p, (load(src, n1), None), None, dtype, dtype, out_shape, acc_dtype, warps)
+    q = plan((p.split, p.R), (0,), None)  # pass 2: the [S, R] workspace over S, in one pass
+    q = Plan(q.shape, q.rows, q.cols, q.R, q.C, q.inner, q.block_r, q.block_c, 1, -(-q.C // q.block_c) * q.block_c)
+    n1, n2 = sanitize(f"{base}_split{p.split}"), sanitize(f"{base}_split{p.split}_final")
+    src = module_text(
+        kind, acc, [reduce_source(n1, p, kind, dtype, acc), reduce_source(n2, q, kind, acc_dtype, tag(dtype))]
+    )
+    return Reduction(base, src, p, (load(src, n1), load(src, n2)), q, dtype, dtype, out_shape, acc_dtype, warps)
+
+
+@lowers(nv.ReduceSumOp, nv.ReduceMaxOp)
+def lower_reduce(op, cfg: LoweringConfig | None = None) -> Kernel:
+    """Any input strides (needs_contiguous is empty); ``dims=()`` is a copy."""
+    shape = shape_of(op.operands[0].type)
+    dtype = to_torch_dtype(elem_of(op.operands[0].type))
+    p = op.props()
+    kind = "sum" if isinstance(op, nv.ReduceSumOp) else "max"
+    if not p["dims"]:
+        return copy_kernel(shape, dtype, cfg)
+    r = reduction(kind, shape, p["dims"], p["keepdim"], dtype, cfg)
+    return Kernel(name=r.name, source=r.source, launch=lambda xs, device=None: [r(xs[0])], config=cfg,
+                  extra={"split": r.plan.split})  # fmt: skip
+
+
+__all__ = ["Plan", "plan", "reduce_source", "reduction", "Reduction", "lower_reduce"]
