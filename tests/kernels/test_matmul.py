@@ -4,6 +4,8 @@ the interpreter runs every program in Python."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -171,6 +173,49 @@ def test_tf32_rn_kernel_rounds_operands_like_the_host(device):
     src = mm.matmul_source(cfg(), has_bias=False, precision="tf32-rn")
     assert "0xFFFFE000" in src and 'input_precision="tf32"' in src
     assert 'input_precision="tf32x3"' in mm.matmul_source(cfg(), has_bias=False, precision="tf32x3")
+
+
+@pytest.mark.parametrize(
+    "a_layout,b_layout,batch",
+    [("row", "row", None), ("col", "col", None), ("col", "row", 3), ("row", "row", "broadcast")],
+)
+def test_tf32_staged_path_rounds_and_transposes(device, a_layout, b_layout, batch):
+    """The staged tf32 path (instruction "...+stage"): operands that are not K-major
+    are copied into K-major buffers rounded to nearest tf32 by the staging kernel, the
+    rest are rounded in the kernel; the result is the fp32 product of rounded
+    operands for every layout, batched or broadcast, with a bias."""
+    torch.manual_seed(6)
+    M, N, K = 40, 24, 72
+    lead = () if batch is None else (3,)
+
+    def make(rows, cols, layout):
+        t = torch.randn(*lead, cols, rows, device=device).transpose(-1, -2) if layout == "col" else torch.randn(
+            *lead, rows, cols, device=device
+        )
+        return t
+
+    a = make(M, K, a_layout)
+    b = make(K, N, b_layout)
+    if batch == "broadcast":
+        a = torch.randn(3, M, K, device=device)
+        b = torch.randn(K, N, device=device).expand(3, K, N)
+    bias = torch.randn(N, device=device)
+    config = dataclasses.replace(cfg(bm=16, bn=16, bk=32), instruction="wgmma+tma+stage")
+    c = mm.matmul(a, b, bias=bias, cfg=config, precision="tf32-rn")
+    expect = reference(mm.round_to_tf32(a), mm.round_to_tf32(b), bias)
+    assert rel_err(c, expect) < 1e-6
+    assert 1e-5 < rel_err(c, reference(a, b, bias)) < 5e-4
+
+
+def test_tf32_stage_kernel_is_a_rounding_transpose(device):
+    torch.manual_seed(7)
+    src = torch.randn(2, 70, 130, device=device)
+    dense = torch.empty(2, 130, 70, device=device)
+    mm.stage_tf32(src, dense.transpose(1, 2))
+    assert torch.equal(dense.transpose(1, 2).view(torch.int32), mm.round_to_tf32(src).view(torch.int32))
+    with pytest.raises(ValueError, match="staged config"):
+        mm.matmul(src.bfloat16(), src.bfloat16().transpose(1, 2),
+                  cfg=dataclasses.replace(cfg(), instruction="wgmma+tma+stage"))
 
 
 def test_int64_indexing_path(device, monkeypatch):
