@@ -63,6 +63,7 @@ QUICK_SHAPES = [  # one of each regime: small, square, skinny M/N, short K, long
 ]
 DRY_SHAPES = [(33, 17, 45), (32, 48, 64)]
 PRECISIONS = ("tf32", "bf16")
+NOVA_PRECISION = {"tf32": "tf32-rn", "bf16": "bf16"}  # the matmul template's spelling
 CUBLAS_REFERENCE_TFLOPS = {"tf32": 65.5, "bf16": 112.8}  # geomean over the 64 shapes, measured on this H200
 MAX_INPUT_SETS = 32
 SMEM_BUDGET = 200 * 1024  # operand ring buffers; H200 allows 227 KiB per block, the rest is epilogue headroom
@@ -78,11 +79,11 @@ ACCURACY_LIMIT = {"tf32": 1e-2, "bf16": 3e-2}  # a finalist less accurate than t
 # --------------------------------------------------------------------------- search space
 
 
-def _cfg(bm, bn, bk, warps, stages, group_m=8, split_k=1, persistent=False, tma=False) -> LoweringConfig:
+def _cfg(bm, bn, bk, warps, stages, group_m=8, split_k=1, persistent=False, tma=False, stage="") -> LoweringConfig:
     return LoweringConfig(
         kind="matmul", block_m=bm, block_n=bn, block_k=bk, group_m=group_m, split_k=split_k,
-        persistent=persistent, num_warps=warps, num_stages=stages, instruction="wgmma+tma" if tma else "wgmma",
-        regime="search",
+        persistent=persistent, num_warps=warps, num_stages=stages,
+        instruction=("wgmma+tma" if tma else "wgmma") + stage, regime="search",
     )
 
 
@@ -128,6 +129,17 @@ def search_space(precision: str) -> list[LoweringConfig]:
     for bm, bn, warps in [(64, 128, 4), (128, 128, 8), (128, 256, 8), (256, 128, 8)]:
         for stages in (3, 4):
             add(bm, bn, bk, warps, stages, persistent=True, tma=True)
+    if elt == 4:  # the staged tf32 path: B (and A) copied K-major and rounded first
+        for bm, bn in tiles:
+            area = bm * bn
+            for warps in (4,) if area <= 64 * 64 else (4, 8) if area <= 128 * 128 else (8,):
+                for stages in (3, 4):
+                    add(bm, bn, 32, warps, stages, tma=True, stage="+stage_b")
+                    for k in bks:
+                        add(bm, bn, k, warps, stages, tma=True, stage="+stage_a+stage_b")
+        for bm, bn in [(64, 64), (64, 128), (128, 64)]:
+            for split_k in (2, 4):
+                add(bm, bn, 32, 4, 4, split_k=split_k, tma=True, stage="+stage_a+stage_b")
     random.Random(0).shuffle(space)
     return space
 
@@ -164,7 +176,9 @@ def describe(cfg: LoweringConfig | None) -> str:
         return "-"
     text = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} g{cfg.group_m}"
     text += f" sk{cfg.split_k}" if cfg.split_k > 1 else ""
-    return text + (" pers" if cfg.persistent else "") + (" tma" if "tma" in cfg.instruction else "")
+    text += (" pers" if cfg.persistent else "") + (" tma" if "tma" in cfg.instruction else "")
+    tokens = cfg.instruction.split("+")
+    return text + "".join(f" {t}" for t in ("stage_a", "stage_b") if t in tokens)
 
 
 # --------------------------------------------------------------------------- timing
@@ -257,6 +271,9 @@ class ShapeBench:
     def __init__(self, M, N, K, precision, device, timer):
         self.M, self.N, self.K, self.precision, self.timer = M, N, K, precision, timer
         self.dtype = torch.float32 if precision == "tf32" else torch.bfloat16
+        # nova's tf32 is cuBLAS's: operands rounded to nearest tf32 (the template's
+        # "tf32-rn"; plain "tf32" lets the tensor core truncate them)
+        self.nova_precision = NOVA_PRECISION[precision]
         elt = self.dtype.itemsize
         set_bytes = (M * K + K * N + M * N) * elt
         if device.type == "cuda":
@@ -275,7 +292,7 @@ class ShapeBench:
     def nova_launcher(self, cfg, precision=None):
         from nova.codegen.triton.matmul import matmul
 
-        prec = precision or self.precision
+        prec = precision or self.nova_precision
         return lambda i: matmul(self.A[i], self.B[i], cfg=cfg, precision=prec, out=self.C[i])
 
     def cublas_launcher(self):
@@ -416,7 +433,7 @@ def run(opts, checkpoint=None, log=print) -> dict:
         plans = []
         for M, N, K in shapes:
             t0 = time.perf_counter()
-            nova_cfg = mm.configure(M, N, K, 1, dtype, dtype, precision, "row", "row", False, spec)
+            nova_cfg = mm.configure(M, N, K, 1, dtype, dtype, NOVA_PRECISION[precision], "row", "row", False, spec)
             cfg_ms = (time.perf_counter() - t0) * 1e3
             plans.append(((M, N, K), nova_cfg, cfg_ms, candidates(space, M, N, K, opts.search_budget, num_sms)))
         if device.type == "cuda":
@@ -427,7 +444,7 @@ def run(opts, checkpoint=None, log=print) -> dict:
                     if key not in seen:
                         seen.add(key)
                         jobs.append((cfg, shape))
-            status = compile_ahead(jobs, str(dtype).removeprefix("torch."), precision, opts.workers, log)
+            status = compile_ahead(jobs, str(dtype).removeprefix("torch."), NOVA_PRECISION[precision], opts.workers, log)
             if precision == "tf32":
                 for variant in opts.tf32_variants:
                     vjobs = list({_binary_key(c, *s): (c, s) for s, c, _, _ in plans}.values())
@@ -684,9 +701,9 @@ def _precisions(text: str) -> tuple[str, ...]:
 
 def _variants(text: str) -> tuple[str, ...]:
     vs = tuple(v.strip() for v in text.split(",") if v.strip())
-    bad = [v for v in vs if v not in ("tf32-rn", "tf32x3")]
+    bad = [v for v in vs if v not in ("tf32", "tf32x3")]
     if bad:
-        raise argparse.ArgumentTypeError(f"--tf32-variants: choose from tf32-rn,tf32x3, got {text!r}")
+        raise argparse.ArgumentTypeError(f"--tf32-variants: choose from tf32,tf32x3, got {text!r}")
     return vs
 
 
@@ -706,9 +723,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="store every searched config's time per shape (search.all: {config text: ms}; default on, "
                    "~1 MB for the full grid) so configurator changes can be scored offline "
                    "(bench/configurator_vs_search.py)")
-    p.add_argument("--tf32-variants", type=_variants, default=("tf32-rn",), metavar="LIST",
+    p.add_argument("--tf32-variants", type=_variants, default=(), metavar="LIST",
                    help="for tf32 shapes also time nova's config with these fp32 operand treatments "
-                   "(row nova_<variant>; default tf32-rn; '' for none; choices tf32-rn,tf32x3)")
+                   "(row nova_<variant>; default none; choices tf32 (the tensor core truncates), tf32x3; "
+                   "both on the register path only: a staged config rounds, and records an error here)")
     p.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)), help="compile processes")
 
 

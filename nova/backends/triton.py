@@ -44,7 +44,8 @@ class Step:
     inputs: tuple[SSAValue, ...]
     outputs: tuple[SSAValue, ...]
     run: Callable[[list[torch.Tensor]], list[torch.Tensor]]
-    kernel: lw.Kernel | None = None  # None for views
+    kernel: lw.Kernel | None = None  # None for views and matmuls
+    sources: dict[str, str] | None = None  # a matmul's: the kernels its launches used
 
 
 def _view(op: Operation, copy: Callable[[torch.Tensor], torch.Tensor]):
@@ -72,13 +73,14 @@ def _view(op: Operation, copy: Callable[[torch.Tensor], torch.Tensor]):
     return reshape
 
 
-def _matmul_run(op: Operation, precision: str, with_bias: bool, copy: Callable[[torch.Tensor], torch.Tensor]):
+def _matmul_run(op: Operation, precision: str, with_bias: bool, copy: Callable[[torch.Tensor], torch.Tensor],
+                used: dict[str, str]):
     cfg = config_of(op)
     out_shape = shape_of(op.results[0].type)
     out_dtype = to_torch_dtype(elem_of(op.results[0].type))
     batch = out_shape[:-2]
     # f32 operands: exact fp32 unless the step runs in tf32; 16-bit operands are used as they are
-    prec = "tf32" if precision == "tf32" else "ieee"
+    prec = "tf32-rn" if precision == "tf32" else "ieee"
 
     def flat3(t: torch.Tensor) -> torch.Tensor:
         if t.dim() == 2:
@@ -94,7 +96,7 @@ def _matmul_run(op: Operation, precision: str, with_bias: bool, copy: Callable[[
         bias = xs[2] if with_bias else None
         if batch:
             a, b = flat3(a), flat3(b)
-        y = mm.matmul(a, b, bias=bias, cfg=cfg, precision=prec, out_dtype=out_dtype)
+        y = mm.matmul(a, b, bias=bias, cfg=cfg, precision=prec, out_dtype=out_dtype, record=used)
         return [y.view(out_shape)]
 
     return run
@@ -133,9 +135,13 @@ class TritonProgram:
                 if add is not None:
                     fused.add(add)
                     bias = add.operands[1] if add.operands[0] is op.results[0] else add.operands[0]
-                    self.steps.append(Step(op, (*op.operands, bias), tuple(add.results), _matmul_run(op, precision, True, self.copy)))
+                    used: dict[str, str] = {}
+                    run = _matmul_run(op, precision, True, self.copy, used)
+                    self.steps.append(Step(op, (*op.operands, bias), tuple(add.results), run, sources=used))
                 else:
-                    self.steps.append(Step(op, tuple(op.operands), tuple(op.results), _matmul_run(op, precision, False, self.copy)))
+                    used = {}
+                    run = _matmul_run(op, precision, False, self.copy, used)
+                    self.steps.append(Step(op, tuple(op.operands), tuple(op.results), run, sources=used))
             else:
                 fn_lower = lw.lowering_for(op)
                 kwargs = {"precision": precision} if isinstance(op, (nv.AttentionOp, nv.AttentionBackwardOp)) else {}
@@ -172,8 +178,13 @@ class TritonProgram:
         return [env[v] for v in self.returned]
 
     def sources(self) -> dict[str, str]:
+        """Every kernel's generated source, by name. A matmul's kernels are chosen at
+        launch (TMA or pointer loads, staging, by the operands' strides), so they are
+        listed once the step has run."""
         out = {}
         for st in self.steps:
             if st.kernel is not None:
                 out[st.kernel.name] = st.kernel.source
+            for name, text in (st.sources or {}).items():
+                out["nova_matmul_" + name[:16]] = text
         return out

@@ -62,6 +62,17 @@ IN_FLIGHT_SECONDS = 2.5e-6
 # warpgroup slice cost more than their reuse saves (measured: every searched-best tf32
 # config has BLOCK_N <= 64)
 TF32_NMAJOR_MAX_BN = 64
+# The staged tf32 path (precision "tf32-rn" on wgmma + TMA): a copy kernel rounds an
+# operand to nearest tf32 and writes it K-major, so the main kernel reads both tiles
+# straight from TMA into wgmma. Measured on the H200 (bench/tf32_paths.py, 9 shapes):
+# the register path for an N-major B ran at 0.40-0.55 of the staged path on
+# compute-bound shapes, i.e. it costs ~1.2 x the tensor-core time T_mma extra; rounding
+# a K-major A in registers (instead of staging it) cost 0.19-0.24 x T_mma. Staging an
+# operand of X bytes costs one read and one write of it plus one launch. Each operand
+# is staged where that costs less than the penalty it removes.
+TF32_REGISTER_B_PENALTY = 1.2
+TF32_REGISTER_A_PENALTY = 0.2
+LAUNCH_SECONDS = 2e-6  # one more kernel in a CUDA graph (the staging copy)
 STATIC_SMEM = 1 * KiB
 SYSTEM_SMEM_PER_BLOCK = 1 * KiB
 BARRIER_SMEM = 128
@@ -267,7 +278,18 @@ def plan_matmul(
     bk = min(max(MIN_DOT, LINE_BYTES // max(ea, eb)), max(MIN_DOT, _pow2_ceil(K)))
     k_steps = _cdiv(K, bk)
     smem_budget = _smem_limit(dev, 1)
-    tf32_nmajor = path == "tf32" and b_layout != "col" and dev.has_wgmma
+    # 2b. tf32 operands (docs/configurator.md, "tf32 operands"): which to stage
+    stage_a = stage_b = False
+    if precision == "tf32-rn" and ea == eb == 4 and dev.has_wgmma and dev.has_tma:
+        t_mma = flops / peak
+
+        def stage_cost(elements: int) -> float:
+            return 2 * elements * 4 / bw + LAUNCH_SECONDS
+
+        stage_b = b_layout != "col" and stage_cost(K * N * batch) < TF32_REGISTER_B_PENALTY * t_mma
+        if stage_b:  # A joins the staged path: K-major already, or staged too
+            stage_a = a_layout != "row" or stage_cost(M * K * batch) < TF32_REGISTER_A_PENALTY * t_mma
+    tf32_nmajor = path == "tf32" and b_layout != "col" and not stage_b and dev.has_wgmma
     ladder = _LADDER_TF32_NMAJOR if tf32_nmajor else _LADDER
 
     def _oriented(rung, M, N):  # noqa: F811 - this plan's ladder
@@ -425,6 +447,8 @@ def plan_matmul(
     instruction = t.family
     if t.family == "wgmma" and dev.has_tma and a_layout != "strided" and b_layout != "strided":
         instruction = "wgmma+tma"
+    if stage_b and t.family == "wgmma":
+        instruction = "wgmma+tma" + ("+stage_a" if stage_a else "") + "+stage_b"
 
     regime = "launch-bound" if launch_bound else "compute-bound" if ai >= ridge else "memory-bound"
     cfg = LoweringConfig(

@@ -33,7 +33,7 @@ ROWWISE = {
     nv.LayerNormBackwardOp: "layernorm", nv.CrossEntropyOp: "cross_entropy",
     nv.CrossEntropyBackwardOp: "cross_entropy", nv.ReduceSumOp: "sum", nv.ReduceMaxOp: "max",
 }  # fmt: skip
-PRECISION_PATH = {"fp32": "ieee", "tf32": "tf32", "bf16": "ieee"}
+PRECISION_PATH = {"fp32": "ieee", "tf32": "tf32-rn", "bf16": "ieee"}  # tf32: rounded to nearest, as cuBLAS
 
 
 def _swaps_last_two(v) -> bool:

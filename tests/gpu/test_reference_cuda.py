@@ -8,27 +8,22 @@ import pytest
 import torch
 
 import nova
-from nova.models import GPT, MLPLM, MLPLMConfig, gpt_tiny
+
+from gpu_steps import TOL, make_model, make_optimizer, param_tolerance, step_errors
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-TOL = {"fp32": 1e-4, "tf32": 5e-4, "bf16": 2e-2}
 
-
-def _model(kind):
-    torch.manual_seed(0)
-    if kind == "mlp":
-        return MLPLM(MLPLMConfig(vocab_size=256, block_size=32, n_layer=2, n_embd=64, hidden=128))
-    return GPT(gpt_tiny(attention=kind, bias=False))
-
-
-@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize(
+    "precision,optimizer", [("fp32", "adamw"), ("tf32", "sgd"), ("tf32", "adamw"), ("bf16", "adamw")]
+)
 @pytest.mark.parametrize("kind", ["mlp", "manual", "sdpa"])
-def test_step_matches_eager_on_cuda(kind, precision):
-    ref = _model(kind).cuda()
+def test_step_matches_eager_on_cuda(kind, precision, optimizer):
+    ref = make_model(kind).cuda()
     mine = copy.deepcopy(ref)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
-    opt = torch.optim.AdamW(mine.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+    opt_ref = make_optimizer(optimizer, ref.parameters())
+    opt = make_optimizer(optimizer, mine.parameters())
+    ptol = param_tolerance(precision, optimizer)
     step = nova.compile(mine, opt, precision=precision, backend="reference")
     g = torch.Generator(device="cuda").manual_seed(1)
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
@@ -42,11 +37,13 @@ def test_step_matches_eager_on_cuda(kind, precision):
                 ref_loss = ref(x, y)
             ref_loss.backward()
             opt_ref.step()
-            assert abs(loss.item() - ref_loss.item()) <= TOL[precision] * abs(ref_loss.item()), i
-            for p, q in zip(mine.parameters(), ref.parameters()):
+            errs = step_errors(loss, ref_loss, mine, ref)
+            assert errs.pop("loss") <= TOL[precision], i
+            for (name, p) in mine.named_parameters():
                 if precision == "bf16" and p.dim() == 1:
                     continue  # zero-initialised biases: sign noise of tiny bf16 gradients (README, known gap)
-                assert ((p - q).norm() / q.norm()).item() <= TOL[precision], i
+                assert errs[name] <= ptol, (i, name, errs[name])
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
-    assert opt.state[next(mine.parameters())]["exp_avg"].is_cuda
+    state = opt.state[next(mine.parameters())]
+    assert all(v.is_cuda for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)

@@ -180,10 +180,10 @@ def test_tf32_rn_kernel_rounds_operands_like_the_host(device):
     [("row", "row", None), ("col", "col", None), ("col", "row", 3), ("row", "row", "broadcast")],
 )
 def test_tf32_staged_path_rounds_and_transposes(device, a_layout, b_layout, batch):
-    """The staged tf32 path (instruction "...+stage"): operands that are not K-major
+    """The staged tf32 path (instruction "+stage_a" / "+stage_b"): the named operands
     are copied into K-major buffers rounded to nearest tf32 by the staging kernel, the
-    rest are rounded in the kernel; the result is the fp32 product of rounded
-    operands for every layout, batched or broadcast, with a bias."""
+    kernel rounds the rest; the result is the fp32 product of rounded operands for
+    every layout, batched or broadcast, with a bias, on the TMA and pointer paths."""
     torch.manual_seed(6)
     M, N, K = 40, 24, 72
     lead = () if batch is None else (3,)
@@ -200,11 +200,12 @@ def test_tf32_staged_path_rounds_and_transposes(device, a_layout, b_layout, batc
         a = torch.randn(3, M, K, device=device)
         b = torch.randn(K, N, device=device).expand(3, K, N)
     bias = torch.randn(N, device=device)
-    config = dataclasses.replace(cfg(bm=16, bn=16, bk=32), instruction="wgmma+tma+stage")
-    c = mm.matmul(a, b, bias=bias, cfg=config, precision="tf32-rn")
     expect = reference(mm.round_to_tf32(a), mm.round_to_tf32(b), bias)
-    assert rel_err(c, expect) < 1e-6
-    assert 1e-5 < rel_err(c, reference(a, b, bias)) < 5e-4
+    for instruction in ("wgmma+tma+stage_b", "wgmma+tma+stage_a+stage_b", "wgmma+stage_a+stage_b"):
+        config = dataclasses.replace(cfg(bm=16, bn=16, bk=32), instruction=instruction)
+        c = mm.matmul(a, b, bias=bias, cfg=config, precision="tf32-rn")
+        assert rel_err(c, expect) < 1e-6, instruction
+        assert 1e-5 < rel_err(c, reference(a, b, bias)) < 5e-4
 
 
 def test_tf32_stage_kernel_is_a_rounding_transpose(device):
@@ -213,9 +214,11 @@ def test_tf32_stage_kernel_is_a_rounding_transpose(device):
     dense = torch.empty(2, 130, 70, device=device)
     mm.stage_tf32(src, dense.transpose(1, 2))
     assert torch.equal(dense.transpose(1, 2).view(torch.int32), mm.round_to_tf32(src).view(torch.int32))
+    staged = dataclasses.replace(cfg(), instruction="wgmma+tma+stage_b")
     with pytest.raises(ValueError, match="staged config"):
-        mm.matmul(src.bfloat16(), src.bfloat16().transpose(1, 2),
-                  cfg=dataclasses.replace(cfg(), instruction="wgmma+tma+stage"))
+        mm.matmul(src.bfloat16(), src.bfloat16().transpose(1, 2), cfg=staged)
+    with pytest.raises(ValueError, match="staged config"):
+        mm.matmul(src, src.transpose(1, 2), cfg=staged, precision="tf32")
 
 
 def test_int64_indexing_path(device, monkeypatch):

@@ -41,3 +41,26 @@ def test_interpreted_triton_step_matches_reference(kind):
     sources = step.kernel_sources()
     assert sources and all("@triton.jit" in s for s in sources.values())
     assert "#nova.lowering_config<" in step.explain()
+
+
+def test_interpreted_tf32_step_rounds_matmul_operands():
+    """precision="tf32" on the Triton backend rounds every fp32 matmul operand to
+    nearest tf32 (cuBLAS's rounding; the interpreter's dot is then exact fp32), so the
+    step stays within the tf32 tolerance of the fp32 reference (the CPU has no tf32)
+    under SGD, whose update is linear in the gradient."""
+    ref = _model("manual")
+    mine = copy.deepcopy(ref)
+    oracle = nova.compile(ref, torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9), backend="reference")
+    step = nova.compile(mine, torch.optim.SGD(mine.parameters(), lr=0.05, momentum=0.9), precision="tf32",
+                        backend="triton")  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    worst = 0.0
+    for i in range(2):
+        x = torch.randint(0, 64, (2, 8), generator=g)
+        y = torch.randint(0, 64, (2, 8), generator=g)
+        loss, ref_loss = step(x, y), oracle(x, y)
+        worst = max(worst, abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
+        for p, q in zip(mine.parameters(), ref.parameters()):
+            worst = max(worst, ((p - q).norm() / q.norm()).item())
+    assert 1e-7 < worst <= 5e-4  # tf32 rounding happened, and stayed within tolerance
+    assert any("0xFFFFE000" in s for s in step.kernel_sources().values())

@@ -50,7 +50,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nova.codegen.triton.source import interpreting, load_kernel
+from pathlib import Path
+
+from nova.codegen.triton.source import interpreting, kernel_source, load_kernel, source_hash
 from nova.schedule.config import LoweringConfig
 
 PRECISIONS = ("ieee", "tf32", "tf32-rn", "tf32x3", "bf16")
@@ -386,24 +388,24 @@ def stage_tf32(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     return dst
 
 
-def _stage_operands(a3: torch.Tensor, b3: torch.Tensor, launch: bool = True):
-    """The K-major tf32 operands of the staged path: A as [Ba, M, K] with K contiguous
-    and B as [Bb, K, N] with K contiguous (a transposed view of a dense [Bb, N, K]).
-    An operand already K-major and TMA-addressable is used as it is (the kernel
-    rounds it); the others are copied here, rounded. An expanded (stride-0) batch is
-    staged once. ``launch=False`` only shapes the buffers (``precompile`` on meta
-    tensors). Returns (a3, b3, names of the staged operands)."""
+def _stage_operands(a3: torch.Tensor, b3: torch.Tensor, stage_a: bool, stage_b: bool, launch: bool = True):
+    """The staged tf32 path's operands: ``stage_a`` copies A into a dense [Ba, M, K]
+    (K contiguous), ``stage_b`` copies B into a dense [Bb, N, K] seen as [Bb, K, N]
+    (K contiguous: what tf32 wgmma reads from shared memory), both rounded to nearest
+    tf32 on the way. An expanded (stride-0) batch is staged once. ``launch=False``
+    only shapes the buffers (``precompile`` on meta tensors). Returns (a3, b3, names
+    of the staged operands); the kernel rounds the others itself."""
     staged = []
 
     def matrices(t3):
         return 1 if t3.shape[0] == 1 or t3.stride(0) == 0 else t3.shape[0]
 
-    if not (a3.stride(2) == 1 and _tma_operand(a3, 2, (16, 16)) is not None):
+    if stage_a:
         n = matrices(a3)
         dense = torch.empty((n, a3.shape[1], a3.shape[2]), dtype=torch.float32, device=a3.device)
         a3 = stage_tf32(a3[:n], dense) if launch else dense
         staged.append("a")
-    if not (b3.stride(1) == 1 and _tma_operand(b3, 1, (16, 16)) is not None):
+    if stage_b:
         n = matrices(b3)
         dense = torch.empty((n, b3.shape[2], b3.shape[1]), dtype=torch.float32, device=b3.device)
         b3 = stage_tf32(b3[:n], dense.transpose(1, 2)) if launch else dense.transpose(1, 2)
@@ -619,6 +621,7 @@ def matmul(
     out_dtype: torch.dtype | None = None,
     *,
     num_programs: int | None = None,
+    record: dict[str, str] | None = None,
 ) -> torch.Tensor:
     """``a @ b (+ bias)`` for 2-D or 3-D (batched; a batch of 1 or a 2-D operand
     broadcasts) float32 / bfloat16 / float16 tensors with any strides.
@@ -628,8 +631,9 @@ def matmul(
     used as they are.
     ``out_dtype`` defaults to the input dtype. ``cfg`` defaults to the Analytic
     Configurator's choice. ``num_programs`` caps a persistent grid (default: #SMs).
+    ``record`` (a dict) receives {file stem: source text} of every kernel launched.
     """
-    return _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup=False)
+    return _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup=False, record=record)
 
 
 def precompile(
@@ -665,7 +669,7 @@ def precompile_specs(specs: list[tuple]) -> list[tuple]:
     return done
 
 
-def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup):
+def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, record=None):
     batched, batch, M, N, K, shape, in_name, out_name, out_dtype, precision = _validate(
         a, b, bias, out, out_dtype, precision, allow_meta=warmup
     )
@@ -693,13 +697,17 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup):
     b3 = b if b.dim() == 3 else b.unsqueeze(0)
     c3 = out if out.dim() == 3 else out.unsqueeze(0)
     staged = ()
-    if "stage" in cfg.instruction:
-        if in_name != "float32" or precision not in ("tf32", "tf32-rn"):
+    tokens = cfg.instruction.split("+")
+    if "stage_a" in tokens or "stage_b" in tokens:
+        if in_name != "float32" or precision != "tf32-rn":
             raise ValueError(
-                f"matmul: a staged config ({cfg.instruction}) is the tf32 path: it needs float32 operands "
-                f"and precision tf32 or tf32-rn, got {in_name} and {precision!r}"
+                f"matmul: a staged config ({cfg.instruction}) is the rounded tf32 path: it needs float32 "
+                f"operands and precision 'tf32-rn', got {in_name} and {precision!r}"
             )
-        a3, b3, staged = _stage_operands(a3, b3, launch=not warmup)
+        a3, b3, staged = _stage_operands(a3, b3, "stage_a" in tokens, "stage_b" in tokens, launch=not warmup)
+        if record is not None:
+            text = stage_source()
+            record["tf32_stage_" + source_hash(text)[:12]] = text
     k_split, splits = split_k_plan(K, cfg)
     split = splits > 1
     if not split and cfg.split_k > 1:  # K too short to split: the one-pass kernel
@@ -712,6 +720,8 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup):
         cfg, bias is not None, precision, out_name, in_name, batched, index_64, interpreting(), tma and tma[0], staged
     )
 
+    if record is not None:
+        record[Path(kern.path).stem] = kernel_source(kern.main)
     even = M % cfg.block_m == 0 and N % cfg.block_n == 0 and K % k_split == 0
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     total = tiles * splits * batch
