@@ -167,7 +167,9 @@ def test_tf32_rn_kernel_rounds_operands_like_the_host(device):
     for config in (cfg(bm=32, bn=16, bk=32), cfg(bm=16, bn=16, bk=32, split_k=2)):
         c = mm.matmul(a, b, cfg=config, precision="tf32-rn")
         expect = reference(mm.round_to_tf32(a), mm.round_to_tf32(b))
-        assert rel_err(c, expect) < 1e-6
+        # the products of rounded operands are exact; what is left is fp32 summation
+        # (~sqrt(K) 2^-24 on the GPU), two orders below the tf32 rounding error
+        assert rel_err(c, expect) < 1e-5
         err = rel_err(c, ref)
         assert 1e-5 < err < 5e-4, err  # rounding happened, and is round-to-nearest
     src = mm.matmul_source(cfg(), has_bias=False, precision="tf32-rn")
@@ -204,7 +206,7 @@ def test_tf32_staged_path_rounds_and_transposes(device, a_layout, b_layout, batc
     for instruction in ("wgmma+tma+stage_b", "wgmma+tma+stage_a+stage_b", "wgmma+stage_a+stage_b"):
         config = dataclasses.replace(cfg(bm=16, bn=16, bk=32), instruction=instruction)
         c = mm.matmul(a, b, bias=bias, cfg=config, precision="tf32-rn")
-        assert rel_err(c, expect) < 1e-6, instruction
+        assert rel_err(c, expect) < 1e-5, instruction
         assert 1e-5 < rel_err(c, reference(a, b, bias)) < 5e-4
 
 
