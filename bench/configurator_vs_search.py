@@ -50,7 +50,8 @@ def norm_key(cfg: dict | LoweringConfig, M: int, N: int, K: int, num_sms: int = 
     pid_m = _cdiv(M, c.block_m)
     tiles = pid_m * _cdiv(N, c.block_n) * splits
     return (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, min(c.group_m, pid_m), splits,
-            bool(c.persistent and tiles > num_sms), "tma" in c.instruction)
+            bool(c.persistent and tiles > num_sms), "tma" in c.instruction,
+            tuple(t for t in c.instruction.split("+") if t.startswith("stage")))
 
 
 def parse(text: str) -> LoweringConfig:
@@ -59,25 +60,26 @@ def parse(text: str) -> LoweringConfig:
     bm, bn, bk = (int(x) for x in parts[0].split("x"))
     kw = dict(num_warps=int(parts[1][1:]), num_stages=int(parts[2][1:]), group_m=int(parts[3][1:]))
     split = next((int(p[2:]) for p in parts if p.startswith("sk")), 1)
+    instruction = ("wgmma+tma" if "tma" in parts else "wgmma") + "".join(f"+{t}" for t in ("stage_a", "stage_b") if t in parts)
     return LoweringConfig(kind="matmul", block_m=bm, block_n=bn, block_k=bk, split_k=split, persistent="pers" in parts,
-                          instruction="wgmma+tma" if "tma" in parts else "wgmma", **kw)
+                          instruction=instruction, **kw)
 
 
 def tile_key(key: tuple) -> tuple:
-    return key[0], key[1], key[2], key[6], key[8]
+    return key[0], key[1], key[2], key[6], key[8], key[9]
 
 
 def describe(c: LoweringConfig) -> str:
-    text = f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} g{c.group_m}"
-    text += f" sk{c.split_k}" if c.split_k > 1 else ""
-    return text + (" pers" if c.persistent else "") + (" tma" if "tma" in c.instruction else "")
+    from bench.matmul import describe as bench_describe  # the keys of search.all
+
+    return bench_describe(c)
 
 
 def configure(row) -> LoweringConfig:
     from nova.schedule.configurator import configure_matmul
 
     dtype = "float32" if row["precision"].startswith("tf32") else "bfloat16"
-    prec = "tf32" if row["precision"].startswith("tf32") else "bf16"
+    prec = "tf32-rn" if row["precision"].startswith("tf32") else "bf16"  # nova's tf32 rounds (bench: NOVA_PRECISION)
     return configure_matmul(row["M"], row["N"], row["K"], 1, dtype, dtype, dtype, prec, device="H200")
 
 

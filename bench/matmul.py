@@ -480,6 +480,8 @@ def _git():
     def git(*args):
         return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10).stdout.strip()
 
+    if os.environ.get("NOVA_COMMIT"):  # the device machine's copy of the tree may carry a stale .git
+        return {"commit": os.environ["NOVA_COMMIT"], "dirty": None}
     try:
         return {"commit": git("rev-parse", "HEAD") or "unknown", "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except Exception:
