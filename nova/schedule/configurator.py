@@ -72,7 +72,7 @@ TF32_NMAJOR_MAX_BN = 64
 # is staged where that costs less than the penalty it removes.
 TF32_REGISTER_B_PENALTY = 1.2
 TF32_REGISTER_A_PENALTY = 0.2
-LAUNCH_SECONDS = 2e-6  # one more kernel in a CUDA graph (the staging copy)
+LAUNCH_SECONDS = 2e-6  # one more kernel in a CUDA graph (a staging copy, the split-K reduction)
 STATIC_SMEM = 1 * KiB
 SYSTEM_SMEM_PER_BLOCK = 1 * KiB
 BARRIER_SMEM = 128
@@ -194,7 +194,8 @@ class MatmulPlan:
 
 
 # Tile ladder, smallest to largest (long side, short side). Each step halves the
-# area; the long side goes along the longer of M and N.
+# area; the long side goes along N on the wgmma path (both sides >= 64), else along
+# the longer of M and N.
 _LADDER = ((16, 16), (32, 16), (32, 32), (64, 32), (64, 64), (128, 64), (128, 128), (256, 128))
 _FLOOR = _LADDER.index((64, 64))  # see plan_matmul, step 4
 
@@ -203,10 +204,15 @@ _FLOOR = _LADDER.index((64, 64))  # see plan_matmul, step 4
 _LADDER_TF32_NMAJOR = ((16, 16), (32, 16), (32, 32), (64, 32), (64, 64), (128, 64), (256, 64))
 
 
-def _oriented_on(rung: int, M: int, N: int, ladder=_LADDER) -> tuple[int, int]:
+def _oriented_on(rung: int, M: int, N: int, ladder=_LADDER, wgmma: bool = False) -> tuple[int, int]:
     long, short = ladder[rung]
     if ladder is _LADDER_TF32_NMAJOR:
         bm, bn = long, short
+    elif wgmma and short >= WGMMA_M:
+        # one wgmma is 64 x BN x 16 (BN <= 256) per warpgroup: the long side along N
+        # means fewer, wider instructions per K-step, each reusing its A rows more
+        # (measured: every searched-best wgmma tile in matmul.json has BN >= BM)
+        bm, bn = short, long
     else:
         bm, bn = (short, long) if N >= M else (long, short)
     # a tile wider than the matrix only computes padding
@@ -293,7 +299,7 @@ def plan_matmul(
     ladder = _LADDER_TF32_NMAJOR if tf32_nmajor else _LADDER
 
     def _oriented(rung, M, N):  # noqa: F811 - this plan's ladder
-        return _oriented_on(rung, M, N, ladder)
+        return _oriented_on(rung, M, N, ladder, wgmma=tensor and dev.has_wgmma)
 
     def tile(rung: int) -> _Tile:
         bm, bn = _oriented(rung, M, N)
@@ -367,8 +373,9 @@ def plan_matmul(
 
     # 5. split-K. Model: a tile's whole K takes tau = 2 BM BN K / (peak / S) on one
     # SM; W = ceil(tiles s / S) waves of tau / s each; the fp32 partials cost
-    # c = 8 M N batch / bw per split (4 bytes written, 4 read back per output element):
-    #     T(s) = ceil(tiles s / S) tau / s + c s   (s > 1),   T(1) = ceil(tiles / S) tau.
+    # c = 8 M N batch / bw per split (4 bytes written, 4 read back per output element),
+    # and the reduction is one more kernel (LAUNCH_SECONDS, L):
+    #     T(s) = ceil(tiles s / S) tau / s + c s + L   (s > 1),   T(1) = ceil(tiles / S) tau.
     # Single wave with half the SMs idle (tiles <= S/2): T(s) = tau / s + c s is least at
     # s* = sqrt(tau / c); s is also bounded by one wave (tiles s <= S) and by >= 2
     # K-steps per split (so a load can overlap an MMA). Several waves whose last one
@@ -378,7 +385,7 @@ def plan_matmul(
     c = 8 * M * N * batch / bw
 
     def model_time(s: int) -> float:
-        return math.ceil(tiles * s / S) * tau / s + (c * s if s > 1 else 0.0)
+        return math.ceil(tiles * s / S) * tau / s + (c * s + LAUNCH_SECONDS if s > 1 else 0.0)
 
     tail = tiles / S - tiles // S
     if tiles * 2 <= S:
