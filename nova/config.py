@@ -2,6 +2,8 @@
 
   NOVA_VERIFY_EACH_STAGE=1   run the IR verifier after every pipeline stage
                              (the final IR is always verified); tests turn it on
+  NOVA_CACHE_DIR=DIR         where generated kernels (and later compiled steps) are
+                             kept (default ~/.cache/nova); read at each use
   TRITON_INTERPRET=1         (Triton's own) run generated kernels on the CPU
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -27,3 +30,9 @@ def triton_interpreted() -> bool:
     """Whether Triton runs kernels in its CPU interpreter. Read live, not once:
     it is Triton's own variable, which Triton itself reads when a kernel is created."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def cache_dir() -> Path:
+    """Nova's on-disk cache root: ``$NOVA_CACHE_DIR`` or ``~/.cache/nova``. Read live,
+    so a test or a tool can point one process at a fresh directory."""
+    return Path(os.environ.get("NOVA_CACHE_DIR") or Path.home() / ".cache" / "nova")

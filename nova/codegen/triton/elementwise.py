@@ -157,42 +157,7 @@ def bits_const(value: torch.Tensor, block: int) -> str:
     return f"tl.full([{block}], {ibits}, {itl}).to({_TL[t]}, bitcast=True)"
 
 
-def fix_interpreter_bf16_rounding() -> None:
-    """Make the Triton interpreter round fp32 -> bf16 to nearest even, as the GPU's
-    ``cvt.rn.bf16.f32`` does (the interpreter truncates, and its own RTNE path rounds
-    ties away and drops the carry into the exponent); bf16 -> fp32 becomes the exact
-    16-bit shift. Only the interpreter changes; idempotent. (A sibling of
-    ``source._fix_interpreter_bf16_dot``.)"""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    if getattr(builder.cast_impl, "_nova_bf16_fix", False):
-        return
-    original = builder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        s, d = src.dtype.scalar, dst_type.scalar
-        if s == tl.float32 and d == tl.bfloat16:
-            data = np.asarray(src.data, dtype=np.float32)
-            bits = data.view(np.uint32)
-            r = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-            r = np.where(np.isnan(data), (bits >> np.uint32(16)) | np.uint32(0x40), r).astype(np.uint16)
-            return interpreter.TensorHandle(r, tl.bfloat16)
-        if s == tl.bfloat16 and d == tl.float32:
-            bits = np.asarray(src.data).astype(np.uint32) << np.uint32(16)
-            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-        return original(self, src, dst_type)
-
-    cast_impl._nova_bf16_fix = True
-    builder.cast_impl = cast_impl
-
-
 def load(source: str, name: str):
-    """``load_kernel`` plus the interpreter's bf16 rounding fix when interpreting."""
-    if interpreting():
-        fix_interpreter_bf16_rounding()
     return load_kernel(source, name)[0]
 
 

@@ -13,8 +13,9 @@ expected name exists but holds other text, it is rewritten.
 
 Under ``TRITON_INTERPRET=1`` the interpreter's ``tl.dot`` multiplies the raw uint16
 bit patterns of bfloat16 operands (triton-lang/triton#11584, declined upstream as
-"not supported yet"); ``load_kernel`` installs a small fix for that, so the same
-kernel text is tested on the CPU that runs on the GPU.
+"not supported yet"), and its fp32 -> bf16 cast truncates where the GPU rounds to
+nearest even; ``load_kernel`` installs small fixes for both, so the same kernel
+text is tested on the CPU that runs on the GPU.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ _SOURCES: dict[int, str] = {}  # id(kernel) -> source text, for dumping
 
 
 def default_cache_dir() -> Path:
-    """Where generated kernel sources are written: ``$NOVA_CACHE_DIR/triton`` or
-    ``~/.cache/nova/triton``."""
-    root = os.environ.get("NOVA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nova")
-    return Path(root) / "triton"
+    """Where generated kernel sources are written: ``<nova cache dir>/triton``
+    (``nova.config.cache_dir()``: ``$NOVA_CACHE_DIR`` or ``~/.cache/nova``)."""
+    from nova.config import cache_dir
+
+    return cache_dir() / "triton"
 
 
 def source_hash(source: str) -> str:
@@ -91,6 +93,37 @@ def _fix_interpreter_bf16_dot() -> None:
     builder.create_dot = create_dot
 
 
+def _fix_interpreter_bf16_rounding() -> None:
+    """Make the Triton interpreter round fp32 -> bf16 to nearest even, as the GPU's
+    ``cvt.rn.bf16.f32`` does (the interpreter truncates, and its own RTNE path rounds
+    ties away and drops the carry into the exponent); bf16 -> fp32 becomes the exact
+    16-bit shift. Only the interpreter changes; idempotent."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.cast_impl, "_nova_bf16_fix", False):
+        return
+    original = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        s, d = src.dtype.scalar, dst_type.scalar
+        if s == tl.float32 and d == tl.bfloat16:
+            data = np.asarray(src.data, dtype=np.float32)
+            bits = data.view(np.uint32)
+            r = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            r = np.where(np.isnan(data), (bits >> np.uint32(16)) | np.uint32(0x40), r).astype(np.uint16)
+            return interpreter.TensorHandle(r, tl.bfloat16)
+        if s == tl.bfloat16 and d == tl.float32:
+            bits = np.asarray(src.data).astype(np.uint32) << np.uint32(16)
+            return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+        return original(self, src, dst_type)
+
+    cast_impl._nova_bf16_fix = True
+    builder.cast_impl = cast_impl
+
+
 def load_kernel(source: str, name: str, cache_dir: str | os.PathLike | None = None):
     """Return ``(kernel, path)``: the object named ``name`` defined by ``source``
     (normally a ``@triton.jit`` function) and the file it was loaded from.
@@ -101,6 +134,7 @@ def load_kernel(source: str, name: str, cache_dir: str | os.PathLike | None = No
     interpreted = interpreting()  # @triton.jit picks compiled vs interpreted at import
     if interpreted:
         _fix_interpreter_bf16_dot()
+        _fix_interpreter_bf16_rounding()
     digest = source_hash(source)
     key = (digest, name, interpreted)
     with _LOCK:
