@@ -5,9 +5,9 @@ moves every element by about lr * sign(g) (m / sqrt(v) = g / |g|), whatever |g| 
 A gradient element smaller than tf32's rounding noise (~1e-3 of the larger terms
 it is summed from) therefore gets its update's sign from that noise, and two correct
 tf32 executions that round or sum in a different order differ there by 2 lr. Measured
-on the H200: cuBLAS-vs-cuBLAS (the reference executor against eager PyTorch, both
-tf32) and Triton-vs-cuBLAS both put 1e-3..5e-3 norm-relative differences into the
-weights at step 0 that way. SGD is linear in g, so its parameters show the kernels'
+on the H200: Triton-vs-cuBLAS put 1.3e-3..4.4e-3 norm-relative differences into the
+weights at step 0 that way, and cuBLAS-vs-cuBLAS (the reference executor against
+eager PyTorch, both tf32) also exceeded 5e-4 on the SDPA model. SGD is linear in g, so its parameters show the kernels'
 own error; under AdamW the loss (which those few flipped elements barely move) is
 compared at the tf32 tolerance and the parameters at a bound that catches a wrong
 kernel but not sign noise. SGD's lr (0.02, momentum 0.9) keeps 50 steps short of
