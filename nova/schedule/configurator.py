@@ -337,6 +337,8 @@ def plan_matmul(
         need = 1 + _cdiv(int(bw / S * IN_FLIGHT_SECONDS), resident * t.stage_bytes)
         if tf32_nmajor and t.bm * t.bn >= 256 * 64:
             need = 2  # B passes through registers anyway (measured: s2 best for 256x64)
+        if path == "bf16":
+            need = MAX_STAGES  # 16-bit operands: fill the ring (calibrated, docs "Calibration")
         return max(2, min(fit, steps, MAX_STAGES, need))
 
     rungs = [r for r in range(len(ladder)) if fits(tile(r))]
@@ -399,10 +401,15 @@ def plan_matmul(
         k_split = _cdiv(_cdiv(K, s), bk) * bk  # whole BLOCK_Ks per split, as the launcher does
         split = _cdiv(K, k_split)
 
-    # 6. launch-bound: at most S/2 work items and K too short to split; tiles smaller
-    # than the floor are then the only way to reach more SMs
+    # 6. launch-bound: at most S/2 work items and K too short to split (fewer than 2
+    # K-steps per split, step 5's bound); tiles smaller than the floor are then the only
+    # way to reach more SMs. Not where K could be split but the model declined: there
+    # the 64x64 wgmma floor's intensity wins (measured: bf16 128x2048x2048 32x64 ran
+    # at 0.63 of 64x64). The tf32 N-major register path has no wgmma floor advantage
+    # (its B tile passes through registers) and keeps shrinking (measured: 64x32 and
+    # smaller are its best tiles at M or N = 128..512)
     launch_bound = False
-    while split == 1 and n_tiles(tile(rung)) * 2 <= S:
+    while split == 1 and n_tiles(tile(rung)) * 2 <= S and (k_steps // 2 < 2 or tf32_nmajor):
         nxt = smaller(rung)
         if nxt is None:
             break
