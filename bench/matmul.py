@@ -661,14 +661,27 @@ def write(doc, out_dir: Path, stem: str) -> list[Path]:
     return paths
 
 
+def _search_rank(row) -> tuple[bool, int]:
+    """(the search ran to the end, configs timed): the better-searched row wins a merge."""
+    search = row.get("search") or {}
+    done = bool(search.get("best")) and not search.get("truncated") and search.get("timed") == search.get("candidates")
+    return done, search.get("timed", 0) if search.get("best") else 0
+
+
 def merge(files: list[Path]) -> dict:
     docs = [json.loads(Path(f).read_text()) for f in files]
     if not docs:
         raise UsageError("--merge: no part JSONs to merge")
+    # a shape measured in several files: the row whose search ran to the end (else
+    # timed more configs) wins, on a tie the later file's; every row keeps the commit
+    # it was measured at
     rows = {}
     for d in docs:
         for r in d["shapes"]:
-            rows[(r["precision"], r["M"], r["N"], r["K"])] = r
+            r = dict(r, commit=r.get("commit", d["git"]["commit"]))
+            key = (r["precision"], r["M"], r["N"], r["K"])
+            if key not in rows or _search_rank(r) >= _search_rank(rows[key]):
+                rows[key] = r
     doc = dict(docs[0])
     doc["shapes"] = sorted(rows.values(), key=lambda r: (PRECISIONS.index(r["precision"]), r["M"], r["N"], r["K"]))
     doc["settings"] = dict(doc["settings"], part="merged", merged_from=[str(f) for f in files],

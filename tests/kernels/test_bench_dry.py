@@ -73,3 +73,26 @@ def test_bad_arguments(tmp_path, capsys):
         bench_matmul_main(["--part", "3/2"])
     with pytest.raises(SystemExit):
         bench_matmul_main(["--precisions", "fp8"])
+
+
+def test_merge_keeps_the_better_searched_row(tmp_path):
+    """A shape in two files: the fully searched row wins over a truncated one even from
+    an earlier file; each row keeps the commit it was measured at."""
+    bench = load_benchmark("matmul")
+
+    def doc(commit, timed, truncated):
+        fig = {"ms": 1.0, "tflops": 1.0, "rel_err": 0.0}
+        search = {"candidates": 3, "timed": timed, "truncated": truncated, "best": dict(fig) if timed else None}
+        row = {"precision": "bf16", "M": 32, "N": 48, "K": 64, "search": search, "nova": dict(fig),
+               "cublas": dict(fig), "configurator_ms": 0.1, "nova_vs_cublas": 1.0,
+               "nova_vs_best": 1.0 if timed else None, "within_3pct_of_best": bool(timed)}
+        return {"git": {"commit": commit}, "settings": {"seconds": 1.0}, "shapes": [row]}
+
+    files = []
+    for name, d in (("a", doc("aaa", 3, False)), ("b", doc("bbb", 0, True))):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps(d))
+    rows = bench.merge(files)["shapes"]
+    assert len(rows) == 1 and rows[0]["commit"] == "aaa"
+    rows = bench.merge(files[:1] + [tmp_path / "a.json"])["shapes"]  # a tie: the later file
+    assert rows[0]["commit"] == "aaa"
