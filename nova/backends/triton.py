@@ -26,7 +26,10 @@ from nova.codegen.triton import lowering as lw
 from nova.codegen.triton import matmul as mm
 from nova.ir import dialect as nv
 from nova.ir.types import elem_of, shape_of, to_torch_dtype
+from nova.log import get_logger, once
 from nova.schedule.config import LoweringConfig
+
+_LOG = get_logger(__name__)
 
 VIEW_OPS = (nv.TransposeOp, nv.BroadcastToOp, nv.SliceOp, nv.ReshapeOp)
 
@@ -89,6 +92,9 @@ def _matmul_run(op: Operation, precision: str, with_bias: bool, copy: Callable[[
         try:
             return t.view(-1, *t.shape[-2:])
         except RuntimeError:  # batch dims that strides cannot merge: one copy kernel
+            once(_LOG, f"batch-copy:{tuple(t.shape)}:{tuple(t.stride())}",
+                 "%s: batch dims of shape %s and strides %s do not merge into one: copied first",
+                 op.name, tuple(t.shape), tuple(t.stride()))
             return copy(t).view(-1, *t.shape[-2:])
 
     def run(xs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -163,6 +169,11 @@ class TritonProgram:
 
         def run(xs: list[torch.Tensor]) -> list[torch.Tensor]:
             if need:
+                for i in need:
+                    if not xs[i].is_contiguous():
+                        once(_LOG, f"contiguous:{kernel.name}:{i}",
+                             "%s: operand %d is not contiguous (strides %s): copied first", kernel.name, i,
+                             tuple(xs[i].stride()))
                 xs = [self.copy(x) if i in need and not x.is_contiguous() else x for i, x in enumerate(xs)]
             return kernel.launch(xs)
 

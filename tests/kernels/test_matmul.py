@@ -309,3 +309,21 @@ def test_load_kernel_is_content_addressed(tmp_path):
     )
     with pytest.raises(ValueError, match="defines no"):
         load_kernel(src, "no_such_kernel", cache_dir=tmp_path)
+
+
+def test_fallbacks_are_logged_once(device, caplog):
+    """A TMA config with an operand TMA cannot address (no contiguous dim) runs the
+    pointer kernel, correctly, and says so once at INFO; a split K too short to split
+    runs the one-pass kernel and says so."""
+    torch.manual_seed(8)
+    a = torch.randn(4, 40, 24, device=device)[:, ::2, ::2]  # [4, 20, 12], no unit stride
+    b = torch.randn(12, 16, device=device)
+    config = dataclasses.replace(cfg(), instruction="wgmma+tma")
+    with caplog.at_level("INFO", logger="nova"):
+        for _ in range(2):
+            c = mm.matmul(a, b, cfg=config)
+        assert rel_err(c, reference(a, b)) < 1e-6
+        mm.matmul(b, b.t().contiguous(), cfg=cfg(split_k=4))
+    tma = [r for r in caplog.records if "TMA descriptor" in r.getMessage()]
+    assert len(tma) == 1 and "pointer-load kernel" in tma[0].getMessage()
+    assert any("too short for split_k=4" in r.getMessage() for r in caplog.records)

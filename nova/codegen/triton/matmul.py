@@ -53,11 +53,13 @@ import torch
 from pathlib import Path
 
 from nova.codegen.triton.source import interpreting, kernel_source, load_kernel, source_hash
+from nova.log import get_logger, once
 from nova.schedule.config import LoweringConfig
 
 PRECISIONS = ("ieee", "tf32", "tf32-rn", "tf32x3", "bf16")
 _TL_DTYPE = {"float32": "tl.float32", "bfloat16": "tl.bfloat16", "float16": "tl.float16"}
 _TORCH_TO_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_LOG = get_logger(__name__)
 REDUCE_BLOCK = 1024  # elements per program of the split-K reduction (pure streaming)
 _INT32_MAX = 2**31 - 1
 
@@ -540,6 +542,11 @@ def _tma_plan(cfg: LoweringConfig, a3, b3):
     a = _tma_operand(a3, 2, (cfg.block_m, cfg.block_k))
     b = _tma_operand(b3, 1, (cfg.block_k, cfg.block_n))
     if a is None or b is None:
+        which = " and ".join(n for n, x in (("A", a), ("B", b)) if x is None)
+        strides = f"A strides {tuple(a3.stride())}, B strides {tuple(b3.stride())}"
+        once(_LOG, f"tma:{which}:{strides}",
+             "matmul: %s cannot be read through a TMA descriptor (needs one contiguous dim of the last two, "
+             "16-byte aligned base and strides; %s): the pointer-load kernel runs instead", which, strides)
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -711,6 +718,9 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     k_split, splits = split_k_plan(K, cfg)
     split = splits > 1
     if not split and cfg.split_k > 1:  # K too short to split: the one-pass kernel
+        once(_LOG, f"split:{K}:{cfg.split_k}:{cfg.block_k}",
+             "matmul: K=%d is one BLOCK_K=%d chunk, too short for split_k=%d: the one-pass kernel runs",
+             K, cfg.block_k, cfg.split_k)
         cfg = dataclasses.replace(cfg, split_k=1)
     margin = max(cfg.block_m, cfg.block_n, cfg.block_k)
     spans = (_span(a3[0], margin), _span(b3[0], margin), _span(c3[0], margin), (M + margin) * (N + margin))
