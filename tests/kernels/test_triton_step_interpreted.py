@@ -64,3 +64,21 @@ def test_interpreted_tf32_step_rounds_matmul_operands():
             worst = max(worst, ((p - q).norm() / q.norm()).item())
     assert 1e-7 < worst <= 5e-4  # tf32 rounding happened, and stayed within tolerance
     assert any("0xFFFFE000" in s for s in step.kernel_sources().values())
+
+
+def test_an_op_without_lowering_is_named_before_anything_runs(monkeypatch):
+    """An op the Triton backend lacks is reported by name when the program is built,
+    before any kernel runs: parameters and optimizer state stay as they were."""
+    import nova.backends.triton  # noqa: F401  (registers the lowerings)
+    from nova.codegen.triton import lowering as lw
+    from nova.ir import dialect as nv
+
+    model = _model("manual")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = nova.compile(model, opt, backend="triton")
+    monkeypatch.delitem(lw.LOWERINGS, nv.LayerNormOp)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randint(0, 64, (2, 8))
+    with pytest.raises(lw.NoLoweringError, match="no lowering for nova.layer_norm"):
+        step(x, x)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)) and not opt.state
