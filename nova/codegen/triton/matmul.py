@@ -22,7 +22,10 @@ Design choices, and why:
   the tensor core *truncates* the 13 low mantissa bits, ~2.6x cuBLAS's error),
   ``tf32-rn`` (the operand tiles are rounded to nearest-even tf32 in registers by
   integer arithmetic before the same tf32 dot, as cuBLAS does: same error as
-  cuBLAS; costs a register round trip of both tiles, see ``TF32_RN``), ``tf32x3``
+  cuBLAS; costs a register round trip of both tiles, see ``TF32_RN``; a config
+  whose instruction names ``stage_a`` / ``stage_b`` instead copies that operand,
+  rounded, into a dense K-major buffer first, ``stage_tf32``, so its tiles reach
+  wgmma straight from TMA: tf32 wgmma reads only K-major shared memory), ``tf32x3``
   (Triton's 3-pass split tf32, ~fp32 accuracy at ~3x the MMA work), ``bf16``
   (operands rounded to bf16). 16-bit operands go to ``tl.dot`` unchanged.
 * Split-K is deterministic, in two passes: split ``s`` writes its fp32 partial tile to
@@ -37,7 +40,7 @@ Design choices, and why:
   so no load masks). An operand needs one contiguous dim of its last two (a
   column-major operand is loaded as the transposed box and flipped in registers) and
   16-byte aligned base and strides; when either operand does not qualify, the
-  pointer kernel runs instead, which takes any strides. C is always stored through
+  pointer kernel runs instead (logged once), which takes any strides. C is always stored through
   pointers (any strides, masked edges).
 """
 
@@ -47,10 +50,9 @@ import dataclasses
 import functools
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-
-from pathlib import Path
 
 from nova.codegen.triton.source import interpreting, kernel_source, load_kernel, source_hash
 from nova.log import get_logger, once
