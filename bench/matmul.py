@@ -2,15 +2,16 @@
 against the best of a brute-force search over Nova's own template.
 
 For every shape M, N, K in {128, 512, 2048, 8192} (64 shapes) and each precision
-(tf32: fp32 operands on tf32 tensor cores; bf16: bf16 operands and output):
+(tf32: fp32 operands rounded to nearest tf32 on the tensor cores, as cuBLAS does,
+which is Nova's tf32, the template's "tf32-rn"; bf16: bf16 operands and output):
 
 * nova:    the kernel with the Analytic Configurator's config, the configurator
            call timed with time.perf_counter (first call for that shape);
 * cublas:  torch.matmul (allow_tf32 on for tf32);
-* search:  the whole space of 144 (tf32) / 157 (bf16) configs of the same
+* search:  the whole space of 214 (tf32) / 157 (bf16) configs of the same
            template (tiles, BLOCK_K, warps, stages, group_m, split_k, persistent,
-           TMA or pointer loads; fewer where a shape makes configs equivalent,
-           never fewer than 120), each timed briefly; the 3 fastest are re-timed
+           TMA or pointer loads, and for tf32 the staged K-major paths; fewer where
+           a shape makes configs equivalent, never fewer than 120), each timed briefly; the 3 fastest are re-timed
            like the other two and checked for accuracy; the best of them is the
            "searched best".
 
