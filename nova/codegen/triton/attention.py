@@ -220,6 +220,25 @@ def _ind(text: str, level: int) -> str:
 # --------------------------------------------------------------------------- forward
 
 
+def _key_ranges(g: _Gen, tk: int, full_keys: int, explain: bool = False) -> str:
+    """The key-block ranges a query block walks (forward and dQ alike): unmasked
+    blocks up to ``full_hi``, masked ones in [masked_lo, masked_hi)."""
+    if not g.causal:
+        return f"""
+            full_hi = {full_keys}
+            masked_lo = {full_keys}
+            masked_hi = {tk if tk % g.bn else full_keys}
+        """
+    why = """
+            # key blocks wholly at or below the diagonal need no mask; the rest up to the
+            # block's last query (and the key tail) are masked; none above the diagonal""" if explain else ""
+    return f"""{why}
+            full_hi = tl.minimum((start_m + 1) // BLOCK_N * BLOCK_N, {full_keys})
+            masked_lo = full_hi
+            masked_hi = tl.minimum(start_m + BLOCK_M, {tk})
+        """
+
+
 def attention_forward_source(g: _Gen) -> str:
     tq, tk = g.tq, g.tk
     m_ok = None if tq % g.bm == 0 else f"offs_m[:, None] < {tq}"
@@ -247,20 +266,7 @@ for n0 in range({lo}, {hi}, BLOCK_N):
     m_i = m_new
 """.strip("\n")
 
-    if g.causal:
-        ranges = f"""
-            # key blocks wholly at or below the diagonal need no mask; the rest up to the
-            # block's last query (and the key tail) are masked; none above the diagonal
-            full_hi = tl.minimum((start_m + 1) // BLOCK_N * BLOCK_N, {full_keys})
-            masked_lo = full_hi
-            masked_hi = tl.minimum(start_m + BLOCK_M, {tk})
-        """
-    else:
-        ranges = f"""
-            full_hi = {full_keys}
-            masked_lo = {full_keys}
-            masked_hi = {tk if tk % g.bn else full_keys}
-        """
+    ranges = _key_ranges(g, tk, full_keys, explain=True)
     lse = "m_i + tl.log(l_i)" if g.f64 else f"(m_i + tl.log2(l_i)) * {_LN2!r}"
     q = g.load("q_base + offs_m[:, None] * sqt + offs_d[None, :] * sqd", g.mask(m_ok, g.d_ok("row")))
     body = "\n".join([
@@ -395,18 +401,7 @@ for n0 in range({lo}, {hi}, BLOCK_N):
     dq = {g.dot(g.operand("ds"), "tl.trans(kt)", "dq")}
 """.strip("\n")
 
-    if g.causal:
-        ranges = f"""
-            full_hi = tl.minimum((start_m + 1) // BLOCK_N * BLOCK_N, {full_keys})
-            masked_lo = full_hi
-            masked_hi = tl.minimum(start_m + BLOCK_M, {tk})
-        """
-    else:
-        ranges = f"""
-            full_hi = {full_keys}
-            masked_lo = {full_keys}
-            masked_hi = {tk if tk % g.bn else full_keys}
-        """
+    ranges = _key_ranges(g, tk, full_keys)
     dq_body = "\n".join([
         "start_m = tl.program_id(0) * BLOCK_M",
         g.bh(),

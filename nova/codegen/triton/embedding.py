@@ -44,13 +44,8 @@ _CHECK = """
         tl.atomic_min(flags_ptr, tl.min(tl.where(nmask, ids, 0), 0))
         tl.atomic_max(flags_ptr + 1, tl.max(tl.where(nmask, ids - {last}, 0), 0))"""
 
-_GATHER = """import triton
-import triton.language as tl
-
-
-@triton.jit
-def {name}(w_ptr, ids_ptr, out_ptr, flags_ptr, stride_wv, stride_wd, IDX64: tl.constexpr):
-    pid_n = tl.program_id(0)
+# both kernels: a [bn rows, bd columns] tile of the [n, d] rows the ids select
+_ROWS = """    pid_n = tl.program_id(0)
     pid_d = tl.program_id(1)
     rows = pid_n * {bn} + tl.arange(0, {bn})
     cols = pid_d * {bd} + tl.arange(0, {bd})
@@ -58,7 +53,15 @@ def {name}(w_ptr, ids_ptr, out_ptr, flags_ptr, stride_wv, stride_wd, IDX64: tl.c
         rows = rows.to(tl.int64)
     nmask = rows < {n}
     ids = tl.load(ids_ptr + rows, mask=nmask, other=0).to(tl.int64)
-    ok = nmask & (ids >= 0) & (ids < {v}){check}
+"""
+
+_GATHER = """import triton
+import triton.language as tl
+
+
+@triton.jit
+def {name}(w_ptr, ids_ptr, out_ptr, flags_ptr, stride_wv, stride_wd, IDX64: tl.constexpr):
+""" + _ROWS + """    ok = nmask & (ids >= 0) & (ids < {v}){check}
     cmask = cols < {d}
     src = tl.where(ok, ids, 0)[:, None] * stride_wv + cols[None, :] * stride_wd
     vals = tl.load(w_ptr + src, mask=ok[:, None] & cmask[None, :], other=0)
@@ -71,15 +74,7 @@ import triton.language as tl
 
 @triton.jit
 def {name}(g_ptr, ids_ptr, table_ptr, flags_ptr, IDX64: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    rows = pid_n * {bn} + tl.arange(0, {bn})
-    cols = pid_d * {bd} + tl.arange(0, {bd})
-    if IDX64:
-        rows = rows.to(tl.int64)
-    nmask = rows < {n}
-    ids = tl.load(ids_ptr + rows, mask=nmask, other=0).to(tl.int64)
-    ok = nmask & (ids >= 0) & (ids < {v}) & (ids != {pad}){check}
+""" + _ROWS + """    ok = nmask & (ids >= 0) & (ids < {v}) & (ids != {pad}){check}
     cmask = cols < {d}
     g = tl.load(g_ptr + rows[:, None] * {d} + cols[None, :], mask=nmask[:, None] & cmask[None, :], other=0)
     dst = table_ptr + tl.where(ok, ids, 0)[:, None] * {d} + cols[None, :]

@@ -239,6 +239,22 @@ def _norm_dim(op) -> int:
     return op.props()["dim"] % rank
 
 
+def _online_max_sum(n: int, acc: str, x: str, indent: int) -> str:
+    """Lines that stream a row of ``n`` at ``x_row`` in BLOCKs (each loaded as ``x``)
+    and leave its max in ``m`` and sum(exp(row - m)) in ``s`` (online rescaling; a
+    row of -inf so far never computes inf - inf). Softmax and cross-entropy share it."""
+    return textwrap.indent(textwrap.dedent(f"""\
+        m = tl.full((), {_NEG_INF}, {acc})
+        s = tl.zeros((), {acc})
+        for c0 in range(0, {n}, BLOCK):
+            c = c0 + cols
+            {x} = tl.load(x_row + c * sxc, mask=c < {n}, other={_NEG_INF}).to({acc})
+            m_new = tl.maximum(m, tl.max({x}, axis=0))
+            m_safe = tl.where(m_new == {_NEG_INF}, 0.0, m_new)  # all -inf so far: no inf - inf
+            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp({x} - m_safe), axis=0)
+            m = m_new"""), " " * indent)
+
+
 def softmax_source(shape, dim: int, dtype, log: bool, block: int, looping: bool) -> str:
     rows = Rows(shape, dim)
     n, acc, out = rows.n, acc_type(dtype), _TL[dtype]
@@ -263,15 +279,7 @@ def softmax_source(shape, dim: int, dtype, log: bool, block: int, looping: bool)
     else:
         result = "x - lse" if log else "tl.exp(x - m) / s"
         body = f"""
-            m = tl.full((), {_NEG_INF}, {acc})
-            s = tl.zeros((), {acc})
-            for c0 in range(0, {n}, BLOCK):
-                c = c0 + cols
-                x = tl.load(x_row + c * sxc, mask=c < {n}, other={_NEG_INF}).to({acc})
-                m_new = tl.maximum(m, tl.max(x, axis=0))
-                m_safe = tl.where(m_new == {_NEG_INF}, 0.0, m_new)  # all -inf so far: no inf - inf
-                s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
-                m = m_new
+{_online_max_sum(n, acc, "x", 12)}
             lse = m + tl.log(s)
             for c0 in range(0, {n}, BLOCK):
                 c = c0 + cols
@@ -650,15 +658,7 @@ def _ce_lse(n_cls: int, block: int, acc: str, looping: bool) -> str:
             lse = m_safe + tl.log(tl.sum(tl.exp(x - m_safe), axis=0))
         """
     return f"""
-        m = tl.full((), {_NEG_INF}, {acc})
-        s = tl.zeros((), {acc})
-        for c0 in range(0, {n_cls}, BLOCK):
-            c = c0 + cols
-            xb = tl.load(x_row + c * sxc, mask=c < {n_cls}, other={_NEG_INF}).to({acc})
-            m_new = tl.maximum(m, tl.max(xb, axis=0))
-            m_safe = tl.where(m_new == {_NEG_INF}, 0.0, m_new)  # all -inf so far: no inf - inf
-            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(xb - m_safe), axis=0)
-            m = m_new
+{_online_max_sum(n_cls, acc, "xb", 8)}
         lse = tl.where(m == {_NEG_INF}, 0.0, m) + tl.log(s)
     """
 
