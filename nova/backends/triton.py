@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from xdsl.dialects import func
@@ -196,6 +197,6 @@ class TritonProgram:
         for st in self.steps:
             if st.kernel is not None:
                 out[st.kernel.name] = st.kernel.source
-            for name, text in (st.sources or {}).items():
-                out["nova_matmul_" + name[:16]] = text
+            for key, text in (st.sources or {}).items():
+                out["nova_matmul_" + Path(key).stem[:16]] = text
         return out

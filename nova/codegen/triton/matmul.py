@@ -50,11 +50,9 @@ import dataclasses
 import functools
 import textwrap
 from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 
-from nova.codegen.triton.source import interpreting, kernel_source, load_kernel, source_hash
+from nova.codegen.triton.source import interpreting, kernel_source, load_kernel
 from nova.log import get_logger, once
 from nova.schedule.config import LoweringConfig
 
@@ -380,11 +378,16 @@ def {name}(
 """
 
 
+@functools.lru_cache(maxsize=None)
+def _stage_kernel(interpreted: bool):  # the flag keys the cache: @triton.jit builds another object
+    return load_kernel(stage_source(), "stage_kernel")[0]
+
+
 def stage_tf32(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """``dst[...] = round_to_tf32(src)`` for 3-D fp32 tensors of one shape (any strides)."""
     if src.shape != dst.shape or src.dim() != 3 or src.dtype != torch.float32 or dst.dtype != torch.float32:
         raise ValueError(f"stage_tf32: needs two 3-D float32 tensors of one shape, got {src.shape} and {dst.shape}")
-    kern, _ = load_kernel(stage_source(), "stage_kernel")
+    kern = _stage_kernel(interpreting())
     B, R, C = src.shape
     tiles_c = cdiv(C, STAGE_BLOCK)
     grid = (cdiv(R, STAGE_BLOCK) * tiles_c, B)
@@ -640,7 +643,8 @@ def matmul(
     used as they are.
     ``out_dtype`` defaults to the input dtype. ``cfg`` defaults to the Analytic
     Configurator's choice. ``num_programs`` caps a persistent grid (default: #SMs).
-    ``record`` (a dict) receives {file stem: source text} of every kernel launched.
+    ``record`` (a dict) receives {generated file path, or "tf32_stage": source text}
+    of every kernel launched.
     """
     return _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup=False, record=record)
 
@@ -714,9 +718,8 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
                 f"operands and precision 'tf32-rn', got {in_name} and {precision!r}"
             )
         a3, b3, staged = _stage_operands(a3, b3, "stage_a" in tokens, "stage_b" in tokens, launch=not warmup)
-        if record is not None:
-            text = stage_source()
-            record["tf32_stage_" + source_hash(text)[:12]] = text
+        if record is not None and "tf32_stage" not in record:
+            record["tf32_stage"] = kernel_source(_stage_kernel(interpreting()))
     k_split, splits = split_k_plan(K, cfg)
     split = splits > 1
     if not split and cfg.split_k > 1:  # K too short to split: the one-pass kernel
@@ -732,8 +735,8 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
         cfg, bias is not None, precision, out_name, in_name, batched, index_64, interpreting(), tma and tma[0], staged
     )
 
-    if record is not None:
-        record[Path(kern.path).stem] = kernel_source(kern.main)
+    if record is not None and kern.path not in record:  # once per kernel: this runs every step
+        record[kern.path] = kernel_source(kern.main)
     even = M % cfg.block_m == 0 and N % cfg.block_n == 0 and K % k_split == 0
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     total = tiles * splits * batch
