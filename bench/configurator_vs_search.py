@@ -79,7 +79,9 @@ def configure(row) -> LoweringConfig:
     from nova.schedule.configurator import configure_matmul
 
     dtype = "float32" if row["precision"].startswith("tf32") else "bfloat16"
-    prec = "tf32-rn" if row["precision"].startswith("tf32") else "bf16"  # nova's tf32 rounds (bench: NOVA_PRECISION)
+    from bench.matmul import NOVA_PRECISION
+
+    prec = NOVA_PRECISION["tf32" if row["precision"].startswith("tf32") else "bf16"]
     return configure_matmul(row["M"], row["N"], row["K"], 1, dtype, dtype, dtype, prec, device="H200")
 
 

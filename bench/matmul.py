@@ -56,6 +56,7 @@ if str(REPO) not in sys.path:  # `python bench/matmul.py` from a checkout withou
 
 from nova.cli.errors import UsageError  # noqa: E402
 from nova.schedule.config import LoweringConfig  # noqa: E402
+from nova.schedule.configurator import STEP_MATMUL_PRECISION  # noqa: E402
 
 GRID = (128, 512, 2048, 8192)
 QUICK_SHAPES = [  # one of each regime: small, square, skinny M/N, short K, long K
@@ -64,7 +65,8 @@ QUICK_SHAPES = [  # one of each regime: small, square, skinny M/N, short K, long
 ]
 DRY_SHAPES = [(33, 17, 45), (32, 48, 64)]
 PRECISIONS = ("tf32", "bf16")
-NOVA_PRECISION = {"tf32": "tf32-rn", "bf16": "bf16"}  # the matmul template's spelling
+# the matmul template's spelling: nova's tf32 is a tf32 step's; bf16 means bf16 operands
+NOVA_PRECISION = {"tf32": STEP_MATMUL_PRECISION["tf32"], "bf16": "bf16"}
 CUBLAS_REFERENCE_TFLOPS = {"tf32": 65.5, "bf16": 112.8}  # geomean over the 64 shapes, measured on this H200
 MAX_INPUT_SETS = 32
 SMEM_BUDGET = 200 * 1024  # operand ring buffers; H200 allows 227 KiB per block, the rest is epilogue headroom

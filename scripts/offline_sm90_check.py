@@ -18,6 +18,7 @@ from nova.ir import dialect as nv
 from nova.ir.types import shape_of, elem_of, to_torch_dtype
 from nova.schedule.devices import DEVICES
 from nova.schedule.config import LoweringConfig
+from nova.schedule.configurator import STEP_MATMUL_PRECISION
 from nova.backends.triton import config_of
 from nova.codegen.triton.matmul import matmul_source, stage_source, _TORCH_TO_NAME
 from nova.codegen.triton.source import load_kernel
@@ -42,7 +43,7 @@ for name, m, (B, T), V in models():
             if isinstance(op, nv.MatmulOp):
                 cfg = config_of(op)
                 dt = _TORCH_TO_NAME[to_torch_dtype(elem_of(op.operands[0].type))]
-                p = "tf32-rn" if prec == "tf32" and dt == "float32" else ("ieee" if dt == "float32" else "bf16")
+                p = STEP_MATMUL_PRECISION[prec] if dt == "float32" else "bf16"
                 key = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, min(cfg.split_k, 2), cfg.num_warps, cfg.num_stages, dt, p)
                 seen.setdefault(key, (name, prec, shape_of(op.operands[0].type), shape_of(op.operands[1].type), cfg))
 print(len(seen), "distinct matmul kernels")

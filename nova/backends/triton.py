@@ -29,6 +29,7 @@ from nova.ir import dialect as nv
 from nova.ir.types import elem_of, shape_of, to_torch_dtype
 from nova.log import get_logger, once
 from nova.schedule.config import LoweringConfig
+from nova.schedule.configurator import STEP_MATMUL_PRECISION
 
 _LOG = get_logger(__name__)
 
@@ -83,8 +84,8 @@ def _matmul_run(op: Operation, precision: str, with_bias: bool, copy: Callable[[
     out_shape = shape_of(op.results[0].type)
     out_dtype = to_torch_dtype(elem_of(op.results[0].type))
     batch = out_shape[:-2]
-    # f32 operands: exact fp32 unless the step runs in tf32; 16-bit operands are used as they are
-    prec = "tf32-rn" if precision == "tf32" else "ieee"
+    # f32 operands follow the step's policy; 16-bit operands are used as they are
+    prec = STEP_MATMUL_PRECISION[precision]
 
     def flat3(t: torch.Tensor) -> torch.Tensor:
         if t.dim() == 2:

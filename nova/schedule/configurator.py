@@ -80,6 +80,10 @@ SYSTEM_SMEM_PER_BLOCK = 1 * KiB
 BARRIER_SMEM = 128
 
 PRECISIONS = ("ieee", "tf32", "tf32-rn", "tf32x3", "bf16")
+# How a step's precision policy (nova.compile's "fp32" | "tf32" | "bf16") runs a matmul
+# of fp32 operands: tf32 rounds to nearest, as cuBLAS does ("tf32-rn"); under bf16 the
+# precision stage has already cast the operands, so fp32 ones stay exact
+STEP_MATMUL_PRECISION = {"fp32": "ieee", "tf32": "tf32-rn", "bf16": "ieee"}
 _ELT = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 _ALIASES = {
     "f64": "float64", "fp64": "float64", "double": "float64",

@@ -33,7 +33,6 @@ ROWWISE = {
     nv.LayerNormBackwardOp: "layernorm", nv.CrossEntropyOp: "cross_entropy",
     nv.CrossEntropyBackwardOp: "cross_entropy", nv.ReduceSumOp: "sum", nv.ReduceMaxOp: "max",
 }  # fmt: skip
-PRECISION_PATH = {"fp32": "ieee", "tf32": "tf32-rn", "bf16": "ieee"}  # tf32: rounded to nearest, as cuBLAS
 
 
 def _swaps_last_two(v) -> bool:
@@ -53,7 +52,7 @@ def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringC
         a, b = shape_of(op.operands[0].type), shape_of(op.operands[1].type)
         out = shape_of(op.results[0].type)
         in_dt = to_torch_dtype(elem_of(op.operands[0].type))
-        path = "bf16" if in_dt.itemsize == 2 else PRECISION_PATH[precision]
+        path = "bf16" if in_dt.itemsize == 2 else cf.STEP_MATMUL_PRECISION[precision]
         return cf.configure_matmul(
             a[-2], b[-1], a[-1], numel(out[:-2]), in_dt, in_dt, dt, path,
             "col" if _swaps_last_two(op.operands[0]) else "row",

@@ -367,7 +367,7 @@ def test_docs_examples_are_current():
         device, precision, shape = (c.strip() for c in row.strip("|").split("|")[:3])
         M, N, K = map(int, shape.split("x"))
         dtype = "float32" if precision == "tf32" else "bfloat16"
-        p = plan(M, N, K, "tf32-rn" if precision == "tf32" else precision, dtype, device)  # nova's tf32 rounds
+        p = plan(M, N, K, cf.STEP_MATMUL_PRECISION["tf32"] if precision == "tf32" else precision, dtype, device)
         c = p.config
         cells = [device, precision, shape, f"{p.ai_flop_per_byte:.0f} / {p.ridge:.0f}",
                  f"{c.block_m}x{c.block_n}x{c.block_k}", c.num_warps, c.num_stages, c.group_m, c.split_k,
@@ -385,7 +385,7 @@ def test_committed_benchmark_measured_this_configurator():
     assert len(doc["shapes"]) == 128
     for row in doc["shapes"]:
         dtype = "float32" if row["precision"] == "tf32" else "bfloat16"
-        precision = "tf32-rn" if row["precision"] == "tf32" else "bf16"  # nova's tf32 rounds
+        precision = cf.STEP_MATMUL_PRECISION["tf32"] if row["precision"] == "tf32" else "bf16"  # nova's tf32
         chosen = configure_matmul(row["M"], row["N"], row["K"], 1, dtype, dtype, dtype, precision, device="H200")
         assert chosen == LoweringConfig.from_dict(row["nova"]["config"]), (row["precision"], row["M"], row["N"], row["K"])
         assert row["search"]["timed"] >= 100  # the floor for the searched best
