@@ -33,7 +33,7 @@ from nova.codegen.triton.elementwise import (
 )  # fmt: skip
 from nova.codegen.triton.lowering import Kernel, lowers
 from nova.ir import dialect as nv
-from nova.ir.types import elem_of, shape_of, to_torch_dtype
+from nova.ir.types import elem_of, numel, shape_of, to_torch_dtype
 from nova.schedule.config import LoweringConfig
 
 TILE = 2048  # elements per program: 16 per thread at 4 warps
@@ -132,9 +132,7 @@ def lower_embedding(op, cfg: LoweringConfig | None = None) -> Kernel:
     ids_shape = shape_of(op.operands[1].type)
     out_shape = shape_of(op.results[0].type)
     tag(w_dtype)  # a supported dtype
-    n = 1
-    for s in ids_shape:
-        n *= s
+    n = numel(ids_shape)
     bn, bd, warps = tiles(n, D, cfg)
     name = f"nova_embedding_{V}x{D}_{shape_name(ids_shape)}_{tag(w_dtype)}"
     fname = sanitize(name)
@@ -171,9 +169,7 @@ def lower_embedding_backward(op, cfg: LoweringConfig | None = None) -> Kernel:
     if t not in ("f32", "f64", "bf16", "f16"):
         raise UnsupportedError(f"nova.embedding_backward: grad must be a float tensor, got {g_dtype}")
     acc_dtype = torch.float64 if t == "f64" else torch.float32
-    n = 1
-    for s in ids_shape:
-        n *= s
+    n = numel(ids_shape)
     bn, bd, warps = tiles(n, D, cfg)
     name = f"nova_embedding_backward_{V}x{D}_{shape_name(ids_shape)}_{t}_pad{pad}"
     fname = sanitize(name)
