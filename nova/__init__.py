@@ -6,7 +6,7 @@
 
 from nova.errors import AutodiffError, BatchError, CaptureError, NovaError, UnsupportedError
 
-__all__ = ["compile", "CompiledStep", "NovaError", "UnsupportedError", "AutodiffError", "CaptureError", "BatchError"]
+__all__ = ["compile", "CompiledStep", "verify", "VerifyReport", "NovaError", "UnsupportedError", "AutodiffError", "CaptureError", "BatchError"]
 __version__ = "0.1.0"
 
 
@@ -16,4 +16,12 @@ def __getattr__(name):
         from nova import api
 
         return getattr(api, name)
+    if name in ("verify", "VerifyReport"):
+        # importing the submodule nova.verify binds its name here; rebind it to the function
+        # (the module is callable too, for code that imported nova.verify first)
+        import importlib
+
+        _verify = importlib.import_module("nova.verify")
+        globals()["verify"] = _verify.verify
+        return getattr(_verify, name)
     raise AttributeError(f"module 'nova' has no attribute {name!r}")
