@@ -17,6 +17,8 @@ from typing import BinaryIO, Callable
 import torch
 
 FORMAT = "nova-train-checkpoint/1"
+LAST = "checkpoint.pt"  # the latest saved step of a run: what --resume continues
+BEST = "best.pt"  # the step with the lowest validation loss so far: what to sample from
 
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
@@ -75,3 +77,19 @@ def load(path: str | Path) -> dict:
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{path} is not a nova train checkpoint (expected format {FORMAT!r})")
     return payload
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu"):
+    """The trained GPT of a checkpoint, in eval mode, and the checkpoint itself.
+
+        model, ckpt = load_model("runs/train/best.pt")
+        logits = model.logits(ids)   # ids: int64 (B, T) byte values
+    """
+    from nova.cli.train_config import CONFIG_FIELDS, TrainConfig
+    from nova.models import GPT
+
+    payload = load(path)
+    cfg = TrainConfig(**{k: v for k, v in payload["config"].items() if k in CONFIG_FIELDS})
+    model = GPT(cfg.model_config())
+    model.load_state_dict(payload["model"])
+    return model.to(device).eval(), payload

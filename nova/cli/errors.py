@@ -8,3 +8,8 @@ with their traceback, so nothing is hidden.
 
 class UsageError(Exception):
     pass
+
+
+class RunFailed(Exception):
+    """A run that started but cannot go on for a reason the user can act on
+    (the loss diverged); reported as one line with exit status 1."""

@@ -19,119 +19,33 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
-import sys
+import shlex
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from nova.cli import checkpoint
-from nova.cli.errors import UsageError
+from nova.cli.errors import RunFailed, UsageError
+from nova.cli.interrupt import StopRequest
 from nova.cli.progress import ProgressBar
-from nova.data.dataset import UNIFORM_LOSS, DataError, TextDataset, load_text
-from nova.data.tokenizer import VOCAB_SIZE, decode, encode
-from nova.models import GPT, GPTConfig
+from nova.cli.train_config import (  # noqa: F401  (TrainConfig and friends are importable from here too)
+    CONFIG_FIELDS, FIXED_ON_RESUME, TrainConfig, add_arguments, available_cores, load_data, pick_device,
+    resolve_config,
+)
+from nova.data.dataset import UNIFORM_LOSS, TextDataset
+from nova.data.tokenizer import decode, encode
+from nova.models import GPT
 
 HELP = "train a small byte-level GPT (built-in corpus or --data FILE) and report its loss"
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-
-@dataclass
-class TrainConfig:
-    """Every setting of a run. The defaults are the no-flag run, sized for a 3-minute
-    budget on 2 CPU cores. Measured on 2 idle cores: 57 s with --engine eager,
-    100 s with the nova engine on its reference backend; val loss 5.56 -> 0.30
-    nats/byte, against a unigram entropy of 3.04."""
-
-    data: str | None = None  # None: the built-in corpus
-    steps: int = 600
-    batch_size: int = 32
-    block_size: int = 64
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio
-    warmup_steps: int | None = None  # None: 10% of the steps, at most 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.99  # 0.99 rather than 0.999: short runs need the second moment to adapt fast
-    precision: str = "fp32"
-    backend: str = "auto"
-    engine: str = "nova"
-    device: str = "auto"
-    seed: int = 1337
-    eval_interval: int = 50
-    eval_batches: int = 8
-    ckpt_interval: int = 100
-    stop_at: int | None = None
-    threads: int | None = None  # None: every core this process may run on
-    out: str = "runs/train"
-
-    def warmup(self) -> int:
-        return self.warmup_steps if self.warmup_steps is not None else max(1, min(100, self.steps // 10))
-
-
-# Settings that define the model, data stream or optimizer: a resumed run must keep them.
-FIXED_ON_RESUME = (
-    "data", "batch_size", "block_size", "n_layer", "n_head", "n_embd", "dropout",
-    "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "seed",
-)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    # default=SUPPRESS: only flags the user typed reach the namespace, so a
-    # resumed run can tell "given" from "default" and keep the checkpoint's values.
-    S = argparse.SUPPRESS
-    d = TrainConfig()
-    p.add_argument("--data", metavar="FILE", default=S, help="UTF-8 text file to train on (default: built-in corpus)")
-    p.add_argument("--steps", type=int, default=S, help=f"optimizer steps (default {d.steps})")
-    p.add_argument("--batch-size", type=int, default=S, help=f"sequences per step (default {d.batch_size})")
-    p.add_argument("--block-size", type=int, default=S, help=f"tokens per sequence (default {d.block_size})")
-    p.add_argument("--n-layer", type=int, default=S, help=f"transformer blocks (default {d.n_layer})")
-    p.add_argument("--n-head", type=int, default=S, help=f"attention heads (default {d.n_head})")
-    p.add_argument("--n-embd", type=int, default=S, help=f"model width (default {d.n_embd})")
-    p.add_argument("--dropout", type=float, default=S, help=f"dropout probability (default {d.dropout})")
-    p.add_argument("--lr", type=float, default=S, help=f"peak learning rate (default {d.lr})")
-    p.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default=S, help="default fp32")
-    # No choices= here: nova.compile validates the backend name, so new backends need no CLI change.
-    p.add_argument("--backend", default=S, help="nova backend: auto (default), reference, ...")
-    p.add_argument("--engine", choices=["nova", "eager"], default=S,
-                   help="nova: the compiled step (default); eager: plain PyTorch, for comparison")
-    p.add_argument("--device", default=S, help="cpu, cuda, ... (default: cuda if available, else cpu)")
-    p.add_argument("--seed", type=int, default=S, help=f"seed for init, data order and dropout (default {d.seed})")
-    p.add_argument("--eval-interval", type=int, default=S, help=f"steps between val evaluations (default {d.eval_interval})")
-    p.add_argument("--ckpt-interval", type=int, default=S, help=f"steps between checkpoints (default {d.ckpt_interval})")
-    p.add_argument("--stop-at", type=int, default=S, metavar="STEP",
-                   help="stop after this step as if interrupted (checkpoint written); the LR schedule still spans --steps")
-    p.add_argument("--threads", type=int, default=S,
-                   help="CPU threads for torch (default: available cores; on a busy machine use fewer, "
-                   "as OpenMP threads that spin-wait for a shared core slow every kernel several-fold)")
-    p.add_argument("--out", metavar="DIR", default=S, help=f"output directory (default {d.out})")
-    p.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt")
-
-
-def resolve_config(given: dict, saved: dict | None) -> TrainConfig:
-    """The run's settings: defaults, then the checkpoint's (if resuming), then the flags given."""
-    if saved is None:
-        cfg = TrainConfig(**given)
-    else:
-        # --stop-at belongs to one invocation: a resumed run does not inherit it.
-        cfg = TrainConfig(**{**saved, "stop_at": None})
-        for key in FIXED_ON_RESUME:
-            if key in given and given[key] != saved[key]:
-                raise UsageError(f"--{key.replace('_', '-')} cannot change on resume "
-                                 f"(checkpoint has {saved[key]!r}, got {given[key]!r})")
-        cfg = dataclasses.replace(cfg, **given)
-    if cfg.steps < 1 or cfg.batch_size < 1 or cfg.block_size < 1 or cfg.eval_interval < 1 or cfg.ckpt_interval < 1:
-        raise UsageError("--steps, --batch-size, --block-size, --eval-interval and --ckpt-interval must be >= 1")
-    return cfg
-
+# Evaluations reuse the same windows, so a rise in val loss is the model's doing,
+# not the sample's; the 1% margin keeps the last-steps wobble of a converged run
+# from being reported as overfitting.
+OVERFIT_MARGIN = 0.01
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio at the last step."""
@@ -178,7 +92,10 @@ def make_step(cfg: TrainConfig, model, optimizer, device) -> StepFn:
 
     if not hasattr(nova, "compile"):
         raise RuntimeError("nova.compile is not available in this build of nova; run with --engine eager")
-    return nova.compile(model, optimizer, precision=cfg.precision, backend=cfg.backend)
+    try:
+        return nova.compile(model, optimizer, precision=cfg.precision, backend=cfg.backend)
+    except ValueError as e:  # compile() checks only its arguments: a backend that does not fit the device
+        raise UsageError(f"--backend {cfg.backend} --device {device}: {e}") from None
 
 
 @torch.no_grad()
@@ -197,42 +114,38 @@ def evaluate(model, data: TextDataset, cfg: TrainConfig, device) -> float:
     return total / cfg.eval_batches
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def available_cores() -> int:
-    # sched_getaffinity respects taskset/cpusets; os.cpu_count() does not.
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def run(args: argparse.Namespace) -> int:
-    given = {k: v for k, v in vars(args).items() if k in {f.name for f in dataclasses.fields(TrainConfig)}}
-    train(given, resume=args.resume)
-    return 0
+    given = {k: v for k, v in vars(args).items() if k in CONFIG_FIELDS}
+    metrics = train(given, resume=args.resume, force=args.force)
+    return 130 if metrics["interrupted"] else 0  # 128 + SIGINT, the shell's convention
 
 
-def train(given: dict, resume: bool = False) -> dict:
+def best_val(history: dict) -> tuple[float, int] | None:
+    """(loss, step) of the lowest val loss after step 0: what best.pt holds."""
+    trained = [(loss, step) for step, loss in history["val"] if step > 0]
+    return min(trained) if trained else None
+
+
+def train(given: dict, resume: bool = False, force: bool = False) -> dict:
     """Run (or resume) training; return the metrics that are also written to metrics.json."""
     wall_start = time.monotonic()
     out = Path(given.get("out", TrainConfig.out))
-    ckpt_path = out / "checkpoint.pt"
+    ckpt_path, best_path = out / checkpoint.LAST, out / checkpoint.BEST
     saved = None
     if resume:
         if not ckpt_path.is_file():
             raise UsageError(f"--resume: no checkpoint at {ckpt_path}")
         saved = checkpoint.load(ckpt_path)
+    elif ckpt_path.exists() and not force:
+        raise UsageError(f"{ckpt_path} already exists: continue that run with --resume, "
+                         f"or start over with --force (which replaces it), or pick another --out")
     cfg = resolve_config(given, saved["config"] if saved else None)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file, not a directory")
 
     torch.set_num_threads(cfg.threads or available_cores())
     device = pick_device(cfg.device)
-    try:
-        text = load_text(cfg.data)
-        data = TextDataset.from_text(text, cfg.block_size)
-    except DataError as e:
-        raise UsageError(str(e)) from None
+    text, data = load_data(cfg)
     # Resuming on different text would silently continue a different run.
     data_digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
     if saved is not None:
@@ -242,8 +155,7 @@ def train(given: dict, resume: bool = False) -> dict:
             raise UsageError(f"the checkpoint is at step {saved['step']}, beyond --steps {cfg.steps}")
 
     torch.manual_seed(cfg.seed)
-    model_cfg = GPTConfig(vocab_size=VOCAB_SIZE, block_size=cfg.block_size, n_layer=cfg.n_layer,
-                          n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout)
+    model_cfg = cfg.model_config()
     model = GPT(model_cfg).to(device)
     optimizer = make_optimizer(model, cfg)
     data_gen = torch.Generator().manual_seed(cfg.seed)
@@ -258,10 +170,12 @@ def train(given: dict, resume: bool = False) -> dict:
         print(f"resumed from {ckpt_path} at step {start}")
     # The step binds to the restored parameters and optimizer state.
     step_fn = make_step(cfg, model, optimizer, device)
+    if saved is None:
+        best_path.unlink(missing_ok=True)  # the replaced run's best is not this run's
 
-    def save_checkpoint(step: int) -> None:
-        checkpoint.save(ckpt_path, model=model, optimizer=optimizer, step=step, config=dataclasses.asdict(cfg),
-                        rng=checkpoint.rng_state(data_gen), history=history, meta={"data_sha256": data_digest})
+    def save_checkpoint(path: Path, step: int, rng: dict) -> None:
+        checkpoint.save(path, model=model, optimizer=optimizer, step=step, config=dataclasses.asdict(cfg),
+                        rng=rng, history=history, meta={"data_sha256": data_digest})
 
     print(f"nova train: {model.num_params() / 1e6:.2f}M params, engine {cfg.engine}"
           + (f" (backend {cfg.backend}, {cfg.precision})" if cfg.engine == "nova" else f" ({cfg.precision})")
@@ -272,47 +186,82 @@ def train(given: dict, resume: bool = False) -> dict:
 
     train_time, timed_tokens, first_step_s = 0.0, 0, None
     end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
+    best, warned_rise = best_val(history), False
     bar = ProgressBar(cfg.steps)
-    for step in range(start, end):
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:  # the compiled step reads these every call
-            group["lr"] = lr
-        x, y = data.batch("train", cfg.batch_size, cfg.block_size, data_gen)
-        x, y = x.to(device), y.to(device)
-        t0 = time.monotonic()
-        loss = step_fn(x, y).item()  # .item() also waits for the device, so the timing is honest
-        dt = time.monotonic() - t0
-        if first_step_s is None:
-            first_step_s = dt  # includes compilation for the nova engine: kept out of tokens/s
-        else:
-            train_time += dt
-            timed_tokens += cfg.batch_size * cfg.block_size
-        if not math.isfinite(loss):
-            bar.close()
-            raise RuntimeError(f"loss became {loss} at step {step + 1}")
-        done = step + 1
-        history["train"].append([done, loss])
-        tok_s = timed_tokens / train_time if train_time > 0 else None
-        bar.update(done, loss, tok_s)
-        if done % cfg.eval_interval == 0 or done == cfg.steps:
-            val = evaluate(model, data, cfg, device)
-            history["val"].append([done, val])
-            bar.clear()
-            print(f"step {done:5d}/{cfg.steps}  train {loss:.4f}  val {val:.4f}  lr {lr:.2e}", flush=True)
-        if done % cfg.ckpt_interval == 0 or done == end:
-            save_checkpoint(done)
-    bar.close()
+    # `done` steps are complete and `rng` is every RNG stream as it was right
+    # after the last of them: an interrupt saves exactly that, and a resume
+    # then repeats the interrupted step with the same batch and dropout masks.
+    done, rng = start, checkpoint.rng_state(data_gen)
+    interrupted, last_saved = False, (start if saved is not None else None)  # the step checkpoint.pt holds
+    with StopRequest() as stop:
+        try:
+            for step in range(start, end):
+                lr = lr_at(step, cfg)
+                for group in optimizer.param_groups:  # the compiled step reads these every call
+                    group["lr"] = lr
+                x, y = data.batch("train", cfg.batch_size, cfg.block_size, data_gen)
+                x, y = x.to(device), y.to(device)
+                t0 = time.monotonic()
+                loss = step_fn(x, y).item()  # .item() also waits for the device, so the timing is honest
+                dt = time.monotonic() - t0
+                if first_step_s is None:
+                    first_step_s = dt  # includes compilation for the nova engine: kept out of tokens/s
+                else:
+                    train_time += dt
+                    timed_tokens += cfg.batch_size * cfg.block_size
+                if not math.isfinite(loss):
+                    bar.close()
+                    kept = f"; {ckpt_path} holds step {last_saved}" if last_saved is not None else ""
+                    raise RunFailed(f"loss became {loss} at step {step + 1}: the run diverged (try a lower --lr){kept}")
+                history["train"].append([step + 1, loss])
+                done, rng = step + 1, checkpoint.rng_state(data_gen)
+                tok_s = timed_tokens / train_time if train_time > 0 else None
+                bar.update(done, loss, tok_s)
+                if done % cfg.eval_interval == 0 or done == cfg.steps:
+                    val = evaluate(model, data, cfg, device)
+                    history["val"].append([done, val])
+                    note = ""
+                    if best is None or val < best[0]:
+                        best = (val, done)
+                        save_checkpoint(best_path, done, rng)
+                    elif val > best[0] * (1 + OVERFIT_MARGIN):
+                        note = f"  (best {best[0]:.4f} at step {best[1]})"
+                    bar.clear()
+                    print(f"step {done:5d}/{cfg.steps}  train {loss:.4f}  val {val:.4f}  lr {lr:.2e}{note}", flush=True)
+                    if note and not warned_rise:
+                        warned_rise = True
+                        print(f"note: val loss is rising above its best ({best[0]:.4f} at step {best[1]}): the model "
+                              f"is starting to memorise the training text (overfitting); {best_path} keeps the "
+                              "best model. More text, fewer --steps or --dropout 0.1 help.", flush=True)
+                if done % cfg.ckpt_interval == 0 or done == end:
+                    save_checkpoint(ckpt_path, done, rng)
+                    last_saved = done
+                if stop.requested:
+                    interrupted = True
+                    break
+        except KeyboardInterrupt:
+            # A step cut short wrote nothing back on the nova engine (its results are
+            # applied only once the whole program has run); `done` is still exact.
+            interrupted = True
+        bar.close()
+        if interrupted and last_saved != done:
+            save_checkpoint(ckpt_path, done, rng)
 
     metrics = {
         "engine": cfg.engine,
         "config": dataclasses.asdict(cfg),
         "model": dataclasses.asdict(model_cfg),
         "num_params": model.num_params(),
-        "steps_done": end,
+        "steps_done": done,
+        "interrupted": interrupted,
         "train_loss": history["train"],
         "val_loss": history["val"],
         "initial_val_loss": history["val"][0][1],
         "final_val_loss": history["val"][-1][1],
+        "best_val_loss": best[0] if best else None,
+        "best_val_step": best[1] if best else None,
+        # the last evaluation is clearly above the best one: best.pt is the model to use
+        "overfitting": bool(best and history["val"][-1][1] > best[0] * (1 + OVERFIT_MARGIN)),
         "uniform_loss": UNIFORM_LOSS,
         "unigram_entropy": data.unigram_entropy(),
         "bits_per_byte": history["val"][-1][1] / math.log(2),
@@ -321,12 +270,14 @@ def train(given: dict, resume: bool = False) -> dict:
         "wall_s": time.monotonic() - wall_start,
         "sample": None,
     }
-    if end < cfg.steps:
-        print(f"stopped at step {end} of {cfg.steps}; checkpoint in {ckpt_path}, continue with --resume")
+    if done < cfg.steps:
+        how = "interrupted" if interrupted else "stopped"
+        print(f"{how} at step {done} of {cfg.steps}; wrote {ckpt_path}, {out / 'metrics.json'}, {out / 'loss.png'}")
+        print(f"continue with: nova train --out {shlex.quote(str(out))} --resume")
     else:
         metrics["sample"] = sample(model, cfg, device)
     write_outputs(out, metrics)
-    if end == cfg.steps:
+    if done == cfg.steps:
         report(metrics, out)
     return metrics
 
@@ -360,6 +311,8 @@ def plot_losses(metrics: dict, f) -> None:
         ax.plot([s for s, _ in tr], [v for _, v in tr], lw=0.8, alpha=0.6, label="train")
     va = metrics["val_loss"]
     ax.plot([s for s, _ in va], [v for _, v in va], "o-", ms=3, label="val")
+    if metrics.get("best_val_step") is not None:
+        ax.plot([metrics["best_val_step"]], [metrics["best_val_loss"]], "*", ms=10, c="C1", label="best val (best.pt)")
     ax.axhline(metrics["uniform_loss"], ls="--", c="gray", lw=0.8, label="uniform (ln 256)")
     ax.axhline(metrics["unigram_entropy"], ls=":", c="gray", lw=0.8, label="unigram entropy")
     ax.set_xlabel("step")
@@ -378,6 +331,13 @@ def report(m: dict, out: Path) -> None:
     print(f"val loss    {m['initial_val_loss']:.4f} -> {m['final_val_loss']:.4f} nats/byte")
     print(f"baselines   uniform ln(256) = {m['uniform_loss']:.4f}, unigram entropy = {m['unigram_entropy']:.4f}")
     print(f"bits/byte   {m['bits_per_byte']:.3f}")
+    if m["best_val_loss"] is not None:
+        print(f"best val    {m['best_val_loss']:.4f} at step {m['best_val_step']}, kept in {out / checkpoint.BEST}")
+    if m["overfitting"]:
+        print(f"overfitting the val loss rose from {m['best_val_loss']:.4f} (step {m['best_val_step']}) to "
+              f"{m['final_val_loss']:.4f}: the model memorised the training text; use {checkpoint.BEST}, or train "
+              "on more text, for fewer --steps or with --dropout 0.1")
     print(f"speed       {rate} (first step {first}, kept out), wall {m['wall_s']:.1f} s")
     print("sample      " + m["sample"].replace("\n", "\n            "))
-    print(f"wrote       {out / 'metrics.json'}, {out / 'loss.png'}, {out / 'checkpoint.pt'}")
+    print(f"wrote       {out / 'metrics.json'}, {out / 'loss.png'}, {out / checkpoint.LAST}, {out / checkpoint.BEST}")
+    print(f"sample with nova sample --out {shlex.quote(str(out))} --prompt TEXT")

@@ -1,0 +1,92 @@
+"""``nova explain``: what Nova makes of a training step, stage by stage.
+
+It builds the GPT and AdamW that ``nova train`` builds (its sizes from the
+flags, or the model of the checkpoint in ``--out``), compiles the step, runs
+it once on a random batch (the batch's shapes select the program), and prints
+``step.explain()``: the IR after every pipeline stage. With ``--out-dir`` each
+stage's IR goes to its own file instead, ``NN-stage.mlir`` in pipeline order.
+Nothing is trained or saved: the step runs on a throwaway copy of the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from nova.cli import checkpoint
+from nova.cli.errors import UsageError
+from nova.cli.train_config import TrainConfig, add_engine_arguments, add_model_arguments, pick_device, validate
+
+HELP = "compile one training step of the train command's GPT and print its IR after every stage"
+
+# How CompiledStep.explain() heads each stage's text.
+STAGE_HEADER = re.compile(r"^// ===== after stage: (\S+) =====$", re.MULTILINE)
+MODEL_FLAGS = ("batch_size", "block_size", "n_layer", "n_head", "n_embd", "dropout")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    add_engine_arguments(p)
+    p.add_argument("--out", metavar="DIR", default=argparse.SUPPRESS,
+                   help="explain the model of the checkpoint in DIR (a nova train --out) instead of the flags' model")
+    p.add_argument("--out-dir", metavar="DIR", default=None, help="write each stage's IR to DIR/NN-STAGE.mlir")
+
+
+def split_stages(text: str) -> list[tuple[str, str]]:
+    """(stage, IR) pairs of an explain() text, in pipeline order."""
+    heads = list(STAGE_HEADER.finditer(text))
+    if not heads:
+        raise RuntimeError("step.explain() returned no '// ===== after stage: NAME =====' headers")
+    return [(h.group(1), text[h.end():nxt.start() if nxt else len(text)].strip("\n") + "\n")
+            for h, nxt in zip(heads, heads[1:] + [None])]
+
+
+def config_from(args: argparse.Namespace) -> TrainConfig:
+    given = {k: v for k, v in vars(args).items() if k in MODEL_FLAGS + ("precision", "backend", "device")}
+    if "out" not in args:
+        cfg = TrainConfig(**given)
+    else:
+        clash = [k for k in MODEL_FLAGS if k in given]
+        if clash:
+            raise UsageError(f"--out takes the model from its checkpoint; drop --{clash[0].replace('_', '-')}")
+        path = Path(args.out) / checkpoint.LAST
+        if not path.is_file():
+            raise UsageError(f"--out: no checkpoint at {path}")
+        saved = checkpoint.load(path)["config"]
+        cfg = TrainConfig(**{**{k: saved[k] for k in MODEL_FLAGS}, **given})
+    validate(cfg)
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    from nova.cli.train import make_optimizer, make_step
+    from nova.models import GPT
+
+    cfg = config_from(args)
+    device = pick_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model_config()).to(device)
+    if "out" in args:
+        model.load_state_dict(checkpoint.load(Path(args.out) / checkpoint.LAST)["model"])
+    step = make_step(cfg, model, make_optimizer(model, cfg), device)
+    ids = torch.randint(0, cfg.model_config().vocab_size, (cfg.batch_size, cfg.block_size + 1))
+    x, y = ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
+    loss = step(x, y).item()
+    text = step.explain()
+    print(f"nova explain: {model.num_params() / 1e6:.2f}M-param GPT, batch {cfg.batch_size}x{cfg.block_size}, "
+          f"{cfg.precision}, backend {step.backend}, device {device}; one step ran, loss {loss:.4f}", file=sys.stderr)
+    if args.out_dir is None:
+        sys.stdout.write(text.rstrip("\n") + "\n")
+        return 0
+    out_dir = Path(args.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"--out-dir {out_dir} is a file, not a directory")
+    for i, (stage, ir) in enumerate(split_stages(text)):
+        path = out_dir / f"{i:02d}-{stage}.mlir"
+        checkpoint.atomic_write(path, lambda f, ir=ir: f.write(ir.encode()))
+        print(f"{path}  {ir.count(chr(10))} lines")
+    return 0
