@@ -203,6 +203,25 @@ def _relu(b, op, cts):
     return [b.where(positive, cts[0], _zero(b, y))]
 
 
+@defvjp(nv.CosOp)
+def _cos(b, op, cts):
+    return [b.neg(b.mul(cts[0], b.one(nv.SinOp, [op.operands[0]])))]
+
+
+@defvjp(nv.SinOp)
+def _sin(b, op, cts):
+    return [b.mul(cts[0], b.one(nv.CosOp, [op.operands[0]]))]
+
+
+@defvjp(nv.AbsOp)
+def _abs(b, op, cts):
+    # torch: g * sign(x), so no gradient at 0
+    x, g = op.operands[0], cts[0]
+    zero = _zero(b, g)
+    pos = b.where(b.one(nv.GtOp, [x, _zero(b, x)]), g, zero)
+    return [b.where(b.one(nv.LtOp, [x, _zero(b, x)]), b.neg(g), pos)]
+
+
 @defvjp(nv.GeluOp)
 def _gelu(b, op, cts):
     props = {"approximate": op.props()["approximate"]}
@@ -282,6 +301,13 @@ def _reduce_max(b, op, cts):
     return [b.where(is_max, b.div(g, count), _zero(b, x))]
 
 
+@defvjp(nv.CumsumOp)
+def _cumsum(b, op, cts):
+    # each input element feeds every later prefix: the adjoint sums from the end
+    p = op.props()
+    return [b.one(nv.CumsumOp, [cts[0]], {"dim": p["dim"], "reverse": not p["reverse"]})]
+
+
 # ----------------------------------------------------------------------------
 # contraction
 
@@ -339,10 +365,10 @@ def _layer_norm(b, op, cts):
 
 @defvjp(nv.EmbeddingOp)
 def _embedding(b, op, cts):
-    # embedding_backward scatter-adds, so repeated ids accumulate. EmbeddingOp
-    # has no padding_idx property, hence -1: every row gets its gradient.
+    # embedding_backward scatter-adds, so repeated ids accumulate; the
+    # padding_idx row (if any) gets none, as in torch
     w, ids = op.operands
-    props = {"num_embeddings": _shape(w)[0], "padding_idx": -1}
+    props = {"num_embeddings": _shape(w)[0], "padding_idx": op.props()["padding_idx"]}
     return [b.one(nv.EmbeddingBackwardOp, [cts[0], ids], props), None]
 
 
@@ -355,23 +381,30 @@ def _cross_entropy(b, op, cts):
 @defvjp(nv.AttentionOp)
 def _attention(b, op, cts):
     g, g_lse = cts
-    q, k, v = op.operands
+    q, k, v, *bias = op.operands
     out, lse = op.results
-    gq = gk = gv = None
+    gq = gk = gv = gbias = None
     if g is not None:
-        bwd = b.create(nv.AttentionBackwardOp, [g, q, k, v, out, lse], op.props())
+        bwd = b.create(nv.AttentionBackwardOp, [g, q, k, v, out, lse, *bias], op.props())
         gq, gk, gv = bwd.results
+        if bias:
+            # d scores / d bias = 1: the bias gets the unscaled dS. Built from
+            # plain ops (the fused backward does not return it); autodiff erases
+            # them again unless the bias depends on a parameter.
+            gbias = _attention_dbias(b, op, g)
     if g_lse is not None:
-        dq, dk = _lse_vjp(b, op, g_lse)
+        dq, dk, ds = _lse_vjp(b, op, g_lse)
         gq, gk = _add_opt(b, gq, dq), _add_opt(b, gk, dk)
-    return [gq, gk, gv]
+        if bias:
+            gbias = _add_opt(b, gbias, b.sum_to(b.cast(ds, elem_of(bias[0].type)), _shape(bias[0])))
+    return [gq, gk, gv, gbias][: len(op.operands)]
 
 
-def _lse_vjp(b: OpBuilder, op: Operation, g_lse: SSAValue) -> tuple[SSAValue, SSAValue]:
-    """Cotangents of q and k from lse's: d lse/d scores = the attention
-    probabilities P, so dS = P * g_lse and dq = scale dS k, dk = scale dS^T q.
-    Computed in lse's (statistics) element type."""
-    q, k, _ = op.operands
+def _attention_probs(b: OpBuilder, op: Operation) -> tuple[SSAValue, SSAValue, SSAValue]:
+    """The attention probabilities P [B, H, Tq, Tk] rebuilt from q, k, the bias
+    and lse, in lse's (statistics) element type, with q and k cast to it; 0 on
+    rows that mask every key."""
+    q, k, _, *bias = op.operands
     lse = op.results[1]
     p = op.props()
     elem = elem_of(lse.type)
@@ -379,15 +412,47 @@ def _lse_vjp(b: OpBuilder, op: Operation, g_lse: SSAValue) -> tuple[SSAValue, SS
     tk = _shape(k)[2]
     qs, ks = b.cast(q, elem), b.cast(k, elem)
     scores = b.scale(b.matmul(qs, b.swap_last(ks)), p["scale"])
-    probs = b.one(nv.ExpOp, [b.sub(scores, b.reshape(lse, [bsz, heads, tq, 1]))])
+    if bias:
+        scores = b.add(scores, b.cast(bias[0], elem))
+    lse4 = b.reshape(lse, [bsz, heads, tq, 1])
+    probs = b.one(nv.ExpOp, [b.sub(scores, lse4)])
+    zero = _zero(b, probs)
     if p["causal"]:  # top-left aligned: query i sees keys j <= i
         rows = b.reshape(_arange(b, tq), [tq, 1])
         cols = b.reshape(_arange(b, tk), [1, tk])
-        probs = b.where(b.one(nv.GeOp, [rows, cols]), probs, _zero(b, probs))
-    ds = b.scale(b.mul(probs, b.reshape(g_lse, [bsz, heads, tq, 1])), p["scale"])
-    dq = b.matmul(ds, ks)
-    dk = b.matmul(b.swap_last(ds), qs)
-    return b.cast(dq, elem_of(q.type)), b.cast(dk, elem_of(k.type))
+        probs = b.where(b.one(nv.GeOp, [rows, cols]), probs, zero)
+    if bias:  # a row with lse = -inf masks every key: P is 0 there, not NaN
+        dead = b.one(nv.EqOp, [lse4, b.scalar(float("-inf"), lse4)])
+        probs = b.where(dead, zero, probs)
+    return probs, qs, ks
+
+
+def _attention_dbias(b: OpBuilder, op: Operation, g: SSAValue) -> SSAValue:
+    """dS = P * (dP - rowsum(dO * O)) with dP = dO V^T, summed to the bias's shape."""
+    _, _, v, bias = op.operands
+    out = op.results[0]
+    probs, _, _ = _attention_probs(b, op)
+    elem = elem_of(probs.type)
+    gs, vs, os = b.cast(g, elem), b.cast(v, elem), b.cast(out, elem)
+    dp = b.matmul(gs, b.swap_last(vs))
+    delta = b.reduce_sum(b.mul(gs, os), [3], keepdim=True)
+    ds = b.mul(probs, b.sub(dp, delta))
+    return b.sum_to(b.cast(ds, elem_of(bias.type)), _shape(bias))
+
+
+def _lse_vjp(b: OpBuilder, op: Operation, g_lse: SSAValue) -> tuple[SSAValue, SSAValue, SSAValue]:
+    """Cotangents of q and k from lse's: d lse/d scores = the attention
+    probabilities P, so dS = P * g_lse and dq = scale dS k, dk = scale dS^T q
+    (dS itself is the bias's). Computed in lse's (statistics) element type."""
+    q, k = op.operands[0], op.operands[1]
+    p = op.props()
+    bsz, heads, tq, _ = _shape(q)
+    probs, qs, ks = _attention_probs(b, op)
+    ds = b.mul(probs, b.reshape(g_lse, [bsz, heads, tq, 1]))
+    dss = b.scale(ds, p["scale"])
+    dq = b.matmul(dss, ks)
+    dk = b.matmul(b.swap_last(dss), qs)
+    return b.cast(dq, elem_of(q.type)), b.cast(dk, elem_of(k.type)), ds
 
 
 def _arange(b: OpBuilder, n: int) -> SSAValue:

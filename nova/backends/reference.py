@@ -51,6 +51,7 @@ _BINARY = {
 _UNARY = {
     nv.NegOp: torch.neg, nv.ExpOp: torch.exp, nv.LogOp: torch.log, nv.SqrtOp: torch.sqrt,
     nv.RsqrtOp: torch.rsqrt, nv.TanhOp: torch.tanh, nv.SigmoidOp: torch.sigmoid, nv.ReluOp: torch.relu,
+    nv.CosOp: torch.cos, nv.SinOp: torch.sin, nv.AbsOp: torch.abs,
 }  # fmt: skip
 
 
@@ -152,6 +153,16 @@ def _max(op, xs):
     return [torch.amax(xs[0], dim=p["dims"], keepdim=p["keepdim"])]
 
 
+@impl(nv.CumsumOp)
+def _cumsum(op, xs):
+    p, x = op.props(), xs[0]
+    if x.dim() == 0:
+        return [x]
+    if p["reverse"]:
+        return [x.flip(p["dim"]).cumsum(p["dim"]).flip(p["dim"])]
+    return [x.cumsum(p["dim"])]
+
+
 @impl(nv.MatmulOp)
 def _matmul(op, xs):
     return [torch.matmul(xs[0], xs[1])]
@@ -237,7 +248,8 @@ def _cross_entropy(op, xs):
     logits, target = xs
     p = op.props()
     _check_ids(target, logits.shape[1], "nova.cross_entropy", p["ignore_index"])
-    loss = F.cross_entropy(_wide(logits), target, ignore_index=p["ignore_index"], reduction=p["reduction"])
+    loss = F.cross_entropy(_wide(logits), target, ignore_index=p["ignore_index"], reduction=p["reduction"],
+                           label_smoothing=p["label_smoothing"])  # fmt: skip
     return [loss.to(logits.dtype)]
 
 
@@ -245,18 +257,25 @@ def _cross_entropy(op, xs):
 def _cross_entropy_bwd(op, xs):
     g, logits, target = xs
     p = op.props()
+    ls = p["label_smoothing"]
     valid = target != p["ignore_index"]
     probs = torch.softmax(_wide(logits), dim=1)
     onehot = torch.zeros_like(probs)
     onehot[valid, target[valid]] = 1.0
-    d = (probs - onehot) * valid.unsqueeze(1)
+    d = (probs - (1.0 - ls) * onehot - ls / logits.shape[1]) * valid.unsqueeze(1)
+    gw = _wide(g)
     if p["reduction"] == "mean":
-        d = d / valid.sum()
-    return [(d * _wide(g)).to(logits.dtype)]
+        # torch's gradient of a mean over no rows is 0 (its loss is NaN)
+        d = d / valid.sum().clamp(min=1)
+    elif p["reduction"] == "none":
+        gw = gw.unsqueeze(1)
+    return [(d * gw).to(logits.dtype)]
 
 
-def _scores(q, k, p):
+def _scores(q, k, p, bias=None):
     s = torch.matmul(_wide(q), _wide(k).transpose(-1, -2)) * p["scale"]
+    if bias is not None:
+        s = s + _wide(bias)
     if p["causal"]:
         tq, tk = s.shape[-2], s.shape[-1]
         # top-left aligned, as torch.nn.functional.scaled_dot_product_attention(is_causal=True)
@@ -265,21 +284,27 @@ def _scores(q, k, p):
     return s
 
 
+def _probs(s, lse):
+    """exp(s - lse), 0 on rows that mask every key (lse = -inf), as torch's SDPA."""
+    dead = torch.isneginf(lse).unsqueeze(-1)
+    return torch.where(dead, torch.zeros((), dtype=s.dtype, device=s.device), torch.exp(s - lse.unsqueeze(-1)))
+
+
 @impl(nv.AttentionOp)
 def _attention(op, xs):
-    q, k, v = xs
+    q, k, v, *bias = xs
     p = op.props()
-    s = _scores(q, k, p)
+    s = _scores(q, k, p, *bias)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _wide(v))
+    out = torch.matmul(_probs(s, lse), _wide(v))
     return [out.to(q.dtype), lse.to(_result_dtype(op, 1))]
 
 
 @impl(nv.AttentionBackwardOp)
 def _attention_bwd(op, xs):
-    g, q, k, v, o, lse = xs
+    g, q, k, v, o, lse, *bias = xs
     p = op.props()
-    P = torch.exp(_scores(q, k, p) - _wide(lse).unsqueeze(-1))
+    P = _probs(_scores(q, k, p, *bias), _wide(lse))
     gf, vf = _wide(g), _wide(v)
     dv = torch.matmul(P.transpose(-1, -2), gf)
     dp = torch.matmul(gf, vf.transpose(-1, -2))

@@ -14,7 +14,7 @@ import operator
 from collections.abc import Callable, Sequence
 
 import torch
-from xdsl.dialects.builtin import f32, i64
+from xdsl.dialects.builtin import i1, i64
 from xdsl.ir import SSAValue
 
 from nova.ir import dialect as nv
@@ -66,6 +66,18 @@ def _dim(d: int, rank: int) -> int:
     return d % rank if rank else 0
 
 
+def default_float():
+    """torch's default dtype as a nova element type (ints meeting a float scalar become it)."""
+    return from_torch_dtype(torch.get_default_dtype())
+
+
+def scalar_like(cx: Ctx, value, like: SSAValue) -> SSAValue:
+    """A 0-d constant of ``like``'s element type holding the Python ``value``."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**53:
+        raise Unsupported(f"integer constant {value} is not exactly representable (nova constants are f64)")
+    return cx.b.full(float(value), (), elem_of(like.type))
+
+
 def _promote(cx: Ctx, a, b) -> tuple[SSAValue, SSAValue]:
     """torch's type promotion for two operands, Python scalars included."""
     if not isinstance(a, SSAValue):
@@ -74,12 +86,16 @@ def _promote(cx: Ctx, a, b) -> tuple[SSAValue, SSAValue]:
     else:
         swapped = False
     if not isinstance(b, SSAValue):
-        # a Python scalar takes the tensor's type unless it is a float and the tensor is integral
+        # a Python scalar takes the tensor's type unless it is of a higher
+        # category: a float meets an integral tensor (default float dtype), an
+        # int meets a bool tensor (int64)
         elem = elem_of(a.type)
         if isinstance(b, float) and not is_float(a.type):
-            elem = f32
-            a = cx.b.cast(a, elem)
-        b = cx.b.full(float(b), (), elem)
+            elem = default_float()
+        elif isinstance(b, int) and not isinstance(b, bool) and elem == i1:
+            elem = i64
+        a = cx.b.cast(a, elem)
+        b = scalar_like(cx, b, a)
     else:
         ta, tb = to_torch_dtype(elem_of(a.type)), to_torch_dtype(elem_of(b.type))
         if ta != tb:
@@ -94,13 +110,19 @@ def _promote(cx: Ctx, a, b) -> tuple[SSAValue, SSAValue]:
     return (b, a) if swapped else (a, b)
 
 
-def _binary(op_cls):
+def _binary(op_cls, true_division: bool = False):
     def convert(cx: Ctx, a, b, alpha=1):
         if not isinstance(a, SSAValue) and not isinstance(b, SSAValue):
             raise Unsupported(f"{op_cls.name} of two Python scalars")
         a, b = _promote(cx, a, b)
+        if not is_float(a.type):
+            if true_division or op_cls is nv.PowOp:
+                # torch: integer / integer is true division in the default float dtype
+                a, b = cx.b.cast(a, default_float()), cx.b.cast(b, default_float())
+            elif elem_of(a.type) == i1:
+                raise Unsupported(f"{op_cls.name} of boolean tensors (use logical ops, or cast to an integer first)")
         if alpha != 1:
-            b = cx.b.scale(b, float(alpha))
+            b = cx.b.mul(b, scalar_like(cx, alpha, b))
         return cx.b.one(op_cls, [a, b])
 
     return convert
@@ -109,7 +131,7 @@ def _binary(op_cls):
 converts(aten.add.Tensor, aten.add.Scalar)(_binary(nv.AddOp))
 converts(aten.sub.Tensor, aten.sub.Scalar)(_binary(nv.SubOp))
 converts(aten.mul.Tensor, aten.mul.Scalar)(_binary(nv.MulOp))
-converts(aten.div.Tensor, aten.div.Scalar)(_binary(nv.DivOp))
+converts(aten.div.Tensor, aten.div.Scalar)(_binary(nv.DivOp, true_division=True))
 converts(aten.maximum.default)(_binary(nv.MaximumOp))
 converts(aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor)(_binary(nv.PowOp))
 converts(operator.add)(_binary(nv.AddOp))
@@ -118,7 +140,7 @@ converts(operator.mul)(_binary(nv.MulOp))
 
 @converts(aten.rsub.Scalar, aten.rsub.Tensor)
 def _rsub(cx, a, b, alpha=1):
-    return _binary(nv.SubOp)(cx, b, cx.b.scale(a, float(alpha)) if alpha != 1 else a)
+    return _binary(nv.SubOp)(cx, b, cx.b.mul(a, scalar_like(cx, alpha, a)) if alpha != 1 else a)
 
 
 def _compare(op_cls):
@@ -139,6 +161,12 @@ converts(aten.ge.Scalar, aten.ge.Tensor)(_compare(nv.GeOp))
 
 def _unary(op_cls):
     def convert(cx: Ctx, x):
+        if not is_float(x.type):
+            if op_cls is nv.NegOp and elem_of(x.type) == i64:
+                return cx.b.sub(cx.b.scalar(0.0, x), x)
+            if op_cls is nv.ReluOp and elem_of(x.type) == i64:
+                return cx.b.one(nv.MaximumOp, [x, cx.b.scalar(0.0, x)])
+            x = cx.b.cast(x, default_float())  # torch: exp, log, sin, ... of integers are floats
         return cx.b.one(op_cls, [x])
 
     return convert
@@ -147,7 +175,8 @@ def _unary(op_cls):
 for _t, _c in [
     (aten.neg.default, nv.NegOp), (aten.exp.default, nv.ExpOp), (aten.log.default, nv.LogOp),
     (aten.sqrt.default, nv.SqrtOp), (aten.rsqrt.default, nv.RsqrtOp), (aten.tanh.default, nv.TanhOp),
-    (aten.sigmoid.default, nv.SigmoidOp), (aten.relu.default, nv.ReluOp),
+    (aten.sigmoid.default, nv.SigmoidOp), (aten.relu.default, nv.ReluOp), (aten.cos.default, nv.CosOp),
+    (aten.sin.default, nv.SinOp),
 ]:  # fmt: skip
     converts(_t)(_unary(_c))
 
@@ -170,7 +199,7 @@ def _silu(cx, x):
 @converts(aten.where.self)
 def _where(cx, cond, a, b):
     a, b = _promote(cx, a, b)
-    return cx.b.where(cond, a, b)
+    return cx.b.where(as_bool(cx, cond), a, b)
 
 
 @converts(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
@@ -178,8 +207,15 @@ def _masked_fill(cx, x, mask, value):
     if isinstance(value, SSAValue):
         value = cx.b.cast(value, elem_of(x.type))
     else:
-        value = cx.b.full(float(value), (), elem_of(x.type))
-    return cx.b.where(mask, value, x)
+        value = scalar_like(cx, value, x)
+    return cx.b.where(as_bool(cx, mask), value, x)
+
+
+def as_bool(cx: Ctx, x: SSAValue) -> SSAValue:
+    """x != 0 as i1 (torch's truth value of a number), x itself if it is i1."""
+    if elem_of(x.type) == i1:
+        return x
+    return cx.b.one(nv.NeOp, [x, cx.b.scalar(0.0, x)])
 
 
 # --- dtype and constants ---------------------------------------------------
@@ -190,23 +226,46 @@ def _to(cx, x, dtype=None, **kw):
     # device arguments are dropped: the whole step runs on the parameters' device
     if dtype is None:
         return x
-    return cx.b.cast(x, from_torch_dtype(dtype))
+    return cast_to(cx, x, dtype)
+
+
+@converts(aten.to.device)
+def _to_device(cx, x, device=None, dtype=None, non_blocking=False, copy=False, **kw):
+    return _to(cx, x, dtype)
+
+
+def cast_to(cx: Ctx, x: SSAValue, dtype: torch.dtype) -> SSAValue:
+    """A cast with torch's semantics: to bool is ``x != 0``, not a truncation."""
+    elem = from_torch_dtype(dtype)
+    if elem == i1:
+        return as_bool(cx, x)
+    return cx.b.cast(x, elem)
 
 
 @converts(aten.type_as.default)
 def _type_as(cx, x, other):
-    return cx.b.cast(x, elem_of(other.type))
+    return cast_to(cx, x, to_torch_dtype(elem_of(other.type)))
 
 
 def _fill(cx, shape, value, dtype):
-    return cx.b.full(float(value), [int(s) for s in shape], from_torch_dtype(dtype or torch.float32))
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**53:
+        raise Unsupported(f"integer fill value {value} is not exactly representable (nova constants are f64)")
+    dtype = dtype or torch.get_default_dtype()
+    return cx.b.full(float(value), [int(s) for s in shape], from_torch_dtype(dtype))
 
 
 @converts(aten.full.default)
 def _full(cx, size, value, dtype=None, **kw):
     if dtype is None:
-        dtype = torch.int64 if isinstance(value, int) and not isinstance(value, bool) else torch.float32
+        dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else None
     return _fill(cx, size, value, dtype)
+
+
+@converts(aten.empty.memory_format)
+def _empty(cx, size, dtype=None, **kw):
+    # value semantics: an empty tensor's contents are never read before the
+    # (functionalized) writes that replace it, so zeros are as good as any
+    return _fill(cx, size, 0, dtype)
 
 
 @converts(aten.zeros.default)
@@ -239,14 +298,32 @@ def _scalar_tensor(cx, value, dtype=None, **kw):
     return _fill(cx, (), value, dtype)
 
 
+def _new_fill(value):
+    def convert(cx, x, size, dtype=None, **kw):
+        return _fill(cx, size, value, dtype or to_torch_dtype(elem_of(x.type)))
+
+    return convert
+
+
+converts(aten.new_ones.default)(_new_fill(1))
+converts(aten.new_zeros.default, aten.new_empty.default)(_new_fill(0))
+
+
+@converts(aten.new_full.default)
+def _new_full(cx, x, size, fill_value, dtype=None, **kw):
+    return _fill(cx, size, fill_value, dtype or to_torch_dtype(elem_of(x.type)))
+
+
 @converts(aten.arange.default, aten.arange.start, aten.arange.start_step)
 def _arange(cx, *args, dtype=None, **kw):
     start, end, step = (0, args[0], 1) if len(args) == 1 else (*args, 1)[:3]
     if not all(isinstance(v, int) for v in (start, end, step)):
         raise Unsupported("arange with non-integer bounds")
+    if step == 0:
+        raise Unsupported("arange with step 0")
     n = max(0, -(-(end - start) // step))
     out = cx.b.one(nv.ArangeOp, [], {"start": start, "step": step}, tensor([n], i64))
-    return cx.b.cast(out, from_torch_dtype(dtype)) if dtype is not None else out
+    return cast_to(cx, out, dtype) if dtype is not None else out
 
 
 @converts(aten.dropout.default, aten.native_dropout.default)
@@ -330,7 +407,7 @@ def _expand(cx, x, size, implicit=False):
 
 
 @converts(aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
-          aten.lift_fresh_copy.default, aten.lift_fresh.default)  # fmt: skip
+          aten.detach_.default, aten.lift_fresh_copy.default, aten.lift_fresh.default)  # fmt: skip
 def _identity(cx, x, **kw):
     # value semantics: layout-only ops are no-ops; detach matters only to torch.autograd
     return x
@@ -400,6 +477,8 @@ def _dims(x, dim) -> list[int]:
 def _sum(cx, x, dim=None, keepdim=False, dtype=None):
     if dtype is not None:
         x = cx.b.cast(x, from_torch_dtype(dtype))
+    elif elem_of(x.type) == i1:
+        x = cx.b.cast(x, i64)  # torch sums booleans as int64
     return cx.b.reduce_sum(x, _dims(x, dim), keepdim)
 
 
@@ -425,6 +504,15 @@ def _var(cx, x, dim=None, unbiased=None, keepdim=False, correction=None):
 @converts(aten.amax.default)
 def _amax(cx, x, dim=(), keepdim=False):
     return cx.b.one(nv.ReduceMaxOp, [x], {"dims": tuple(_dims(x, dim)), "keepdim": keepdim})
+
+
+@converts(aten.amin.default)
+def _amin(cx, x, dim=(), keepdim=False):
+    if elem_of(x.type) != i64 and not is_float(x.type):
+        raise Unsupported(f"amin of {x.type}")
+    neg = cx.b.neg(x) if is_float(x.type) else cx.b.sub(cx.b.scalar(0.0, x), x)
+    m = _amax(cx, neg, dim, keepdim)
+    return cx.b.neg(m) if is_float(x.type) else cx.b.sub(cx.b.scalar(0.0, m), m)
 
 
 # --- contractions ----------------------------------------------------------
@@ -495,38 +583,71 @@ def _layer_norm(cx, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn
 
 @converts(aten.embedding.default)
 def _embedding(cx, weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-    if padding_idx not in (-1, None):
-        raise Unsupported("embedding with padding_idx")
-    if scale_grad_by_freq or sparse:
-        raise Unsupported("embedding with scale_grad_by_freq or sparse gradients")
-    return cx.b.one(nv.EmbeddingOp, [weight, ids])
+    if scale_grad_by_freq:
+        raise Unsupported("embedding with scale_grad_by_freq")
+    # sparse only changes the gradient's layout in torch, not its values
+    n = _shape(weight)[0]
+    pad = -1 if padding_idx is None or padding_idx == -1 else padding_idx % n
+    return cx.b.one(nv.EmbeddingOp, [weight, ids], {"padding_idx": pad})
 
 
 @converts(aten.cross_entropy_loss.default)
 def _cross_entropy(cx, logits, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
     if weight is not None:
         raise Unsupported("cross_entropy with class weights")
-    if label_smoothing:
-        raise Unsupported("cross_entropy with label_smoothing")
-    if reduction not in (1, 2):
-        raise Unsupported("cross_entropy with reduction='none'")
+    if is_float(target.type):
+        raise Unsupported("cross_entropy with class-probability targets (Nova takes int64 class ids)")
     if len(_shape(logits)) != 2 or elem_of(target.type) != i64:
         raise Unsupported("cross_entropy needs logits [N, C] and int64 class targets [N]")
-    red = "mean" if reduction == 1 else "sum"
-    return cx.b.one(nv.CrossEntropyOp, [logits, target], {"ignore_index": int(ignore_index), "reduction": red})
+    red = {0: "none", 1: "mean", 2: "sum"}[int(reduction)]
+    props = {"ignore_index": int(ignore_index), "reduction": red, "label_smoothing": float(label_smoothing)}
+    return cx.b.one(nv.CrossEntropyOp, [logits, target], props)
 
 
 @converts(aten.scaled_dot_product_attention.default)
 def _sdpa(cx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if attn_mask is not None:
-        raise Unsupported("scaled_dot_product_attention with attn_mask (use is_causal=True)")
     if dropout_p:
-        raise Unsupported("scaled_dot_product_attention with dropout_p > 0")
-    if enable_gqa:
-        raise Unsupported("scaled_dot_product_attention with enable_gqa")
-    if len(_shape(q)) != 4:
+        raise Unsupported("scaled_dot_product_attention with dropout_p > 0 (set the attention dropout to 0)")
+    if len(_shape(q)) != 4 or len(_shape(k)) != 4:
         raise Unsupported("scaled_dot_product_attention needs [B, H, T, D] inputs")
+    if attn_mask is not None and is_causal:
+        raise Unsupported("scaled_dot_product_attention with both attn_mask and is_causal (torch rejects it too)")
+    hq, hk = _shape(q)[1], _shape(k)[1]
+    if hq != hk:
+        if not enable_gqa or hq % hk:
+            raise Unsupported(f"scaled_dot_product_attention with {hq} query heads and {hk} key heads"
+                              + ("" if enable_gqa else " without enable_gqa"))  # fmt: skip
+        k, v = _repeat_heads(cx, k, hq // hk), _repeat_heads(cx, v, hq // hk)
     scale = 1.0 / math.sqrt(_shape(q)[-1]) if scale is None else float(scale)
-    op = cx.b.create(nv.AttentionOp, [q, k, v], {"causal": bool(is_causal), "scale": scale})
+    operands = [q, k, v]
+    if attn_mask is not None:
+        operands.append(_attention_bias(cx, attn_mask, q))
+    op = cx.b.create(nv.AttentionOp, operands, {"causal": bool(is_causal), "scale": scale})
     return op.results[0]
 
+
+def _repeat_heads(cx, x, groups: int) -> SSAValue:
+    """[B, Hkv, T, D] -> [B, Hkv * groups, T, D], head h reading kv head h // groups
+    (SDPA's enable_gqa, and what transformers' repeat_kv does)."""
+    b, h, t, d = _shape(x)
+    wide = cx.b.broadcast_to(cx.b.reshape(x, [b, h, 1, t, d]), [b, h, groups, t, d])
+    return cx.b.reshape(wide, [b, h * groups, t, d])
+
+
+def _attention_bias(cx, mask, q) -> SSAValue:
+    """SDPA's attn_mask as an additive rank-4 bias in q's element type: a
+    boolean mask (True = attend) becomes 0 / -inf."""
+    if elem_of(mask.type) == i1:
+        zero = cx.b.full(0.0, (), elem_of(q.type))
+        mask = cx.b.where(mask, zero, cx.b.full(float("-inf"), (), elem_of(q.type)))
+    elif not is_float(mask.type):
+        raise Unsupported(f"scaled_dot_product_attention with an attn_mask of {mask.type} (use bool or float)")
+    else:
+        mask = cx.b.cast(mask, elem_of(q.type))
+    s = _shape(mask)
+    if len(s) > 4:
+        raise Unsupported(f"scaled_dot_product_attention with an attn_mask of rank {len(s)}")
+    return cx.b.reshape(mask, [1] * (4 - len(s)) + list(s))
+
+
+from nova.capture import aten_data  # noqa: E402,F401  (registers the integer, boolean and indexing ops)

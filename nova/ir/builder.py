@@ -29,7 +29,7 @@ class OpBuilder:
         props: dict | None = None,
         result_type: TensorType | None = None,
     ) -> Operation:
-        props = dict(props or {})
+        props = op_cls.complete(dict(props or {}))
         types = op_cls.infer([o.type for o in operands], props, result_type)
         op = op_cls.create(
             operands=list(operands),

@@ -36,6 +36,7 @@ from xdsl.irdl import (
     irdl_attr_definition,
     irdl_op_definition,
     operand_def,
+    opt_operand_def,
     prop_def,
     result_def,
     traits_def,
@@ -101,9 +102,17 @@ class NovaOp(IRDLOperation):
     # ops whose result type is chosen by the creator (reshape, cast, full, ...)
     # receive it as ``hint`` in ``infer``
     FREE_RESULT: ClassVar[bool] = False
+    # values of properties a creator may leave out (added later to an op that
+    # existing IR and callers create without them)
+    PROP_DEFAULTS: ClassVar[dict] = {}
+
+    @classmethod
+    def complete(cls, props: dict) -> dict:
+        """``props`` with the defaults of the properties it leaves out."""
+        return {**cls.PROP_DEFAULTS, **props} if cls.PROP_DEFAULTS else props
 
     def props(self) -> dict:
-        return {k: prop_value(self.properties[k]) for k in self.PROPS}
+        return {k: prop_value(self.properties[k]) if k in self.properties else self.PROP_DEFAULTS[k] for k in self.PROPS}
 
     @classmethod
     def infer(cls, in_types: list[TensorType], props: dict, hint: TensorType | None) -> list[TensorType]:
@@ -148,28 +157,35 @@ class BinaryOp(NovaOp):
     rhs = operand_def(TensorType)
     result = result_def(TensorType)
     traits = traits_def(Pure())
+    # add, sub, mul and maximum are also defined on i64 (position ids, index
+    # arithmetic, counts); i1 takes part only through compares and where
+    INTEGER_OK: ClassVar[bool] = False
 
     @classmethod
     def infer(cls, in_types, props, hint):
         a, b = in_types
         _same_elem(cls.name, a, b)
-        _require_float(cls.name, a)
+        if not (cls.INTEGER_OK and elem_of(a) == i64):
+            _require_float(cls.name, a)
         return [tensor(broadcast_shapes(shape_of(a), shape_of(b)), elem_of(a))]
 
 
 @irdl_op_definition
 class AddOp(BinaryOp):
     name = "nova.add"
+    INTEGER_OK: ClassVar = True
 
 
 @irdl_op_definition
 class SubOp(BinaryOp):
     name = "nova.sub"
+    INTEGER_OK: ClassVar = True
 
 
 @irdl_op_definition
 class MulOp(BinaryOp):
     name = "nova.mul"
+    INTEGER_OK: ClassVar = True
 
 
 @irdl_op_definition
@@ -180,6 +196,7 @@ class DivOp(BinaryOp):
 @irdl_op_definition
 class MaximumOp(BinaryOp):
     name = "nova.maximum"
+    INTEGER_OK: ClassVar = True
 
 
 @irdl_op_definition
@@ -300,6 +317,21 @@ class SigmoidOp(UnaryOp):
 @irdl_op_definition
 class ReluOp(UnaryOp):
     name = "nova.relu"
+
+
+@irdl_op_definition
+class CosOp(UnaryOp):
+    name = "nova.cos"
+
+
+@irdl_op_definition
+class SinOp(UnaryOp):
+    name = "nova.sin"
+
+
+@irdl_op_definition
+class AbsOp(UnaryOp):
+    name = "nova.abs"
 
 
 def _check_approximate(name: str, props: dict) -> None:
@@ -577,6 +609,29 @@ class ReduceMaxOp(ReduceOp):
     name = "nova.reduce_max"
 
 
+@irdl_op_definition
+class CumsumOp(NovaOp):
+    """Inclusive prefix sum along ``dim`` (from the end when ``reverse``: the
+    adjoint of the forward sum); f32/f64/bf16/f16 or i64."""
+
+    name = "nova.cumsum"
+    input = operand_def(TensorType)
+    dim = prop_def(IntProp)
+    reverse = prop_def(BoolProp)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("dim", "reverse")
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        (x,) = in_types
+        if not (is_float(x) or elem_of(x) == i64):
+            raise VerifyException(f"{cls.name}: expects a float or i64 tensor, got {x}")
+        if not 0 <= props["dim"] < max(len(shape_of(x)), 1):
+            raise VerifyException(f"{cls.name}: dim {props['dim']} out of range for {x}")
+        return [x]
+
+
 # ----------------------------------------------------------------------------
 # contraction
 
@@ -721,19 +776,26 @@ class LayerNormBackwardOp(NovaOp):
 
 @irdl_op_definition
 class EmbeddingOp(NovaOp):
-    """``weight[ids]``; ids are i64 of any shape."""
+    """``weight[ids]``: rows of a 2-D table (of any element type: gathers and
+    advanced indexing of integer tensors lower to it too); ids are i64 of any
+    shape. ``padding_idx`` (or -1) is the row that receives no gradient."""
 
     name = "nova.embedding"
     weight = operand_def(TensorType)
     ids = operand_def(TensorType)
+    padding_idx = prop_def(IntProp)
     result = result_def(TensorType)
     traits = traits_def(Pure())
+    PROPS: ClassVar = ("padding_idx",)
+    PROP_DEFAULTS: ClassVar = {"padding_idx": -1}
 
     @classmethod
     def infer(cls, in_types, props, hint):
         w, ids = in_types
         if len(shape_of(w)) != 2 or not is_int(ids) or elem_of(ids) == i1:
             raise VerifyException(f"{cls.name}: needs a 2-D weight and integer ids, got {w}, {ids}")
+        if not -1 <= cls.complete(props)["padding_idx"] < shape_of(w)[0]:
+            raise VerifyException(f"{cls.name}: padding_idx {props['padding_idx']} outside the table")
         return [tensor([*shape_of(ids), shape_of(w)[1]], elem_of(w))]
 
 
@@ -764,35 +826,50 @@ def _check_ce(name: str, logits: TensorType, target: TensorType, props: dict) ->
         raise VerifyException(f"{name}: expects logits [N, C] and target [N], got {logits}, {target}")
     if elem_of(target) != i64:
         raise VerifyException(f"{name}: target must be i64")
-    if props["reduction"] not in ("mean", "sum"):
-        raise VerifyException(f"{name}: reduction must be 'mean' or 'sum'")
+    if props["reduction"] not in ("mean", "sum", "none"):
+        raise VerifyException(f"{name}: reduction must be 'mean', 'sum' or 'none'")
+    if not 0.0 <= props["label_smoothing"] <= 1.0:
+        raise VerifyException(f"{name}: label_smoothing must be in [0, 1], got {props['label_smoothing']}")
+
+
+def _ce_shape(logits: TensorType, props: dict) -> list[int]:
+    return list(shape_of(logits)[:1]) if props["reduction"] == "none" else []
 
 
 @irdl_op_definition
 class CrossEntropyOp(NovaOp):
-    """Softmax cross-entropy of logits [N, C] against class ids [N]; ids equal
-    to ignore_index count neither in the sum nor in the mean's denominator."""
+    """Softmax cross-entropy of logits [N, C] against class ids [N], as
+    ``torch.nn.functional.cross_entropy``: each row's loss is
+    ``(1 - ls) * -log p[target] + ls * mean_c(-log p[c])`` (ls = label_smoothing);
+    rows whose id equals ignore_index count neither in the sum nor in the mean's
+    denominator (a mean over no rows is NaN, as in torch). ``reduction`` is
+    "mean", "sum" (0-d results) or "none" (one loss per row, 0 where ignored)."""
 
     name = "nova.cross_entropy"
     logits = operand_def(TensorType)
     target = operand_def(TensorType)
     ignore_index = prop_def(IntProp)
     reduction = prop_def(StringAttr)
+    label_smoothing = prop_def(FloatProp)
     result = result_def(TensorType)
     traits = traits_def(Pure())
-    PROPS: ClassVar = ("ignore_index", "reduction")
+    PROPS: ClassVar = ("ignore_index", "reduction", "label_smoothing")
+    PROP_DEFAULTS: ClassVar = {"label_smoothing": 0.0}
 
     @classmethod
     def infer(cls, in_types, props, hint):
         logits, target = in_types
+        props = cls.complete(props)
         _require_float(cls.name, logits)
         _check_ce(cls.name, logits, target, props)
-        return [tensor([], elem_of(logits))]
+        return [tensor(_ce_shape(logits, props), elem_of(logits))]
 
 
 @irdl_op_definition
 class CrossEntropyBackwardOp(NovaOp):
-    """dL/dlogits = grad * (softmax(logits) - onehot(target)) / count."""
+    """dL/dlogits = grad * (softmax(logits) - (1 - ls) onehot(target) - ls / C)
+    / count for valid rows, 0 for ignored ones; torch's gradient of a mean over
+    no rows is 0 (not NaN), so the count is at least 1 here."""
 
     name = "nova.cross_entropy_backward"
     grad = operand_def(TensorType)
@@ -800,35 +877,48 @@ class CrossEntropyBackwardOp(NovaOp):
     target = operand_def(TensorType)
     ignore_index = prop_def(IntProp)
     reduction = prop_def(StringAttr)
+    label_smoothing = prop_def(FloatProp)
     result = result_def(TensorType)
     traits = traits_def(Pure())
-    PROPS: ClassVar = ("ignore_index", "reduction")
+    PROPS: ClassVar = ("ignore_index", "reduction", "label_smoothing")
+    PROP_DEFAULTS: ClassVar = {"label_smoothing": 0.0}
 
     @classmethod
     def infer(cls, in_types, props, hint):
         g, logits, target = in_types
+        props = cls.complete(props)
         _check_ce(cls.name, logits, target, props)
-        if shape_of(g) != ():
-            raise VerifyException(f"{cls.name}: grad must be 0-d")
+        if list(shape_of(g)) != _ce_shape(logits, props):
+            raise VerifyException(f"{cls.name}: grad must have the loss's shape {_ce_shape(logits, props)}")
         return [logits]
 
 
-def _check_attention(name: str, q: TensorType, k: TensorType, v: TensorType) -> None:
+def _check_attention(name: str, q: TensorType, k: TensorType, v: TensorType, bias: list[TensorType]) -> None:
     sq, sk, sv = shape_of(q), shape_of(k), shape_of(v)
     _same_elem(name, q, k, v)
     if len(sq) != 4 or sk != sv or sq[:2] != sk[:2] or sq[3] != sk[3]:
         raise VerifyException(f"{name}: expects q [B,H,Tq,D], k and v [B,H,Tk,D]; got {sq}, {sk}, {sv}")
+    for m in bias:
+        scores = (*sq[:3], sk[2])
+        if len(shape_of(m)) != 4 or broadcast_shapes(shape_of(m), scores) != scores:
+            raise VerifyException(f"{name}: bias {shape_of(m)} does not broadcast to the scores {scores}")
+        if not is_float(m):
+            raise VerifyException(f"{name}: bias must be a float tensor (-inf where masked), got {m}")
 
 
 @irdl_op_definition
 class AttentionOp(NovaOp):
-    """softmax(q k^T * scale (+ causal mask)) v; also returns the per-row
-    log-sum-exp [B, H, Tq] (f32 or wider) that attention_backward uses."""
+    """softmax(q k^T * scale (+ bias) (+ causal mask)) v; also returns the
+    per-row log-sum-exp [B, H, Tq] (f32 or wider) that attention_backward uses.
+    The optional ``bias`` is an additive mask of rank 4 that broadcasts to the
+    scores [B, H, Tq, Tk] (boolean masks arrive as 0 / -inf). A row that masks
+    every key gives 0, as torch's SDPA does (its lse is -inf)."""
 
     name = "nova.attention"
     q = operand_def(TensorType)
     k = operand_def(TensorType)
     v = operand_def(TensorType)
+    bias = opt_operand_def(TensorType)
     causal = prop_def(BoolProp)
     scale = prop_def(FloatProp)
     result = result_def(TensorType)
@@ -838,9 +928,9 @@ class AttentionOp(NovaOp):
 
     @classmethod
     def infer(cls, in_types, props, hint):
-        q, k, v = in_types
+        q, k, v, *bias = in_types
         _require_float(cls.name, q)
-        _check_attention(cls.name, q, k, v)
+        _check_attention(cls.name, q, k, v, bias)
         return [q, tensor(shape_of(q)[:3], _stat_elem(q))]
 
 
@@ -858,6 +948,7 @@ class AttentionBackwardOp(NovaOp):
     v = operand_def(TensorType)
     output = operand_def(TensorType)
     lse = operand_def(TensorType)
+    bias = opt_operand_def(TensorType)
     causal = prop_def(BoolProp)
     scale = prop_def(FloatProp)
     grad_q = result_def(TensorType)
@@ -868,8 +959,8 @@ class AttentionBackwardOp(NovaOp):
 
     @classmethod
     def infer(cls, in_types, props, hint):
-        g, q, k, v, o, lse = in_types
-        _check_attention(cls.name, q, k, v)
+        g, q, k, v, o, lse, *bias = in_types
+        _check_attention(cls.name, q, k, v, bias)
         if shape_of(g) != shape_of(q) or shape_of(o) != shape_of(q) or shape_of(lse) != shape_of(q)[:3]:
             raise VerifyException(f"{cls.name}: inconsistent shapes")
         return [q, k, v]
@@ -878,10 +969,10 @@ class AttentionBackwardOp(NovaOp):
 NOVA_OPS: list[type[NovaOp]] = [
     AddOp, SubOp, MulOp, DivOp, MaximumOp, PowOp,
     EqOp, NeOp, LtOp, LeOp, GtOp, GeOp, WhereOp,
-    NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, TanhOp, SigmoidOp, ReluOp,
+    NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, TanhOp, SigmoidOp, ReluOp, CosOp, SinOp, AbsOp,
     GeluOp, GeluBackwardOp, CastOp, FullOp, ArangeOp, DropoutMaskOp,
     ReshapeOp, TransposeOp, BroadcastToOp, SliceOp, PadOp,
-    ReduceSumOp, ReduceMaxOp, MatmulOp,
+    ReduceSumOp, ReduceMaxOp, CumsumOp, MatmulOp,
     SoftmaxOp, LogSoftmaxOp, SoftmaxBackwardOp, LogSoftmaxBackwardOp,
     LayerNormOp, LayerNormBackwardOp, EmbeddingOp, EmbeddingBackwardOp,
     CrossEntropyOp, CrossEntropyBackwardOp, AttentionOp, AttentionBackwardOp,

@@ -84,7 +84,7 @@ def _cotangent(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 BINARY = [nv.AddOp, nv.SubOp, nv.MulOp, nv.DivOp, nv.MaximumOp]
 BROADCASTS = [((3, 4), (3, 4)), ((3, 4), (4,)), ((2, 1, 4), (3, 1)), ((), (3, 4)), ((1, 4), (3, 1))]
-UNARY = [nv.NegOp, nv.ExpOp, nv.TanhOp, nv.SigmoidOp, nv.ReluOp]
+UNARY = [nv.NegOp, nv.ExpOp, nv.TanhOp, nv.SigmoidOp, nv.ReluOp, nv.CosOp, nv.SinOp, nv.AbsOp]
 UNARY_POS = [nv.LogOp, nv.SqrtOp, nv.RsqrtOp]
 
 
@@ -107,6 +107,21 @@ def _sdpa(causal):
         return [F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.5)]
 
     return fn
+
+
+def _sdpa_bias(q, k, v, bias):
+    return [F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.5)]
+
+
+def _masked_bias(shape, dead_row: bool) -> torch.Tensor:
+    """A finite random additive bias with -inf holes; optionally one query row masked entirely."""
+    gen = torch.Generator().manual_seed(11)
+    bias = torch.randn(shape, generator=gen, dtype=torch.float64)
+    bias = bias.masked_fill(torch.rand(shape, generator=gen) < 0.3, float("-inf"))
+    bias[..., :, 0] = 0.0  # every row keeps a key ...
+    if dead_row:
+        bias[..., 1, :] = float("-inf")  # ... except this one
+    return bias
 
 
 def _cases() -> list[Case]:
@@ -173,6 +188,12 @@ def _cases() -> list[Case]:
         Case("layer_norm-stats-only", nv.LayerNormOp, [P(2, 3, 5), P(5), P(5)], {"eps": 1e-3}, results=(1, 2)),
         Case("embedding-repeated", nv.EmbeddingOp, [P(6, 3), In(value=torch.tensor([[1, 2, 1], [5, 1, 0]]))], fd=True),
         Case("embedding-1d", nv.EmbeddingOp, [P(10, 4), P(7, kind="ids", high=10)]),
+        Case("embedding-padding_idx", nv.EmbeddingOp, [P(6, 3), In(value=torch.tensor([[1, 2, 1], [5, 1, 0]]))],
+             {"padding_idx": 1}, torch_fn=lambda w, ids: [F.embedding(ids, w, padding_idx=1)]),
+        Case("abs-at-zero", nv.AbsOp, [In(value=torch.tensor([0.0, -0.0, 1.5, -2.0], dtype=torch.float64))]),
+        Case("cumsum-dim1", nv.CumsumOp, [P(3, 5)], {"dim": 1, "reverse": False}, fd=True),
+        Case("cumsum-dim0-reverse", nv.CumsumOp, [P(4, 2, 3)], {"dim": 0, "reverse": True},
+             torch_fn=lambda x: [x.flip(0).cumsum(0).flip(0)]),
     ]
     ce_target = torch.tensor([0, 3, -100, 4, 4, -100])
     ce_target_valid_ignore = torch.tensor([1, 3, 1, 4, 0, 2])
@@ -185,6 +206,27 @@ def _cases() -> list[Case]:
             Case(f"cross_entropy-ignore-class1-{reduction}", nv.CrossEntropyOp, [P(6, 5), In(value=ce_target_valid_ignore)],
                  {"ignore_index": 1, "reduction": reduction}),
         ]
+    all_ignored = torch.full((6,), -100)
+    for reduction in ("mean", "sum", "none"):
+        ce = {"ignore_index": -100, "reduction": reduction, "label_smoothing": 0.1}
+        ref = lambda x, t, r=reduction: [F.cross_entropy(x, t, reduction=r, label_smoothing=0.1)]  # noqa: E731
+        cases += [
+            Case(f"cross_entropy-smoothing-{reduction}", nv.CrossEntropyOp, [P(6, 5), In(value=ce_target)], ce,
+                 torch_fn=ref, fd=reduction == "mean"),
+            # a batch of padding: torch's mean loss is NaN but the gradient is 0
+            Case(f"cross_entropy-all-ignored-{reduction}", nv.CrossEntropyOp, [P(6, 5), In(value=all_ignored)],
+                 {**ce, "label_smoothing": 0.0}),
+        ]
+    for bias_shape, dead in (((1, 1, 4, 4), False), ((2, 1, 1, 4), False), ((2, 2, 4, 4), True)):
+        qkv = [P(2, 2, 4, 3), P(2, 2, 4, 3), P(2, 2, 4, 3)]
+        props = {"causal": False, "scale": 0.5}
+        name = "x".join(map(str, bias_shape))
+        cases.append(Case(f"attention-bias-{name}", nv.AttentionOp, [*qkv, In(value=_masked_bias(bias_shape, dead))],
+                          props, results=(0,), torch_fn=_sdpa_bias))
+        if not dead:  # lse of a row without keys is -inf: no gradient to compare
+            cases.append(Case(f"attention-bias-{name}-lse", nv.AttentionOp, [*qkv, In(value=_masked_bias(bias_shape, dead))], props))
+    cases.append(Case("attention-bias-finite-fd", nv.AttentionOp, [P(1, 2, 3, 2), P(1, 2, 4, 2), P(1, 2, 4, 2), P(1, 2, 3, 4)],
+                      {"causal": True, "scale": 0.7}, fd=True))
     for causal in (False, True):
         props = {"causal": causal, "scale": 0.5}
         qkv = [P(2, 2, 4, 3), P(2, 2, 4, 3), P(2, 2, 4, 3)]
@@ -284,7 +326,7 @@ def test_vjp_matches_torch_autograd(case: Case):
     module.verify()
     loss, grads = _ir_grads(fn, values, cts)
     t_loss, t_grads = _torch_grads(case, op, values, used, cts)
-    torch.testing.assert_close(loss, t_loss, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(loss, t_loss, rtol=RTOL, atol=ATOL, equal_nan=True)
     for name, expected in t_grads.items():
         if expected is None:
             assert name not in grads

@@ -1,0 +1,373 @@
+"""The op-mapping table, continued: boolean logic, bounds, prefix sums,
+concatenation and padding, and indexing (gather, advanced indexing,
+index_select), written in terms of the nova ops they decompose into.
+
+These are the core-ATen ops that real model code reaches after PyTorch's own
+decompositions (``capture`` runs those for every op without a converter):
+masks built with ``&``, ``|`` and ``~``, position ids from ``cumsum``, label
+shifting with ``pad``, rotary embeddings with ``cat``, token-type and
+padding-mask gathers. Each converter builds only ops that already have a VJP
+rule, a reference implementation and a Triton lowering, so none of them needs
+backend code of its own:
+
+* logic on i1 is ``where`` (``a & b`` = where(a, b, false)),
+* ``cat`` is a sum of zero-padded parts (exact: x + 0 == x),
+* gathers and advanced indexing compute a linear row index in i64 and read
+  rows with ``embedding`` (whose backward is the scatter-add torch uses), with
+  out-of-range indices sent to -1 so that the embedding's range check raises
+  instead of reading a neighbouring element.
+"""
+
+from __future__ import annotations
+
+from xdsl.dialects.builtin import i1, i64
+from xdsl.ir import SSAValue
+
+from nova.capture.aten import Unsupported, _dim, _promote, _shape, as_bool, aten, cast_to, converts, scalar_like
+from nova.ir import dialect as nv
+from nova.ir.types import elem_of, is_float, numel, tensor
+
+# --- boolean logic -----------------------------------------------------------
+
+
+def _false(cx):
+    return cx.b.full(0.0, (), i1)
+
+
+def _true(cx):
+    return cx.b.full(1.0, (), i1)
+
+
+def _and(cx, a, b):
+    return cx.b.where(a, b, _false(cx))
+
+
+def _or(cx, a, b):
+    return cx.b.where(a, _true(cx), b)
+
+
+def _xor(cx, a, b):
+    return cx.b.one(nv.NeOp, [a, b])
+
+
+def _not(cx, a):
+    return cx.b.one(nv.EqOp, [a, _false(cx)])
+
+
+def _bitwise(fn, what):
+    def convert(cx, a, b):
+        if not isinstance(a, SSAValue) or not isinstance(b, SSAValue):
+            a, b = (x if isinstance(x, SSAValue) else cx.b.full(float(bool(x)), (), i1) for x in (a, b))
+        if elem_of(a.type) != i1 or elem_of(b.type) != i1:
+            raise Unsupported(f"bitwise {what} of {a.type} and {b.type} (only booleans)")
+        return fn(cx, a, b)
+
+    return convert
+
+
+def _logical(fn):
+    def convert(cx, a, b):
+        return fn(cx, as_bool(cx, a), as_bool(cx, b))
+
+    return convert
+
+
+converts(aten.bitwise_and.Tensor, aten.bitwise_and.Scalar, aten.__and__.Tensor)(_bitwise(_and, "and"))
+converts(aten.bitwise_or.Tensor, aten.bitwise_or.Scalar, aten.__or__.Tensor)(_bitwise(_or, "or"))
+converts(aten.bitwise_xor.Tensor, aten.bitwise_xor.Scalar, aten.__xor__.Tensor)(_bitwise(_xor, "xor"))
+converts(aten.logical_and.default)(_logical(_and))
+converts(aten.logical_or.default)(_logical(_or))
+converts(aten.logical_xor.default)(_logical(_xor))
+
+
+@converts(aten.logical_not.default)
+def _logical_not(cx, x):
+    return _not(cx, as_bool(cx, x))
+
+
+@converts(aten.bitwise_not.default)
+def _bitwise_not(cx, x):
+    if elem_of(x.type) != i1:
+        raise Unsupported(f"bitwise not of {x.type} (only booleans)")
+    return _not(cx, x)
+
+
+@converts(aten.any.default, aten.any.dim, aten.any.dims)
+def _any(cx, x, dim=None, keepdim=False):
+    flags = cx.b.cast(as_bool(cx, x), i64)
+    dims = _reduce_dims(x, dim)
+    m = cx.b.one(nv.ReduceMaxOp, [flags], {"dims": tuple(dims), "keepdim": keepdim}) if dims else flags
+    return as_bool(cx, m)
+
+
+@converts(aten.all.default, aten.all.dim, aten.all.dims)
+def _all(cx, x, dim=None, keepdim=False):
+    return _not(cx, _any(cx, _not(cx, as_bool(cx, x)), dim, keepdim))
+
+
+def _reduce_dims(x, dim) -> list[int]:
+    r = len(_shape(x))
+    if dim is None:
+        return list(range(r))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return sorted({_dim(d, r) for d in dims}) if r else []
+
+
+# --- bounds --------------------------------------------------------------------
+
+
+def _neg(cx, x):
+    return cx.b.neg(x) if is_float(x.type) else cx.b.sub(cx.b.scalar(0.0, x), x)
+
+
+@converts(aten.minimum.default)
+def _minimum(cx, a, b):
+    a, b = _promote(cx, a, b)
+    if elem_of(a.type) == i1:
+        return _and(cx, a, b)
+    # -max(-a, -b): NaN-propagating, and ties split the gradient as torch.minimum's do
+    return _neg(cx, cx.b.one(nv.MaximumOp, [_neg(cx, a), _neg(cx, b)]))
+
+
+def _bound(cx, x, bound, below: bool):
+    if bound is None:
+        return x
+    bound = cx.b.cast(bound, elem_of(x.type)) if isinstance(bound, SSAValue) else scalar_like(cx, bound, x)
+    # torch.clamp: the gradient passes where lo <= x <= hi (ties included)
+    out_of_range = cx.b.one(nv.LtOp if below else nv.GtOp, [x, bound])
+    return cx.b.where(out_of_range, bound, x)
+
+
+@converts(aten.clamp.default, aten.clamp.Tensor)
+def _clamp(cx, x, min=None, max=None):
+    if isinstance(min, SSAValue) or isinstance(max, SSAValue) or isinstance(min, float) or isinstance(max, float):
+        if not is_float(x.type):
+            raise Unsupported("clamp of an integer tensor with float or tensor bounds")
+    return _bound(cx, _bound(cx, x, min, below=True), max, below=False)
+
+
+@converts(aten.clamp_min.default, aten.clamp_min.Tensor)
+def _clamp_min(cx, x, min):
+    return _clamp(cx, x, min, None)
+
+
+@converts(aten.clamp_max.default, aten.clamp_max.Tensor)
+def _clamp_max(cx, x, max):
+    return _clamp(cx, x, None, max)
+
+
+@converts(aten.abs.default)
+def _abs(cx, x):
+    if is_float(x.type):
+        return cx.b.one(nv.AbsOp, [x])
+    if elem_of(x.type) == i1:
+        return x
+    return cx.b.where(cx.b.one(nv.LtOp, [x, cx.b.scalar(0.0, x)]), _neg(cx, x), x)
+
+
+# --- prefix sums -----------------------------------------------------------------
+
+
+@converts(aten.cumsum.default)
+def _cumsum(cx, x, dim, dtype=None):
+    if dtype is not None:
+        x = cast_to(cx, x, dtype)
+    elif not is_float(x.type):
+        x = cx.b.cast(x, i64)  # torch: cumsum of bool or int is int64
+    r = len(_shape(x))
+    return cx.b.one(nv.CumsumOp, [x], {"dim": _dim(dim, r), "reverse": False})
+
+
+# --- concatenation and padding -------------------------------------------------------
+
+
+def concat(cx, parts: list[SSAValue], dim: int) -> SSAValue:
+    """torch.cat along ``dim`` (normalized) as a sum of zero-padded parts."""
+    parts = [p for p in parts if _shape(p)[dim] != 0] or parts[:1]
+    if len(parts) == 1:
+        return parts[0]
+    size = sum(_shape(p)[dim] for p in parts)
+    start, acc = 0, None
+    for p in parts:
+        n = _shape(p)[dim]
+        placed = cx.b.one(nv.PadOp, [p], {"dim": dim, "start": start, "step": 1, "size": size})
+        start += n
+        if acc is None:
+            acc = placed
+        elif elem_of(p.type) == i1:
+            acc = _or(cx, acc, placed)
+        else:
+            acc = cx.b.add(acc, placed)
+    return acc
+
+
+@converts(aten.cat.default)
+def _cat(cx, tensors, dim=0):
+    tensors = list(tensors)
+    # torch.cat skips 1-D empty tensors of any shape (legacy behaviour)
+    tensors = [t for t in tensors if _shape(t) != (0,)] or tensors[:1]
+    elem = tensors[0]
+    for t in tensors[1:]:
+        elem, _ = _promote(cx, elem, t)
+    dtype = elem_of(elem.type)
+    tensors = [cx.b.cast(t, dtype) if dtype != i1 else as_bool(cx, t) for t in tensors]
+    return concat(cx, tensors, _dim(dim, len(_shape(tensors[0]))))
+
+
+@converts(aten.constant_pad_nd.default)
+def _constant_pad(cx, x, pad, value=0):
+    if len(pad) % 2 or len(pad) // 2 > len(_shape(x)):
+        raise Unsupported(f"pad {list(pad)} for a tensor of rank {len(_shape(x))}")
+    r = len(_shape(x))
+    for i in range(len(pad) // 2):
+        d = r - 1 - i
+        lo, hi = int(pad[2 * i]), int(pad[2 * i + 1])
+        n = _shape(x)[d]
+        if lo < 0 or hi < 0:  # negative padding crops
+            start, end = max(-lo, 0), n - max(-hi, 0)
+            x = cx.b.one(nv.SliceOp, [x], {"dim": d, "start": start, "end": max(end, start), "step": 1})
+            lo, hi = max(lo, 0), max(hi, 0)
+        parts = []
+        for width in (lo, None, hi):
+            if width is None:
+                parts.append(x)
+            elif width:
+                shape = list(_shape(x))
+                shape[d] = width
+                parts.append(cx.b.full(float(value), shape, elem_of(x.type)))
+        x = concat(cx, parts, d)
+    return x
+
+
+@converts(aten.repeat.default)
+def _repeat(cx, x, repeats):
+    s = list(_shape(x))
+    repeats = [int(r) for r in repeats]
+    if len(repeats) < len(s):
+        raise Unsupported("repeat with fewer repeats than dimensions")
+    s = [1] * (len(repeats) - len(s)) + s
+    inter = [v for n in s for v in (1, n)]
+    wide = [v for r, n in zip(repeats, s) for v in (r, n)]
+    y = cx.b.broadcast_to(cx.b.reshape(x, inter), wide)
+    return cx.b.reshape(y, [r * n for r, n in zip(repeats, s)])
+
+
+# --- indexing --------------------------------------------------------------------
+
+
+def _i64(cx, value: int):
+    return cx.b.full(float(value), (), i64)
+
+
+def _in_range(cx, idx: SSAValue, n: int, wrap: bool) -> SSAValue:
+    """``idx`` with negatives wrapped (advanced indexing) and anything still
+    outside [0, n) sent to -1, which the embedding's range check rejects."""
+    if elem_of(idx.type) != i64:
+        if is_float(idx.type) or elem_of(idx.type) == i1:
+            raise Unsupported(f"indexing with a {idx.type} index (boolean masks select a data-dependent number of elements)")
+        idx = cx.b.cast(idx, i64)
+    if wrap:
+        idx = cx.b.where(cx.b.one(nv.LtOp, [idx, _i64(cx, 0)]), cx.b.add(idx, _i64(cx, n)), idx)
+    ok = _and(cx, cx.b.one(nv.GeOp, [idx, _i64(cx, 0)]), cx.b.one(nv.LtOp, [idx, _i64(cx, n)]))
+    return cx.b.where(ok, idx, _i64(cx, -1))
+
+
+def _rows(cx, table: SSAValue, flat_idx: SSAValue) -> SSAValue:
+    """table [R, C...] read at row indices of any shape -> [*idx, C...]."""
+    s = _shape(table)
+    rest = list(s[1:])
+    two_d = cx.b.reshape(table, [s[0], numel(rest)])
+    out = cx.b.one(nv.EmbeddingOp, [two_d, flat_idx], {"padding_idx": -1})
+    return cx.b.reshape(out, [*_shape(flat_idx), *rest])
+
+
+def _linear_index(cx, idxs: list[SSAValue], dims: list[int]) -> SSAValue:
+    """sum_i idx_i * stride_i over a block of dims sizes ``dims`` (row-major)."""
+    acc = None
+    stride = 1
+    for idx, n in reversed(list(zip(idxs, dims, strict=True))):
+        term = idx if stride == 1 else cx.b.mul(idx, _i64(cx, stride))
+        acc = term if acc is None else cx.b.add(acc, term)
+        stride *= n
+    return acc
+
+
+@converts(aten.index.Tensor)
+def _index(cx, x, indices):
+    s = _shape(x)
+    indices = list(indices)
+    while indices and indices[-1] is None:
+        indices.pop()
+    used = [i for i, t in enumerate(indices) if t is not None]
+    if not used:
+        return x
+    first, last = used[0], used[-1]
+    if used != list(range(first, last + 1)):
+        raise Unsupported("advanced indexing with index tensors on non-adjacent dimensions")
+    if len(indices) > len(s):
+        raise Unsupported(f"{len(indices)} indices for a tensor of rank {len(s)}")
+    block = list(range(first, last + 1))
+    idxs = [_in_range(cx, indices[d], s[d], wrap=True) for d in block]
+    bshape = _broadcast_shape([_shape(i) for i in idxs])
+    idxs = [cx.b.broadcast_to(i, bshape) if _shape(i) != bshape else i for i in idxs]
+    flat = _linear_index(cx, idxs, [s[d] for d in block])
+    for i in idxs:  # one invalid coordinate makes the whole position invalid
+        flat = cx.b.where(cx.b.one(nv.LtOp, [i, _i64(cx, 0)]), _i64(cx, -1), flat)
+    # move the indexed block to the front, read rows, move the kept leading dims back
+    lead = list(range(first))
+    perm = block + lead + list(range(last + 1, len(s)))
+    front = cx.b.transpose(x, perm)
+    fs = _shape(front)
+    table = cx.b.reshape(front, [numel(fs[: len(block)]), *fs[len(block) :]])
+    out = _rows(cx, table, flat)  # [*bshape, *lead dims, *rest]
+    nb = len(bshape)
+    if not lead:
+        return out
+    r = len(_shape(out))
+    back = list(range(nb, nb + len(lead))) + list(range(nb)) + list(range(nb + len(lead), r))
+    return cx.b.transpose(out, back)
+
+
+def _broadcast_shape(shapes):
+    from nova.ir.types import broadcast_shapes
+
+    try:
+        return list(broadcast_shapes(*shapes))
+    except ValueError as e:
+        raise Unsupported(f"index tensors of shapes {shapes} do not broadcast") from e
+
+
+@converts(aten.index_select.default)
+def _index_select(cx, x, dim, index):
+    d = _dim(dim, len(_shape(x)))
+    if len(_shape(index)) > 1:
+        raise Unsupported("index_select with a multi-dimensional index")
+    idx = _in_range(cx, cx.b.reshape(index, [numel(_shape(index))]), _shape(x)[d], wrap=False)
+    return _index(cx, x, [None] * d + [idx])
+
+
+@converts(aten.gather.default)
+def _gather(cx, x, dim, index, sparse_grad=False):
+    s, si = _shape(x), _shape(index)
+    r = len(s)
+    d = _dim(dim, r)
+    if len(si) != r:
+        raise Unsupported(f"gather with an index of rank {len(si)} for a tensor of rank {r}")
+    if any(si[i] > s[i] for i in range(r) if i != d):
+        raise Unsupported(f"gather with an index {si} larger than the input {s} outside dim {d}")
+    idx = _in_range(cx, index, s[d], wrap=False)
+    # out[i..] = x[i.., index[i..], ..]: every other dim is the output position itself
+    coords = []
+    for i in range(r):
+        if i == d:
+            coords.append(idx)
+        else:
+            shape = [1] * r
+            shape[i] = si[i]
+            ar = cx.b.one(nv.ArangeOp, [], {"start": 0, "step": 1}, tensor([si[i]], i64))
+            coords.append(cx.b.broadcast_to(cx.b.reshape(ar, shape), list(si)))
+    flat = _linear_index(cx, coords, list(s))
+    # invalid positions must stay invalid after adding the other coordinates
+    flat = cx.b.where(cx.b.one(nv.LtOp, [idx, _i64(cx, 0)]), _i64(cx, -1), flat)
+    return cx.b.reshape(_rows(cx, cx.b.reshape(x, [numel(s), 1]), flat), list(si))
+
