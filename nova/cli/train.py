@@ -46,6 +46,8 @@ StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # not the sample's; the 1% margin keeps the last-steps wobble of a converged run
 # from being reported as overfitting.
 OVERFIT_MARGIN = 0.01
+# One evaluation above the best can be a wobble (a small val split is noisy); two in a row is a trend.
+RISES_TO_WARN = 2
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio at the last step."""
@@ -186,7 +188,7 @@ def train(given: dict, resume: bool = False, force: bool = False) -> dict:
 
     train_time, timed_tokens, first_step_s = 0.0, 0, None
     end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
-    best, warned_rise = best_val(history), False
+    best, rises, warned_rise = best_val(history), 0, False
     bar = ProgressBar(cfg.steps)
     # `done` steps are complete and `rng` is every RNG stream as it was right
     # after the last of them: an interrupt saves exactly that, and a resume
@@ -222,13 +224,13 @@ def train(given: dict, resume: bool = False, force: bool = False) -> dict:
                     history["val"].append([done, val])
                     note = ""
                     if best is None or val < best[0]:
-                        best = (val, done)
+                        best, rises = (val, done), 0
                         save_checkpoint(best_path, done, rng)
                     elif val > best[0] * (1 + OVERFIT_MARGIN):
-                        note = f"  (best {best[0]:.4f} at step {best[1]})"
+                        note, rises = f"  (best {best[0]:.4f} at step {best[1]})", rises + 1
                     bar.clear()
                     print(f"step {done:5d}/{cfg.steps}  train {loss:.4f}  val {val:.4f}  lr {lr:.2e}{note}", flush=True)
-                    if note and not warned_rise:
+                    if rises >= RISES_TO_WARN and not warned_rise:
                         warned_rise = True
                         print(f"note: val loss is rising above its best ({best[0]:.4f} at step {best[1]}): the model "
                               f"is starting to memorise the training text (overfitting); {best_path} keeps the "
