@@ -12,11 +12,13 @@ optimizer-state tensor are compared. The user's objects are never stepped.
 
 Every difference is one number, the *relative difference*
 
-    rel(nova, eager) = max|nova - eager| / max(max|eager|, TINY)
+    rel(nova, eager) = ||nova - eager|| / max(||eager||, TINY)
 
-the worst element's error scaled by the eager tensor's largest magnitude (for
-the loss, a scalar: |a - b| / max(|b|, TINY)). A NaN or inf on either side that
-is not on both is an infinite difference.
+with Euclidean norms over all elements of the tensor, computed in float64 (for
+the loss, a scalar, that is |a - b| / max(|b|, TINY)). It is the measure of
+tests/numerics and tests/gpu, so their measured bounds carry over. A NaN or inf
+that is not in the same place with the same value on both sides is an infinite
+difference.
 
 Adam-family updates move each element by about lr * sign(g), whatever |g| is,
 so an element whose eager gradient is at rounding-noise level (nonzero, below
@@ -50,42 +52,56 @@ class Tolerance:
     why: str
 
 
-# Why each bound (3 steps from the same weights, max-relative; tests/test_verify.py and
-# tests/numerics/test_step_equivalence.py measure well inside them):
+# Why each bound. Measured figures: 3-5 steps of the MLP LM and the bias-carrying GPT (SDPA and
+# hand-written attention) from the same weights on the CPU, AdamW, three batch sets; SGD is tighter.
 TOLERANCES = {
-    # float64 parameters: Nova's ops and torch's differ only in summation order, ~1e-15;
-    # 1e-9 leaves six orders of magnitude for accumulation over steps and large tensors.
-    "float64": Tolerance(1e-9, 1e-9, 1e-8, "float64: differences are summation-order rounding (~1e-15)"),
-    # float32: measured worst 2.7e-5 (norm-relative) after 50 AdamW steps; a few steps stay ~1e-6.
-    "fp32": Tolerance(1e-4, 1e-4, 1e-3, "fp32: f32 rounding, measured <= 2.7e-5 after 50 steps"),
-    # tf32 (GPU): operands rounded to a 10-bit mantissa; loss and SGD parameters held to 5e-4 as in
-    # tests/gpu; Adam's parameters to 2e-2 because elements whose gradient is under tf32's noise take
-    # their update's sign from it (README, "Measured on the H200").
-    "tf32": Tolerance(5e-4, 2e-2, 2e-1, "tf32: 10-bit operands; Adam sign noise on small gradients"),
-    # bf16 against eager autocast: 8-bit mantissa matmul operands and results; the suite measures
-    # loss <= 2e-5 and weights <= 1e-2 (bias vectors of SDPA models up to 0.25, see README).
-    "bf16": Tolerance(2e-2, 5e-2, 5e-1, "bf16 vs autocast: 8-bit mantissa; loss 2e-2, parameters 5e-2"),
+    # float64 parameters: the two sides differ only in summation order (measured <= 4e-13);
+    # 1e-9 leaves room for longer runs and larger tensors.
+    "float64": Tolerance(1e-9, 1e-9, 1e-8, "float64: summation-order rounding only (measured <= 4e-13)"),
+    # float32: measured <= 2.7e-5 (parameters) and 3e-5 (state); the suite's 50 AdamW steps stay
+    # under 2.7e-5 too. State is held to 10x, as in the suite (exp_avg_sq squares the gradient).
+    "fp32": Tolerance(1e-4, 1e-4, 1e-3, "fp32: f32 rounding (measured <= 3e-5)"),
+    # tf32 (GPU; on the CPU it is fp32): operands rounded to 10 mantissa bits. The loss and SGD's
+    # parameters to 5e-4 as in tests/gpu/gpu_steps.py. Adam's parameters to 2e-2: elements whose
+    # gradient is under tf32's noise take their update's sign from it, so two correct tf32 runs
+    # (even cuBLAS against cuBLAS) differ there by 2 lr (README, "Measured on the H200").
+    "tf32": Tolerance(5e-4, 5e-4, 5e-3, "tf32: 10-bit operands (tests/gpu tolerance)"),
+    "tf32-adam": Tolerance(5e-4, 2e-2, 2e-1, "tf32 + Adam: sign noise of small gradients (README)"),
+    # bf16 against eager autocast: 8-bit mantissas. Loss measured <= 4e-5, held to 2e-2 as in the
+    # suite and tests/gpu. Parameters measured <= 3.4e-2 and state <= 2.7e-2: zero-initialised bias
+    # vectors of the attention models move by +-lr per Adam step, so their small gradients' bf16
+    # error decides their direction (the README's known gap, up to 0.25 without the noise floor).
+    "bf16": Tolerance(2e-2, 1e-1, 1e-1, "bf16 vs autocast: 8-bit mantissas (measured <= 3.4e-2)"),
 }
 
-# |g| below this fraction of its tensor's max|g| is rounding noise (Adam-family only, see docstring).
-# Rounding of a sum of n terms is ~ eps * sqrt(n) * |terms|; these are ~1e3 eps of each precision.
-NOISE_FLOOR = {"float64": 1e-12, "fp32": 1e-4, "tf32": 1e-2, "bf16": 1e-2}
+# |g| below this fraction of its tensor's max|g| (on both sides) is rounding noise, for Adam only.
+# float64: the key slice of c_attn.bias, whose true gradient is 0, measures 3e-18 of max|g| (the
+# smallest real elements 3e-5); 1e-12 excludes exactly that slice. fp32: that slice is 2e-9, but
+# zero-initialised biases still differ by up to 7e-4 with a floor of 1e-6 and 2.7e-5 with 1e-5;
+# 1e-4 (about 1e3 units of roundoff, ~1% of the elements) leaves margin. bf16 (8 mantissa bits):
+# biases differ by up to 0.5 with 1e-4, 0.25 with 1e-3, 3.4e-2 with 3e-3 (~15% of the elements).
+# tf32 (10 bits, unmeasured: the CPU has no tf32) sits between, at 1e-3.
+NOISE_FLOOR = {"float64": 1e-12, "fp32": 1e-4, "tf32": 1e-3, "tf32-adam": 1e-3, "bf16": 3e-3}
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max|a - b| / max(max|b|, TINY), in float64; b is the reference (eager)."""
+    """||a - b|| / max(||b||, TINY) (Euclidean norms over all elements, in float64);
+    b is the reference (eager)."""
     a, b = a.detach().to(torch.float64), b.detach().to(torch.float64).to(a.device)
     if a.shape != b.shape:
         return float("inf")
     if a.numel() == 0:
         return 0.0
     fa, fb = torch.isfinite(a), torch.isfinite(b)
-    if not torch.equal(fa, fb) or not torch.equal(a[~fa], b[~fb]):
+    if not torch.equal(fa, fb):
+        return float("inf")
+    na, nb = a[~fa], b[~fb]
+    if not ((na == nb) | (na.isnan() & nb.isnan())).all():
         return float("inf")  # non-finite values that are not the same on both sides
     a, b = a[fa], b[fb]
     if a.numel() == 0:
         return 0.0
-    return ((a - b).abs().max() / b.abs().max().clamp_min(TINY)).item()
+    return ((a - b).norm() / b.norm().clamp_min(TINY)).item()
 
 
 @dataclass
@@ -157,7 +173,7 @@ class VerifyReport:
         t = self.tolerance
         head = (f"nova.verify: {'OK' if self.ok else 'FAILED'}  precision={self.precision} backend={self.backend} "
                 f"dtype={str(self.dtype).replace('torch.', '')}  tolerance: loss {t.loss:g}, "
-                f"params {t.param:g}, state {t.state:g} (max|a-b| / max|eager|)")  # fmt: skip
+                f"params {t.param:g}, state {t.state:g} (||nova-eager|| / ||eager||)")  # fmt: skip
         rows = [("step", "nova loss", "eager loss", "loss diff", "worst param", "diff", "worst state", "diff", "")]
         for s in self.steps:
             (pn, pd), (sn, sd) = s.worst_param, s.worst_state
@@ -166,8 +182,10 @@ class VerifyReport:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [head] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         if self.excluded:
-            ex = ", ".join(f"{n} ({k})" for n, k in self.excluded.items())
-            lines.append(f"excluded as gradient rounding noise (elements): {ex}")
+            most = sorted(self.excluded.items(), key=lambda kv: -kv[1])
+            ex = ", ".join(f"{n} ({k})" for n, k in most[:3]) + (", ..." if len(most) > 3 else "")
+            lines.append(f"not compared, gradient below rounding noise: {sum(self.excluded.values())} elements "
+                         f"of {len(most)} parameters: {ex}")  # fmt: skip
         fails = self.failures()
         lines += fails[:10] + ([f"... and {len(fails) - 10} more"] if len(fails) > 10 else [])
         return "\n".join(lines)
@@ -236,7 +254,11 @@ def _adam_gradients(opt: torch.optim.Optimizer, before: dict) -> dict:
             if m1 is not None:
                 m0 = before.get(p)
                 m0 = torch.zeros_like(m1, dtype=torch.float64) if m0 is None else m0.to(torch.float64)
-                out[p] = (m1.detach().to(torch.float64) - b1 * m0) / (1 - b1)
+                g = (m1.detach().to(torch.float64) - b1 * m0) / (1 - b1)
+                # m1's own rounding (a few ulps of m0) is not a gradient: a decaying m with g = 0
+                # (an embedding row not in the batch) reads as exactly 0, as it is
+                ulps = 8 * torch.finfo(m1.dtype).eps * m0.abs() / (1 - b1)
+                out[p] = torch.where(g.abs() <= ulps, torch.zeros_like(g), g)
     return out
 
 
@@ -285,7 +307,8 @@ def verify(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_or_ba
             f"drop different elements. Active dropout: {', '.join(drop)}. Call model.eval() (dropout off, "
             "as Nova compiles the eval-mode forward) or set p=0 to verify."
         )
-    key = _key(model, precision)
+    normalizes = isinstance(optimizer, torch.optim.Adam)  # AdamW is an Adam subclass
+    key = _key(model, precision) + ("-adam" if precision == "tf32" and normalizes else "")
     tol, floor = TOLERANCES[key], NOISE_FLOOR[key]
     mine, opt_mine = copy_pair(model, optimizer)
     ref, opt_ref = copy_pair(model, optimizer)
@@ -293,7 +316,6 @@ def verify(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_or_ba
     if user & _storages(mine, opt_mine) or user & _storages(ref, opt_ref) or (
         _storages(mine, opt_mine) & _storages(ref, opt_ref)):  # fmt: skip
         raise AssertionError("nova.verify: the copies share storage with each other or with the user's tensors")
-    normalizes = isinstance(optimizer, torch.optim.Adam)  # AdamW is an Adam subclass
     compiled = nova.compile(mine, opt_mine, precision=precision, backend=backend)
     ref_params = dict(ref.named_parameters())
     noise: dict[str, torch.Tensor] = {}  # name -> bool mask of excluded elements
