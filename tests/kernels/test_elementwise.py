@@ -107,7 +107,8 @@ def test_maximum_and_relu_propagate_nan():
     check(*run(build(nv.ReluOp, [((5,), F32)]), [a]))
 
 
-UNARY = [nv.NegOp, nv.ExpOp, nv.LogOp, nv.SqrtOp, nv.RsqrtOp, nv.TanhOp, nv.SigmoidOp, nv.ReluOp]
+UNARY = [nv.NegOp, nv.ExpOp, nv.LogOp, nv.SqrtOp, nv.RsqrtOp, nv.TanhOp, nv.SigmoidOp, nv.ReluOp, nv.CosOp, nv.SinOp,
+         nv.AbsOp]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=str)
@@ -143,6 +144,62 @@ def test_gelu_and_backward(approximate, dtype):
         torch.testing.assert_close(out_b, truth_b, rtol=1e-6, atol=atol)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64, BF16, F16], ids=str)
+@pytest.mark.parametrize("cls", [nv.CosOp, nv.SinOp], ids=lambda c: c.name)
+def test_cos_sin_wide_range(cls, dtype):
+    """Arguments up to 1e4 (rotary angles: position x frequency), their quadrant
+    boundaries, zeros of the result, and the non-finite inputs (NaN out)."""
+    g = torch.Generator().manual_seed(23)
+    x = torch.cat([
+        (torch.rand(40, generator=g, dtype=F64) - 0.5) * 2e4,
+        torch.arange(-8, 9, dtype=F64) * (torch.pi / 4),
+        torch.tensor([0.0, -0.0, 1e-30, 3.0, 355.0, float("inf"), float("-inf"), float("nan")], dtype=F64),
+    ]).to(dtype)  # fmt: skip
+    op = build(cls, [((x.numel(),), dtype)])
+    # the result's absolute error is ~ulp(1) of the dtype (near a zero of cos or sin
+    # any evaluation of the rounded argument is only that good)
+    atol = {F32: 2e-7, F64: 1e-15, BF16: 2**-8, F16: 2**-11}[dtype]
+    check(*run(op, [x]), atol=atol)
+
+
+def test_abs_exact_and_signed_zero():
+    x = torch.tensor([-0.0, 0.0, -1.5, 2.0, float("-inf"), float("nan"), -1e-40, 3.4e38])
+    out, ref = run(build(nv.AbsOp, [((8,), F32)]), [x])
+    check(out, ref, exact=True)
+    assert not torch.signbit(out).any()
+
+
+# --------------------------------------------------------------------------- integer arithmetic
+
+INTEGER_BINARY = [nv.AddOp, nv.SubOp, nv.MulOp, nv.MaximumOp]
+
+
+@pytest.mark.parametrize("cls", INTEGER_BINARY, ids=lambda c: c.name)
+def test_integer_binary_exact(cls):
+    """i64 in, i64 out, bit-exact: a transposed view against a broadcast row, values
+    past 2**31 and 2**53 (an fp64 path would round them), negatives, and a product
+    that wraps around like torch's."""
+    g = torch.Generator().manual_seed(24)
+    a = torch.randint(-(2**40), 2**40, (5, 4), generator=g).t()  # [4, 5] view
+    a[0, 0], a[1, 1] = 2**53 + 1, -(2**62)
+    b = torch.randint(-(2**33), 2**33, (5,), generator=g)
+    b[2] = 3  # 3 * -(2**62) wraps
+    op = build(cls, [((4, 5), I64), ((5,), I64)])
+    out, ref = run(op, [a, b])
+    assert out.dtype == I64
+    check(out, ref, exact=True)
+
+
+def test_integer_position_ids():
+    """arange-style position math: a 0-d offset plus a [T] index, times a stride."""
+    pos = torch.arange(7)
+    off = torch.tensor(2**35)
+    add = build(nv.AddOp, [((7,), I64), ((), I64)])
+    check(*run(add, [pos, off]), exact=True)
+    mul = build(nv.MulOp, [((3, 1), I64), ((7,), I64)])
+    check(*run(mul, [torch.tensor([[1], [-2], [2**31]]), pos]), exact=True)
+
+
 # --------------------------------------------------------------------------- compares, where
 
 COMPARES = [nv.EqOp, nv.NeOp, nv.LtOp, nv.LeOp, nv.GtOp, nv.GeOp]
@@ -161,12 +218,16 @@ def test_compares(dtype):
         check(out, ref, exact=True)
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16, BOOL], ids=str)
+@pytest.mark.parametrize("dtype", [F32, BF16, BOOL, I64], ids=str)
 def test_where_broadcast(dtype):
     g = torch.Generator().manual_seed(9)
     c = torch.rand((3, 1, 5), generator=g) < 0.5
-    a = rand((4, 5), F32, seed=10).to(dtype) if dtype != BOOL else torch.rand((4, 5), generator=g) < 0.5
-    b = rand((3, 4, 1), F32, seed=11).to(dtype) if dtype != BOOL else torch.rand((3, 4, 1), generator=g) < 0.5
+    if dtype == BOOL:
+        a, b = torch.rand((4, 5), generator=g) < 0.5, torch.rand((3, 4, 1), generator=g) < 0.5
+    elif dtype == I64:  # beyond fp64's integers: a float path would round them
+        a, b = torch.randint(2**53, 2**62, (4, 5), generator=g), -torch.randint(2**53, 2**62, (3, 4, 1), generator=g)
+    else:
+        a, b = rand((4, 5), F32, seed=10).to(dtype), rand((3, 4, 1), F32, seed=11).to(dtype)
     op = build(nv.WhereOp, [((3, 1, 5), BOOL), ((4, 5), dtype), ((3, 4, 1), dtype)])
     check(*run(op, [c, a, b]), exact=True)
 
@@ -301,14 +362,17 @@ def test_every_elementwise_op_is_registered():
 def test_float_only_ops_reject_integers():
     op = build(nv.EqOp, [((3,), I64), ((3,), I64)])  # fine: compares take any type
     lowering_for(op)(op, None)
-    with pytest.raises(ew.UnsupportedError, match="nova.add"):
-        ew.lower_elementwise(_fake_add_on_ints(), None)
+    lowering_for(build(nv.AddOp, [((3,), I64), ((3,), I64)]))  # fine: integer arithmetic
+    for cls in (nv.DivOp, nv.PowOp, nv.CosOp, nv.ExpOp):
+        with pytest.raises(ew.UnsupportedError, match=cls.name):
+            ew.lower_elementwise(_fake_on_ints(cls), None)
 
 
-def _fake_add_on_ints():
-    """An add over i64 (the dialect forbids it; the lowering must refuse it, not miscompute)."""
+def _fake_on_ints(cls):
+    """``cls`` over i64 (the dialect forbids it; the lowering must refuse it, not miscompute)."""
     from xdsl.dialects.builtin import i64
 
-    _, fn = new_step([Slot("batch", "a", tensor((3,), i64)), Slot("batch", "b", tensor((3,), i64))])
-    a, b = fn.body.block.args
-    return nv.AddOp.create(operands=[a, b], result_types=[tensor((3,), i64)])
+    binary = issubclass(cls, nv.BinaryOp)
+    slots = [Slot("batch", n, tensor((3,), i64)) for n in ("ab" if binary else "a")]
+    _, fn = new_step(slots)
+    return cls.create(operands=list(fn.body.block.args), result_types=[tensor((3,), i64)])

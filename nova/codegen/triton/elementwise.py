@@ -27,6 +27,12 @@ Design choices, and why:
   ``sqrt_rn``. libdevice cannot run under the interpreter, so tanh and pow are
   written out (Cephes tanh; pow through exp2/log2 in fp64 with C's special
   cases): the text that is tested on the CPU is the text that runs on the GPU.
+* cos and sin are Triton's core ``tl.cos`` / ``tl.sin`` (no explicit libdevice call
+  in the text): the GPU build links libdevice's ``__nv_cosf`` / ``__nv_cos`` (with
+  the full Payne-Hanek reduction for large arguments), the interpreter uses numpy;
+  both are within an ulp of the true value.
+* add, sub, mul and maximum on i64 are integer arithmetic in int64 (wrapping on
+  overflow, as torch does); compares and where take i64 and bool operands too.
 * maximum propagates NaN explicitly (Triton's default ``maximum`` is maxnum).
 * Bool tensors are stored as bytes: they are passed as ``uint8`` views and
   written as 0/1 bytes, never through ``*i1`` pointers.
@@ -430,6 +436,15 @@ _UNARY: dict[type, Callable[[str], str]] = {
     nv.SigmoidOp: lambda ct: "y = " + _div(const(1.0, ct) if ct == "f64" else "tl.full([], 1.0, tl.float32)",
                                            "1.0 + tl.exp(-x0)", ct),
     nv.ReluOp: lambda ct: "y = tl.where(x0 < 0, 0.0, x0)",
+    # core ops: libdevice's __nv_cos(f)/__nv_sin(f) (full range reduction) on the GPU,
+    # numpy's under the interpreter; both within an ulp of the true value
+    nv.CosOp: lambda ct: "y = tl.cos(x0)",
+    nv.SinOp: lambda ct: "y = tl.sin(x0)",
+    nv.AbsOp: lambda ct: "y = tl.abs(x0)",
+}  # fmt: skip
+# integer arithmetic (position ids, index math): i64 in, i64 out, wrapping like torch
+_INTEGER_BINARY: dict[type, str] = {
+    nv.AddOp: "y = x0 + x1", nv.SubOp: "y = x0 - x1", nv.MulOp: "y = x0 * x1", nv.MaximumOp: "y = tl.maximum(x0, x1)",
 }  # fmt: skip
 
 
@@ -497,6 +512,9 @@ def lower_elementwise(op, cfg: LoweringConfig | None = None) -> Kernel:
         load = "raw" if ins[0][1] == torch.bool else "compute"  # bools compare as 0/1 bytes
         operands = [Operand(s, d, load=load) for s, d in ins]
         body, y_tag = f"y = x0 {_COMPARE[type(op)]} x1", "i1"
+    elif type(op) in _INTEGER_BINARY and tag(ins[0][1]) == "i64":
+        operands = [Operand(s, d) for s, d in ins]
+        body, y_tag = _INTEGER_BINARY[type(op)], "i64"
     else:
         if tag(ins[0][1]) not in _FLOATS:
             raise UnsupportedError(f"{op.name}: needs float operands, got {ins[0][1]}")
