@@ -25,7 +25,7 @@ HELP = "compile one training step of the train command's GPT and print its IR af
 
 # How CompiledStep.explain() heads each stage's text.
 STAGE_HEADER = re.compile(r"^// ===== after stage: (\S+) =====$", re.MULTILINE)
-MODEL_FLAGS = ("batch_size", "block_size", "n_layer", "n_head", "n_embd", "dropout")
+MODEL_FLAGS = ("block_size", "n_layer", "n_head", "n_embd", "dropout")  # fixed by a checkpoint
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,7 +46,7 @@ def split_stages(text: str) -> list[tuple[str, str]]:
 
 
 def config_from(args: argparse.Namespace) -> TrainConfig:
-    given = {k: v for k, v in vars(args).items() if k in MODEL_FLAGS + ("precision", "backend", "device")}
+    given = {k: v for k, v in vars(args).items() if k in MODEL_FLAGS + ("batch_size", "precision", "backend", "device")}
     if "out" not in args:
         cfg = TrainConfig(**given)
     else:
@@ -57,7 +57,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         if not path.is_file():
             raise UsageError(f"--out: no checkpoint at {path}")
         saved = checkpoint.load(path)["config"]
-        cfg = TrainConfig(**{**{k: saved[k] for k in MODEL_FLAGS}, **given})
+        cfg = TrainConfig(**{**{k: saved[k] for k in MODEL_FLAGS + ("batch_size",)}, **given})
     validate(cfg)
     return cfg
 

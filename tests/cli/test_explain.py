@@ -1,0 +1,78 @@
+"""``nova explain``: the train command's GPT compiled, one step run, every stage's IR shown."""
+
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from nova.cli.explain import split_stages
+from nova.cli.main import main
+
+SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "8", "--batch-size", "2", "--device", "cpu"]
+
+
+def test_explain_prints_every_stage(capsys):
+    from nova.pipeline import STAGES
+
+    assert main(["explain", *SMALL]) == 0
+    captured = capsys.readouterr()
+    stages = split_stages(captured.out)
+    assert [name for name, _ in stages] == [name for name, _ in STAGES]
+    capture_ir = dict(stages)["capture"]
+    assert "tensor<96x32xf32>" in capture_ir  # c_attn's weight: 3 * n_embd x n_embd, from the flags
+    assert "backend reference" in captured.err and "one step ran" in captured.err
+
+
+def test_explain_writes_one_file_per_stage(tmp_path, capsys):
+    assert main(["explain", *SMALL, "--out-dir", str(tmp_path / "ir")]) == 0
+    files = sorted(p.name for p in (tmp_path / "ir").iterdir())
+    assert files[:3] == ["00-capture.mlir", "01-autodiff.mlir", "02-optimizer.mlir"]
+    listed = capsys.readouterr().out.splitlines()
+    assert len(listed) == len(files) and all(re.fullmatch(r"\S+\.mlir  \d+ lines", line) for line in listed)
+    optimizer_ir = (tmp_path / "ir" / "02-optimizer.mlir").read_text()
+    assert "train_step" in optimizer_ir and "// =====" not in optimizer_ir
+
+
+def test_explain_the_model_of_a_run(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--engine", "eager", "--n-layer", "1", "--n-head", "2", "--n-embd", "24",
+                 "--block-size", "8", "--batch-size", "2", "--threads", "1", "--steps", "1", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["explain", "--out", str(run), "--device", "cpu", "--batch-size", "3"]) == 0
+    capture_ir = dict(split_stages(capsys.readouterr().out))["capture"]
+    assert "tensor<72x24xf32>" in capture_ir  # the checkpoint's n_embd 24
+    assert "tensor<3x8xi64>" in capture_ir  # the checkpoint's block size 8, the flag's batch size 3
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--out", "/nonexistent/run"], "--out: no checkpoint at /nonexistent/run/checkpoint.pt"),
+    ([*SMALL, "--n-head", "3"], "is not divisible by --n-head 3"),
+    ([*SMALL, "--backend", "bogus"], "--backend must be one of"),
+    ([*SMALL, "--device", "gpu"], "--device 'gpu' is not a torch device name"),
+])
+def test_explain_bad_flags(capsys, flags, message):
+    assert main(["explain", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nova explain: error: ") and message in err and err.count("\n") == 1
+
+
+def test_explain_model_flags_clash_with_a_run(tmp_path, capsys):
+    assert main(["explain", "--out", str(tmp_path), "--n-embd", "64"]) == 2
+    assert "--out takes the model from its checkpoint; drop --n-embd" in capsys.readouterr().err
+
+
+def test_triton_is_a_main_dependency_on_linux():
+    # `nova bench` and the GPU backend import triton: the README's plain install must bring it.
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    triton = [d for d in project["dependencies"] if d.replace(" ", "").startswith("triton")]
+    assert triton == ["triton==3.6.0; platform_system == 'Linux'"]
+    assert project["scripts"]["nova"] == "nova.cli.main:main"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="triton is a dependency on Linux only")
+def test_triton_is_installed_here():
+    import importlib.metadata
+
+    assert importlib.metadata.version("triton") == "3.6.0"
