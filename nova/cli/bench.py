@@ -48,16 +48,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             pass  # no checkout: `run` says so when the benchmark is asked for
 
 
+def without_triton(e: ModuleNotFoundError) -> UsageError:
+    """The error for a benchmark that reached for Triton where it is not installed."""
+    if e.name != "triton":
+        raise e
+    return UsageError("this benchmark needs Triton, which is not installed here: on Linux `pip install -e .` "
+                      "brings it (or pip install 'triton==3.6.0'); Triton has no wheels for other systems")
+
+
 def run(args: argparse.Namespace) -> int:
-    module = load_benchmark(args.benchmark)
-    module.run_args(args, log=lambda s: print(s, flush=True))
+    try:
+        load_benchmark(args.benchmark).run_args(args, log=lambda s: print(s, flush=True))
+    except ModuleNotFoundError as e:
+        raise without_triton(e) from None
     return 0
 
 
 def bench_matmul_main(argv: list[str] | None = None) -> int:
     """``nova bench matmul ARGS`` as a function (for tests and scripts)."""
     try:
-        return load_benchmark("matmul").main(argv)
+        try:
+            return load_benchmark("matmul").main(argv)
+        except ModuleNotFoundError as e:
+            raise without_triton(e) from None
     except UsageError as e:
         print(f"nova bench matmul: error: {e}", file=sys.stderr)
         return 2

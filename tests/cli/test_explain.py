@@ -76,3 +76,11 @@ def test_triton_is_installed_here():
     import importlib.metadata
 
     assert importlib.metadata.version("triton") == "3.6.0"
+
+
+def test_bench_without_triton_is_one_line(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("nova.schedule.configurator")
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now fails as if not installed
+    assert main(["bench", "matmul", "--dry-run", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nova bench: error: this benchmark needs Triton") and err.count("\n") == 1
