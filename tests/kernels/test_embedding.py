@@ -15,7 +15,7 @@ from nova.ir.module import Slot, new_step
 from nova.ir.types import from_torch_dtype, tensor
 from nova.schedule.config import LoweringConfig
 
-F32, F64, BF16, I64 = torch.float32, torch.float64, torch.bfloat16, torch.int64
+F32, F64, BF16, F16, I64, BOOL = torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.bool
 
 
 def build(cls, ins, props=None):
@@ -46,6 +46,53 @@ def test_embedding_gather(dtype):
     assert kernel.needs_contiguous == (1,)
     out = kernel.launch([w, ids])[0]
     torch.testing.assert_close(out, IMPLS[nv.EmbeddingOp](op, [w, ids])[0], rtol=0, atol=0)
+
+
+def table_of(shape, dtype, seed):
+    """A table whose values are distinct and survive no conversion they should not
+    (i64 beyond 2**53, NaN and -0.0 in float tables, both bool values)."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == I64:
+        return torch.randint(-(2**62), 2**62, shape, generator=g)
+    if dtype == BOOL:
+        return torch.rand(shape, generator=g) < 0.5
+    t = nonzero(shape, dtype, seed)
+    t.view(-1)[0], t.view(-1)[1] = float("nan"), -0.0
+    return t
+
+
+@pytest.mark.parametrize("dtype", [F32, F64, BF16, F16, I64, BOOL], ids=str)
+@pytest.mark.parametrize("table", [(11, 1), (11, 3)], ids=["Nx1", "NxC"])
+def test_embedding_any_table_dtype(dtype, table):
+    """Integer and bool tables (gathers and advanced indexing of index tensors are
+    captured as embedding on [N, 1] or [N, C]) move bit for bit; padding_idx does
+    not change the forward."""
+    w = table_of(table, dtype, 11)
+    ids = ids_of((2, 6), table[0], 12)
+    for pad in (-1, 4):
+        op = build(nv.EmbeddingOp, [(table, dtype), ((2, 6), I64)], {"padding_idx": pad})
+        out = lowering_for(op)(op, None).launch([w, ids])[0]
+        ref = IMPLS[nv.EmbeddingOp](op, [w, ids])[0]
+        assert out.dtype == ref.dtype == dtype and out.shape == ref.shape
+        assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))  # bits, NaN and -0.0 included
+
+
+@pytest.mark.parametrize("dtype", [I64, BOOL], ids=str)
+def test_embedding_marker_id_raises_like_the_reference(dtype):
+    """-1 (the out-of-range marker of a captured gather) raises the reference's
+    IndexError, naming the op and the range, and nothing is read out of bounds."""
+    w = table_of((7, 2), dtype, 13)
+    ids = torch.tensor([3, -1, 0])
+    op = build(nv.EmbeddingOp, [((7, 2), dtype), ((3,), I64)])
+    message = r"nova\.embedding: index out of range \[0, 7\) \(min -1"
+    with pytest.raises(IndexError, match=message):
+        IMPLS[nv.EmbeddingOp](op, [w, ids])
+    kernel = lowering_for(op)(op, None)
+    with pytest.raises(IndexError, match=message):
+        kernel.launch([w, ids])
+    outs, flags = kernel.extra["launch_unchecked"]([w, ids])
+    assert torch.equal(outs[0][0], w[3]) and not outs[0][1].any()  # the bad row reads nothing: zeros
+    assert flags.tolist()[0] == -1
 
 
 @pytest.mark.parametrize("dtype,pad", [(F32, -1), (F64, 3), (BF16, 0)], ids=str)

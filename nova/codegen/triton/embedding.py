@@ -16,6 +16,10 @@ is a device sync; ``Kernel.extra["launch_unchecked"]`` returns ``(outputs, flags
 without it, and ``Kernel.extra["check"](flags)`` raises later (e.g. once per
 replayed step).
 
+The gather moves stored values, so the table may be of any element type (f32,
+f64, bf16, f16, i64, bool as 0/1 bytes): integer gathers and advanced indexing
+are captured as embedding on [N, 1] or [N, C] tables.
+
 embedding_backward accumulates with ``tl.atomic_add`` into a zero fp32 table
 (fp64 for f64 grads), then rounds it once to the grad dtype with the elementwise
 cast kernel. Atomics make fp32 sums depend on the order of arrival (not bitwise
@@ -29,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from nova.codegen.triton.elementwise import (
-    INT32_MAX, UnsupportedError, cast_kernel, load, next_pow2, sanitize, shape_name, span, tag,
+    INT32_MAX, UnsupportedError, cast_kernel, load, next_pow2, sanitize, shape_name, span, storage_view, tag,
 )  # fmt: skip
 from nova.codegen.triton.lowering import Kernel, lowers
 from nova.ir import dialect as nv
@@ -127,7 +131,10 @@ def _kernel(name, source, run, what, num_embeddings, cfg, needs_contiguous) -> K
 
 @lowers(nv.EmbeddingOp)
 def lower_embedding(op, cfg: LoweringConfig | None = None) -> Kernel:
-    """``weight[ids]``: weight with any strides; ids contiguous (needs_contiguous=(1,))."""
+    """``weight[ids]``: weight with any strides; ids contiguous (needs_contiguous=(1,)).
+    The table may have any element type (gathers and advanced indexing of integer
+    or bool tensors are captured as embedding): rows are moved as they are stored,
+    bools as their 0/1 bytes. ``padding_idx`` only matters to the backward."""
     (V, D), w_dtype = shape_of(op.operands[0].type), to_torch_dtype(elem_of(op.operands[0].type))
     ids_shape = shape_of(op.operands[1].type)
     out_shape = shape_of(op.results[0].type)
@@ -150,7 +157,8 @@ def lower_embedding(op, cfg: LoweringConfig | None = None) -> Kernel:
             ids = ids.contiguous()
             big = span(w) > INT32_MAX or out.numel() + TILE > INT32_MAX
             grid = (-(-n // bn), -(-D // bd))
-            fn[grid](w, ids, out, flags, w.stride(0), w.stride(1), IDX64=big, num_warps=warps)
+            fn[grid](storage_view(w), ids, storage_view(out), flags, w.stride(0), w.stride(1), IDX64=big,
+                     num_warps=warps)
         return [out], flags
 
     return _kernel(name, src, run, "nova.embedding", V, cfg, (1,))
