@@ -244,6 +244,34 @@ def _ptxas_available() -> bool:
     return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
 
 
+# Compiled in a fresh process: Triton fixes interpreted vs compiled for triton.language's
+# own library (tl.cdiv, ...) when it is first imported, and tests/kernels' conftest sets
+# TRITON_INTERPRET=1 for every process that collects it (load_kernel refuses the mix).
+_COMPILE_FOR = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nova.codegen.triton.source import load_kernel
+src, cc, dtype, num_warps, num_stages = json.loads(sys.stdin.read())
+fn, _ = load_kernel(src, "matmul_kernel")
+ptr = "*fp32" if dtype == "float32" else "*bf16"
+unit = {"stride_ak", "stride_bn", "stride_cn"}
+sig, consts, attrs = {}, {"EVEN": True}, {}
+for i, name in enumerate(fn.arg_names):
+    if name == "EVEN" or name in unit:
+        sig[name] = "constexpr"
+        consts.setdefault(name, 1)
+    else:
+        sig[name] = ptr if name.endswith("_ptr") else "i32"
+        if name.endswith("_ptr") or name in ("M", "N", "K") or name.startswith("stride"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", cc, 32),
+                   options=dict(num_warps=num_warps, num_stages=num_stages))
+print(json.dumps({"shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in k.asm["ptx"]}))
+"""
+
+
 @pytest.mark.skipif(not _ptxas_available(), reason="needs Triton's bundled ptxas")
 @pytest.mark.parametrize(
     "device,cc,shape,precision,dtype",
@@ -253,40 +281,37 @@ def _ptxas_available() -> bool:
         ("RTX3060", 86, (2048, 2048, 2048), "bf16", "bfloat16"),
     ],
 )
-def test_compiler_agrees_with_the_shared_memory_model(device, cc, shape, precision, dtype, monkeypatch):
+def test_compiler_agrees_with_the_shared_memory_model(device, cc, shape, precision, dtype, tmp_path):
     """Compile the configurator's choice offline (no GPU: ptxas for the target) and
     check the compiler's shared memory against the model and the device."""
-    import triton
-
-    # other test folders run kernels through the interpreter; this one compiles
-    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from nova.codegen.triton.matmul import matmul_source
-    from nova.codegen.triton.source import load_kernel
 
     p = plan(*shape, precision, dtype, device)
     c = p.config
-    fn, _ = load_kernel(matmul_source(c, has_bias=False, precision=precision, in_dtype=dtype, out_dtype=dtype),
-                        "matmul_kernel")  # fmt: skip
-    ptr = "*fp32" if dtype == "float32" else "*bf16"
-    unit = {"stride_ak", "stride_bn", "stride_cn"}
-    sig, consts, attrs = {}, {"EVEN": True}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name == "EVEN" or name in unit:
-            sig[name] = "constexpr"
-            consts.setdefault(name, 1)
-        else:
-            sig[name] = ptr if name.endswith("_ptr") else "i32"
-            if name.endswith("_ptr") or name in ("M", "N", "K") or name.startswith("stride"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", cc, 32),
-                       options=dict(num_warps=c.num_warps, num_stages=c.num_stages))  # fmt: skip
-    shared = k.metadata.shared
-    assert shared <= p.smem_bytes
-    assert shared + cf.STATIC_SMEM <= DEVICES[device].smem_per_block
-    assert ("wgmma.mma_async" in k.asm["ptx"]) == c.instruction.startswith("wgmma")
+    src = matmul_source(c, has_bias=False, precision=precision, in_dtype=dtype, out_dtype=dtype)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["NOVA_CACHE_DIR"] = str(tmp_path)
+    run = subprocess.run([sys.executable, "-c", _COMPILE_FOR], input=json.dumps([src, cc, dtype, c.num_warps, c.num_stages]),
+                         capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    k = json.loads(run.stdout.strip().splitlines()[-1])
+    assert k["shared"] <= p.smem_bytes
+    assert k["shared"] + cf.STATIC_SMEM <= DEVICES[device].smem_per_block
+    assert k["wgmma"] == c.instruction.startswith("wgmma")
+
+
+def test_load_kernel_refuses_a_kernel_of_the_other_mode_than_triton_language(monkeypatch):
+    """The leak behind the order-dependent failure above, made a clear error: a kernel
+    built in the other mode than triton.language's library cannot call tl.cdiv."""
+    import triton
+
+    from nova.codegen.triton.source import library_interpreted, load_kernel
+
+    other = not library_interpreted()
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", other)
+    src = "import triton\nimport triton.language as tl\n\n\n@triton.jit\ndef mode_probe(n):\n    return tl.cdiv(n, 4)\n"
+    with pytest.raises(RuntimeError, match="triton.language was imported"):
+        load_kernel(src + f"# {other}\n", "mode_probe")
 
 
 # --------------------------------------------------------------------------- other kernels

@@ -3,13 +3,22 @@
 Every kernel template in this folder emits Python source text; this module is the
 one place that makes such text executable. ``@triton.jit`` reads the function's
 source back with ``inspect``, so the text must live in a real file: it is written
-to ``<cache>/<sha256>.py`` (atomically: temporary file, then ``os.replace``) and
-imported from there with ``importlib``. The file name is the hash of the text, so
-the same source always maps to the same file and, within a process, to the same
-kernel object (and therefore to Triton's per-kernel compile cache).
+to ``<cache>/<sha256>.py`` (atomically: temporary file, then ``os.replace``) so
+that it can be read and diffed, but it is never imported: the import system would
+run a ``__pycache__/*.pyc`` whose recorded timestamp and size match (a forged one
+in a shared ``NOVA_CACHE_DIR`` would run, a truncated one fails). Only the text in
+hand is executed: ``compile()`` of that exact string into a fresh module object,
+registered in ``linecache`` under a ``<nova kernel ...>`` name (no file on disk
+can stand in for it) so that ``@triton.jit`` and ``inspect.getsource`` read back
+the same text. The same source maps, within a process, to the same kernel object
+(and therefore to Triton's per-kernel compile cache).
 
-The source is never unpickled or trusted from the cache: if a file with the
-expected name exists but holds other text, it is rewritten.
+Triton picks interpreted vs compiled when a ``@triton.jit`` object is created, and
+``triton.language``'s own library functions (``tl.cdiv``, ``tl.sum``, ...) are
+created once, when it is first imported. A kernel of the other mode than that
+library cannot be built (a compiled kernel would call the interpreter from inside
+the compiler: ``InterpreterError ... 'block_argument' object has no attribute
+'dtype'``), so ``load_kernel`` refuses it with an error that says so.
 
 Under ``TRITON_INTERPRET=1`` the interpreter's ``tl.dot`` multiplies the raw uint16
 bit patterns of bfloat16 operands (triton-lang/triton#11584, declined upstream as
@@ -21,11 +30,12 @@ text is tested on the CPU that runs on the GPU.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import linecache
 import os
 import sys
 import tempfile
 import threading
+import types
 from pathlib import Path
 
 _LOCK = threading.Lock()
@@ -124,23 +134,66 @@ def _fix_interpreter_bf16_rounding() -> None:
     builder.cast_impl = cast_impl
 
 
+def library_interpreted() -> bool:
+    """Whether ``triton.language``'s own ``@jit`` library (``tl.cdiv``, ``tl.sum``, ...)
+    was created for the interpreter: fixed for the process when it was first imported."""
+    import triton.language as tl
+
+    return type(tl.standard.cdiv).__name__ == "InterpretedFunction"
+
+
+def _check_mode(interpreted: bool) -> None:
+    library = library_interpreted()
+    if library == interpreted:
+        return
+    have, want = ("interpreted", "compiled") if library else ("compiled", "interpreted")
+    raise RuntimeError(
+        f"cannot build a {want} Triton kernel in this process: triton.language was imported "
+        f"{'with' if library else 'without'} TRITON_INTERPRET=1, so its library functions (tl.cdiv, tl.sum, ...) "
+        f"are {have} for the whole process and a {want} kernel cannot call them; set or unset TRITON_INTERPRET "
+        "before triton is first imported, or build the kernel in another process"
+    )
+
+
+def _exec_verified(source: str, name: str, digest: str, path: Path, module_name: str):
+    """Executes exactly ``source`` as a fresh module; returns its ``name``."""
+    filename = f"<nova kernel {path}>"
+    # mtime None: linecache.checkcache() never drops or re-reads it; a '<...>' name is
+    # never looked up on disk, so no file can replace the text triton.jit reads back
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    code = compile(source, filename, "exec", dont_inherit=True)
+    module = types.ModuleType(module_name)
+    module.__dict__["__nova_source_sha256__"] = digest
+    sys.modules[module_name] = module  # inspect.getmodule() and triton find the globals by name
+    try:
+        exec(code, module.__dict__)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise ValueError(f"generated source {path} defines no {name!r}") from None
+
+
 def load_kernel(source: str, name: str, cache_dir: str | os.PathLike | None = None):
     """Return ``(kernel, path)``: the object named ``name`` defined by ``source``
-    (normally a ``@triton.jit`` function) and the file it was loaded from.
+    (normally a ``@triton.jit`` function) and the file its text was written to.
 
     Loading the same text twice in one process returns the same kernel object
-    (one per mode: compiled, or interpreted under TRITON_INTERPRET=1).
+    (one per mode: compiled, or interpreted under TRITON_INTERPRET=1). Raises
+    ``RuntimeError`` where the mode differs from ``triton.language``'s (see above).
     """
-    interpreted = interpreting()  # @triton.jit picks compiled vs interpreted at import
-    if interpreted:
-        _fix_interpreter_bf16_dot()
-        _fix_interpreter_bf16_rounding()
+    interpreted = interpreting()  # @triton.jit picks compiled vs interpreted at creation
     digest = source_hash(source)
     key = (digest, name, interpreted)
     with _LOCK:
         hit = _LOADED.get(key)
         if hit is not None:
             return hit
+        if interpreted:
+            _fix_interpreter_bf16_dot()
+            _fix_interpreter_bf16_rounding()
         directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         path = directory / f"{digest}.py"
         try:
@@ -148,24 +201,15 @@ def load_kernel(source: str, name: str, cache_dir: str | os.PathLike | None = No
         except (FileNotFoundError, UnicodeDecodeError):
             current = None
         if current != source:
-            _write_atomic(path, source)
+            _write_atomic(path, source)  # for reading and diffing only: never executed
         module_name = f"nova_generated_{digest[:24]}" + ("_interpreted" if interpreted else "")
-        module = sys.modules.get(module_name)
-        if module is None or getattr(module, "__file__", None) != str(path):
-            spec = importlib.util.spec_from_file_location(module_name, path)
-            if spec is None or spec.loader is None:
-                raise ImportError(f"cannot import generated kernel source {path}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[module_name] = module
+        kernel = _exec_verified(source, name, digest, path, module_name)
+        if type(kernel).__module__.startswith("triton."):  # a @triton.jit object
             try:
-                spec.loader.exec_module(module)
-            except BaseException:
+                _check_mode(interpreted)
+            except RuntimeError:
                 sys.modules.pop(module_name, None)
                 raise
-        try:
-            kernel = getattr(module, name)
-        except AttributeError:
-            raise ValueError(f"generated source {path} defines no {name!r}") from None
         _LOADED[key] = (kernel, path)
         _SOURCES[id(kernel)] = source
         return kernel, path
