@@ -21,13 +21,15 @@ that is not in the same place with the same value on both sides is an infinite
 difference.
 
 Adam-family updates move each element by about lr * sign(g), whatever |g| is,
-so an element whose eager gradient is at rounding-noise level (nonzero, below
-``NOISE_FLOOR[precision] * max|g|`` of its tensor) gets its update's sign from
-rounding and two correct executions differ there by up to 2 lr. Such elements
-(for example the key slice of a GPT's ``c_attn.bias``, whose true gradient is
-exactly zero because softmax ignores a per-query constant) are excluded from
-the parameter and state comparison from the step they appear on, and the report
-counts them per parameter. SGD is linear in g and compares every element.
+so an element whose gradient is at rounding-noise level gets its update's sign
+from rounding, and two correct executions differ there by up to 2 lr. The
+gradient each Adam step normalized is read back from ``exp_avg`` (before and
+after the step) on both sides; elements where both are below
+``NOISE_FLOOR[precision] * max|g|`` of their tensor, and not both exactly zero,
+are excluded from the parameter and state comparison from the step they appear
+on, and the report counts them per parameter (for example the key slice of a
+GPT's ``c_attn.bias``, whose true gradient is exactly zero because softmax
+ignores a per-query constant). SGD is linear in g and compares every element.
 """
 
 from __future__ import annotations
@@ -326,8 +328,10 @@ def verify(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_or_ba
         rng = torch.get_rng_state()
         loss = compiled(*batch)
         if not torch.equal(rng, torch.get_rng_state()):
-            raise ValueError("nova.verify cannot compare this step: the compiled step draws random numbers "
-                             "(functional dropout in forward?), which Nova does not draw from torch's bit stream")  # fmt: skip
+            raise ValueError(
+                "nova.verify cannot compare this step: the compiled step draws random numbers (functional "
+                "dropout in forward?), and Nova's random numbers are not torch's bit stream"
+            )
         opt_ref.zero_grad(set_to_none=True)
         with _eager_context(ref, precision):
             ref_loss = ref(*batch)

@@ -245,7 +245,9 @@ def test_broken_vjp_rule_fails_naming_the_parameter(monkeypatch, private_cache):
 
     model = make_model("manual", torch.float64, bias=False)
     opt = OPTIMIZERS["sgd"](model.parameters())
-    report = _verify_broken_then_repaired(monkeypatch, model, opt, lambda m: m.setitem(rules.VJP_RULES, nv.MulOp, doubled))
+    report = _verify_broken_then_repaired(
+        monkeypatch, model, opt, lambda m: m.setitem(rules.VJP_RULES, nv.MulOp, doubled)
+    )
     assert not report.ok and not report.steps[0].ok
     names = {n for n, _ in model.named_parameters()}
     name, diff = report.steps[0].worst_param
@@ -267,7 +269,9 @@ def test_broken_optimizer_formula_fails_naming_the_parameter(monkeypatch, privat
 
     model = make_model("mlp", torch.float64)
     opt = OPTIMIZERS["adamw"](model.parameters())
-    report = _verify_broken_then_repaired(monkeypatch, model, opt, lambda m: m.setattr(optimizer_stage, "_adam", no_weight_decay))
+    report = _verify_broken_then_repaired(
+        monkeypatch, model, opt, lambda m: m.setattr(optimizer_stage, "_adam", no_weight_decay)
+    )
     assert not report.ok
     failed = {line.split()[3] for line in report.failures() if " parameter " in line}
     assert "head.weight" in failed and "wte.weight" in failed, report.failures()
@@ -282,7 +286,9 @@ def test_broken_sgd_momentum_fails_naming_the_state(monkeypatch, private_cache):
 
     model = make_model("mlp", torch.float64)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, dampening=0.5)
-    report = _verify_broken_then_repaired(monkeypatch, model, opt, lambda m: m.setattr(optimizer_stage, "_sgd", undamped))
+    report = _verify_broken_then_repaired(
+        monkeypatch, model, opt, lambda m: m.setattr(optimizer_stage, "_sgd", undamped)
+    )
     assert report.steps[0].ok  # the first step copies the gradient into the buffer: no dampening yet
     assert not report.steps[1].ok
     assert report.steps[1].worst_state[0].endswith("::momentum_buffer")
