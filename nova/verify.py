@@ -309,7 +309,7 @@ def verify(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_or_ba
             f"drop different elements. Active dropout: {', '.join(drop)}. Call model.eval() (dropout off, "
             "as Nova compiles the eval-mode forward) or set p=0 to verify."
         )
-    normalizes = isinstance(optimizer, torch.optim.Adam)  # AdamW is an Adam subclass
+    normalizes = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))  # normalize the gradient
     key = _key(model, precision) + ("-adam" if precision == "tf32" and normalizes else "")
     tol, floor = TOLERANCES[key], NOISE_FLOOR[key]
     mine, opt_mine = copy_pair(model, optimizer)
