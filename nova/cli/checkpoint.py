@@ -10,6 +10,7 @@ one, never a torn one.
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -73,7 +74,12 @@ def save(path: str | Path, *, model, optimizer, step: int, config: dict, rng: di
 
 
 def load(path: str | Path) -> dict:
-    payload = torch.load(path, map_location="cpu", weights_only=True)
+    """The checkpoint at ``path``; ValueError, naming the file, if it is not a readable one."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:  # truncated, not a torch file, or foreign objects
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path} cannot be read as a checkpoint: {reason}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{path} is not a nova train checkpoint (expected format {FORMAT!r})")
     return payload

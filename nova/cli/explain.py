@@ -45,8 +45,10 @@ def split_stages(text: str) -> list[tuple[str, str]]:
             for h, nxt in zip(heads, heads[1:] + [None])]
 
 
-def config_from(args: argparse.Namespace) -> TrainConfig:
+def config_from(args: argparse.Namespace) -> tuple[TrainConfig, dict | None]:
+    """The settings to build from, and the checkpoint's weights with --out."""
     given = {k: v for k, v in vars(args).items() if k in MODEL_FLAGS + ("batch_size", "precision", "backend", "device")}
+    weights = None
     if "out" not in args:
         cfg = TrainConfig(**given)
     else:
@@ -56,22 +58,26 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         path = Path(args.out) / checkpoint.LAST
         if not path.is_file():
             raise UsageError(f"--out: no checkpoint at {path}")
-        saved = checkpoint.load(path)["config"]
+        try:
+            payload = checkpoint.load(path)
+        except ValueError as e:
+            raise UsageError(f"--out: {e}") from None
+        saved, weights = payload["config"], payload["model"]
         cfg = TrainConfig(**{**{k: saved[k] for k in MODEL_FLAGS + ("batch_size",)}, **given})
     validate(cfg)
-    return cfg
+    return cfg, weights
 
 
 def run(args: argparse.Namespace) -> int:
     from nova.cli.train import make_optimizer, make_step
     from nova.models import GPT
 
-    cfg = config_from(args)
+    cfg, weights = config_from(args)
     device = pick_device(cfg.device)
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config()).to(device)
-    if "out" in args:
-        model.load_state_dict(checkpoint.load(Path(args.out) / checkpoint.LAST)["model"])
+    if weights is not None:
+        model.load_state_dict(weights)
     step = make_step(cfg, model, make_optimizer(model, cfg), device)
     ids = torch.randint(0, cfg.model_config().vocab_size, (cfg.batch_size, cfg.block_size + 1))
     x, y = ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)

@@ -4,7 +4,9 @@ KeyboardInterrupt at once, as Python's default handler would.
 
 A step interrupted anyway (the second Ctrl-C, or a KeyboardInterrupt from
 elsewhere) is not lost either: the loop saves the last completed step. The
-compiled step writes nothing back from a step that did not finish.
+compiled step writes nothing back from a step that did not finish; with
+``--engine eager`` a second Ctrl-C that lands inside ``optimizer.step()`` can
+leave that one step half-applied (PyTorch updates parameters one by one).
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@ no silent fallback to eager.
 Resuming from a checkpoint continues the exact same run: parameters,
 optimizer state, the step counter and every RNG stream are restored, so the
 following losses equal those of an uninterrupted run.
+
+The run keeps its outputs safe: it will not start over a directory that holds
+another run's checkpoint (``--resume`` or ``--force`` say which is meant),
+Ctrl-C saves the last completed step before exiting, and ``best.pt`` keeps the
+step with the lowest val loss, which a run that overfits says it is leaving behind.
 """
 
 from __future__ import annotations
@@ -137,7 +142,10 @@ def train(given: dict, resume: bool = False, force: bool = False) -> dict:
     if resume:
         if not ckpt_path.is_file():
             raise UsageError(f"--resume: no checkpoint at {ckpt_path}")
-        saved = checkpoint.load(ckpt_path)
+        try:
+            saved = checkpoint.load(ckpt_path)
+        except ValueError as e:
+            raise UsageError(f"--resume: {e}") from None
     elif ckpt_path.exists() and not force:
         raise UsageError(f"{ckpt_path} already exists: continue that run with --resume, "
                          f"or start over with --force (which replaces it), or pick another --out")

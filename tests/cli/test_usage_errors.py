@@ -127,3 +127,12 @@ def test_package_version_matches_the_metadata():
     import nova
 
     assert importlib.metadata.version("nova") == nova.__version__
+
+
+@pytest.mark.parametrize("command", [["train", *TINY, "--resume"], ["sample", "--prompt", "a"], ["explain"]])
+def test_a_torn_checkpoint_is_one_line(tmp_path, capsys, command):
+    torch.save({"format": checkpoint.FORMAT}, tmp_path / "checkpoint.pt")
+    good = (tmp_path / "checkpoint.pt").read_bytes()
+    (tmp_path / "checkpoint.pt").write_bytes(good[: len(good) // 2])  # as a copy cut short would leave it
+    assert main([*command, "--out", str(tmp_path)]) == 2
+    assert "checkpoint.pt cannot be read as a checkpoint" in one_line_error(capsys, command[0])
