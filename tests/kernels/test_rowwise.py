@@ -209,19 +209,59 @@ def test_cross_entropy_vocab_width(device):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy under the interpreter: 0 / 0
-def test_cross_entropy_all_ignored_mean_is_nan(device):
+@PATHS
+def test_cross_entropy_all_ignored_mean_is_nan_gradient_zero(device, limit):
+    """A batch of padding only: the mean loss is 0 / 0 = NaN (as torch), but its
+    gradient is 0, not NaN (torch's; the count is clamped to 1 in the backward)."""
     logits, _ = _ce_case(torch.float32, device, n=4)
     target = torch.full((4,), -100, dtype=torch.int64, device=device)
-    props = {"ignore_index": -100, "reduction": "mean"}
-    op = build(nv.CrossEntropyOp, [logits, target], props)
-    assert torch.isnan(lowering(op)(op, None).launch([logits, target])[0])
-    ins = [torch.tensor(1.0, device=device), logits, target]
-    op = build(nv.CrossEntropyBackwardOp, ins, props)
-    out, ref = lowering(op)(op, None).launch(ins)[0], IMPLS[type(op)](op, ins)[0]
-    assert torch.isnan(out).all() and torch.isnan(ref).all()
+    for ls in (0.0, 0.2):
+        props = {"ignore_index": -100, "reduction": "mean", "label_smoothing": ls}
+        op = build(nv.CrossEntropyOp, [logits, target], props)
+        assert torch.isnan(lowering(op)(op, None, max_row_block=limit).launch([logits, target])[0])
+        ins = [torch.tensor(1.0, device=device), logits, target]
+        op = build(nv.CrossEntropyBackwardOp, ins, props)
+        out, ref = lowering(op)(op, None, max_row_block=limit).launch(ins)[0], IMPLS[type(op)](op, ins)[0]
+        assert torch.equal(ref, torch.zeros_like(ref)) and torch.equal(out, ref)
     props = {"ignore_index": -100, "reduction": "sum"}
     op = build(nv.CrossEntropyOp, [logits, target], props)
     assert lowering(op)(op, None).launch([logits, target])[0].item() == 0.0
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ls", [0.0, 0.1, 1.0], ids=["ls0", "ls0.1", "ls1"])
+@DTYPES
+@PATHS
+def test_cross_entropy_label_smoothing_and_none(device, reduction, ls, dtype, limit):
+    """label_smoothing (the per-row mean of -log p over classes mixed in) and
+    reduction "none" (one loss per row, 0 where ignored; its grad is [N], one
+    scale per row), in registers and looping (C = 23 over blocks of 4)."""
+    logits, target = _ce_case(dtype, device)
+    props = {"ignore_index": -100, "reduction": reduction, "label_smoothing": ls}
+    (loss,) = run_and_compare(build(nv.CrossEntropyOp, [logits, target], props), [logits, target], max_row_block=limit)
+    if reduction == "none":
+        assert loss.shape == (9,) and torch.all(loss[1::3] == 0) and torch.all(loss[0::3] != 0)
+    gen = torch.Generator().manual_seed(11)
+    grad = rand(9, dtype=dtype, gen=gen).to(device) if reduction == "none" else torch.tensor(1.7, dtype=dtype, device=device)
+    ins = [grad, logits, target]
+    (d,) = run_and_compare(build(nv.CrossEntropyBackwardOp, ins, props), ins, max_row_block=limit)
+    assert torch.all(d[1::3] == 0)
+
+
+def test_cross_entropy_none_strided_grad_and_f64(device):
+    """A strided [N] grad (every other element of a buffer) and f64 logits, whose
+    smoothing constants must be f64 (an fp32 literal would be off by ~1e-8)."""
+    logits, target = _ce_case(torch.float64, device, n=6, c=11, seed=12)
+    props = {"ignore_index": -100, "reduction": "none", "label_smoothing": 0.3}
+    run_and_compare(build(nv.CrossEntropyOp, [logits, target], props), [logits, target])
+    grad = rand(12, dtype=torch.float64, gen=torch.Generator().manual_seed(13)).to(device)[::2]
+    ins = [grad, logits, target]
+    run_and_compare(build(nv.CrossEntropyBackwardOp, ins, props), ins)
+    for reduction in ("mean", "sum"):
+        props = {"ignore_index": -100, "reduction": reduction, "label_smoothing": 0.3}
+        run_and_compare(build(nv.CrossEntropyOp, [logits, target], props), [logits, target], max_row_block=4)
+        ins = [torch.tensor(0.7, dtype=torch.float64, device=device), logits, target]
+        run_and_compare(build(nv.CrossEntropyBackwardOp, ins, props), ins, max_row_block=4)
 
 
 @pytest.mark.parametrize("bad", [23, -1], ids=["too-big", "negative"])
@@ -235,6 +275,14 @@ def test_cross_entropy_out_of_range_target_raises(device, bad):
     # without the check the kernel still reads nothing out of bounds: the loss is NaN
     assert torch.isnan(lowering(op)(op, None, check_ids=False).launch([logits, target])[0])
     ins = [torch.tensor(1.0, device=device), logits, target]
+    op = build(nv.CrossEntropyBackwardOp, ins, props)
+    with pytest.raises(IndexError, match="nova.cross_entropy_backward"):
+        lowering(op)(op, None).launch(ins)
+    props = {"ignore_index": -100, "reduction": "none", "label_smoothing": 0.1}
+    op = build(nv.CrossEntropyOp, [logits, target], props)
+    with pytest.raises(IndexError, match=r"out of range \[0, 23\)"):
+        lowering(op)(op, None).launch([logits, target])
+    ins = [torch.ones(9, device=device), logits, target]
     op = build(nv.CrossEntropyBackwardOp, ins, props)
     with pytest.raises(IndexError, match="nova.cross_entropy_backward"):
         lowering(op)(op, None).launch(ins)

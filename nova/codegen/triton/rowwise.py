@@ -18,6 +18,10 @@ Design choices, and why:
   loss and its row count) are two-stage: programs write partials into a buffer
   (fp32, fp64 for f64), and a second small kernel sums them in a fixed order. No atomics, so a
   result is the same bit for bit from run to run.
+* cross_entropy follows ``torch.nn.functional.cross_entropy``: label smoothing
+  mixes in each row's mean of -log p over the classes (the row's plain sum rides
+  along the max/sum pass), reduction "none" writes one loss per row, and the
+  backward of a mean over no rows is 0 (its count is clamped to 1).
 * Out-of-range class ids never address memory (the loads are masked); their
   row's loss is NaN, and the launcher raises IndexError after the kernel (skipped
   while a CUDA graph is being captured, where the host cannot read the count).
@@ -239,20 +243,22 @@ def _norm_dim(op) -> int:
     return op.props()["dim"] % rank
 
 
-def _online_max_sum(n: int, acc: str, x: str, indent: int) -> str:
+def _online_max_sum(n: int, acc: str, x: str, indent: int, row_sum: bool = False) -> str:
     """Lines that stream a row of ``n`` at ``x_row`` in BLOCKs (each loaded as ``x``)
     and leave its max in ``m`` and sum(exp(row - m)) in ``s`` (online rescaling; a
-    row of -inf so far never computes inf - inf). Softmax and cross-entropy share it."""
+    row of -inf so far never computes inf - inf), and with ``row_sum`` the row's
+    plain sum in ``sx``. Softmax and cross-entropy share it."""
+    init = f"\nsx = tl.zeros((), {acc})" if row_sum else ""
+    step = f"\n    sx += tl.sum(tl.where(c < {n}, {x}, 0.0), axis=0)" if row_sum else ""
     return textwrap.indent(textwrap.dedent(f"""\
         m = tl.full((), {_NEG_INF}, {acc})
-        s = tl.zeros((), {acc})
+        s = tl.zeros((), {acc})""") + init + textwrap.dedent(f"""
         for c0 in range(0, {n}, BLOCK):
             c = c0 + cols
             {x} = tl.load(x_row + c * sxc, mask=c < {n}, other={_NEG_INF}).to({acc})
             m_new = tl.maximum(m, tl.max({x}, axis=0))
             m_safe = tl.where(m_new == {_NEG_INF}, 0.0, m_new)  # all -inf so far: no inf - inf
-            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp({x} - m_safe), axis=0)
-            m = m_new"""), " " * indent)
+            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp({x} - m_safe), axis=0)""") + step + "\n    m = m_new", " " * indent)
 
 
 def softmax_source(shape, dim: int, dtype, log: bool, block: int, looping: bool) -> str:
@@ -646,19 +652,28 @@ def lower_layer_norm_backward(
 # --------------------------------------------------------------------------- cross_entropy
 
 
-def _ce_lse(n_cls: int, block: int, acc: str, looping: bool) -> str:
+def _ce_const(value: float, acc: str) -> str:
+    """A constant of the statistics type (a bare literal is an fp32 constant)."""
+    return f"tl.full((), {float(value)!r}, tl.float64)" if acc == "tl.float64" else repr(float(value))
+
+
+def _ce_lse(n_cls: int, block: int, acc: str, looping: bool, row_sum: bool = False) -> str:
     """Lines that set ``lse`` of the row at ``x_row`` (and ``x``, the row, when it is
-    one block)."""
+    one block); with ``row_sum`` also ``sx``, the row's plain sum (label smoothing)."""
     if not looping:
         ld, _ = _masked(n_cls, block)
+        sx = ""
+        if row_sum:
+            row = "x" if n_cls == block else f"tl.where(cols < {n_cls}, x, 0.0)"
+            sx = f"\n            sx = tl.sum({row}, axis=0)"
         return f"""
             x = tl.load(x_row + cols * sxc{ld(_NEG_INF)}).to({acc})
             m = tl.max(x, axis=0)
             m_safe = tl.where(m == {_NEG_INF}, 0.0, m)
-            lse = m_safe + tl.log(tl.sum(tl.exp(x - m_safe), axis=0))
+            lse = m_safe + tl.log(tl.sum(tl.exp(x - m_safe), axis=0)){sx}
         """
     return f"""
-{_online_max_sum(n_cls, acc, "xb", 8)}
+{_online_max_sum(n_cls, acc, "xb", 8, row_sum)}
         lse = tl.where(m == {_NEG_INF}, 0.0, m) + tl.log(s)
     """
 
@@ -680,11 +695,23 @@ def _ce_count(n_rows: int, n_cls: int, ignore: int, acc: str) -> str:
     """
 
 
-def cross_entropy_source(n_rows, n_cls, dtype, ignore: int, reduction: str, block: int, looping: bool) -> str:
-    """Per row: loss = lse - x[target] (0 when ignored, NaN for an out-of-range id)
-    into a buffer; then one program sums the buffer in order and divides by the
-    number of rows that count (the mean of no rows is 0 / 0 = NaN, as in torch)."""
+def _ce_plan_line(n_rows, n_cls, ignore, reduction, ls, dtype, block, looping) -> str:
+    smoothing = f", label_smoothing {ls!r}" if ls else ""
+    return (f"logits [{n_rows}, {n_cls}], ignore_index {ignore}, reduction {reduction}{smoothing}, "
+            f"{_plan_line(dtype, block, looping)}")
+
+
+def cross_entropy_source(n_rows, n_cls, dtype, ignore: int, reduction: str, block: int, looping: bool,
+                         label_smoothing: float = 0.0) -> str:
+    """Per row: loss = (1 - ls) * (lse - x[target]) + ls * (lse - mean(x)) (0 when
+    ignored, NaN for an out-of-range id). "none" writes it as the result; "mean"
+    and "sum" put it in a buffer that one program sums in order (dividing by the
+    number of rows that count: the mean of no rows is 0 / 0 = NaN, as in torch)."""
     acc, out = acc_type(dtype), _TL[dtype]
+    ls = float(label_smoothing)
+    c = lambda v: _ce_const(v, acc)  # noqa: E731
+    loss = "lse - xt" if not ls else f"{c(1.0 - ls)} * (lse - xt) + {c(ls)} * (lse - sx * {c(1.0 / n_cls)})"
+    store = "tl.store(loss_ptr + row, loss.to({}))".format(out) if reduction == "none" else "tl.store(loss_ptr + row, loss)"
     rows_body = _code(f"""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -692,47 +719,66 @@ def cross_entropy_source(n_rows, n_cls, dtype, ignore: int, reduction: str, bloc
         t = tl.load(t_ptr + row * st)
         valid = t != {ignore}
         inb = (t >= 0) & (t < {n_cls})
-    """, _ce_lse(n_cls, block, acc, looping), f"""
+    """, _ce_lse(n_cls, block, acc, looping, row_sum=bool(ls)), f"""
         xt = tl.load(x_row + tl.where(inb, t, 0) * sxc, mask=valid & inb, other=0.0).to({acc})
-        loss = tl.where(valid, lse - xt, 0.0)
+        loss = tl.where(valid, {loss}, 0.0)
         loss = tl.where(valid & ((t < 0) | (t >= {n_cls})), float("nan"), loss)
-        tl.store(loss_ptr + row, loss)
+        {store}
     """)
-    final_body = _code(_ce_count(n_rows, n_cls, ignore, acc), f"""
-        total = tl.zeros(({_FINAL_BLOCK},), {acc})
-        for r0 in range(0, {n_rows}, {_FINAL_BLOCK}):
-            rr = r0 + r
-            total += tl.load(loss_ptr + rr, mask=rr < {n_rows}, other=0.0)
-        total = tl.sum(total, axis=0)
-        tl.store(out_ptr, ({'total / count' if reduction == 'mean' else 'total'}).to({out}))
-    """)
-    header = _header("cross_entropy", f"logits [{n_rows}, {n_cls}], ignore_index {ignore}, reduction {reduction}, "
-                     f"{_plan_line(dtype, block, looping)}", {"BLOCK": block})
+    if reduction == "none":  # the count kernel only counts the out-of-range ids
+        final_body = _code(_ce_count(n_rows, n_cls, ignore, acc))
+    else:
+        final_body = _code(_ce_count(n_rows, n_cls, ignore, acc), f"""
+            total = tl.zeros(({_FINAL_BLOCK},), {acc})
+            for r0 in range(0, {n_rows}, {_FINAL_BLOCK}):
+                rr = r0 + r
+                total += tl.load(loss_ptr + rr, mask=rr < {n_rows}, other=0.0)
+            total = tl.sum(total, axis=0)
+            tl.store(out_ptr, ({'total / count' if reduction == 'mean' else 'total'}).to({out}))
+        """)
+    header = _header("cross_entropy", _ce_plan_line(n_rows, n_cls, ignore, reduction, ls, dtype, block, looping),
+                     {"BLOCK": block})
     return (header + _kernel("cross_entropy_rows", ["x_ptr", "t_ptr", "loss_ptr", "sxr", "sxc", "st"], rows_body)
             + _kernel("cross_entropy_final", ["t_ptr", "loss_ptr", "out_ptr", "bad_ptr", "st"], final_body))
 
 
-def cross_entropy_backward_source(n_rows, n_cls, dtype, ignore: int, reduction: str, block: int, looping: bool) -> str:
-    """One program counts the rows that count and writes scale = grad / count (mean)
-    or grad (sum); then per row d = (softmax(x) - onehot(target)) * valid * scale."""
+def cross_entropy_backward_source(n_rows, n_cls, dtype, ignore: int, reduction: str, block: int, looping: bool,
+                                  label_smoothing: float = 0.0) -> str:
+    """One program counts the rows that count (and the out-of-range ids) and writes
+    scale = grad / max(count, 1) (mean: a batch of ignored rows gets 0, not NaN, as
+    torch's gradient) or grad (sum); then per row d = (softmax(x) - (1 - ls)
+    onehot(target) - ls / C) * valid * scale, where "none" reads its scale from
+    grad[row]."""
     acc, out = acc_type(dtype), _TL[dtype]
-    scale_body = _code(_ce_count(n_rows, n_cls, ignore, acc), f"""
-        g = tl.load(g_ptr).to({acc})
-        tl.store(scale_ptr, {'g / count' if reduction == 'mean' else 'g'})
-    """)
+    ls = float(label_smoothing)
+    c = lambda v: _ce_const(v, acc)  # noqa: E731
+    if reduction == "none":
+        scale_body = _code(_ce_count(n_rows, n_cls, ignore, acc))
+    else:
+        scale = "g / tl.maximum(count, 1.0)" if reduction == "mean" else "g"
+        scale_body = _code(_ce_count(n_rows, n_cls, ignore, acc), f"""
+            g = tl.load(g_ptr).to({acc})
+            tl.store(scale_ptr, {scale})
+        """)
+    row_scale = "tl.load(scale_ptr + row * ss).to({})".format(acc) if reduction == "none" else "tl.load(scale_ptr)"
     head = f"""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         x_row = x_ptr + row * sxr
         d_row = d_ptr + row * {n_cls}
         t = tl.load(t_ptr + row * st)
-        # 0 for ignored rows, times the scale: 0 * NaN is NaN, like the reference's 0 / 0
-        w = tl.where(t != {ignore}, 1.0, 0.0).to({acc}) * tl.load(scale_ptr)
+        w = tl.where(t != {ignore}, 1.0, 0.0).to({acc}) * {row_scale}
     """
+
+    def target(cvar: str) -> str:
+        if not ls:
+            return f"tl.where({cvar} == t, 1.0, 0.0)"
+        return f"tl.where({cvar} == t, {c(1.0 - ls + ls / n_cls)}, {c(ls / n_cls)})"
+
     if not looping:
         _, stm = _masked(n_cls, block)
         tail = f"""
-            d = (tl.exp(x - lse) - tl.where(cols == t, 1.0, 0.0)) * w
+            d = (tl.exp(x - lse) - {target("cols")}) * w
             tl.store(d_row + cols, d.to({out}){stm})
         """
     else:
@@ -740,14 +786,14 @@ def cross_entropy_backward_source(n_rows, n_cls, dtype, ignore: int, reduction: 
             for c0 in range(0, {n_cls}, BLOCK):
                 c = c0 + cols
                 xb = tl.load(x_row + c * sxc, mask=c < {n_cls}, other=0.0).to({acc})
-                d = (tl.exp(xb - lse) - tl.where(c == t, 1.0, 0.0)) * w
+                d = (tl.exp(xb - lse) - {target("c")}) * w
                 tl.store(d_row + c, d.to({out}), mask=c < {n_cls})
         """
-    header = _header("cross_entropy_backward", f"logits [{n_rows}, {n_cls}], ignore_index {ignore}, reduction "
-                     f"{reduction}, {_plan_line(dtype, block, looping)}", {"BLOCK": block})
+    header = _header("cross_entropy_backward",
+                     _ce_plan_line(n_rows, n_cls, ignore, reduction, ls, dtype, block, looping), {"BLOCK": block})
+    rows_params = ["x_ptr", "t_ptr", "scale_ptr", "d_ptr", "sxr", "sxc", "st"] + (["ss"] if reduction == "none" else [])
     return (header + _kernel("cross_entropy_backward_scale", ["g_ptr", "t_ptr", "scale_ptr", "bad_ptr", "st"], scale_body)
-            + _kernel("cross_entropy_backward_rows", ["x_ptr", "t_ptr", "scale_ptr", "d_ptr", "sxr", "sxc", "st"],
-                      _code(head, _ce_lse(n_cls, block, acc, looping), tail)))
+            + _kernel("cross_entropy_backward_rows", rows_params, _code(head, _ce_lse(n_cls, block, acc, looping), tail)))
 
 
 def _raise_bad_targets(name: str, target: torch.Tensor, n_cls: int, ignore: int, bad: torch.Tensor) -> None:
@@ -765,16 +811,17 @@ def _raise_bad_targets(name: str, target: torch.Tensor, n_cls: int, ignore: int,
 def _lower_ce(op, cfg, max_row_block: int, check_ids: bool, backward: bool) -> Kernel:
     logits_t = op.operands[1 if backward else 0].type
     (n_rows, n_cls), dtype = shape_of(logits_t), torch_dtype(logits_t)
-    ignore, reduction = op.props()["ignore_index"], op.props()["reduction"]
+    p = op.props()
+    ignore, reduction, ls = p["ignore_index"], p["reduction"], float(p["label_smoothing"])
     block, looping, warps = row_plan(n_cls, cfg, max_row_block)
     stat = torch.float64 if dtype == torch.float64 else torch.float32
     kind = "cross_entropy_backward" if backward else "cross_entropy"
     src = (cross_entropy_backward_source if backward else cross_entropy_source)(
-        n_rows, n_cls, dtype, ignore, reduction, block, looping
+        n_rows, n_cls, dtype, ignore, reduction, block, looping, ls
     )
     first, _ = load_kernel(src, "cross_entropy_backward_scale" if backward else "cross_entropy_rows")
     second, _ = load_kernel(src, "cross_entropy_backward_rows" if backward else "cross_entropy_final")
-    name = f"nova_{kind}_{n_rows}x{n_cls}"
+    name = f"nova_{kind}_{n_rows}x{n_cls}" + ("_none" if reduction == "none" else "")
     opts = _launch_options(cfg, warps)
 
     def launch(inputs):
@@ -789,13 +836,17 @@ def _lower_ce(op, cfg, max_row_block: int, check_ids: bool, backward: bool) -> K
             _check_span(name, n_cls, block, x.stride(1))
             scale = torch.empty((1,), dtype=stat, device=dev)
             first[(1,)](g[0], t, scale, bad, t.stride(0), num_warps=4)
-            second[(n_rows,)](x, t, scale, out, x.stride(0), x.stride(1), t.stride(0), **opts)
+            if reduction == "none":  # each row's scale is its own grad entry
+                second[(n_rows,)](x, t, g[0], out, x.stride(0), x.stride(1), t.stride(0), g[0].stride(0), **opts)
+            else:
+                second[(n_rows,)](x, t, scale, out, x.stride(0), x.stride(1), t.stride(0), **opts)
         else:
-            out = torch.empty((), dtype=dtype, device=dev)
+            out = torch.empty((n_rows,) if reduction == "none" else (), dtype=dtype, device=dev)
             if n_rows == 0:
                 return [out.fill_(float("nan") if reduction == "mean" else 0.0)]
             _check_span(name, n_cls, block, x.stride(1))
-            loss = torch.empty((n_rows,), dtype=stat, device=dev)
+            # "none": the rows kernel writes the result itself; the second kernel only counts bad ids
+            loss = out if reduction == "none" else torch.empty((n_rows,), dtype=stat, device=dev)
             first[(n_rows,)](x, t, loss, x.stride(0), x.stride(1), t.stride(0), **opts)
             second[(1,)](t, loss, out, bad, t.stride(0), num_warps=4)
         if check_ids:
