@@ -35,7 +35,8 @@ class StopRequest:
         # Signal handlers can only be set from the main thread; elsewhere (a
         # library caller's worker) a KeyboardInterrupt still reaches the loop.
         # SIG_IGN means the shell wants Ctrl-C not to reach us (a background job): keep it.
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        main_thread = threading.current_thread() is threading.main_thread()
+        if main_thread and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             self._previous = signal.signal(signal.SIGINT, self._handle)
             self._installed = True
         return self

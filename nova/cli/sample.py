@@ -21,7 +21,8 @@ HELP = "generate text from a trained model (DIR/best.pt, or DIR/checkpoint.pt)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", metavar="DIR", default=TrainConfig.out, help=f"the run's output directory (default {TrainConfig.out})")
+    p.add_argument("--out", metavar="DIR", default=TrainConfig.out,
+                   help=f"the run's output directory (default {TrainConfig.out})")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--checkpoint", choices=["best", "last"], default="best",
                    help="best: the lowest val loss (best.pt, the default); last: the latest step (checkpoint.pt)")

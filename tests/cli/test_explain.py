@@ -10,7 +10,8 @@ import pytest
 from nova.cli.explain import split_stages
 from nova.cli.main import main
 
-SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "8", "--batch-size", "2", "--device", "cpu"]
+SMALL = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "8", "--batch-size", "2",
+         "--device", "cpu"]
 
 
 def test_explain_prints_every_stage(capsys):

@@ -48,7 +48,8 @@ def test_best_checkpoint_and_overfitting_note(overfit_run, capsys):
 
 def test_overfitting_is_said_during_the_run(tmp_path, capsys):
     rnd = random.Random(0)
-    (tmp_path / "d.txt").write_text("the cat sat on the mat. " * 40 + "".join(rnd.choice("the cat sonm.") for _ in range(110)))
+    tail = "".join(rnd.choice("the cat sonm.") for _ in range(110))
+    (tmp_path / "d.txt").write_text("the cat sat on the mat. " * 40 + tail)
     assert main(["train", *TINY, "--out", str(tmp_path / "o"), "--data", str(tmp_path / "d.txt"),
                  "--steps", "100", "--lr", "1e-2", "--eval-interval", "10"]) == 0
     out = capsys.readouterr().out

@@ -48,7 +48,8 @@ def test_cuda_without_cuda(tmp_path, capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this is a valid combination")
 def test_triton_backend_on_the_cpu(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert main(["train", *TINY, "--out", str(tmp_path), "--engine", "nova", "--backend", "triton", "--device", "cpu"]) == 2
+    flags = ["--engine", "nova", "--backend", "triton", "--device", "cpu"]
+    assert main(["train", *TINY, "--out", str(tmp_path), *flags]) == 2
     assert "needs the model on a CUDA device" in one_line_error(capsys)
 
 
