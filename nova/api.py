@@ -6,21 +6,46 @@ buffers by identity, optimizer state in PyTorch's layout, hyper-parameters
 from ``param_groups`` at every call), the program runs, and only when it has
 finished are the results written back, so a failed step leaves parameters
 and optimizer state as they were.
+
+No silent wrong result:
+- the program is selected by a key over everything it was built from: batch
+  shapes, every parameter's and buffer's identity, dtype, shape, device and
+  ``requires_grad``, the optimizer's structure, train/eval mode; replacing a
+  tensor, ``.to()``/``.double()``, freezing or unfreezing compiles another
+  program (logged under ``nova.api`` with the reason); the last
+  ``SETTINGS.program_cache_size`` programs are kept (LRU);
+- optimizer state is checked (shape, dtype, device) before anything runs, and
+  the write-back is all-or-nothing: every value is prepared first, the commit
+  itself is only same-shape copies and dict stores, and a SIGINT arriving during
+  it (main thread) is deferred and re-raised once it is complete;
+- compilation is serialized process-wide (torch.export is not thread-safe) and
+  each step serializes its own calls, so steps may be called from many threads.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from nova import pipeline
-from nova.backends.reference import precision_mode, run_function
-from nova.config import triton_interpreted
+from nova.backends.reference import run_function
+from nova.config import SETTINGS, triton_interpreted
 from nova.errors import BatchError, CaptureError
 from nova.ir.module import arg_slots, result_slots, step_func
+from nova.ir.types import elem_of, shape_of, to_torch_dtype
+from nova.log import get_logger
 from nova.transforms.optimizer import hyper_values
 from nova.transforms.precision import PRECISIONS
+
+log = get_logger("nova.api")
+
+# torch.export (and xDSL's contexts) are not safe to run from two threads at once
+_COMPILE_LOCK = threading.RLock()
 
 BACKENDS = ("reference", "triton", "auto")
 
@@ -34,10 +59,80 @@ class Program:
     def fn(self):
         return step_func(self.compilation.module)
 
-    def run(self, args: list[torch.Tensor]) -> list[torch.Tensor]:
+    def run(self, args: list[torch.Tensor], precision: str) -> list[torch.Tensor]:
         if self.kernels is not None:
             return self.kernels(args)
-        return run_function(self.fn, args)
+        return run_function(self.fn, args, precision)
+
+
+class _Key(NamedTuple):
+    """What selects a program: everything it was built from."""
+
+    batch: tuple  # (shape, dtype) per batch tensor
+    params: tuple  # (name, id, dtype, shape, device, requires_grad) per parameter name
+    buffers: tuple  # (name, id, dtype, shape, device) per buffer name
+    optimizer: tuple  # the optimizer's structure (CompiledStep._spec_key)
+    training: bool
+
+
+def _tensor_sig(name: str, t: torch.Tensor) -> tuple:
+    return (name, id(t), t.dtype, tuple(t.shape), t.device)
+
+
+def _why(old: _Key | None, new: _Key) -> str:
+    """Why ``new`` needs a program ``old``'s does not serve, for the log."""
+    if old is None:
+        return "first call"
+    reasons = []
+    if old.batch != new.batch:
+        reasons.append(f"new batch shape {[s for s, _ in new.batch]} (was {[s for s, _ in old.batch]})")
+    for what, o, n in (("parameter", old.params, new.params), ("buffer", old.buffers, new.buffers)):
+        od, nd = {e[0]: e for e in o}, {e[0]: e for e in n}
+        if od.keys() != nd.keys():
+            added, gone = sorted(nd.keys() - od.keys()), sorted(od.keys() - nd.keys())
+            reasons.append(f"{what}s added {added} / removed {gone}")
+        common = [k for k in nd if k in od and od[k] != nd[k]]
+        replaced = [k for k in common if od[k][1] != nd[k][1]]
+        if replaced:
+            reasons.append(f"{what}s replaced: {replaced}")
+        changed = [k for k in common if od[k][1] == nd[k][1] and od[k][2:5] != nd[k][2:5]]
+        if changed:
+            reasons.append(f"{what} dtype/shape/device changed: "
+                           + ", ".join(f"{k} {od[k][2]}{list(od[k][3])}@{od[k][4]} -> {nd[k][2]}{list(nd[k][3])}@{nd[k][4]}"
+                                       for k in changed))  # fmt: skip
+        flipped = [k for k in common if what == "parameter" and od[k][1:5] == nd[k][1:5] and od[k][5] != nd[k][5]]
+        if flipped:
+            reasons.append(f"requires_grad changed: {[f'{k}={nd[k][5]}' for k in flipped]}")
+    if old.optimizer != new.optimizer:
+        reasons.append("optimizer structure changed (param groups or structural options)")
+    if old.training != new.training:
+        reasons.append(f"{'train' if new.training else 'eval'} mode")
+    return "; ".join(reasons) or "evicted from the program cache earlier"
+
+
+class _DeferSigint:
+    """Holds back SIGINT during the commit (main thread only: Python delivers
+    signals there), then hands it to the previous handler (KeyboardInterrupt)."""
+
+    def __enter__(self):
+        self.previous, self.received = None, []
+        if threading.current_thread() is threading.main_thread():
+            try:
+                self.previous = signal.signal(signal.SIGINT, lambda signum, frame: self.received.append(frame))
+            except ValueError:  # not the main interpreter
+                self.previous = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is None:
+            return False
+        signal.signal(signal.SIGINT, self.previous)
+        if self.received and exc[0] is None:
+            if callable(self.previous):
+                self.previous(signal.SIGINT, self.received[0])
+            elif self.previous == signal.SIG_DFL:
+                raise KeyboardInterrupt
+        return False
 
 
 class CompiledStep:
@@ -69,9 +164,11 @@ class CompiledStep:
                 "on the CPU use backend='reference' (or TRITON_INTERPRET=1 to run the kernels in Triton's interpreter)"
             )
         self.backend = backend
-        self._programs: dict[tuple, Program] = {}
+        self._programs: OrderedDict[_Key, Program] = OrderedDict()  # least recently used first
         self._batch_sig: list[tuple[torch.dtype, torch.device, int]] | None = None
         self._last: Program | None = None
+        self._last_key: _Key | None = None
+        self._lock = threading.RLock()  # one call of this step at a time
 
     # --- batch checks ------------------------------------------------------
     def _check_batch(self, batch: tuple) -> None:
@@ -95,18 +192,33 @@ class CompiledStep:
                     raise BatchError(f"batch element {i} has rank {got[2]}, the step takes rank {want[2]}")
 
     # --- compilation -------------------------------------------------------
-    def _program(self, batch: tuple) -> Program:
-        key = (tuple((tuple(t.shape), t.dtype) for t in batch), self._spec_key(), self.model.training)
-        prog = self._programs.get(key)
-        if prog is None:
-            c = pipeline.Compilation(self.model, batch, self.optimizer, self.precision, _step_dtype())
-            c.device = self._device_spec()
-            prog = Program(pipeline.run(c))
-            if self.backend == "triton":
-                from nova.backends.triton import TritonProgram
+    def _key(self, batch: tuple) -> _Key:
+        m = self.model
+        params = tuple((*_tensor_sig(n, p), p.requires_grad) for n, p in m.named_parameters(remove_duplicate=False))
+        buffers = tuple(_tensor_sig(n, b) for n, b in m.named_buffers(remove_duplicate=False))
+        return _Key(tuple((tuple(t.shape), t.dtype) for t in batch), params, buffers, self._spec_key(), m.training)
 
-                prog.kernels = TritonProgram(prog.fn, self.precision)
+    def _program(self, batch: tuple) -> Program:
+        key = self._key(batch)
+        prog = self._programs.get(key)
+        if prog is not None:
+            self._programs.move_to_end(key)
+        else:
+            log.info("compiling a program for %s: %s", type(self.model).__name__, _why(self._last_key, key))
+            with _COMPILE_LOCK:
+                c = pipeline.Compilation(self.model, batch, self.optimizer, self.precision, _step_dtype())
+                c.device = self._device_spec()
+                prog = Program(pipeline.run(c))
+                if self.backend == "triton":
+                    from nova.backends.triton import TritonProgram
+
+                    prog.kernels = TritonProgram(prog.fn, self.precision)
             self._programs[key] = prog
+            while len(self._programs) > SETTINGS.program_cache_size:
+                old, _ = self._programs.popitem(last=False)
+                log.info("program cache full (NOVA_PROGRAM_CACHE_SIZE=%d): dropped the least recently used "
+                         "program (batch %s)", SETTINGS.program_cache_size, [s for s, _ in old.batch])  # fmt: skip
+        self._last_key = key
         return prog
 
     def _device_spec(self):
@@ -129,18 +241,21 @@ class CompiledStep:
 
     # --- running -----------------------------------------------------------
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
-        self._check_batch(batch)
-        prog = self._program(batch)
-        if self._batch_sig is None:
-            self._batch_sig = [(t.dtype, t.device, t.dim()) for t in batch]
-        self._last = prog
-        args, fresh_state = self._gather(prog, batch)
-        with torch.no_grad(), precision_mode(self.precision):
-            outs = prog.run(args)
-            self._write_back(prog, outs, fresh_state)
-        # what optimizer.step() records, so LR schedulers see a stepped optimizer
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]
-        return outs[0].detach()
+        with self._lock:
+            self._check_batch(batch)
+            prog = self._program(batch)
+            if self._batch_sig is None:
+                self._batch_sig = [(t.dtype, t.device, t.dim()) for t in batch]
+            self._last = prog
+            args, fresh_state = self._gather(prog, batch)
+            with torch.no_grad():
+                outs = prog.run(args, self.precision)
+                writes = self._prepare_write_back(prog, outs, fresh_state)
+                with _DeferSigint():
+                    _commit(writes, self.optimizer.state)
+            # what optimizer.step() records, so LR schedulers see a stepped optimizer
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]
+            return outs[0].detach()
 
     def _gather(self, prog: Program, batch: tuple):
         c = prog.compilation
@@ -168,34 +283,44 @@ class CompiledStep:
                 args.append(torch.tensor(value, dtype=torch.float64, device=device))
             elif s.role == "state":
                 pname, key = s.name.split("::")
-                st = self.optimizer.state.get(by_name[pname], {})
-                if key in st and st[key] is not None:
-                    args.append(st[key].to(device))
+                p = by_name[pname]
+                v = self.optimizer.state.get(p, {}).get(key)
+                if v is not None:
+                    args.append(_checked_state(pname, key, v, p, to_torch_dtype(elem_of(s.type)), shape_of(s.type)))
                 else:
-                    t = torch.zeros((), dtype=_step_dtype(), device=device) if key == "step" else torch.zeros_like(by_name[pname])
+                    t = torch.zeros((), dtype=_step_dtype(), device=device) if key == "step" else torch.zeros_like(p)
                     fresh[s.name] = t
                     args.append(t)
             else:
                 raise AssertionError(f"unknown argument role {s.role}")
         return args, fresh
 
-    def _write_back(self, prog: Program, outs: list[torch.Tensor], fresh: dict) -> None:
+    def _prepare_write_back(self, prog: Program, outs: list[torch.Tensor], fresh: dict) -> list[tuple]:
+        """Every write of the commit, checked and materialised: ``("copy", dst, src)``
+        with equal shapes and dtypes, or ``("store", param, key, tensor)``."""
         by_name = prog.compilation.captured.params
         state = self.optimizer.state
+        writes: list[tuple] = []
         for s, v in zip(result_slots(prog.fn), outs, strict=True):
             if s.role == "param":
-                by_name[s.name].copy_(v)
+                dst = by_name[s.name]
+                if v.shape != dst.shape or v.dtype != dst.dtype:
+                    raise AssertionError(f"program result for {s.name} is {v.dtype}{list(v.shape)}, "
+                                         f"the parameter {dst.dtype}{list(dst.shape)}")  # fmt: skip
+                writes.append(("copy", dst, v))
             elif s.role == "state":
                 pname, key = s.name.split("::")
                 p = by_name[pname]
-                st = state[p]  # defaultdict in torch.optim.Optimizer
-                if key in st and st[key] is not None:
-                    st[key].copy_(v)
+                cur = state.get(p, {}).get(key)
+                if s.name not in fresh and cur is not None:
+                    # an existing entry, checked in _gather: updated in place (a 1-element step keeps its layout)
+                    writes.append(("copy", cur, v.to(cur.dtype).reshape(cur.shape)))
                 elif key == "step":
                     # PyTorch's layout: a 0-d CPU tensor (unless capturable/fused)
-                    st[key] = v.detach().to("cpu").clone()
+                    writes.append(("store", p, key, v.detach().to("cpu").clone()))
                 else:
-                    st[key] = v.detach().clone(memory_format=torch.preserve_format)
+                    writes.append(("store", p, key, v.detach().clone(memory_format=torch.preserve_format)))
+        return writes
 
     # --- introspection -----------------------------------------------------
     def explain(self) -> str:
@@ -206,7 +331,8 @@ class CompiledStep:
         last = self._last.compilation
         c = pipeline.Compilation(self.model, last.batch, self.optimizer, self.precision, last.step_dtype)
         c.device = last.device
-        pipeline.run(c, dump=True)
+        with self._lock, _COMPILE_LOCK:
+            pipeline.run(c, dump=True)
         return "\n".join(f"// ===== after stage: {name} =====\n{text}" for name, text in c.stages.items())
 
     def kernel_sources(self) -> dict[str, str]:
@@ -218,6 +344,34 @@ class CompiledStep:
     @property
     def num_programs(self) -> int:
         return len(self._programs)
+
+
+def _checked_state(pname: str, key: str, v, p: torch.Tensor, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """An existing ``optimizer.state[p][key]`` as the program's argument, or a clear
+    error: a wrong shape would be broadcast silently, another dtype or device would
+    be computed in and written back into silently."""
+    where = f"optimizer.state[{pname!r}][{key!r}]"
+    if not isinstance(v, torch.Tensor):
+        raise CaptureError(f"{where} is a {type(v).__name__}, not a tensor (torch.optim keeps tensors)")
+    if key == "step":
+        # torch keeps a 0-d float tensor on the CPU (on the parameter's device when capturable)
+        if v.numel() != 1 or not v.is_floating_point():
+            raise CaptureError(f"{where} must be a one-element float tensor, got {v.dtype}{list(v.shape)}")
+        return v.detach().reshape(()).to(device=p.device, dtype=dtype)
+    if tuple(v.shape) != tuple(shape) or v.dtype != dtype or v.device != p.device:
+        raise CaptureError(f"{where} is {v.dtype}{list(v.shape)} on {v.device}; the parameter is "
+                           f"{dtype}{list(shape)} on {p.device} (nothing was run or written)")  # fmt: skip
+    return v.detach()
+
+
+def _commit(writes: list[tuple], state) -> None:
+    """The write-back: nothing in here can fail on checked inputs (same-shape,
+    same-dtype, same-device copies and dict stores), so it is all-or-nothing."""
+    for w in writes:
+        if w[0] == "copy":
+            w[1].copy_(w[2])
+        else:
+            state[w[1]][w[2]] = w[3]  # state is a defaultdict in torch.optim.Optimizer
 
 
 # option values that change the update's structure; the rest are read each call

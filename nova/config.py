@@ -2,6 +2,8 @@
 
   NOVA_VERIFY_EACH_STAGE=1   run the IR verifier after every pipeline stage
                              (the final IR is always verified); tests turn it on
+  NOVA_PROGRAM_CACHE_SIZE=N  programs a compiled step keeps (default 8): one per batch
+                             shape / parameter set / mode, least recently used evicted
   NOVA_CACHE_DIR=DIR         where generated kernels (and later compiled steps) are
                              kept (default ~/.cache/nova); read at each use
   TRITON_INTERPRET=1         (Triton's own) run generated kernels on the CPU
@@ -17,10 +19,21 @@ from pathlib import Path
 @dataclass(frozen=True)
 class Settings:
     verify_each_stage: bool = False
+    # a step keeps this many programs (LRU): each holds its IR and, on the GPU, its
+    # kernels; a changing sequence length would otherwise keep one per length forever
+    program_cache_size: int = 8
 
     @staticmethod
     def from_env() -> "Settings":
-        return Settings(verify_each_stage=os.environ.get("NOVA_VERIFY_EACH_STAGE", "0") not in ("", "0"))
+        size = os.environ.get("NOVA_PROGRAM_CACHE_SIZE", "8")
+        try:
+            n = int(size)
+        except ValueError:
+            raise ValueError(f"NOVA_PROGRAM_CACHE_SIZE must be a positive integer, got {size!r}") from None
+        if n < 1:
+            raise ValueError(f"NOVA_PROGRAM_CACHE_SIZE must be a positive integer, got {size!r}")
+        return Settings(verify_each_stage=os.environ.get("NOVA_VERIFY_EACH_STAGE", "0") not in ("", "0"),
+                        program_cache_size=n)  # fmt: skip
 
 
 SETTINGS = Settings.from_env()

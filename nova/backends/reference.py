@@ -165,7 +165,14 @@ def _cumsum(op, xs):
 
 @impl(nv.MatmulOp)
 def _matmul(op, xs):
-    return [torch.matmul(xs[0], xs[1])]
+    a, b = xs
+    if _MATMUL_PRECISION.get() == "tf32" and a.is_cuda and a.dtype == b.dtype == torch.float32:
+        # cuBLAS's tf32: operands rounded to nearest tf32, products and sums in f32;
+        # the Triton backend's "tf32-rn" (configurator.STEP_MATMUL_PRECISION) does the same
+        from nova.codegen.triton.matmul import round_to_tf32
+
+        a, b = round_to_tf32(a), round_to_tf32(b)
+    return [torch.matmul(a, b)]
 
 
 @impl(nv.SoftmaxOp)
@@ -332,10 +339,20 @@ def run_ops(ops, env: dict[SSAValue, torch.Tensor], device: torch.device) -> Non
             env[r] = t
 
 
+import contextvars  # noqa: E402  (beside its one use)
+
+# The matmul precision of the step this thread is running (run_function sets it).
+# torch's allow_tf32 flags are process-wide: a step that flipped them would run
+# another thread's fp32 step in tf32, so the executor never reads or sets them.
+_MATMUL_PRECISION: contextvars.ContextVar[str] = contextvars.ContextVar("nova_reference_precision", default="fp32")
+
+
 @contextlib.contextmanager
 def precision_mode(precision: str):
-    """tf32 lets f32 matmuls run on tensor cores in tf32 (GPU only; the CPU has
-    no tf32, so there it equals fp32); every other policy keeps full f32."""
+    """Eager PyTorch's tf32 setting for ``precision`` (tf32: the process-wide
+    ``allow_tf32`` flags on; GPU only, the CPU has no tf32), restored on exit. For
+    running *eager* code to compare against; Nova's executors take the precision as
+    an argument and never touch these flags (they would leak into other threads)."""
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision == "tf32"
     try:
@@ -344,14 +361,20 @@ def precision_mode(precision: str):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def run_function(fn: func.FuncOp, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Runs ``@train_step`` on positional arguments; returns its results."""
+def run_function(fn: func.FuncOp, args: Sequence[torch.Tensor], precision: str = "fp32") -> list[torch.Tensor]:
+    """Runs ``@train_step`` on positional arguments; returns its results.
+    ``precision``: the step's policy; "tf32" rounds f32 matmul operands to
+    nearest tf32 on CUDA (on the CPU tf32 is fp32), nothing global changes."""
     block = fn.body.block
     if len(args) != len(block.args):
         raise ValueError(f"@{fn.sym_name.data} takes {len(block.args)} arguments, got {len(args)}")
     device = args[0].device if args else torch.device("cpu")
     env: dict[SSAValue, torch.Tensor] = dict(zip(block.args, args))
-    run_ops(block.ops, env, device)
+    token = _MATMUL_PRECISION.set(precision)
+    try:
+        run_ops(block.ops, env, device)
+    finally:
+        _MATMUL_PRECISION.reset(token)
     ret = block.last_op
     return [env[v] for v in ret.operands]
 

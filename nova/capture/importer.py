@@ -94,8 +94,12 @@ def capture(model: torch.nn.Module, batch: tuple) -> Captured:
                 alias[ph] = seen[id(t)]
                 continue
             seen[id(t)] = ph
-            slots.append(_tensor_slot("param", spec.target, t))
-            cap.params[spec.target] = t
+            if not t.requires_grad:  # frozen: an input like a buffer; no gradient, no update (eager: grad None)
+                slots.append(_tensor_slot("buffer", spec.target, t))
+                cap.buffers[spec.target] = t
+            else:
+                slots.append(_tensor_slot("param", spec.target, t))
+                cap.params[spec.target] = t
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             t = model.get_buffer(spec.target) if spec.kind == InputKind.BUFFER else ep.constants[spec.target]
             name = spec.target if spec.kind == InputKind.BUFFER else f"constant.{spec.target}"

@@ -11,7 +11,9 @@ recompilation, and the numbers match eager PyTorch.
 State tensors keep PyTorch's layout (``step``, ``exp_avg``, ``exp_avg_sq``,
 ``max_exp_avg_sq``, ``momentum_buffer``); they enter as ``state`` arguments
 named ``<param>::<key>`` and leave as ``state`` results of the same name.
-Parameters without a gradient are skipped, as PyTorch skips ``grad is None``.
+Parameters without a gradient are skipped, as PyTorch skips ``grad is None``:
+frozen ones (``requires_grad`` False, captured as inputs like buffers) and those
+that do not reach the loss.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class OptimizerSpec:
         for g, group in enumerate(opt.param_groups):
             pnames = []
             for i, p in enumerate(group["params"]):
+                if not p.requires_grad:
+                    continue  # frozen: its grad is None, so torch.optim skips it (no decay, state or step)
                 if id(p) not in names:
                     raise CaptureError(
                         f"optimizer param_groups[{g}] parameter {i} (shape {tuple(p.shape)}) is not a "
