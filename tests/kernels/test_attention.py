@@ -35,21 +35,25 @@ def check(outs, refs, dtype, what):
     for i, (o, r) in enumerate(zip(outs, refs)):
         assert o.shape == r.shape and o.dtype == r.dtype, (what, i, o.dtype, r.dtype)
         assert o.is_contiguous()
+        inf = torch.isinf(r)  # lse of a row that masks every key: -inf on both sides
+        assert torch.equal(torch.isinf(o), inf) and torch.equal(o[inf], r[inf]), (what, i)
+        o, r = o.masked_fill(inf, 0), r.masked_fill(inf, 0)
         assert rel_err(o, r) < RTOL[dtype], (what, i, rel_err(o, r))
 
 
-def forward_and_backward(q, k, v, causal, scale, cfg=None, precision="fp32", grad=None):
-    """Runs both lowerings on (q, k, v) and checks them against the reference;
-    returns the kernels' (out, lse) and (dq, dk, dv)."""
+def forward_and_backward(q, k, v, causal, scale, cfg=None, precision="fp32", grad=None, bias=None):
+    """Runs both lowerings on (q, k, v[, bias]) and checks them against the
+    reference; returns the kernels' (out, lse) and (dq, dk, dv)."""
     fwd, bwd = lowerings()
     dtype = q.dtype
     props = {"causal": causal, "scale": scale}
-    op = build(nv.AttentionOp, [q, k, v], props)
-    outs = fwd(op, cfg, precision=precision).launch([q, k, v])
-    refs = IMPLS[nv.AttentionOp](op, [q, k, v])
+    z = [] if bias is None else [bias]
+    op = build(nv.AttentionOp, [q, k, v, *z], props)
+    outs = fwd(op, cfg, precision=precision).launch([q, k, v, *z])
+    refs = IMPLS[nv.AttentionOp](op, [q, k, v, *z])
     check(outs, refs, dtype, "forward")
     g = grad if grad is not None else rand(*q.shape, dtype=dtype, device=q.device, gen=torch.Generator().manual_seed(9))
-    ins = [g, q, k, v, refs[0], refs[1]]
+    ins = [g, q, k, v, refs[0], refs[1], *z]
     op = build(nv.AttentionBackwardOp, ins, props)
     grads = bwd(op, cfg, precision=precision).launch(ins)
     check(grads, IMPLS[nv.AttentionBackwardOp](op, ins), dtype, "backward")
@@ -95,6 +99,67 @@ def test_attention_strided_views_no_copy(device):
     op = build(nv.AttentionOp, [q, k, v], {"causal": True, "scale": 0.25})
     assert fwd(op, SMALL).needs_contiguous == ()
     forward_and_backward(q, k, v, True, 0.25, SMALL, grad=grad)
+
+
+def padding_bias(b, tk, lengths, dtype, device):
+    """[B, 1, 1, Tk]: 0 for the first lengths[i] keys of batch i, -inf after (a key
+    padding mask as the capture turns a boolean SDPA mask into); length 0 masks
+    every key of that batch."""
+    keep = torch.arange(tk)[None, :] < torch.tensor(lengths)[:, None]
+    zero = torch.zeros((), dtype=dtype)
+    return torch.where(keep, zero, torch.tensor(float("-inf"), dtype=dtype)).view(b, 1, 1, tk).to(device)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy under the interpreter: -inf - -inf
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_attention_padding_mask_bias(device, dtype, causal):
+    """A broadcast [B, 1, 1, Tk] padding bias read with stride 0 over heads and
+    queries; batch 1 masks every key (its rows give 0 and zero gradients, as SDPA),
+    batch 0 masks a tail that spans whole 16-key blocks (rows all -inf within a block)."""
+    q, k, v = qkv(3, 2, 37, 37, 16, dtype, device, seed=10)
+    bias = padding_bias(3, 37, [13, 0, 37], dtype, device)
+    assert bias.expand(3, 2, 37, 37).stride()[1:3] == (0, 0)
+    (out, lse), (dq, dk, dv) = forward_and_backward(q, k, v, causal, 0.25, SMALL, bias=bias)
+    assert torch.isneginf(lse[1]).all() and not out[1].any() and not dq[1].any() and not dk[1].any()
+    assert torch.isfinite(lse[0]).all() and not dk[0, :, 13:].any() and not dv[0, :, 13:].any()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_attention_float_bias_full_and_per_query(device, causal):
+    """A dense float bias [B, H, Tq, Tk] (ALiBi-like, an f32 bias beside bf16 q/k/v,
+    read through a transposed view), and a [1, 1, Tq, Tk] mask whose rows 3 and 30
+    mask every key; Tq != Tk, ragged over 16-tiles, D padded (24 -> 32)."""
+    gen = torch.Generator().manual_seed(11)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = qkv(2, 2, 35, 21, 24, dtype, device, seed=12)
+        dense = (rand(2, 2, 21, 35, gen=gen) * 2).to(device).transpose(-1, -2)  # strided [2, 2, 35, 21]
+        forward_and_backward(q, k, v, causal, 24**-0.5, SMALL, bias=dense)
+        mask = torch.where(torch.rand(1, 1, 35, 21, generator=gen) < 0.3, float("-inf"), 0.0)
+        mask[..., [3, 30], :] = float("-inf")
+        (out, lse), (dq, _, _) = forward_and_backward(q, k, v, causal, 24**-0.5, SMALL, bias=mask.to(device))
+        assert torch.isneginf(lse[:, :, [3, 30]]).all() and not out[:, :, [3, 30]].any() and not dq[:, :, [3, 30]].any()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_attention_bias_default_plan_and_f64(device):
+    """f64 (the natural-exp domain: the bias is added as it is) with the default tiles."""
+    q, k, v = qkv(1, 2, 19, 33, 8, torch.float64, device, seed=13)
+    bias = torch.randn(1, 2, 1, 33, generator=torch.Generator().manual_seed(14), dtype=torch.float64).to(device)
+    bias[..., 5] = float("-inf")
+    forward_and_backward(q, k, v, True, 0.3, bias=bias)
+
+
+def test_attention_bias_text_only_with_bias(device):
+    """Without a bias the kernels' text has no bias loads (and no dead-row guards)."""
+    fwd, bwd = lowerings()
+    q, k, v = qkv(1, 1, 16, 16, 16, torch.float32, device)
+    plain = fwd(build(nv.AttentionOp, [q, k, v], {"causal": True, "scale": 0.25}), SMALL)
+    assert "z_ptr" not in plain.source and "m_safe" not in plain.source
+    z = torch.zeros(1, 1, 1, 16)
+    biased = fwd(build(nv.AttentionOp, [q, k, v, z], {"causal": True, "scale": 0.25}), SMALL)
+    assert "szn" in biased.source and biased.name.endswith("_bias")
 
 
 def test_attention_backward_deterministic(device):
@@ -165,13 +230,22 @@ def sm90_cases():
         ins = [x, x, x, x, x, lse]
         op = build(nv.AttentionBackwardOp, ins, props)
         cases.append((lambda op=op, p=precision: bwd(op, None, precision=p), ins))
+    # with a broadcast padding bias (f32 beside bf16 data)
+    x, lse = torch.empty(2, 3, 200, 64, dtype=torch.bfloat16), torch.empty(2, 3, 200)
+    z = torch.empty(2, 1, 1, 200)
+    props = {"causal": True, "scale": 0.125}
+    op = build(nv.AttentionOp, [x, x, x, z], props)
+    cases.append((lambda op=op: fwd(op, None), [x, x, x, z]))
+    ins = [x, x, x, x, x, lse, z]
+    op = build(nv.AttentionBackwardOp, ins, props)
+    cases.append((lambda op=op: bwd(op, None), ins))
     return cases
 
 
 def test_kernels_build_for_sm90():
     """The generated text compiles to sm_90 cubins, f64 dots included (no GPU needed)."""
     out = run_sm90_build(__file__).split()
-    assert out.count("attention_fwd") == 3 and out.count("attention_bwd_dkdv") == 3 and out.count("attention_bwd_dq") == 3
+    assert out.count("attention_fwd") == 4 and out.count("attention_bwd_dkdv") == 4 and out.count("attention_bwd_dq") == 4
 
 
 if __name__ == "__main__":

@@ -21,6 +21,14 @@ Design choices, and why:
   query blocks for its key block and a dQ kernel walks key blocks for its query
   block, both recomputing P = exp(q k^T * scale - lse). No atomics: every output
   element is written by exactly one program, so gradients are deterministic.
+* An optional additive ``bias`` (rank 4, broadcasting to the scores [B, H, Tq, Tk]:
+  a boolean mask arrives as 0 / -inf) is loaded tile by tile through its own four
+  strides (0 on broadcast dims: a [B, 1, 1, Tk] padding mask is never expanded in
+  memory) in the forward and in both backward walks, added to q k^T * scale before
+  the causal mask. With a bias a row can be all -inf: the forward's online softmax
+  then takes exp relative to 0 (no inf - inf), a row that masks every key gives 0
+  and lse -inf, and the backward's P is 0 there (as torch's SDPA). The bias's own
+  gradient is not computed here (autodiff builds it from plain ops).
 * Contractions use tl.dot with fp32 accumulation. 16-bit operands go in as they
   are (P and dS are rounded to the operand dtype before their dots, as FA2 does);
   fp32 operands use ``input_precision="ieee"`` unless the module's precision
@@ -139,8 +147,9 @@ def _input_precision(dtype: torch.dtype, precision: str) -> str:
 class _Gen:
     """Text snippets shared by the forward and backward kernels of one shape."""
 
-    def __init__(self, b, h, tq, tk, d, dtype, causal, scale, bm, bn, ip):
+    def __init__(self, b, h, tq, tk, d, dtype, causal, scale, bm, bn, ip, bias=False):
         self.b, self.h, self.tq, self.tk, self.d = b, h, tq, tk, d
+        self.bias = bias  # an additive [B, H, Tq, Tk] (broadcast) score bias operand
         self.bd = max(16, next_pow2(d))
         self.dtype, self.causal, self.scale, self.bm, self.bn = dtype, causal, scale, bm, bn
         self.f64 = dtype == torch.float64
@@ -191,6 +200,23 @@ class _Gen:
     def store(self, ptr: str, value: str, mask: str | None) -> str:
         return f"tl.store({ptr}, {value})" if mask is None else f"tl.store({ptr}, {value}, mask={mask})"
 
+    def bias_tile(self, rows: str, cols: str, mask: str | None) -> str:
+        """`` + bias`` of the score tile (in the exp domain), or nothing without a
+        bias. ``rows`` / ``cols``: index expressions of the tile's two axes, already
+        broadcast ("offs_m[:, None] * szm", "offs_n[None, :] * szn", ...)."""
+        if not self.bias:
+            return ""
+        tile = self.load(f"z_base + {rows} + {cols}", mask)
+        to_exp = "" if self.f64 else f" * {_LOG2E!r}"
+        return f" + {tile}.to({self.acc}){to_exp}"
+
+    def dead_rows(self, p: str, lse: str) -> str:
+        """A line zeroing ``p`` where the row's lse is -inf (every key masked by the
+        bias: torch's SDPA gives 0 there), or nothing without a bias."""
+        if not self.bias:
+            return ""
+        return f'\n    {p} = tl.where({lse} == float("-inf"), 0.0, {p})'
+
     def head_base(self, prefix: str) -> str:
         return f"{prefix}_ptr + b * s{prefix}b + h * s{prefix}h"
 
@@ -205,6 +231,9 @@ class _Gen:
 
 def _strides(prefix: str) -> list[str]:
     return [f"s{prefix}{c}" for c in "bhtd"]
+
+
+_BIAS_STRIDES = ["szb", "szh", "szm", "szn"]  # the bias: batch, head, query, key
 
 
 def _kernel(name: str, params: list[str], body: str) -> str:
@@ -252,14 +281,18 @@ def attention_forward_source(g: _Gen) -> str:
         v = g.load("v_base + offs_n[:, None] * svt + offs_d[None, :] * svd", g.mask(v_n_ok, g.d_ok("row")))
         lo, hi = ("masked_lo", "masked_hi") if masked else ("0", "full_hi")
         where = f"\n    s = tl.where({keep}, s, float(\"-inf\"))" if masked and keep else ""
+        bias = g.bias_tile("offs_m[:, None] * szm", "offs_n[None, :] * szn", g.mask(m_ok, n_ok))
+        # with a bias a row can be all -inf so far (or for good): exp relative to 0 then
+        m_ref = "m_safe" if g.bias else "m_new"
+        safe = '\n    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)' if g.bias else ""
         return f"""
 for n0 in range({lo}, {hi}, BLOCK_N):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     kt = {kt}
-    s = {g.dot("q", "kt")} * {g.qk_scale!r}{where}
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = {g.exp}(s - m_new[:, None])
-    alpha = {g.exp}(m_i - m_new)
+    s = {g.dot("q", "kt")} * {g.qk_scale!r}{bias}{where}
+    m_new = tl.maximum(m_i, tl.max(s, axis=1)){safe}
+    p = {g.exp}(s - {m_ref}[:, None])
+    alpha = {g.exp}(m_i - {m_ref})
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = {v}
     acc = {g.dot(g.operand("p"), "v", "acc * alpha[:, None]")}
@@ -268,6 +301,9 @@ for n0 in range({lo}, {hi}, BLOCK_N):
 
     ranges = _key_ranges(g, tk, full_keys, explain=True)
     lse = "m_i + tl.log(l_i)" if g.f64 else f"(m_i + tl.log2(l_i)) * {_LN2!r}"
+    bias_base = f"\n            z_base = {g.head_base('z')}" if g.bias else ""
+    # a row whose every key is masked (l_i = 0, lse = -inf) gives 0, as torch's SDPA
+    out = "tl.where(l_i[:, None] == 0.0, 0.0, acc / l_i[:, None])" if g.bias else "acc / l_i[:, None]"
     q = g.load("q_base + offs_m[:, None] * sqt + offs_d[None, :] * sqd", g.mask(m_ok, g.d_ok("row")))
     body = "\n".join([
         "start_m = tl.program_id(0) * BLOCK_M",
@@ -276,7 +312,7 @@ for n0 in range({lo}, {hi}, BLOCK_N):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q_base = {g.head_base('q')}
             k_base = {g.head_base('k')}
-            v_base = {g.head_base('v')}
+            v_base = {g.head_base('v')}{bias_base}
             q = {q}
             m_i = tl.full((BLOCK_M,), float("-inf"), {g.acc})
             l_i = tl.zeros((BLOCK_M,), {g.acc})
@@ -286,13 +322,16 @@ for n0 in range({lo}, {hi}, BLOCK_N):
         key_loop(False),
         key_loop(True) if (g.causal or tk % g.bn) else "",
         _ind(f"""
-            out = acc / l_i[:, None]
+            out = {out}
             o_base = o_ptr + pid_bh.to(tl.int64) * {tq * g.d}
             {g.store(f"o_base + offs_m[:, None] * {g.d} + offs_d[None, :]", f"out.to({g.ty})", g.mask(m_ok, g.d_ok("row")))}
             {g.store(f"lse_ptr + pid_bh.to(tl.int64) * {tq} + offs_m", lse, None if tq % g.bm == 0 else f"offs_m < {tq}")}
         """, 0),
     ])
     params = ["q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr", *_strides("q"), *_strides("k"), *_strides("v")]
+    if g.bias:
+        params[3:3] = ["z_ptr"]
+        params += _BIAS_STRIDES
     return g.header("attention forward") + _kernel("attention_fwd", params, body)
 
 
@@ -332,6 +371,8 @@ def attention_backward_source(g_kv: _Gen, g_q: _Gen) -> str:
         do = g.load("do_base + offs_m[:, None] * sdot + offs_d[None, :] * sdod", g.mask(m_ok_row, g.d_ok("row")))
         causal = "\n    pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)" if masked else ""
         lo, hi = ("masked_lo", "masked_hi") if masked else ("full_lo", str(tq))
+        bias = g.bias_tile("offs_n[:, None] * szn", "offs_m[None, :] * szm", g.mask(n_ok_row, m_ok_col))
+        dead = g.dead_rows("pt", "lse[None, :]")
         return f"""
 for m0 in range({lo}, {hi}, BLOCK_M):
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -339,7 +380,7 @@ for m0 in range({lo}, {hi}, BLOCK_M):
     do = {do}
     lse = {lse_in.format(rows='offs_m', mask=row_mask('offs_m'))}
     dl = {delta_in.format(rows='offs_m', mask=row_mask('offs_m'))}
-    pt = {g.exp}({g.dot("k", "qt")} * {g.qk_scale!r} - lse[None, :]){causal}
+    pt = {g.exp}({g.dot("k", "qt")} * {g.qk_scale!r}{bias} - lse[None, :]){dead}{causal}
     dv = {g.dot(g.operand("pt"), "do", "dv")}
     dpt = {g.dot("v", "tl.trans(do)")}
     dst = pt * (dpt - dl[None, :])
@@ -355,13 +396,14 @@ for m0 in range({lo}, {hi}, BLOCK_M):
         """
     else:
         ranges = "full_lo = 0"
+    bias_base = f"\n            z_base = {g.head_base('z')}" if g.bias else ""
     dkdv_body = "\n".join([
         "start_n = tl.program_id(0) * BLOCK_N",
         g.bh(),
         _ind(f"""
             offs_n = start_n + tl.arange(0, BLOCK_N)
             q_base = {g.head_base('q')}
-            do_base = {g.head_base('do')}
+            do_base = {g.head_base('do')}{bias_base}
             k = {g.load(f"{g.head_base('k')} + offs_n[:, None] * skt + offs_d[None, :] * skd", kv_mask)}
             v = {g.load(f"{g.head_base('v')} + offs_n[:, None] * svt + offs_d[None, :] * svd", kv_mask)}
             dk = tl.zeros((BLOCK_N, BLOCK_D), {g.acc})
@@ -390,25 +432,28 @@ for m0 in range({lo}, {hi}, BLOCK_M):
         vt = g.load("v_base + offs_n[None, :] * svt + offs_d[:, None] * svd", g.mask(n_ok, g.d_ok("col")))
         where = f"\n    p = tl.where({keep}, p, 0.0)" if masked and keep else ""
         lo, hi = ("masked_lo", "masked_hi") if masked else ("0", "full_hi")
+        bias = g.bias_tile("offs_m[:, None] * szm", "offs_n[None, :] * szn", g.mask(m_ok_row, n_ok))
+        dead = g.dead_rows("p", "lse[:, None]")
         return f"""
 for n0 in range({lo}, {hi}, BLOCK_N):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     kt = {kt}
     vt = {vt}
-    p = {g.exp}({g.dot("q", "kt")} * {g.qk_scale!r} - lse[:, None]){where}
+    p = {g.exp}({g.dot("q", "kt")} * {g.qk_scale!r}{bias} - lse[:, None]){dead}{where}
     dp = {g.dot("do", "vt")}
     ds = p * (dp - dl[:, None])
     dq = {g.dot(g.operand("ds"), "tl.trans(kt)", "dq")}
 """.strip("\n")
 
     ranges = _key_ranges(g, tk, full_keys)
+    bias_base = f"\n            z_base = {g.head_base('z')}" if g.bias else ""
     dq_body = "\n".join([
         "start_m = tl.program_id(0) * BLOCK_M",
         g.bh(),
         _ind(f"""
             offs_m = start_m + tl.arange(0, BLOCK_M)
             k_base = {g.head_base('k')}
-            v_base = {g.head_base('v')}
+            v_base = {g.head_base('v')}{bias_base}
             q = {g.load(f"{g.head_base('q')} + offs_m[:, None] * sqt + offs_d[None, :] * sqd", q_mask)}
             do = {g.load(f"{g.head_base('do')} + offs_m[:, None] * sdot + offs_d[None, :] * sdod", q_mask)}
             lse = {lse_in.format(rows='offs_m', mask=row_mask('offs_m'))}
@@ -424,7 +469,8 @@ for n0 in range({lo}, {hi}, BLOCK_N):
         """, 0),
     ])
 
-    lse_strides = ["slb", "slh", "slt"]
+    lse_strides = ["slb", "slh", "slt"] + (_BIAS_STRIDES if g.bias else [])
+    z = ["z_ptr"] if g.bias else []
     dkdv_body = re.sub(r"\bBLOCK_([MN])\b", r"KV_BLOCK_\1", dkdv_body)
     dq_body = re.sub(r"\bBLOCK_([MN])\b", r"Q_BLOCK_\1", dq_body)
     header = g.header("attention backward", {
@@ -435,13 +481,13 @@ for n0 in range({lo}, {hi}, BLOCK_N):
         + _kernel("attention_bwd_delta", ["do_ptr", "o_ptr", "delta_ptr", *_strides("do"), *_strides("o")], delta_body)
         + _kernel(
             "attention_bwd_dkdv",
-            ["q_ptr", "k_ptr", "v_ptr", "do_ptr", "lse_ptr", "delta_ptr", "dk_ptr", "dv_ptr",
+            ["q_ptr", "k_ptr", "v_ptr", *z, "do_ptr", "lse_ptr", "delta_ptr", "dk_ptr", "dv_ptr",
              *_strides("q"), *_strides("k"), *_strides("v"), *_strides("do"), *lse_strides],
             dkdv_body,
         )
         + _kernel(
             "attention_bwd_dq",
-            ["q_ptr", "k_ptr", "v_ptr", "do_ptr", "lse_ptr", "delta_ptr", "dq_ptr",
+            ["q_ptr", "k_ptr", "v_ptr", *z, "do_ptr", "lse_ptr", "delta_ptr", "dq_ptr",
              *_strides("q"), *_strides("k"), *_strides("v"), *_strides("do"), *lse_strides],
             dq_body,
         )
@@ -477,8 +523,12 @@ def _plan(op, cfg, precision: str, kernel: str) -> tuple[_Gen, int, int]:
     _check_dtype(dtype)
     _check_head_dim(d)
     p = op.props()
+    bias = len(op.operands) == (7 if backward else 4)
+    if bias:
+        _check_dtype(_dtype(op.operands[-1].type))
     bm, bn, warps, stages = attention_plan(tq, tk, d, dtype, cfg, kernel)
-    g = _Gen(b, h, tq, tk, d, dtype, bool(p["causal"]), float(p["scale"]), bm, bn, _input_precision(dtype, precision))
+    g = _Gen(b, h, tq, tk, d, dtype, bool(p["causal"]), float(p["scale"]), bm, bn, _input_precision(dtype, precision),
+             bias)
     return g, warps, stages
 
 
@@ -495,7 +545,16 @@ def _strides4(t: torch.Tensor) -> list[int]:
 
 
 def _name(kind: str, g: _Gen) -> str:
-    return f"nova_attention_{kind}_{g.b}x{g.h}x{g.tq}x{g.tk}x{g.d}{'_causal' if g.causal else ''}"
+    return f"nova_attention_{kind}_{g.b}x{g.h}x{g.tq}x{g.tk}x{g.d}{'_causal' if g.causal else ''}{'_bias' if g.bias else ''}"
+
+
+def _bias_args(g: _Gen, bias: list[torch.Tensor]) -> tuple[list, list[int]]:
+    """([bias pointer], its four strides) with the bias broadcast to the scores
+    [B, H, Tq, Tk] as a view (stride 0 on broadcast dims); ([], []) without one."""
+    if not bias:
+        return [], []
+    z = bias[0].expand(g.b, g.h, g.tq, g.tk)
+    return [z], list(z.stride())
 
 
 @lowers(nv.AttentionOp)
@@ -511,15 +570,16 @@ def lower_attention(op, cfg: LoweringConfig | None = None, *, precision: str = "
 
     def launch(inputs):
         _check_inputs(name, op, inputs)
-        q, k, v = inputs
+        q, k, v, *bias = inputs
+        z, z_strides = _bias_args(g, bias)
         out = torch.empty((g.b, g.h, g.tq, g.d), dtype=g.dtype, device=q.device)
         lse = torch.empty((g.b, g.h, g.tq), dtype=lse_dtype, device=q.device)
         if out.numel() == 0:
             return [out, lse]
         if g.tk == 0:  # softmax over no keys: the reference's 0 / 0
             return [out.fill_(float("nan")), lse.fill_(float("-inf"))]
-        _check_spans(name, max(g.bm, g.bn, g.bd), q, k, v)
-        kernel[grid](q, k, v, out, lse, *_strides4(q), *_strides4(k), *_strides4(v),
+        _check_spans(name, max(g.bm, g.bn, g.bd), q, k, v, *z)
+        kernel[grid](q, k, v, *z, out, lse, *_strides4(q), *_strides4(k), *_strides4(v), *z_strides,
                      num_warps=warps, num_stages=stages)
         return [out, lse]
 
@@ -544,20 +604,21 @@ def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision
 
     def launch(inputs):
         _check_inputs(name, op, inputs)
-        do, q, k, v, o, lse = inputs
+        do, q, k, v, o, lse, *bias = inputs
+        z, z_strides = _bias_args(g, bias)
         dev = q.device
         dq = torch.empty((g.b, g.h, g.tq, g.d), dtype=g.dtype, device=dev)
         dk = torch.empty((g.b, g.h, g.tk, g.d), dtype=g.dtype, device=dev)
         dv = torch.empty((g.b, g.h, g.tk, g.d), dtype=g.dtype, device=dev)
         if bh * g.d == 0 or g.tq == 0 or g.tk == 0:
             return [dq.zero_(), dk.zero_(), dv.zero_()]
-        _check_spans(name, 256, do, q, k, v, o)
+        _check_spans(name, 256, do, q, k, v, o, *z)
         delta = torch.empty((bh, g.tq), dtype=stat, device=dev)
         delta_k[(math.ceil(g.tq / _delta_rows(g.bd)), bh)](do, o, delta, *_strides4(do), *_strides4(o), num_warps=4)
-        common = [*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do), *lse.stride()]
-        dkdv_k[(math.ceil(g.tk / g_kv.bn), bh)](q, k, v, do, lse, delta, dk, dv, *common,
+        common = [*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do), *lse.stride(), *z_strides]
+        dkdv_k[(math.ceil(g.tk / g_kv.bn), bh)](q, k, v, *z, do, lse, delta, dk, dv, *common,
                                                  num_warps=kv_warps, num_stages=kv_stages)
-        dq_k[(math.ceil(g.tq / g_q.bm), bh)](q, k, v, do, lse, delta, dq, *common,
+        dq_k[(math.ceil(g.tq / g_q.bm), bh)](q, k, v, *z, do, lse, delta, dq, *common,
                                               num_warps=q_warps, num_stages=q_stages)
         return [dq, dk, dv]
 
