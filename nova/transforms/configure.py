@@ -32,7 +32,27 @@ ROWWISE = {
     nv.LogSoftmaxBackwardOp: "log_softmax", nv.LayerNormOp: "layernorm",
     nv.LayerNormBackwardOp: "layernorm", nv.CrossEntropyOp: "cross_entropy",
     nv.CrossEntropyBackwardOp: "cross_entropy", nv.ReduceSumOp: "sum", nv.ReduceMaxOp: "max",
+    # a scan reads each row once and writes it once, like a sum (it is never split:
+    # the lowering ignores split_k)
+    nv.CumsumOp: "sum",
 }  # fmt: skip
+# ops scheduled by the elementwise model (one stream in, one out per element):
+# arithmetic, compares, activations, casts, generators, pad, and the embedding
+# gather / scatter (``block`` is their row-segment width)
+ELEMENTWISE = (
+    nv.AddOp, nv.SubOp, nv.MulOp, nv.DivOp, nv.MaximumOp, nv.PowOp,
+    nv.EqOp, nv.NeOp, nv.LtOp, nv.LeOp, nv.GtOp, nv.GeOp, nv.WhereOp,
+    nv.NegOp, nv.ExpOp, nv.LogOp, nv.SqrtOp, nv.RsqrtOp, nv.TanhOp, nv.SigmoidOp, nv.ReluOp,
+    nv.CosOp, nv.SinOp, nv.AbsOp, nv.GeluOp, nv.GeluBackwardOp,
+    nv.CastOp, nv.FullOp, nv.ArangeOp, nv.DropoutMaskOp, nv.PadOp, nv.EmbeddingOp, nv.EmbeddingBackwardOp,
+)  # fmt: skip
+# the integer and mask dtypes, for models that need only the element size: the
+# float of the same (or the nearest supported) width
+_SIZE_ALIKE = {torch.int64: torch.float64, torch.bool: torch.float16}
+
+
+class NoScheduleError(NotImplementedError):
+    """An op the configure stage has no schedule rule for (the message names it)."""
 
 
 def _swaps_last_two(v) -> bool:
@@ -68,15 +88,18 @@ def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringC
             dims = op.props()["dims"]
             cols = numel([x[d] for d in dims])
         elif "dim" in op.PROPS:
-            cols = x[op.props()["dim"]]
+            cols = x[op.props()["dim"]] if x else 1  # a 0-d cumsum: one element
         else:
             cols = x[-1]
         rows = max(1, numel(x) // max(cols, 1))
-        return cf.configure_reduction(rows, cols, to_torch_dtype(elem_of(op.operands[0].type)), device, ROWWISE[type(op)])
+        in_dt = to_torch_dtype(elem_of(op.operands[0].type))
+        return cf.configure_reduction(rows, max(cols, 1), _SIZE_ALIKE.get(in_dt, in_dt), device, ROWWISE[type(op)])
+    if not isinstance(op, ELEMENTWISE):
+        raise NoScheduleError(f"the configure stage has no schedule rule for {op.name}")
     shape = shape_of(op.results[0].type)
     # the elementwise model needs only the element size: integers and masks are
     # scheduled as the float of the same (or the nearest supported) width
-    dt = {torch.int64: torch.float64, torch.bool: torch.float16}.get(dt, dt)
+    dt = _SIZE_ALIKE.get(dt, dt)
     # generators (full, arange) read no tensor but still write one: count the output as the stream
     return cf.configure_elementwise(numel(shape), dt, max(1, len(op.operands)), device)
 

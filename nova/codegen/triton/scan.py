@@ -54,7 +54,9 @@ def scan_plan(count: int, n: int, cfg: LoweringConfig | None) -> tuple[int, int,
     if cfg is not None and cfg.block_m:
         br = min(br, cfg.block_m)
     br = max(1, min(br, next_pow2(count)))
-    warps = cfg.num_warps if cfg is not None and cfg.num_warps else max(1, min(8, br * bc // 512))
+    # at least 8 values per thread: cfg's warps were sized for its block, which may be capped here
+    most = cfg.num_warps if cfg is not None and cfg.num_warps else 8
+    warps = max(1, min(most, br * bc // 256))
     return br, bc, warps
 
 
