@@ -99,6 +99,11 @@ def _sub(b, op, cts):
 def _mul(b, op, cts):
     (g,) = cts
     x, y = op.operands
+    if x is y:
+        # x * x (torch's pow(x, 2) and square): one cotangent g * 2x, as torch's
+        # pow backward computes it, not two halves that autodiff adds later
+        # (summed with x's other uses in another order, they round differently)
+        return [b.mul(g, b.scale(x, 2.0)), None]
     return _unbroadcast(b, op, [b.mul(g, y), b.mul(g, x)])
 
 

@@ -133,7 +133,26 @@ converts(aten.sub.Tensor, aten.sub.Scalar)(_binary(nv.SubOp))
 converts(aten.mul.Tensor, aten.mul.Scalar)(_binary(nv.MulOp))
 converts(aten.div.Tensor, aten.div.Scalar)(_binary(nv.DivOp, true_division=True))
 converts(aten.maximum.default)(_binary(nv.MaximumOp))
-converts(aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor)(_binary(nv.PowOp))
+converts(aten.pow.Tensor_Tensor)(_binary(nv.PowOp))
+
+
+@converts(aten.pow.Tensor_Scalar)
+def _pow_scalar(cx, x, exponent):
+    # torch computes these exponents with plain multiplications and roots (its
+    # pow kernel's fast paths), which round differently from exp/log pow
+    if is_float(x.type) and not isinstance(exponent, bool) and exponent in (2, 3, 0.5, -0.5, -1, -2):
+        e = float(exponent)
+        if e == 2:
+            return cx.b.mul(x, x)
+        if e == 3:
+            return cx.b.mul(cx.b.mul(x, x), x)
+        if e == 0.5:
+            return cx.b.one(nv.SqrtOp, [x])
+        if e == -0.5:
+            return cx.b.one(nv.RsqrtOp, [x])
+        one = cx.b.scalar(1.0, x)
+        return cx.b.div(one, x if e == -1 else cx.b.mul(x, x))
+    return _binary(nv.PowOp)(cx, x, exponent)
 converts(operator.add)(_binary(nv.AddOp))
 converts(operator.mul)(_binary(nv.MulOp))
 
@@ -326,15 +345,29 @@ def _arange(cx, *args, dtype=None, **kw):
     return cast_to(cx, out, dtype) if dtype is not None else out
 
 
-@converts(aten.dropout.default, aten.native_dropout.default)
+@converts(aten.native_dropout.default)
+def _native_dropout(cx, x, p, train=True):
+    # (output, keep mask): the mask says where the multiplier is not 0
+    scale = _dropout_scale(cx, x, p, train)
+    if scale is None:
+        return x, cx.b.full(1.0, _shape(x), i1)
+    return cx.b.mul(x, scale), cx.b.one(nv.NeOp, [scale, cx.b.scalar(0.0, scale)])
+
+
+@converts(aten.dropout.default)
 def _dropout(cx, x, p, train=True):
+    scale = _dropout_scale(cx, x, p, train)
+    return x if scale is None else cx.b.mul(x, scale)
+
+
+def _dropout_scale(cx, x, p, train):
+    """The dropout multiplier (0 or 1/(1-p)) for x, or None when dropout is off."""
     if not train or p == 0.0:
-        return x
+        return None
     if p >= 1.0:
         return cx.b.full(0.0, _shape(x), elem_of(x.type))
     cx.salt += 1
-    mask = cx.b.one(nv.DropoutMaskOp, [cx.seed()], {"p": float(p), "salt": cx.salt}, x.type)
-    return cx.b.mul(x, mask)
+    return cx.b.one(nv.DropoutMaskOp, [cx.seed()], {"p": float(p), "salt": cx.salt}, x.type)
 
 
 # --- shapes ----------------------------------------------------------------
@@ -488,7 +521,8 @@ def _mean(cx, x, dim=None, keepdim=False, dtype=None):
         x = cx.b.cast(x, from_torch_dtype(dtype))
     dims = _dims(x, dim)
     n = numel([_shape(x)[d] for d in dims])
-    return cx.b.scale(cx.b.reduce_sum(x, dims, keepdim), 1.0 / n)
+    # sum / n as torch does (not sum * (1/n), which rounds differently)
+    return cx.b.div(cx.b.reduce_sum(x, dims, keepdim), cx.b.scalar(float(n), x))
 
 
 @converts(aten.var.correction, aten.var.dim)
@@ -556,16 +590,24 @@ def _addmm(cx, bias, a, b, beta=1, alpha=1):
 
 
 def _softmax_like(op_cls):
-    def convert(cx, x, dim, half_to_float=False, dtype=None):
+    # softmax.int(x, dim, dtype=None) takes a dtype third;
+    # _softmax(x, dim, half_to_float) a flag (f16 in, f32 out)
+    def convert(cx, x, dim, dtype=None):
         if dtype is not None:
             x = cx.b.cast(x, from_torch_dtype(dtype))
         return cx.b.one(op_cls, [x], {"dim": _dim(dim, len(_shape(x)))})
 
-    return convert
+    def convert_internal(cx, x, dim, half_to_float=False):
+        return convert(cx, x, dim, torch.float32 if half_to_float else None)
+
+    return convert, convert_internal
 
 
-converts(aten.softmax.int, aten._softmax.default)(_softmax_like(nv.SoftmaxOp))
-converts(aten.log_softmax.int, aten._log_softmax.default)(_softmax_like(nv.LogSoftmaxOp))
+for _public, _internal, _cls in [(aten.softmax.int, aten._softmax.default, nv.SoftmaxOp),
+                                 (aten.log_softmax.int, aten._log_softmax.default, nv.LogSoftmaxOp)]:  # fmt: skip
+    _by_dtype, _by_flag = _softmax_like(_cls)
+    converts(_public)(_by_dtype)
+    converts(_internal)(_by_flag)
 
 
 @converts(aten.layer_norm.default)

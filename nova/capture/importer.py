@@ -70,8 +70,37 @@ def export(model: torch.nn.Module, batch: tuple) -> torch.export.ExportedProgram
         raise CaptureError(f"tracing the model with torch.export failed: {type(e).__name__}: {e}") from e
 
 
+def _unconverted(ep: torch.export.ExportedProgram) -> set:
+    return {
+        n.target for n in ep.graph.nodes
+        if n.op == "call_function" and n.target not in CONVERTERS and n.target not in IGNORED
+        and n.target is not operator.getitem
+    }  # fmt: skip
+
+
+def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Decomposes every op without a nova conversion through PyTorch's own
+    decomposition table (torch.export's default, towards core ATen), round by
+    round while that makes progress. Ops Nova converts are never decomposed, so
+    the high-level ones it fuses later (linear, layer_norm, attention,
+    cross_entropy, gelu) stay whole; what is left is reported by ``capture``."""
+    table = torch.export.default_decompositions()
+    for _ in range(_DECOMPOSE_ROUNDS):
+        todo = {op: table[op] for op in _unconverted(ep) if op in table}
+        if not todo:
+            break
+        try:
+            ep = ep.run_decompositions(todo)
+        except Exception:  # a decomposition torch cannot apply here: report the ops as they are
+            break
+    return ep
+
+
+_DECOMPOSE_ROUNDS = 4  # a decomposition's output rarely needs more than two further rounds
+
+
 def capture(model: torch.nn.Module, batch: tuple) -> Captured:
-    ep = export(model, batch)
+    ep = decompose(export(model, batch))
     sig = ep.graph_signature
     problems: list[tuple[str, str]] = []
 
@@ -148,6 +177,9 @@ def capture(model: torch.nn.Module, batch: tuple) -> Captured:
         if node.target is operator.getitem:
             src, i = node.args
             if src in env:
+                if not isinstance(env[src], tuple):
+                    problems.append((f"item {i} of {src.target}, which Nova converted to one value", where))
+                    continue
                 env[node] = env[src][i]
             continue
         conv = CONVERTERS.get(node.target)
@@ -165,6 +197,10 @@ def capture(model: torch.nn.Module, batch: tuple) -> Captured:
             env[node] = conv(cx, *args, **kwargs)
         except Unsupported as e:
             problems.append((f"{node.target}: {e}", where))
+        except Exception as e:  # noqa: BLE001 - a converter's own failure is still this op's problem
+            # (an operand type the converter did not foresee, a verifier
+            # rejecting what it built): reported with the others, never raised raw
+            problems.append((f"{node.target}: cannot convert these arguments ({type(e).__name__}: {e})", where))
     b.location = None
 
     if problems:
@@ -177,5 +213,8 @@ def capture(model: torch.nn.Module, batch: tuple) -> Captured:
     if not isinstance(loss, SSAValue) or shape_of(loss.type) != () or not is_float(loss.type):
         raise CaptureError(f"the model must return a 0-d floating-point loss; it returned {loss.type}")
     set_results(fn, [("loss", "loss", loss)])
-    module.verify()
+    try:
+        module.verify()
+    except Exception as e:  # noqa: BLE001 - a converter bug must not surface as an xDSL error
+        raise CaptureError(f"the captured program does not verify (a bug in Nova's capture): {e}") from e
     return cap

@@ -172,12 +172,13 @@ def test_tied_embedding_accumulates_both_uses():
 
 def test_value_used_twice_accumulates_with_add():
     module, fn, b, (w,) = _step([Slot("param", "w", T(3))])
-    set_results(fn, [("loss", "loss", b.reduce_sum(b.mul(w, w), (0,)))])
+    # w feeds two different ops (mul(w, w) alone is a square, whose rule returns one cotangent)
+    set_results(fn, [("loss", "loss", b.reduce_sum(b.mul(w, b.one(nv.ExpOp, [w])), (0,)))])
     append_backward(module)
     text = print_module(module)
     assert '"nova.add"' in text
     wv = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
-    torch.testing.assert_close(run_function(fn, [wv])[1], 2 * wv)
+    torch.testing.assert_close(run_function(fn, [wv])[1], torch.exp(wv) * (1 + wv))
 
 
 def test_attention_block_backward():
