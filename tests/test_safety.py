@@ -123,8 +123,6 @@ def test_a_parameter_that_does_not_reach_the_loss_is_not_updated():
     assert_same(m, om, e, oe)
 
 
-@pytest.mark.xfail(strict=True, reason="nova/capture/aten.py converts aten.detach as a no-op, so autodiff "
-                   "differentiates through p.detach(): a silent wrong gradient (reported to the lead)")  # fmt: skip
 def test_a_parameter_reaching_the_loss_only_through_detach_gets_no_gradient_from_it():
     class Detached(Net):
         def forward(self, x):

@@ -25,6 +25,7 @@ from xdsl.passes import ModulePass
 
 from nova.autodiff.rules import VJP_RULES
 from nova.errors import AutodiffError
+from nova.ir.dialect import StopGradientOp
 from nova.ir.builder import OpBuilder
 from nova.ir.module import arg_slots, return_op, returned, set_results, step_func
 from nova.ir.types import elem_of, is_float, shape_of
@@ -93,6 +94,8 @@ def _depends_on_params(params: list[SSAValue], ops: list[Operation]) -> set[SSAV
     """The float values computed from at least one parameter."""
     active = set(params)
     for op in ops:
+        if isinstance(op, StopGradientOp):
+            continue  # detach: the result carries no gradient back
         if any(x in active for x in op.operands):
             active.update(r for r in op.results if is_float(r.type))
     return active

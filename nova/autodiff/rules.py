@@ -239,7 +239,7 @@ def _cast(b, op, cts):
     return [b.cast(cts[0], elem_of(x.type)) if is_float(x.type) else None]
 
 
-nondifferentiable(nv.FullOp, nv.ArangeOp, nv.DropoutMaskOp)
+nondifferentiable(nv.FullOp, nv.ArangeOp, nv.DropoutMaskOp, nv.StopGradientOp)
 
 # ----------------------------------------------------------------------------
 # shapes

@@ -70,6 +70,11 @@ def _where(op, xs):
     return [torch.where(*xs)]
 
 
+@impl(nv.StopGradientOp)
+def _stop_gradient(op, xs):
+    return [xs[0]]
+
+
 @impl(nv.GeluOp)
 def _gelu(op, xs):
     return [F.gelu(xs[0], approximate=op.props()["approximate"])]

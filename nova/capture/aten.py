@@ -439,11 +439,16 @@ def _expand(cx, x, size, implicit=False):
     return cx.b.broadcast_to(x, target)
 
 
-@converts(aten.contiguous.default, aten.clone.default, aten.alias.default, aten.detach.default,
-          aten.detach_.default, aten.lift_fresh_copy.default, aten.lift_fresh.default)  # fmt: skip
+@converts(aten.contiguous.default, aten.clone.default, aten.alias.default, aten.lift_fresh_copy.default,
+          aten.lift_fresh.default)  # fmt: skip
 def _identity(cx, x, **kw):
-    # value semantics: layout-only ops are no-ops; detach matters only to torch.autograd
+    # value semantics: layout-only ops are no-ops
     return x
+
+
+@converts(aten.detach.default, aten.detach_.default)
+def _detach(cx, x):
+    return cx.b.one(nv.StopGradientOp, [x])
 
 
 def _slice_value(cx, x, dim, start, end, step=1):

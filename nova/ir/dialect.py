@@ -320,6 +320,21 @@ class ReluOp(UnaryOp):
 
 
 @irdl_op_definition
+class StopGradientOp(NovaOp):
+    """The value itself, through which no gradient flows (``Tensor.detach``).
+    It matters only to autodiff; simplify removes it afterwards."""
+
+    name = "nova.stop_gradient"
+    input = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        return [in_types[0]]
+
+
+@irdl_op_definition
 class CosOp(UnaryOp):
     name = "nova.cos"
 
@@ -970,13 +985,17 @@ NOVA_OPS: list[type[NovaOp]] = [
     AddOp, SubOp, MulOp, DivOp, MaximumOp, PowOp,
     EqOp, NeOp, LtOp, LeOp, GtOp, GeOp, WhereOp,
     NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, TanhOp, SigmoidOp, ReluOp, CosOp, SinOp, AbsOp,
-    GeluOp, GeluBackwardOp, CastOp, FullOp, ArangeOp, DropoutMaskOp,
+    GeluOp, GeluBackwardOp, CastOp, FullOp, ArangeOp, DropoutMaskOp, StopGradientOp,
     ReshapeOp, TransposeOp, BroadcastToOp, SliceOp, PadOp,
     ReduceSumOp, ReduceMaxOp, CumsumOp, MatmulOp,
     SoftmaxOp, LogSoftmaxOp, SoftmaxBackwardOp, LogSoftmaxBackwardOp,
     LayerNormOp, LayerNormBackwardOp, EmbeddingOp, EmbeddingBackwardOp,
     CrossEntropyOp, CrossEntropyBackwardOp, AttentionOp, AttentionBackwardOp,
 ]  # fmt: skip
+
+# ops that steer autodiff only and are gone before configure (simplify removes them)
+AUTODIFF_ONLY: tuple[type[NovaOp], ...] = (StopGradientOp,)
+
 
 @irdl_attr_definition
 class LoweringConfigAttr(ParametrizedAttribute):

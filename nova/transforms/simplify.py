@@ -1,5 +1,5 @@
-"""The simplify stage: common-subexpression elimination, then dead-code
-elimination, over @train_step.
+"""The simplify stage: stop_gradient removal (it only steers autodiff),
+common-subexpression elimination, then dead-code elimination, over @train_step.
 
 Every nova op is pure (value semantics), so two ops with the same name,
 operands, properties and result types compute the same value (``nova.loc``
@@ -18,7 +18,7 @@ from xdsl.dialects.builtin import ModuleOp
 from xdsl.passes import ModulePass
 from xdsl.rewriter import Rewriter
 
-from nova.ir.dialect import NovaOp
+from nova.ir.dialect import NovaOp, StopGradientOp
 from nova.ir.module import step_func
 
 
@@ -33,6 +33,10 @@ class Simplify(ModulePass):
 
     def apply(self, ctx: Context, op: ModuleOp) -> None:
         block = step_func(op).body.block
+        # stop_gradient has done its work once autodiff has run: it is the value itself
+        for o in list(block.ops):
+            if isinstance(o, StopGradientOp):
+                Rewriter.replace_op(o, [], [o.operands[0]])
         seen: dict = {}
         for o in list(block.ops):
             if not isinstance(o, NovaOp):

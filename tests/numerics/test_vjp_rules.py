@@ -246,7 +246,7 @@ CASES = _cases()
 # ops themselves (second order is not supported).
 NON_DIFFERENTIABLE_OPS = {
     nv.EqOp, nv.NeOp, nv.LtOp, nv.LeOp, nv.GtOp, nv.GeOp,
-    nv.FullOp, nv.ArangeOp, nv.DropoutMaskOp,
+    nv.FullOp, nv.ArangeOp, nv.DropoutMaskOp, nv.StopGradientOp,
     nv.GeluBackwardOp, nv.SoftmaxBackwardOp, nv.LogSoftmaxBackwardOp, nv.LayerNormBackwardOp,
     nv.EmbeddingBackwardOp, nv.CrossEntropyBackwardOp, nv.AttentionBackwardOp,
 }  # fmt: skip
