@@ -3,7 +3,10 @@
 Each stage takes valid IR and leaves valid IR (the verifier runs after every
 stage), and the IR after each stage is kept as text for ``explain()``.
 
-  capture     torch.export the forward + loss, import into @train_step
+  capture     torch.export the forward + loss (PyTorch's decompositions for ops
+              without a conversion), import into @train_step
+  fold        values that depend only on static shapes (position ids, causal
+              masks) computed once, passed as buffers
   autodiff    append the backward (Nova's own VJP rules)
   optimizer   append the parameter and state update (Adam, AdamW, SGD)
   precision   the bf16 / tf32 policy
@@ -24,6 +27,7 @@ from nova.autodiff import append_backward
 from nova.capture.importer import Captured, capture
 from nova.config import SETTINGS
 from nova.ir.module import context, print_module
+from nova.transforms.fold import fold_static
 from nova.transforms.optimizer import OptimizerSpec, append_optimizer
 from nova.transforms.precision import PrecisionPass
 from nova.transforms.simplify import Simplify
@@ -51,6 +55,11 @@ class Compilation:
 
 def _capture(c: Compilation) -> None:
     c.captured = capture(c.model, c.batch)
+
+
+def _fold(c: Compilation) -> None:
+    device = next(iter(c.captured.params.values()), None)
+    fold_static(c.module, c.captured.buffers, device.device if device is not None else torch.device("cpu"))
 
 
 def _autodiff(c: Compilation) -> None:
@@ -83,6 +92,7 @@ def _configure(c: Compilation) -> None:
 
 STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
     ("capture", _capture),
+    ("fold", _fold),
     ("autodiff", _autodiff),
     ("optimizer", _optimizer),
     ("precision", _precision),
