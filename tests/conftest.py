@@ -1,4 +1,8 @@
 import os
+import sys
+
+# shared test helpers (tests/hf_models.py, ...) import by module name from any test folder
+sys.path.insert(0, os.path.dirname(__file__))
 
 # verify the IR after every pipeline stage in tests (read once by nova.config)
 os.environ.setdefault("NOVA_VERIFY_EACH_STAGE", "1")

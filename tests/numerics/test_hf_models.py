@@ -21,104 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nova
-
-import transformers  # noqa: E402  (a test dependency: the suite must not skip these silently)
-
-V, T, B, STEPS = 48, 12, 2, 6
-
-
-def _configs():
-    tf = transformers
-    small = dict(vocab_size=V, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32)
-    return {
-        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-                                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
-        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**small, hidden_size=32, intermediate_size=48,
-                                                            num_key_value_heads=2)),  # grouped-query heads, untied head
-        "neox": lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**small, hidden_size=32, intermediate_size=48,
-                                                               hidden_dropout=0.0, attention_dropout=0.0)),
-        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**small, hidden_size=32, intermediate_size=48,
-                                                            num_key_value_heads=1, tie_word_embeddings=True)),
-        "bert": lambda: tf.BertForMaskedLM(tf.BertConfig(**small, hidden_size=32, intermediate_size=48,
-                                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
-    }  # fmt: skip
-
-
-class CausalLM(nn.Module):
-    """What a training loop calls: ids, padding mask and labels in, the loss out.
-
-    In float32 the loss is transformers' own (``labels=``: its label shifting
-    with ``pad`` and slicing). That code upcasts the logits with ``.float()``,
-    which in a float64 model computes the loss in float32 on both sides, so
-    their gradients agree only to float32 rounding (5e-8): in float64 this
-    wrapper applies the same shift without the upcast."""
-
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-
-    def forward(self, ids, mask, labels):
-        if next(self.parameters()).dtype != torch.float64:
-            return self.m(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-        logits = self.m(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=-100)
-
-
-class MaskedLM(nn.Module):
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-
-    def forward(self, ids, mask, token_types, labels):
-        return self.m(input_ids=ids, attention_mask=mask, token_type_ids=token_types, labels=labels).loss
-
-
-def _batches(family: str, n: int):
-    g = torch.Generator().manual_seed(7)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, V, (B, T), generator=g)
-        mask = torch.ones(B, T, dtype=torch.long)
-        mask[1, T - 3 :] = 0  # right padding in the second sequence
-        if family == "bert":
-            labels = torch.full((B, T), -100)
-            pick = torch.rand(B, T, generator=g) < 0.3
-            pick[0, 0] = True
-            labels[pick] = ids[pick]
-            labels[mask == 0] = -100
-            types = (torch.arange(T) >= T // 2).long().expand(B, T).contiguous()
-            out.append((ids, mask, types, labels))
-        else:
-            labels = ids.masked_fill(mask == 0, -100)
-            out.append((ids, mask, labels))
-    return out
-
-
-def _build(family: str, attn: str, dtype: torch.dtype):
-    torch.manual_seed(0)
-    with _default_dtype(dtype):
-        m = _configs()[family]()
-    m.config._attn_implementation = attn
-    m = m.to(dtype).train()
-    return MaskedLM(m) if family == "bert" else CausalLM(m)
-
-
-class _default_dtype:
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-    def __enter__(self):
-        self.saved = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-
-    def __exit__(self, *exc):
-        torch.set_default_dtype(self.saved)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = b.abs().max().item() if b.numel() else 0.0
-    return (a - b).abs().max().item() / max(scale, 1e-30) if b.numel() else 0.0
+from hf_models import STEPS, B, T, V, build, default_dtype, key_bias_mask, make_batches
 
 
 # Adam moves every element by about lr * m / sqrt(v): where an element's
@@ -135,19 +38,6 @@ NOISE_FLOOR = {torch.float64: 1e-12, torch.float32: 1e-5}
 MAX_LEFT_OUT = {torch.float64: 0.01, torch.float32: 0.04}
 
 
-def key_bias_mask(name: str, p: torch.Tensor, heads: int = 4) -> torch.Tensor:
-    """The elements of ``p`` that are a key projection's bias."""
-    mask = torch.zeros_like(p, dtype=torch.bool)
-    if name.endswith(("k_proj.bias", "attention.self.key.bias")):
-        mask[:] = True
-    elif name.endswith(("attn.c_attn.bias", "qkv.bias")):  # [q | k | v]
-        d = p.shape[0] // 3
-        mask[d : 2 * d] = True
-    elif name.endswith("attention.query_key_value.bias"):  # GPT-NeoX: per head [q, k, v]
-        mask.view(heads, 3, -1)[:, 1] = True
-    return mask
-
-
 def train_both(make, batches, dtype, steps=STEPS, lr=3e-3):
     """Trains a deep copy of ``make()`` with Nova and another with eager PyTorch;
     returns the worst relative loss and parameter differences and the names."""
@@ -156,7 +46,7 @@ def train_both(make, batches, dtype, steps=STEPS, lr=3e-3):
     opt_e = torch.optim.AdamW(eager.parameters(), lr=lr, weight_decay=0.1)
     opt_n = torch.optim.AdamW(ours.parameters(), lr=lr, weight_decay=0.1)
     noisy = {n: key_bias_mask(n, p) for n, p in eager.named_parameters()}
-    with _default_dtype(dtype):
+    with default_dtype(dtype):
         step = nova.compile(ours, opt_n, backend="reference")
         worst_loss, worst_param = 0.0, (0.0, "")
         for i in range(steps):
@@ -193,8 +83,8 @@ FAMILIES = ["gpt2", "llama", "neox", "qwen2", "bert"]
 def test_transformers_model_trains_like_eager(family, attn, dtype):
     if dtype == torch.float32 and attn == "eager" and family in ("neox", "qwen2"):
         pytest.skip("f32 runs once per family beyond GPT-2/Llama/BERT: the suite's time budget")
-    batches = _batches(family, 3)
-    loss, (param, name) = train_both(lambda: _build(family, attn, dtype), batches, dtype)
+    batches = make_batches(family, 3)
+    loss, (param, name) = train_both(lambda: build(family, attn, dtype), batches, dtype)
     assert loss < TOL[dtype], f"loss differs by {loss:.2e}"
     assert param < TOL[dtype], f"parameter {name} differs by {param:.2e}"
 
