@@ -371,3 +371,14 @@ def _gather(cx, x, dim, index, sparse_grad=False):
     flat = cx.b.where(cx.b.one(nv.LtOp, [idx, _i64(cx, 0)]), _i64(cx, -1), flat)
     return cx.b.reshape(_rows(cx, cx.b.reshape(x, [numel(s), 1]), flat), list(si))
 
+
+
+@converts(aten.flip.default)
+def _flip(cx, x, dims):
+    s = _shape(x)
+    for d in sorted({_dim(d, len(s)) for d in dims}):
+        n = s[d]
+        if n > 1:
+            rev = cx.b.one(nv.ArangeOp, [], {"start": n - 1, "step": -1}, tensor([n], i64))
+            x = _index(cx, x, [None] * d + [rev])
+    return x

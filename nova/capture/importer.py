@@ -60,7 +60,13 @@ def _location(node: torch.fx.Node) -> str:
 
 
 def _tensor_slot(role: str, name: str, t: torch.Tensor) -> Slot:
-    return Slot(role, name, tensor(t.shape, from_torch_dtype(t.dtype)))
+    try:
+        elem = from_torch_dtype(t.dtype)
+    except TypeError:
+        raise UnsupportedError([(
+            f"{role} tensor of dtype {t.dtype} (Nova takes float16, bfloat16, float32, float64, int64 and bool)", name,
+        )]) from None  # fmt: skip
+    return Slot(role, name, tensor(t.shape, elem))
 
 
 def export(model: torch.nn.Module, batch: tuple) -> torch.export.ExportedProgram:

@@ -1,0 +1,32 @@
+"""Cross-entropy as real training code uses it, against eager PyTorch: a batch
+whose targets are all ignore_index (a batch of padding: eager's loss is NaN but
+its gradients are 0, so the optimizer still steps), label smoothing, and
+reduction="none" with the user's own masking. The Triton backend's version of
+the first test is in tests/kernels/test_triton_step_interpreted.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from loss_cases import LM, loss_batches, run_both
+
+
+def test_a_batch_of_padding_gives_nan_loss_and_leaves_training_intact():
+    torch.manual_seed(0)
+    losses, worst = run_both(LM(), loss_batches(), "reference", torch.float64)
+    assert math.isnan(losses[1][0]) and math.isnan(losses[1][1])  # 0 / 0 on both sides
+    for mine, theirs in (losses[0], losses[2]):
+        assert abs(mine - theirs) <= 1e-12 * abs(theirs)  # finite: no NaN leaked into the parameters
+    assert worst < 1e-9, worst
+
+
+@pytest.mark.parametrize("mode,smoothing", [("mean", 0.1), ("sum", 0.2), ("none", 0.1), ("none", 0.0)])
+def test_label_smoothing_and_per_token_losses_match_eager(mode, smoothing):
+    torch.manual_seed(1)
+    losses, worst = run_both(LM(mode, smoothing), loss_batches(all_ignored_at=-1), "reference", torch.float64)
+    for mine, theirs in losses:
+        assert abs(mine - theirs) <= 1e-12 * abs(theirs)
+    assert worst < 1e-9, worst
