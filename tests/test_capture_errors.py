@@ -62,7 +62,36 @@ def gather_rows(m, ids, h):  # was: no conversion of gather / index.Tensor
     return torch.gather(h, 2, idx) + h[:, torch.arange(ids.shape[1]).flip(0)] + h.flip(1, 2)
 
 
-WORKS = [position_ids, bool_logic, train_dropout, cumsum_mask, label_pad, rotary, gather_rows]
+def _heads(h):
+    return h.view(2, 6, 4, 2).transpose(1, 2)  # [B, H=4, T, D=2]
+
+
+def sdpa_gqa_masks(m, ids, h):  # SDPA with enable_gqa, a boolean and an additive attn_mask, and a scale
+    q = _heads(h)
+    kv = q[:, :2]  # 2 key/value heads for 4 query heads
+    pad = (ids != 0)[:, None, None, :]  # [B, 1, 1, Tk] padding mask
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    a = F.scaled_dot_product_attention(q, kv, kv, attn_mask=pad & causal, enable_gqa=True, scale=0.3)
+    bias = torch.zeros(6, 6).masked_fill(~causal, float("-inf")) + 0.1 * torch.arange(6.0)
+    b = F.scaled_dot_product_attention(q, q, q, attn_mask=bias.to(h.dtype))
+    return (a + b).transpose(1, 2).reshape(2, 6, 8)
+
+
+def repeat_kv(m, ids, h):  # transformers' repeat_kv: expand + reshape of the key/value heads
+    q = _heads(h)
+    kv = q[:, :2, None].expand(2, 2, 2, 6, 2).reshape(2, 4, 6, 2)
+    return F.scaled_dot_product_attention(q, kv, kv, is_causal=True).transpose(1, 2).reshape(2, 6, 8)
+
+
+def rms_norm_silu(m, ids, h):  # RMSNorm as the models write it, a gated SiLU MLP
+    x = h.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    x = x.to(h.dtype)
+    return F.silu(x) * x + torch.clamp(x, -0.5, 0.5) + torch.minimum(x, x.flip(-1))
+
+
+WORKS = [position_ids, bool_logic, train_dropout, cumsum_mask, label_pad, rotary, gather_rows, sdpa_gqa_masks,
+         repeat_kv, rms_norm_silu]  # fmt: skip
 
 
 def _batch():
@@ -72,14 +101,19 @@ def _batch():
 
 @pytest.mark.parametrize("body", WORKS, ids=lambda f: f.__name__)
 def test_former_crashes_now_compile_and_match_eager(body):
+    """The loss and every gradient (one SGD step at lr 1 moves each parameter by -grad) in float64."""
     torch.manual_seed(0)
     model = Net(body).double()
     ids, y = _batch()
+    ids[1, -2:] = 0  # padding for the masks that look for it
     expected = model(ids, y)
-    step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.0), backend="reference")
-    with torch.no_grad():
-        got = step(ids, y)
+    expected.backward()
+    want = {n: (p - p.grad).detach() for n, p in model.named_parameters()}
+    step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=1.0), backend="reference")
+    got = step(ids, y)
     torch.testing.assert_close(got, expected.detach(), rtol=1e-12, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), want[n], rtol=1e-10, atol=1e-12, msg=n)
 
 
 def int32_input(m, ids, h):

@@ -336,11 +336,19 @@ def _new_full(cx, x, size, fill_value, dtype=None, **kw):
 @converts(aten.arange.default, aten.arange.start, aten.arange.start_step)
 def _arange(cx, *args, dtype=None, **kw):
     start, end, step = (0, args[0], 1) if len(args) == 1 else (*args, 1)[:3]
-    if not all(isinstance(v, int) for v in (start, end, step)):
-        raise Unsupported("arange with non-integer bounds")
     if step == 0:
         raise Unsupported("arange with step 0")
-    n = max(0, -(-(end - start) // step))
+    if any(isinstance(v, float) for v in (start, end, step)):
+        # torch: float bounds give the default float dtype; integral values are exact as ints
+        if not all(float(v).is_integer() for v in (start, step)):
+            raise Unsupported(f"arange({start}, {end}, {step}) with non-integral start or step")
+        n = max(0, math.ceil((end - start) / step))
+        start, step = int(start), int(step)
+        dtype = dtype or torch.get_default_dtype()
+    elif not all(isinstance(v, int) for v in (start, end, step)):
+        raise Unsupported("arange with non-numeric bounds")
+    else:
+        n = max(0, -(-(end - start) // step))
     out = cx.b.one(nv.ArangeOp, [], {"start": start, "step": step}, tensor([n], i64))
     return cast_to(cx, out, dtype) if dtype is not None else out
 
