@@ -90,8 +90,17 @@ def rms_norm_silu(m, ids, h):  # RMSNorm as the models write it, a gated SiLU ML
     return F.silu(x) * x + torch.clamp(x, -0.5, 0.5) + torch.minimum(x, x.flip(-1))
 
 
+def decomposed(m, ids, h):  # ops Nova has no converter for, taken through PyTorch's decomposition table
+    d = torch.diff(h, dim=1, prepend=h[:, :1])
+    t = torch.stack([h.tril(), h.triu(1)], 0).sum(0)
+    r = F.rms_norm(h, (8,), eps=1e-6)
+    e = torch.einsum("btd,bsd->bts", h, h) @ h * 0.1
+    ri = h.repeat_interleave(2, dim=-1)[..., ::2]
+    return d + t + r + e + ri + F.mse_loss(h, h.flip(1)) + F.hardtanh(h * 3) + F.leaky_relu(h)
+
+
 WORKS = [position_ids, bool_logic, train_dropout, cumsum_mask, label_pad, rotary, gather_rows, sdpa_gqa_masks,
-         repeat_kv, rms_norm_silu]  # fmt: skip
+         repeat_kv, rms_norm_silu, decomposed]  # fmt: skip
 
 
 def _batch():

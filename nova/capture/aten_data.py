@@ -129,13 +129,14 @@ def _minimum(cx, a, b):
     return _neg(cx, cx.b.one(nv.MaximumOp, [_neg(cx, a), _neg(cx, b)]))
 
 
-def _bound(cx, x, bound, below: bool):
+def _bound(cx, x, bound, below: bool, strict: bool = False):
     if bound is None:
         return x
     bound = cx.b.cast(bound, elem_of(x.type)) if isinstance(bound, SSAValue) else scalar_like(cx, bound, x)
-    # torch.clamp: the gradient passes where lo <= x <= hi (ties included)
-    out_of_range = cx.b.one(nv.LtOp if below else nv.GtOp, [x, bound])
-    return cx.b.where(out_of_range, bound, x)
+    # torch.clamp: the gradient passes where lo <= x <= hi (ties included);
+    # hardtanh (strict): only where lo < x < hi
+    cmp = (nv.LeOp if strict else nv.LtOp) if below else (nv.GeOp if strict else nv.GtOp)
+    return cx.b.where(cx.b.one(cmp, [x, bound]), bound, x)
 
 
 @converts(aten.clamp.default, aten.clamp.Tensor)
@@ -154,6 +155,18 @@ def _clamp_min(cx, x, min):
 @converts(aten.clamp_max.default, aten.clamp_max.Tensor)
 def _clamp_max(cx, x, max):
     return _clamp(cx, x, None, max)
+
+
+@converts(aten.hardtanh.default)
+def _hardtanh(cx, x, min_val=-1.0, max_val=1.0):
+    return _bound(cx, _bound(cx, x, min_val, below=True, strict=True), max_val, below=False, strict=True)
+
+
+@converts(aten.leaky_relu.default)
+def _leaky_relu(cx, x, negative_slope=0.01):
+    # torch: x > 0 ? x : x * slope, and the same split for the gradient
+    positive = cx.b.one(nv.GtOp, [x, cx.b.scalar(0.0, x)])
+    return cx.b.where(positive, x, cx.b.mul(x, scalar_like(cx, negative_slope, x)))
 
 
 @converts(aten.abs.default)
