@@ -101,3 +101,31 @@ def test_the_pipeline_folds_a_mask_built_in_forward():
     assert "nova.arange" in c.stages["capture"] and "nova.arange" not in c.stages["fold"]
     fn = step_func(c.module)
     assert sum(1 for s in arg_slots(fn) if s.role == "buffer") == 1
+
+
+def test_transformers_position_ids_and_causal_mask_are_folded():
+    """transformers' Llama without an attention_mask: position ids and the causal
+    mask come from shapes alone; after the fold stage no arange or compare is
+    left in the step (the rotary cos/sin read the inv_freq buffer and stay)."""
+    import re
+
+    from hf_models import build
+
+    class IdsOnly(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids, labels):
+            return self.m(input_ids=ids, labels=labels, use_cache=False).loss
+
+    model = IdsOnly(build("llama", "eager", torch.float32).m)
+    ids = torch.randint(0, 48, (2, 12))
+    c = pipeline.Compilation(model, (ids, ids.clone()), None, "fp32", torch.float32)
+    pipeline.run(c, dump=True)
+    before, after = (set(re.findall(r'"(nova\.\w+)"', c.stages[s])) for s in ("capture", "fold"))
+    assert {"nova.arange", "nova.le", "nova.lt"} <= before
+    assert not {"nova.arange", "nova.le", "nova.lt", "nova.ge"} & after
+    assert "nova.cos" in after
+    shapes = [tuple(t.shape) for n, t in c.captured.buffers.items() if n.startswith("folded.")]
+    assert any(s[-2:] == (12, 12) for s in shapes), shapes
