@@ -12,3 +12,15 @@ import torch  # noqa: E402
 # one thread per test process: the suite runs in parallel workers on 2 cores, and
 # oversubscribed OpenMP threads make small CPU kernels 100x slower
 torch.set_num_threads(1)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def float64_default():
+    """torch's default dtype is float64 for the test (and restored after it)."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(saved)

@@ -16,12 +16,7 @@ import nova
 TOL = 1e-9
 
 
-@pytest.fixture(autouse=True)
-def f64():
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(saved)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 class Net(nn.Module):
