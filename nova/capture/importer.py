@@ -25,8 +25,10 @@ from nova.errors import CaptureError, UnsupportedError
 from nova.ir.builder import OpBuilder
 from nova.ir.module import Slot, add_arg, new_step, set_results
 from nova.ir.types import from_torch_dtype, is_float, shape_of, tensor
+from nova.log import get_logger
 
 SEED = "dropout.seed"
+_LOG = get_logger("nova.capture")
 
 
 @dataclass
@@ -97,7 +99,8 @@ def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
             break
         try:
             ep = ep.run_decompositions(todo)
-        except Exception:  # a decomposition torch cannot apply here: report the ops as they are
+        except Exception as e:  # noqa: BLE001 - torch cannot apply one here: the ops are reported as they are
+            _LOG.info("PyTorch's decompositions of %s failed (%s: %s)", sorted(map(str, todo)), type(e).__name__, e)
             break
     return ep
 
