@@ -166,3 +166,14 @@ def test_conv_batchnorm_classifier_is_rejected_listing_its_ops():
     assert "mutates buffer" in msg and "running_mean" in msg, msg  # BatchNorm's running statistics
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("bert", "eager")])
+def test_nova_verify_passes_on_transformers_models(family, attn):
+    """The user-facing check (nova.verify) on the same models, float32, AdamW."""
+    torch.manual_seed(0)
+    model = build(family, attn, torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    report = nova.verify(model, opt, make_batches(family, 3), steps=3, precision="fp32", backend="reference")
+    assert report.ok, str(report)
+    assert not opt.state  # the user's optimizer was not stepped
