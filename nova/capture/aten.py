@@ -638,9 +638,9 @@ def _layer_norm(cx, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn
 
 @converts(aten.embedding.default)
 def _embedding(cx, weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-    if scale_grad_by_freq:
-        raise Unsupported("embedding with scale_grad_by_freq")
-    # sparse only changes the gradient's layout in torch, not its values
+    if scale_grad_by_freq or sparse:
+        # sparse gradients: some torch optimizers (Adam, AdamW) reject them, so eager would fail
+        raise Unsupported("embedding with scale_grad_by_freq or sparse gradients")
     n = _shape(weight)[0]
     pad = -1 if padding_idx is None or padding_idx == -1 else padding_idx % n
     return cx.b.one(nv.EmbeddingOp, [weight, ids], {"padding_idx": pad})

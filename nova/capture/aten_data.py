@@ -56,8 +56,10 @@ def _not(cx, a):
 
 def _bitwise(fn, what):
     def convert(cx, a, b):
-        if not isinstance(a, SSAValue) or not isinstance(b, SSAValue):
-            a, b = (x if isinstance(x, SSAValue) else cx.b.full(float(bool(x)), (), i1) for x in (a, b))
+        for x in (a, b):
+            if not isinstance(x, (SSAValue, bool)):
+                raise Unsupported(f"bitwise {what} with the number {x!r} (only booleans)")
+        a, b = (x if isinstance(x, SSAValue) else cx.b.full(float(x), (), i1) for x in (a, b))
         if elem_of(a.type) != i1 or elem_of(b.type) != i1:
             raise Unsupported(f"bitwise {what} of {a.type} and {b.type} (only booleans)")
         return fn(cx, a, b)
