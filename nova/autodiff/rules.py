@@ -472,3 +472,14 @@ second_order(
     nv.CrossEntropyBackwardOp,
     nv.AttentionBackwardOp,
 )
+
+
+@defvjp(nv.LinearCrossEntropyOp)
+def _linear_cross_entropy(b, op, cts):
+    h, w, target, *bias = op.operands
+    bwd = b.create(nv.LinearCrossEntropyBackwardOp, [cts[0], h, w, target, *bias], op.props())
+    grads = list(bwd.results)
+    return [grads[0], grads[1], None, *grads[2:]]
+
+
+second_order(nv.LinearCrossEntropyBackwardOp)

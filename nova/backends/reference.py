@@ -385,3 +385,83 @@ def run_function(fn: func.FuncOp, args: Sequence[torch.Tensor], precision: str =
     ret = block.last_op
     return [env[v] for v in ret.operands]
 
+
+
+# ----------------------------------------------------------------------------
+# the LM head with the loss, chunked over tokens: at most ``chunk`` rows of the
+# [N, V] logits exist at a time, with the numerics of the unfused
+# matmul (+ add) + cross_entropy (+ their backwards)
+
+
+def _head_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _matmul(None, [a, b])[0]  # the step's matmul precision, as nova.matmul
+
+
+def _chunk_logits(h, w, bias, r0, r1):
+    """Rows r0:r1 of the logits: h @ w^T in h's type, + bias in the bias's type."""
+    z = _head_matmul(h[r0:r1], w.t())
+    if bias is not None:
+        z = z.to(bias.dtype) + bias
+    return z
+
+
+def _ce_rows(op, xs):
+    h, w, target, *bias = xs
+    p = op.props()
+    _check_ids(target, w.shape[0], op.name, p["ignore_index"])
+    valid = target != p["ignore_index"]
+    return h, w, target, (bias[0] if bias else None), p, valid
+
+
+def _stat_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+@impl(nv.LinearCrossEntropyOp)
+def _linear_cross_entropy(op, xs):
+    h, w, target, bias, p, valid = _ce_rows(op, xs)
+    ls, n, V = p["label_smoothing"], h.shape[0], w.shape[0]
+    acc = _stat_dtype(h)
+    total = torch.zeros((), dtype=acc, device=h.device)
+    for r0 in range(0, n, p["chunk"]):
+        r1 = min(n, r0 + p["chunk"])
+        x = _wide(_chunk_logits(h, w, bias, r0, r1)).to(acc)
+        t, ok = target[r0:r1], valid[r0:r1]
+        lse = torch.logsumexp(x, dim=1)
+        xt = x.gather(1, torch.where(ok, t, 0).unsqueeze(1)).squeeze(1)
+        row = lse - xt if not ls else (1.0 - ls) * (lse - xt) + ls * (lse - x.mean(1))
+        total = total + torch.where(ok, row, torch.zeros((), dtype=acc, device=h.device)).sum()
+    if p["reduction"] == "mean":
+        total = total / valid.sum()  # a mean over no rows is 0 / 0 = NaN, as in torch
+    return [total.to(_result_dtype(op))]
+
+
+@impl(nv.LinearCrossEntropyBackwardOp)
+def _linear_cross_entropy_bwd(op, xs):
+    g, *rest = xs
+    h, w, target, bias, p, valid = _ce_rows(op, rest)
+    ls, n, V = p["label_smoothing"], h.shape[0], w.shape[0]
+    acc = _stat_dtype(h)
+    scale = g.to(acc) / valid.sum().clamp(min=1) if p["reduction"] == "mean" else g.to(acc)
+    dh = torch.empty_like(h)
+    dw = torch.zeros(w.shape, dtype=acc, device=w.device)
+    dbias = None if bias is None else torch.zeros(V, dtype=_stat_dtype(bias), device=bias.device)
+    for r0 in range(0, n, p["chunk"]):
+        r1 = min(n, r0 + p["chunk"])
+        z = _chunk_logits(h, w, bias, r0, r1)
+        x = _wide(z).to(acc)
+        t, ok = target[r0:r1], valid[r0:r1]
+        d = torch.softmax(x, dim=1)
+        d[ok, t[ok]] -= 1.0 - ls
+        if ls:
+            d -= ls / V
+        d = (d * (ok.to(acc) * scale).unsqueeze(1)).to(z.dtype)  # the logits' gradient, in their type
+        if dbias is not None:
+            dbias += d.to(dbias.dtype).sum(0)
+        dz = d.to(h.dtype)  # the cast back to the matmul's type (a no-op without a widening)
+        dh[r0:r1] = _head_matmul(dz, w)
+        dw += _head_matmul(dz.t().to(acc), h[r0:r1].to(acc))  # accumulated in f32 (f64), rounded once
+    outs = [dh, dw.to(w.dtype)]
+    if dbias is not None:
+        outs.append(dbias.to(bias.dtype))
+    return outs

@@ -37,6 +37,7 @@ from xdsl.irdl import (
     irdl_op_definition,
     operand_def,
     opt_operand_def,
+    opt_result_def,
     prop_def,
     result_def,
     traits_def,
@@ -981,6 +982,111 @@ class AttentionBackwardOp(NovaOp):
         return [q, k, v]
 
 
+# ----------------------------------------------------------------------------
+# the LM head with the loss
+
+
+def _check_linear_ce(name: str, h: TensorType, w: TensorType, target: TensorType, bias: list[TensorType],
+                     props: dict) -> Attribute:
+    """Checks the operands of linear_cross_entropy(_backward); returns the logits' element type."""
+    sh, sw = shape_of(h), shape_of(w)
+    if len(sh) != 2 or len(sw) != 2 or sh[1] != sw[1]:
+        raise VerifyException(f"{name}: expects h [N, D] and w [V, D], got {h}, {w}")
+    _require_float(name, h)
+    _same_elem(name, h, w)
+    if shape_of(target) != sh[:1] or elem_of(target) != i64:
+        raise VerifyException(f"{name}: target must be i64 [N] = [{sh[0]}], got {target}")
+    if props["reduction"] not in ("mean", "sum"):
+        raise VerifyException(f"{name}: reduction must be 'mean' or 'sum' ('none' stays unfused)")
+    if not 0.0 <= props["label_smoothing"] <= 1.0:
+        raise VerifyException(f"{name}: label_smoothing must be in [0, 1], got {props['label_smoothing']}")
+    if props["chunk"] < 1:
+        raise VerifyException(f"{name}: chunk must be positive, got {props['chunk']}")
+    if not bias:
+        return elem_of(h)
+    (b,) = bias
+    if shape_of(b) != (sw[0],):
+        raise VerifyException(f"{name}: bias must be [V] = [{sw[0]}], got {b}")
+    # the bias has the matmul's type, or f32 when a bf16 / f16 matmul's result was widened before the add
+    if elem_of(b) != elem_of(h) and not (elem_of(h) != f64 and elem_of(h) != f32 and elem_of(b) == f32):
+        raise VerifyException(f"{name}: bias must be {elem_of(h)} (or f32 for a 16-bit head), got {b}")
+    return elem_of(b)
+
+
+_LINEAR_CE_DEFAULTS: dict = {"label_smoothing": 0.0, "chunk": 4096}
+
+
+@irdl_op_definition
+class LinearCrossEntropyOp(NovaOp):
+    """``cross_entropy(h @ w^T (+ bias), target)`` without the [N, V] logits: the
+    LM head (``w`` [V, D] as nn.Linear or a tied embedding stores it) fused with
+    the loss, computed ``chunk`` rows at a time. Numerics are the unfused ops':
+    z = h @ w^T rounded to h's type; with a bias, logits = z + bias in the bias's
+    type (f32 when a 16-bit matmul's result was widened first); softmax
+    statistics in f32 (f64 for f64); the properties as nova.cross_entropy's
+    (reduction "mean" or "sum" only; a mean over no rows is NaN). The loss's
+    type is the logits' or, for 16-bit logits widened before the loss, f32 (the
+    result type is given by the creator)."""
+
+    name = "nova.linear_cross_entropy"
+    h = operand_def(TensorType)
+    w = operand_def(TensorType)
+    target = operand_def(TensorType)
+    bias = opt_operand_def(TensorType)
+    ignore_index = prop_def(IntProp)
+    reduction = prop_def(StringAttr)
+    label_smoothing = prop_def(FloatProp)
+    chunk = prop_def(IntProp)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("ignore_index", "reduction", "label_smoothing", "chunk")
+    PROP_DEFAULTS: ClassVar = _LINEAR_CE_DEFAULTS
+    FREE_RESULT: ClassVar = True
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        h, w, target, *bias = in_types
+        logits = _check_linear_ce(cls.name, h, w, target, bias, cls.complete(props))
+        out = logits if hint is None else elem_of(hint)
+        if out != logits and not (out == f32 and logits not in (f32, f64)):
+            raise VerifyException(f"{cls.name}: the loss must be {logits} (or f32 for 16-bit logits), got {out}")
+        return [tensor([], out)]
+
+
+@irdl_op_definition
+class LinearCrossEntropyBackwardOp(NovaOp):
+    """The gradients of linear_cross_entropy: with d = grad * (softmax(logits) -
+    (1 - ls) onehot(target) - ls / V) * valid / max(count, 1) (mean; sum: no
+    division) rounded to the logits' type, dh = d @ w and dw = d^T @ h (in h's
+    type, d cast to it first, f32 accumulation), dbias = sum over rows of d;
+    computed ``chunk`` rows at a time, dw and dbias accumulated across chunks."""
+
+    name = "nova.linear_cross_entropy_backward"
+    grad = operand_def(TensorType)
+    h = operand_def(TensorType)
+    w = operand_def(TensorType)
+    target = operand_def(TensorType)
+    bias = opt_operand_def(TensorType)
+    ignore_index = prop_def(IntProp)
+    reduction = prop_def(StringAttr)
+    label_smoothing = prop_def(FloatProp)
+    chunk = prop_def(IntProp)
+    grad_h = result_def(TensorType)
+    grad_w = result_def(TensorType)
+    grad_bias = opt_result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("ignore_index", "reduction", "label_smoothing", "chunk")
+    PROP_DEFAULTS: ClassVar = _LINEAR_CE_DEFAULTS
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        g, h, w, target, *bias = in_types
+        _check_linear_ce(cls.name, h, w, target, bias, cls.complete(props))
+        if shape_of(g) != () or not is_float(g):
+            raise VerifyException(f"{cls.name}: grad must be a 0-d float (the loss's cotangent), got {g}")
+        return [h, w, *bias]
+
+
 NOVA_OPS: list[type[NovaOp]] = [
     AddOp, SubOp, MulOp, DivOp, MaximumOp, PowOp,
     EqOp, NeOp, LtOp, LeOp, GtOp, GeOp, WhereOp,
@@ -991,6 +1097,7 @@ NOVA_OPS: list[type[NovaOp]] = [
     SoftmaxOp, LogSoftmaxOp, SoftmaxBackwardOp, LogSoftmaxBackwardOp,
     LayerNormOp, LayerNormBackwardOp, EmbeddingOp, EmbeddingBackwardOp,
     CrossEntropyOp, CrossEntropyBackwardOp, AttentionOp, AttentionBackwardOp,
+    LinearCrossEntropyOp, LinearCrossEntropyBackwardOp,
 ]  # fmt: skip
 
 # ops that steer autodiff only and are gone before configure (simplify removes them)

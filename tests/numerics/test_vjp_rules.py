@@ -236,6 +236,22 @@ def _cases() -> list[Case]:
             Case(f"attention-lse-only-causal={causal}", nv.AttentionOp, qkv, props, results=(1,)),
         ]
     cases.append(Case("attention-cross-tk6", nv.AttentionOp, [P(1, 2, 3, 4), P(1, 2, 6, 4), P(1, 2, 6, 4)], {"causal": False, "scale": 0.3}))
+    # the LM head fused with the loss, against F.linear + F.cross_entropy; chunk 4 of 7 rows: a full and a partial chunk
+    lce_target = torch.tensor([0, 4, -100, 2, 4, -100, 1])
+    for reduction in ("mean", "sum"):
+        for ls, bias, ign, tgt, tag in ((0.0, False, -100, lce_target, ""), (0.1, True, -100, lce_target, "-bias-smoothing"),
+                                        (0.0, True, 4, lce_target.clamp(min=0), "-bias-ignore-class4"),
+                                        (0.0, True, -100, torch.full((7,), -100), "-bias-all-ignored")):
+            props = {"ignore_index": ign, "reduction": reduction, "label_smoothing": ls, "chunk": 4}
+
+            def ref(h, w, t, *b, props=props):
+                logits = F.linear(h, w, *b)
+                return [F.cross_entropy(logits, t, ignore_index=props["ignore_index"], reduction=props["reduction"],
+                                        label_smoothing=props["label_smoothing"])]
+
+            inputs = [P(7, 3), P(5, 3), In(value=tgt)] + ([P(5)] if bias else [])
+            cases.append(Case(f"linear_cross_entropy{tag}-{reduction}", nv.LinearCrossEntropyOp, inputs, props,
+                              torch_fn=ref, fd=reduction == "mean" and tag == "-bias-smoothing"))
     return cases
 
 
@@ -249,6 +265,7 @@ NON_DIFFERENTIABLE_OPS = {
     nv.FullOp, nv.ArangeOp, nv.DropoutMaskOp, nv.StopGradientOp,
     nv.GeluBackwardOp, nv.SoftmaxBackwardOp, nv.LogSoftmaxBackwardOp, nv.LayerNormBackwardOp,
     nv.EmbeddingBackwardOp, nv.CrossEntropyBackwardOp, nv.AttentionBackwardOp,
+    nv.LinearCrossEntropyBackwardOp,
 }  # fmt: skip
 
 
@@ -386,6 +403,7 @@ SECOND_ORDER = [
     (nv.EmbeddingBackwardOp, [T(4, 3), T(4, e=i64)], {"num_embeddings": 5, "padding_idx": -1}),
     (nv.CrossEntropyBackwardOp, [T(), T(4, 3), T(4, e=i64)], {"ignore_index": -100, "reduction": "mean"}),
     (nv.AttentionBackwardOp, [T(1, 1, 2, 3)] * 5 + [T(1, 1, 2)], {"causal": False, "scale": 1.0}),
+    (nv.LinearCrossEntropyBackwardOp, [T(), T(4, 3), T(5, 3), T(4, e=i64)], {"ignore_index": -100, "reduction": "mean"}),
 ]
 
 
