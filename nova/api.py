@@ -264,6 +264,7 @@ class CompiledStep:
         by_name = {n: p for n, p in c.captured.params.items()}
         fresh: dict[str, torch.Tensor] = {}
         args = []
+        hyper_at: list[tuple[int, float]] = []  # (argument index, value): filled from one device tensor below
         for s in arg_slots(prog.fn):
             if s.role == "param":
                 args.append(by_name[s.name].detach())
@@ -280,7 +281,8 @@ class CompiledStep:
                     value = 0.0 if "momentum_buffer" in self.optimizer.state.get(p, {}) else 1.0
                 else:
                     value = hyper[s.name]
-                args.append(torch.tensor(value, dtype=torch.float64, device=device))
+                hyper_at.append((len(args), float(value)))
+                args.append(None)
             elif s.role == "state":
                 pname, key = s.name.split("::")
                 p = by_name[pname]
@@ -293,6 +295,12 @@ class CompiledStep:
                     args.append(t)
             else:
                 raise AssertionError(f"unknown argument role {s.role}")
+        if hyper_at:
+            # every hyper-parameter in one host-to-device copy (not one tensor and copy each):
+            # each argument is a 0-d view of it, read fresh at every call (LR schedulers work)
+            values = torch.tensor([v for _, v in hyper_at], dtype=torch.float64).to(device)
+            for k, (i, _) in enumerate(hyper_at):
+                args[i] = values[k]
         return args, fresh
 
     def _prepare_write_back(self, prog: Program, outs: list[torch.Tensor], fresh: dict) -> list[tuple]:
