@@ -1,0 +1,493 @@
+"""``nova bench gpt2``: GPT-2 training steps in PyTorch eager, torch.compile and Nova,
+side by side in one process.
+
+    nova bench gpt2 --model 124m --precision bf16 --batch 32
+
+Every engine trains the same ``nova.models.GPT`` (same code, same initial weights,
+copied from one CPU state dict) on the same random token batches (a seeded
+generator, re-seeded per engine), one step = forward + backward + AdamW update:
+
+* eager:          model(x, y).backward(); opt.step()  (bf16: torch.autocast; tf32:
+                  torch.backends.cuda.matmul.allow_tf32; AdamW fused=True on CUDA)
+* torch.compile:  the same with torch.compile(model) (default mode)
+* nova:           nova.compile(model, opt, precision=..., backend="triton")
+                  (--dry-run: backend="reference")
+
+Engines run one after another; before each, the previous engine's model, optimizer
+state and compiled step are freed and the CUDA cache emptied, so each engine's peak
+(torch.cuda.max_memory_allocated after reset_peak_memory_stats) is its own. The first
+``--warmup`` steps are excluded from timing; the first step's wall time is the cold
+compile time (torch.compile, nova). Warm compile time: the first step of a fresh copy
+compiled again in the same process (torch.compile after torch._dynamo.reset(), so
+only the on-disk/in-process caches below dynamo are warm). Each timed step is
+bracketed by CUDA events, the stream is synchronized once after the timed window,
+and tok/s = batch * seq / median step time. Losses are read after the window too;
+``max_rel_loss_diff`` is the largest |loss - eager loss| / |eager loss| over the
+timed steps. With ``--cap-gib N`` the process is capped by
+torch.cuda.set_per_process_memory_fraction; an engine that runs out of memory is a
+row with oom=true and the next engine still runs (if eager is the one, its reference
+losses are recomputed without the cap, and the document says so).
+
+--dry-run: a tiny GPT on the CPU, eager and Nova's reference backend (torch.compile
+only if named in --engines: its CPU compile takes ~20 s), wall-clock timing; the
+numbers are no claims, the outputs are complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python bench/gpt2.py` from a checkout without an install
+    sys.path.insert(0, str(REPO))
+
+import nova  # noqa: E402
+from nova.cli.errors import RunFailed, UsageError  # noqa: E402
+from nova.models import GPT, GPTConfig  # noqa: E402
+
+ENGINES = ("eager", "torch.compile", "nova")
+SHORT = {"eager": "eager", "torch.compile": "compile", "nova": "nova"}
+PRECISIONS = ("fp32", "tf32", "bf16")
+# (layers, heads, width): GPT-2 small and medium
+PRESETS = {"124m": (12, 12, 768), "355m": (24, 16, 1024)}
+DRY = dict(layers=2, heads=4, width=64, vocab=256, seq=32, batch=2, steps=3, warmup=1)
+DEFAULTS = dict(vocab=50304, seq=1024, batch=8, steps=20, warmup=3)
+ADAMW = dict(lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+GIB = 2**30
+_OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
+# --------------------------------------------------------------------------- config
+
+
+def resolve(opts) -> dict:
+    """The run's configuration: explicit options win, then --dry-run's tiny sizes,
+    then the --model preset (default 124m)."""
+    model = opts.model or (None if opts.dry_run else "124m")
+    layers, heads, width = PRESETS[model] if model else (None, None, None)
+    base = dict(DEFAULTS, layers=layers, heads=heads, width=width)
+    if opts.dry_run and not opts.model:
+        base.update(DRY)
+    cfg = {k: getattr(opts, k) if getattr(opts, k) is not None else base[k] for k in base}
+    if cfg["warmup"] < 1:
+        raise UsageError("--warmup must be at least 1 (the first step compiles and is never timed)")
+    if cfg["steps"] < 1:
+        raise UsageError("--steps must be at least 1")
+    if cfg["width"] % cfg["heads"]:
+        raise UsageError(f"--width {cfg['width']} is not divisible by --heads {cfg['heads']}")
+    preset = next((n for n, p in PRESETS.items() if p == (cfg["layers"], cfg["heads"], cfg["width"])), None)
+    label = preset or f"l{cfg['layers']}w{cfg['width']}h{cfg['heads']}"
+    if cfg["vocab"] != DEFAULTS["vocab"]:
+        label += f"_v{cfg['vocab']}"
+    cfg.update(model=label, precision=opts.precision, cap_gib=opts.cap_gib, seed=opts.seed,
+               engines=list(opts.engines or (("eager", "nova") if opts.dry_run else ENGINES)))
+    return cfg
+
+
+def result_stem(cfg: dict, dry_run: bool) -> str:
+    stem = f"gpt2_{'dry_' if dry_run else ''}{cfg['model']}_{cfg['precision']}_b{cfg['batch']}"
+    if cfg["seq"] != DEFAULTS["seq"]:
+        stem += f"_t{cfg['seq']}"
+    if cfg["cap_gib"]:
+        stem += f"_cap{cfg['cap_gib']:g}"
+    if list(cfg["engines"]) != list(ENGINES) and not dry_run:
+        stem += "_" + "-".join(SHORT[e] for e in cfg["engines"])
+    return stem
+
+
+def gpt_config(cfg: dict) -> GPTConfig:
+    return GPTConfig(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["layers"],
+                     n_head=cfg["heads"], n_embd=cfg["width"])
+
+
+# --------------------------------------------------------------------------- engines
+
+
+class Batches:
+    """Random token ids (never zeros), the same sequence for every engine: x is a
+    random sequence, y the same sequence shifted by one (next-token targets)."""
+
+    def __init__(self, cfg: dict, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.gen = torch.Generator(device=device)
+
+    def reset(self) -> None:
+        self.gen.manual_seed(self.cfg["seed"] + 1)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        t = torch.randint(0, c["vocab"], (c["batch"], c["seq"] + 1), device=self.device, generator=self.gen)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def _flags(precision: str, engine: str):
+    """Global matmul flags: tf32 for eager/torch.compile at tf32; Nova takes its
+    precision as an argument, so it runs with the flags off."""
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32" and engine != "nova"
+    torch.backends.cudnn.allow_tf32 = precision == "tf32" and engine != "nova"
+
+
+def build(engine: str, cfg: dict, state: dict, device: torch.device, dry_run: bool):
+    """(model, optimizer, step) for one engine, from the shared initial weights."""
+    with torch.device(device):
+        model = GPT(gpt_config(cfg))
+    model.load_state_dict(state)  # copies into the existing (tied) parameters
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=device.type == "cuda")
+    if engine == "nova":
+        step = nova.compile(model, opt, precision=cfg["precision"], backend="reference" if dry_run else "triton")
+        return model, opt, step
+    fwd = torch.compile(model) if engine == "torch.compile" else model
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg["precision"] == "bf16" else nullcontext())
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        with autocast:
+            loss = fwd(x, y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return model, opt, step
+
+
+def _is_oom(e: BaseException | None) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, _OOM) or "out of memory" in str(e).lower():
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _first_step_s(engine, cfg, state, device, batches, dry_run) -> tuple[float, float]:
+    """A fresh copy compiled again in this process: (seconds of its first step, its loss)."""
+    if engine == "torch.compile":
+        torch._dynamo.reset()
+    model, opt, step = build(engine, cfg, state, device, dry_run)
+    batches.reset()
+    x, y = batches.next()
+    _sync(device)
+    t0 = time.perf_counter()
+    loss = step(x, y)
+    _sync(device)
+    return time.perf_counter() - t0, float(loss)
+
+
+def measure(engine: str, cfg: dict, state: dict, device: torch.device, batches: Batches, dry_run: bool,
+            log, warm_compile: bool = True) -> dict:
+    """One engine's row: every step's loss and (after warm-up) time, peak memory,
+    compile times. Out of memory is a result (oom=true), another error is recorded."""
+    row = dict(engine=engine, precision=cfg["precision"], batch=cfg["batch"], seq=cfg["seq"], layers=cfg["layers"],
+               width=cfg["width"], heads=cfg["heads"], tok_s=None, step_ms_median=None, peak_gib=None,
+               peak_timed_gib=None, baseline_gib=None, compile_s=None, compile_warm_s=None, first_step_s=None,
+               oom=False, error=None, max_rel_loss_diff=None, losses=[], step_ms=[])
+    cuda = device.type == "cuda"
+    _flags(cfg["precision"], engine)
+    _free(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        row["baseline_gib"] = torch.cuda.memory_allocated(device) / GIB
+    n_steps = cfg["warmup"] + cfg["steps"]
+    losses, peak_before = [], None
+    try:
+        model, opt, step = build(engine, cfg, state, device, dry_run)
+        batches.reset()
+        for i in range(cfg["warmup"]):
+            x, y = batches.next()
+            _sync(device)
+            t0 = time.perf_counter()
+            losses.append(step(x, y))
+            _sync(device)
+            if i == 0:
+                row["first_step_s"] = time.perf_counter() - t0
+                log(f"  {engine}: first step {row['first_step_s']:.2f} s")
+        if cuda:
+            peak_before = torch.cuda.max_memory_allocated(device)  # compile and warm-up
+            torch.cuda.reset_peak_memory_stats(device)  # the timed window's own peak, below
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(cfg["steps"])]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(cfg["steps"])]
+        walls = []
+        for i in range(cfg["steps"]):
+            x, y = batches.next()
+            if cuda:
+                starts[i].record()
+            else:
+                t0 = time.perf_counter()
+            losses.append(step(x, y))
+            if cuda:
+                ends[i].record()
+            else:
+                walls.append((time.perf_counter() - t0) * 1e3)
+        _sync(device)  # once per timed window
+        row["step_ms"] = [s.elapsed_time(e) for s, e in zip(starts, ends)] if cuda else walls
+        row["losses"] = [float(v) for v in losses]
+        assert len(row["losses"]) == n_steps
+    except Exception as e:  # noqa: BLE001 - an engine's failure is a result; the next engine runs
+        row["oom"] = _is_oom(e)
+        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:400] if str(e).strip() else ''}"
+        log(f"  {engine}: {'OUT OF MEMORY' if row['oom'] else 'FAILED'}: {row['error']}")
+        if not row["oom"]:
+            log(traceback.format_exc())
+    finally:
+        if cuda:
+            # the whole run's peak (compile included) is the larger of the two periods
+            last = torch.cuda.max_memory_allocated(device)
+            row["peak_gib"] = max(peak_before if peak_before is not None else 0, last) / GIB
+            if peak_before is not None and row["error"] is None:
+                row["peak_timed_gib"] = last / GIB
+        model = opt = step = losses = None  # noqa: F841 - free before the next engine
+        if engine == "torch.compile":
+            torch._dynamo.reset()
+        _free(device)
+    if row["error"] is None:
+        row["tok_s"] = cfg["batch"] * cfg["seq"] / (statistics.median(row["step_ms"]) / 1e3)
+        row["step_ms_median"] = statistics.median(row["step_ms"])
+        if engine != "eager":
+            row["compile_s"] = row["first_step_s"]
+            if warm_compile:
+                try:
+                    row["compile_warm_s"], warm_loss = _first_step_s(engine, cfg, state, device, batches, dry_run)
+                    row["warm_first_loss"] = warm_loss
+                except Exception as e:  # noqa: BLE001
+                    row["compile_warm_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+                    log(f"  {engine}: warm compile failed: {row['compile_warm_error']}")
+                finally:
+                    if engine == "torch.compile":
+                        torch._dynamo.reset()
+                    _free(device)
+    return row
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def _finite(x):
+    return x if x is None or math.isfinite(x) else None
+
+
+def compare(rows: list[dict], reference: list[float] | None, warmup: int) -> None:
+    """max |loss - eager| / |eager| over the timed steps, for every row that ran."""
+    if not reference:
+        return
+    for r in rows:
+        if r["error"] is None and len(r["losses"]) == len(reference):
+            diffs = [abs(a - b) / abs(b) for a, b in zip(r["losses"][warmup:], reference[warmup:])]
+            r["max_rel_loss_diff"] = max(diffs) if all(map(math.isfinite, diffs)) else float("nan")
+
+
+def run(opts, log=print) -> dict:
+    cfg = resolve(opts)
+    device = torch.device("cpu" if opts.dry_run else "cuda")
+    started = time.perf_counter()
+    torch.manual_seed(cfg["seed"])
+    state = {k: v.clone() for k, v in GPT(gpt_config(cfg)).state_dict().items()}  # on the CPU, shared by all
+    n_params = sum(v.numel() for k, v in state.items() if k != "lm_head.weight")  # tied to wte
+    log(f"GPT {cfg['model']}: {cfg['layers']} layers, {cfg['heads']} heads, width {cfg['width']}, vocab {cfg['vocab']}, "
+        f"{n_params / 1e6:.1f}M parameters; {cfg['precision']}, batch {cfg['batch']} x {cfg['seq']}; "
+        f"{cfg['warmup']} warm-up + {cfg['steps']} timed steps; engines {', '.join(cfg['engines'])}")
+    if cfg["cap_gib"] and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg["cap_gib"] * GIB / total), device)
+        log(f"memory capped at {cfg['cap_gib']:g} GiB of {total / GIB:.1f}")
+    elif cfg["cap_gib"]:
+        log("--cap-gib is not applied on the CPU")
+    batches = Batches(cfg, device)
+    rows = []
+    for engine in cfg["engines"]:
+        log(f"{engine} ...")
+        rows.append(measure(engine, cfg, state, device, batches, opts.dry_run, log))
+    reference, reference_note = None, None
+    eager = next((r for r in rows if r["engine"] == "eager"), None)
+    if eager is not None and eager["error"] is None:
+        reference, reference_note = eager["losses"], "eager, this run"
+    elif eager is not None and eager["oom"] and cfg["cap_gib"] and device.type == "cuda":
+        log("eager ran out of memory under the cap: its reference losses again, uncapped ...")
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        ref = measure("eager", cfg, state, device, batches, opts.dry_run, log, warm_compile=False)
+        if ref["error"] is None:
+            reference, reference_note = ref["losses"], "eager without the memory cap (it ran out of memory under it)"
+    compare([r for r in rows if r["engine"] != "eager"], reference, cfg["warmup"])
+    if eager is not None and reference is eager["losses"]:
+        eager["max_rel_loss_diff"] = 0.0
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    return {
+        "benchmark": "gpt2",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+        else "cpu (dry run: eager and Nova's reference backend; timings are no claims)",
+        "dry_run": bool(opts.dry_run),
+        "versions": {"torch": torch.__version__, "triton": _installed("triton"), "python": platform.python_version(),
+                     "nova": nova.__version__},
+        "commit": _commit(),
+        "config": dict(cfg, n_params=n_params, optimizer=dict(ADAMW, name="AdamW", fused=device.type == "cuda"),
+                       timing="CUDA events per step, one synchronize per timed window, median" if device.type == "cuda"
+                       else "wall clock per step (CPU), median"),
+        "loss_reference": reference_note,
+        "seconds": time.perf_counter() - started,
+        "rows": [{k: _finite(v) if isinstance(v, float) else v for k, v in r.items()} for r in rows],
+    }
+
+
+def _installed(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _commit() -> str:
+    if os.environ.get("NOVA_COMMIT"):  # the device machine's copy of the tree may carry a stale .git
+        return os.environ["NOVA_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+# --------------------------------------------------------------------------- output
+
+
+def summary(doc: dict) -> str:
+    lines = [f"{'engine':<14} {'tok/s':>10} {'ms/step':>9} {'peak GiB':>9} {'compile s':>10} {'warm s':>8} "
+             f"{'max rel loss diff':>18}"]
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for r in doc["rows"]:
+        tok = "OOM" if r["oom"] else "error" if r["error"] else fmt(r["tok_s"], ",.0f")
+        lines.append(f"{r['engine']:<14} {tok:>10} {fmt(r['step_ms_median'], '.1f'):>9} {fmt(r['peak_gib'], '.2f'):>9} "
+                     f"{fmt(r['compile_s'], '.1f'):>10} {fmt(r['compile_warm_s'], '.1f'):>8} "
+                     f"{fmt(r['max_rel_loss_diff'], '.2e'):>18}")
+    return "\n".join(lines)
+
+
+def chart(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, c = doc["rows"], doc["config"]
+    names = [r["engine"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, title in ((axes[0], "tok_s", "tokens / s (median step)"), (axes[1], "peak_gib", "peak allocated GiB")):
+        values = [r[key] or 0.0 for r in rows]
+        bars = ax.bar(names, values, color=["#888888", "#4c72b0", "#dd8452"][: len(rows)])
+        for bar, r in zip(bars, rows):
+            text = ("OOM" if r["oom"] else "error" if r["error"] else "n/a" if r[key] is None
+                    else f"{r[key]:,.0f}" if key == "tok_s" else f"{r[key]:.1f}")
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+        if key == "peak_gib" and c["cap_gib"]:
+            ax.axhline(c["cap_gib"], color="red", ls="--", lw=1, label=f"cap {c['cap_gib']:g} GiB")
+            ax.legend()
+        ax.set_title(title)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"GPT-2 {c['model']} ({c['layers']}x{c['width']}), {c['precision']}, batch {c['batch']} x {c['seq']}"
+                 f" on {doc['device']}" + (" [dry run: no claims]" if doc["dry_run"] else ""), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(doc: dict, out_dir: Path, stem: str) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.png"]
+    tmp = paths[0].with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False))
+    os.replace(tmp, paths[0])
+    chart(doc, paths[1])
+    return paths
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _engines(text: str) -> tuple[str, ...]:
+    es = tuple(e.strip() for e in text.split(",") if e.strip())
+    bad = [e for e in es if e not in ENGINES]
+    if bad or not es or len(set(es)) != len(es):
+        raise argparse.ArgumentTypeError(f"--engines: a subset of {','.join(ENGINES)}, got {text!r}")
+    return tuple(e for e in ENGINES if e in es)  # eager first: it is the loss reference
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=sorted(PRESETS), default=None,
+                   help="preset: 124m = 12 layers, 12 heads, width 768; 355m = 24 layers, 16 heads, width 1024 (default 124m)")
+    p.add_argument("--layers", type=int, default=None, help="transformer blocks (overrides --model)")
+    p.add_argument("--width", type=int, default=None, help="n_embd (overrides --model)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (overrides --model)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 50304)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 1024)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default 8)")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                   help="fp32, tf32 (eager/torch.compile: allow_tf32) or bf16 (eager/torch.compile: autocast; default)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 20)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first, the compiling one included (default 3)")
+    p.add_argument("--engines", type=_engines, default=None, metavar="LIST",
+                   help="subset of eager,torch.compile,nova (default all three; --dry-run: eager,nova)")
+    p.add_argument("--cap-gib", type=float, default=None, metavar="N",
+                   help="cap this process's GPU memory at N GiB (set_per_process_memory_fraction)")
+    p.add_argument("--seed", type=int, default=0, help="weights from seed, batches from seed + 1 (default 0)")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default bench/results; a temp dir for --dry-run)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="a tiny GPT on the CPU: eager and Nova's reference backend, wall-clock timing, no claims")
+
+
+def run_args(opts, log=print) -> list[Path]:
+    if not opts.dry_run and not torch.cuda.is_available():
+        raise UsageError("nova bench gpt2 needs a CUDA device (or --dry-run)")
+    out_dir = opts.out or (Path(tempfile.mkdtemp(prefix="nova-bench-gpt2-")) if opts.dry_run else REPO / "bench" / "results")
+    doc = run(opts, log)
+    paths = write(doc, out_dir, result_stem(doc["config"], opts.dry_run))
+    log(summary(doc))
+    log("wrote " + ", ".join(map(str, paths)))
+    failed = [r for r in doc["rows"] if r["error"] and not r["oom"]]
+    if failed:
+        raise RunFailed("engine(s) failed: " + "; ".join(f"{r['engine']}: {r['error']}" for r in failed)
+                        + f" (results written to {paths[0]})")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nova bench gpt2", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    opts = parser.parse_args(argv)
+    try:
+        run_args(opts, log=lambda s: print(s, flush=True))
+    except UsageError as e:
+        print(f"nova bench gpt2: error: {e}", file=sys.stderr)
+        return 2
+    except RunFailed as e:
+        print(f"nova bench gpt2: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
