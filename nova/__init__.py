@@ -17,11 +17,7 @@ def __getattr__(name):
 
         return getattr(api, name)
     if name in ("verify", "VerifyReport"):
-        # importing the submodule nova.verify binds its name here; rebind it to the function
-        # (the module is callable too, for code that imported nova.verify first)
-        import importlib
+        from nova import verification
 
-        _verify = importlib.import_module("nova.verify")
-        globals()["verify"] = _verify.verify
-        return getattr(_verify, name)
+        return getattr(verification, name)
     raise AttributeError(f"module 'nova' has no attribute {name!r}")

@@ -22,7 +22,7 @@ import nova.transforms.optimizer as optimizer_stage
 from nova.autodiff import rules
 from nova.ir import dialect as nv
 from nova.models import GPT, MLPLM, MLPLMConfig, gpt_tiny
-from nova.verify import TOLERANCES, VerifyReport, copy_pair, rel_diff
+from nova.verification import TOLERANCES, VerifyReport, copy_pair, rel_diff
 
 
 def make_model(kind: str, dtype=torch.float64, **gpt) -> torch.nn.Module:

@@ -376,16 +376,3 @@ def verify(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch_or_ba
         report.steps.append(StepResult(i, lv, rv, rel_diff(torch.tensor(lv), torch.tensor(rv)), params, state, tol))
     report.excluded = {n: int(m.sum()) for n, m in noise.items() if m.any()}
     return report
-
-
-class _CallableModule(type(contextlib)):
-    """``nova.verify`` names both this module and its function: importing the module
-    binds the package attribute to the module, so the module calls the function."""
-
-    def __call__(self, *args, **kwargs) -> VerifyReport:
-        return verify(*args, **kwargs)
-
-
-import sys  # noqa: E402
-
-sys.modules[__name__].__class__ = _CallableModule
