@@ -62,6 +62,12 @@ def _fold(c: Compilation) -> None:
     fold_static(c.module, c.captured.buffers, device.device if device is not None else torch.device("cpu"))
 
 
+def _fuse_loss(c: Compilation) -> None:
+    from nova.transforms.fuse_loss import fuse_loss
+
+    fuse_loss(c.module)
+
+
 def _autodiff(c: Compilation) -> None:
     append_backward(c.module)
 
@@ -93,6 +99,7 @@ def _configure(c: Compilation) -> None:
 STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
     ("capture", _capture),
     ("fold", _fold),
+    ("fuse_loss", _fuse_loss),
     ("autodiff", _autodiff),
     ("optimizer", _optimizer),
     ("precision", _precision),

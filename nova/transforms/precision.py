@@ -26,7 +26,8 @@ from nova.ir.types import elem_of
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 # ops whose tensor operands run in bf16 under the bf16 policy (autocast's lower-precision list)
-CONTRACTIONS = (nv.MatmulOp, nv.AttentionOp, nv.AttentionBackwardOp)
+CONTRACTIONS = (nv.MatmulOp, nv.AttentionOp, nv.AttentionBackwardOp,
+                nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,8 @@ def _lower_to_bf16(op: nv.NovaOp) -> None:
     b.location = op.attributes["nova.loc"].data if "nova.loc" in op.attributes else None
     operands = [b.cast(v, bf16) if elem_of(v.type) == f32 and not _is_stat(op, i) else v
                 for i, v in enumerate(op.operands)]  # fmt: skip
-    new = b.create(type(op), operands, op.props())
+    # an op that takes its result type (the fused head's loss) keeps it: its statistics stay f32
+    new = b.create(type(op), operands, op.props(), op.results[0].type if op.FREE_RESULT else None)
     outs = []
     after = op.next_op
     b.before = after
@@ -62,5 +64,11 @@ def _lower_to_bf16(op: nv.NovaOp) -> None:
 
 
 def _is_stat(op: nv.NovaOp, i: int) -> bool:
-    # attention_backward's log-sum-exp operand stays f32
+    # attention_backward's log-sum-exp operand stays f32; so do the fused LM head's
+    # bias (the unfused bias add follows the matmul's cast back to f32) and the
+    # loss's cotangent of its backward: only h and w are the matmuls' operands
+    if isinstance(op, nv.LinearCrossEntropyOp):
+        return i == 3
+    if isinstance(op, nv.LinearCrossEntropyBackwardOp):
+        return i in (0, 4)
     return isinstance(op, nv.AttentionBackwardOp) and i == 5
