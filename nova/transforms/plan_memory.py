@@ -1,0 +1,566 @@
+"""The plan_memory stage: liveness over the whole step, one static arena, in-place updates.
+
+The step is one straight-line block, run in the Triton backend's launch order
+(``nova.backends.triton``): layout ops are strided views and launch nothing, a
+matmul whose only use adds a row bias is one kernel with the add. The plan
+gives every value a storage (``docs/memory.md`` is the long version):
+
+  arena     an intermediate: (offset, size) in one device arena, sizes rounded
+            up to ``ALIGNMENT``; a buffer is reused once its value is dead
+  input     a batch / hyper / seed argument: an arena slot the step call fills
+            before the first launch, reused after its last read like any other
+  view      transpose, broadcast_to, slice and a reshape the strides allow:
+            the source's storage (its lifetime grows to cover the view's reads)
+  external  a param / state / buffer argument: the caller's tensor, bound as it is
+  inplace   the new value of a param / state: written into the argument of the
+            same name (legal only when nothing reads the old value afterwards)
+  output    a returned loss / grad: its own allocation outside the arena (the
+            caller keeps it after the arena is reused)
+  const     a 0-d ``nova.full``: a compile-time constant pool, no arena bytes
+  fused     a matmul result the bias add consumes inside the same kernel
+  empty     a tensor of zero elements
+
+Times: 0 is the step's entry (the inputs are copied in), step ``i`` of the
+launch order runs at time ``i + 1``, the return is at ``len(steps) + 1``. A
+value is live on the closed interval [def, last read]; an op reads its operands
+while it writes its results, so they never share bytes.
+
+Offsets: buffers in decreasing size, each into the best-fitting gap (the
+smallest that holds it, the lowest on a tie) left by the already placed buffers
+it is live together with, or on top of them (XLA's GlobalDecreasingSizeBestFit
+heap). Interference queries go through a segment tree over time plus a sorted
+list of starts: O(n log n) plus the number of interfering pairs it must look at.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import torch
+from xdsl.context import Context
+from xdsl.dialects.builtin import ArrayAttr, DenseArrayBase, DictionaryAttr, IntegerAttr, ModuleOp, StringAttr, i64
+from xdsl.ir import Operation, SSAValue
+from xdsl.passes import ModulePass
+
+from nova.ir import dialect as nv
+from nova.ir.module import arg_slots, result_slots, return_op, step_func
+from nova.ir.types import elem_of, numel, shape_of, to_torch_dtype
+
+# cudaMalloc returns 256-byte aligned pointers; TMA descriptors need 16 B, vector loads 16 B
+ALIGNMENT = 256
+# torch's CUDA caching allocator rounds every allocation up to a multiple of 512 B
+# (kMinBlockSize), and max_memory_allocated counts the rounded sizes
+TORCH_BLOCK = 512
+
+# the layout ops the Triton backend turns into strided views (nova.backends.triton.VIEW_OPS;
+# a test keeps the two equal without importing Triton here)
+VIEW_OPS = (nv.TransposeOp, nv.BroadcastToOp, nv.SliceOp, nv.ReshapeOp)
+# kernels that read element i of every same-shape operand before writing element i
+# of their one result: the only ops that may write over an operand they read
+SAME_INDEX = (
+    nv.AddOp, nv.SubOp, nv.MulOp, nv.DivOp, nv.MaximumOp, nv.PowOp, nv.WhereOp,
+    nv.NegOp, nv.ExpOp, nv.LogOp, nv.SqrtOp, nv.RsqrtOp, nv.TanhOp, nv.SigmoidOp, nv.ReluOp,
+    nv.CosOp, nv.SinOp, nv.AbsOp, nv.GeluOp, nv.GeluBackwardOp,
+)  # fmt: skip
+EXTERNAL_ROLES = ("param", "state", "buffer")
+INPUT_ROLES = ("batch", "hyper", "seed")
+
+
+def _align(n: int, to: int = ALIGNMENT) -> int:
+    return -(-n // to) * to
+
+
+def nbytes(v: SSAValue) -> int:
+    return numel(shape_of(v.type)) * to_torch_dtype(elem_of(v.type)).itemsize
+
+
+@dataclass
+class Placement:
+    """Where one value lives. ``offset``/``size`` for arena and input values;
+    ``root`` the storage-owning value of a view; ``arg`` the argument an inplace
+    value is written into."""
+
+    kind: str
+    offset: int = -1
+    size: int = 0
+    root: SSAValue | None = None
+    arg: str | None = None
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One arena allocation: ``value`` defined at time ``start``, last read at ``end``."""
+
+    value: SSAValue
+    offset: int
+    size: int  # aligned bytes
+    start: int
+    end: int
+    what: str  # "nova.matmul #0", "batch x", ...
+    loc: str | None
+
+    def overlaps_in_time(self, other: "Buffer") -> bool:
+        return self.start <= other.end and other.start <= self.end
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """A param / state result and how it reaches its argument: ``inplace`` (its
+    value is computed into the argument), ``copy`` (copied in after the step,
+    ``reason`` says why) or ``unchanged`` (the result is the argument itself)."""
+
+    role: str
+    name: str
+    how: str
+    written_at: int  # the time the new value is written (-1: unchanged)
+    reason: str | None = None
+
+
+@dataclass
+class MemoryPlan:
+    alignment: int
+    arena_bytes: int  # the arena's size: the top of the highest buffer
+    sum_bytes: int  # every arena buffer's aligned size added up (no reuse)
+    lower_bound_bytes: int  # the largest live set: no assignment of these intervals needs less
+    peak_time: int  # when the largest live set occurs
+    peak_what: str  # the op running then ("entry" at time 0)
+    peak_loc: str | None
+    external: dict[str, int]  # what lives outside the arena, by kind, rounded as torch allocates
+    buffers: list[Buffer]
+    inplace: list[InPlace]
+    live_bytes: list[int]  # arena bytes live at each time
+    steps: list[str]  # the op name of each step, in launch order
+    placements: dict[SSAValue, Placement] = field(repr=False, default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The predicted ``torch.cuda.max_memory_allocated()`` of one steady-state step:
+        the arena (one allocation) plus everything outside it that is allocated while
+        the step runs: params, optimizer state, model buffers, the caller's batch and
+        scalar inputs, the returned outputs and the constant pool (each rounded up to
+        512 B as torch's caching allocator does)."""
+        return _align(self.arena_bytes, TORCH_BLOCK) + sum(self.external.values())
+
+
+# ----------------------------------------------------------------------------
+# the launch order
+
+
+@dataclass(frozen=True)
+class Step:
+    op: Operation
+    inputs: tuple[SSAValue, ...]
+    outputs: tuple[SSAValue, ...]
+
+
+def bias_epilogue(op: Operation) -> Operation | None:
+    """The add the Triton backend runs in this matmul's epilogue (its only use,
+    adding an [N] vector of the same dtype over rows), as ``_bias_epilogue`` there."""
+    uses = list(op.results[0].uses)
+    if len(uses) != 1 or not isinstance(uses[0].operation, nv.AddOp):
+        return None
+    add = uses[0].operation
+    other = add.operands[1 - uses[0].index]
+    n = shape_of(op.results[0].type)[-1]
+    if shape_of(other.type) != (n,) or elem_of(other.type) != elem_of(op.results[0].type):
+        return None
+    if shape_of(add.results[0].type) != shape_of(op.results[0].type):
+        return None
+    return add
+
+
+def launch_order(fn) -> tuple[list[Step], set[SSAValue]]:
+    """The steps in the order the backend launches them, and the matmul results
+    that a fused bias add consumes in registers."""
+    steps: list[Step] = []
+    fused: set[SSAValue] = set()
+    absorbed: set[Operation] = set()
+    ret = return_op(fn)
+    for op in fn.body.block.ops:
+        if op is ret or op in absorbed:
+            continue
+        add = bias_epilogue(op) if isinstance(op, nv.MatmulOp) else None
+        if add is not None:
+            absorbed.add(add)
+            fused.add(op.results[0])
+            bias = add.operands[1] if add.operands[0] is op.results[0] else add.operands[0]
+            steps.append(Step(op, (*op.operands, bias), tuple(add.results)))
+        else:
+            steps.append(Step(op, tuple(op.operands), tuple(op.results)))
+    return steps, fused
+
+
+# ----------------------------------------------------------------------------
+# storage of each value
+
+
+def _meta(v: SSAValue, layouts: dict) -> torch.Tensor:
+    t = layouts.get(v)
+    if t is None:  # a kernel's result or an argument: contiguous
+        t = torch.empty(shape_of(v.type), device="meta")
+    return t
+
+
+def _view_layout(op: Operation, src: torch.Tensor) -> torch.Tensor | None:
+    """The strided view the backend makes of ``src`` (a meta tensor), or None
+    when a reshape's strides allow no view (the backend copies then)."""
+    out_shape = shape_of(op.results[0].type)
+    if isinstance(op, nv.TransposeOp):
+        return src.permute(op.props()["perm"])
+    if isinstance(op, nv.BroadcastToOp):
+        return src.expand(out_shape)
+    if isinstance(op, nv.SliceOp):
+        p = op.props()
+        idx = [slice(None)] * src.dim()
+        idx[p["dim"]] = slice(p["start"], p["end"], p["step"])
+        return src[tuple(idx)]
+    try:
+        return src.view(out_shape)
+    except RuntimeError:
+        return None
+
+
+def _what(op: Operation, i: int) -> str:
+    return f"{op.name} #{i}" if len(op.results) > 1 else op.name
+
+
+def _loc(op: Operation | None) -> str | None:
+    a = op.attributes.get("nova.loc") if op is not None else None
+    return a.data if a is not None else None
+
+
+class _Planner:
+    def __init__(self, fn):
+        self.fn = fn
+        self.block = fn.body.block
+        self.steps, self.fused = launch_order(fn)
+        self.end_time = len(self.steps) + 1
+        self.place: dict[SSAValue, Placement] = {}
+        self.start: dict[SSAValue, int] = {}
+        self.last: dict[SSAValue, int] = {}
+        self.step_of: dict[SSAValue, int] = {}  # value -> time of the step defining it
+
+    def storage(self) -> None:
+        for a, s in zip(self.block.args, arg_slots(self.fn), strict=True):
+            kind = "external" if s.role in EXTERNAL_ROLES else "input"
+            self.place[a] = Placement(kind, size=_align(nbytes(a)) if kind == "input" else 0)
+            self.start[a] = 0
+        layouts: dict[SSAValue, torch.Tensor] = {}
+        for t, st in enumerate(self.steps, 1):
+            op = st.op
+            for r in op.results:
+                self.step_of[r] = t
+            for r in st.outputs:
+                self.step_of[r] = t
+                self.start[r] = t
+            if isinstance(op, VIEW_OPS):
+                src = op.operands[0]
+                view = _view_layout(op, _meta(src, layouts))
+                if view is not None:
+                    layouts[op.results[0]] = view
+                    root = self.root(src)
+                    self.place[op.results[0]] = Placement("view", root=root)
+                    continue
+            for r in st.outputs:
+                if nbytes(r) == 0:
+                    self.place[r] = Placement("empty")
+                elif isinstance(op, nv.FullOp) and shape_of(r.type) == ():
+                    self.place[r] = Placement("const")
+                else:
+                    self.place[r] = Placement("arena", size=_align(nbytes(r)))
+            for r in op.results:
+                if r in self.fused:
+                    self.place[r] = Placement("fused")
+                    self.start[r] = t
+
+    def root(self, v: SSAValue) -> SSAValue:
+        p = self.place[v]
+        return p.root if p.kind == "view" else v
+
+    def liveness(self) -> None:
+        for v, t in self.start.items():
+            self.last[v] = t
+        for t, st in enumerate(self.steps, 1):
+            for v in st.inputs:
+                self.last[v] = max(self.last[v], t)
+        for v in return_op(self.fn).operands:
+            self.last[v] = self.end_time
+        # a view reads its root's bytes: the root lives as long as its last view is read
+        for v, p in self.place.items():
+            if p.kind == "view":
+                self.last[p.root] = max(self.last[p.root], self.last[v])
+
+    def _step_reads_only_same_index(self, t: int, arg: SSAValue) -> bool:
+        st = self.steps[t - 1]
+        if not isinstance(st.op, SAME_INDEX) or len(st.outputs) != 1 or st.outputs[0].type != arg.type:
+            return False
+        return all(v is arg for v in st.inputs if self.root(v) is arg)
+
+    def _describe(self, t: int) -> str:
+        if t >= self.end_time:
+            return "it is returned"
+        op = self.steps[t - 1].op
+        loc = _loc(op)
+        return f"{op.name} (step {t}{', ' + loc if loc else ''}) reads it"
+
+    def results(self) -> list[InPlace]:
+        args = {(s.role, s.name): a for a, s in zip(self.block.args, arg_slots(self.fn), strict=True)}
+        out: list[InPlace] = []
+        claimed: set[SSAValue] = set()
+        rets = list(zip(result_slots(self.fn), return_op(self.fn).operands, strict=True))
+        self.result_storage: list[str] = []
+        for s, v in rets:
+            if s.role not in ("param", "state"):
+                self.result_storage.append("")
+                continue
+            arg = args[(s.role, s.name)]
+            # the bytes of v are the root's when only reshape views lie between them
+            root = v
+            while self.place[root].kind == "view" and isinstance(root.owner, nv.ReshapeOp):
+                root = root.owner.operands[0]
+            how, reason, t = "copy", None, self.start.get(root, -1)
+            if root is arg:
+                how = "unchanged"
+            elif self.place[root].kind != "arena":
+                reason = f"the new value is a {self.place[root].kind} value, not a buffer of its own"
+            elif root in claimed:
+                reason = "its value is also the new value of another argument"
+            elif nbytes(root) != nbytes(arg):
+                reason = "its value has another size than the argument"
+            elif self.last[arg] > t or (self.last[arg] == t and not self._step_reads_only_same_index(t, arg)):
+                reason = (f"the old value is still read after the new one is written at step {t}: "
+                          f"{self._describe(self.last[arg])}")
+            else:
+                how = "inplace"
+            if how == "inplace":
+                claimed.add(root)
+                self.place[root] = Placement("inplace", arg=s.name)
+            out.append(InPlace(s.role, s.name, how, t if how != "unchanged" else -1, reason))
+            self.result_storage.append(how)
+        # the loss and the gradients leave the step: their own allocations
+        for k, (s, v) in enumerate(rets):
+            if s.role in ("param", "state"):
+                continue
+            if self.place[v].kind == "arena" and v not in claimed:
+                claimed.add(v)
+                self.place[v] = Placement("output")
+                self.result_storage[k] = "output"
+            else:
+                self.result_storage[k] = "copy"  # a view, an argument, a constant or a shared value
+        return out
+
+    def arena_buffers(self) -> list[Buffer]:
+        bufs = []
+        for v, p in self.place.items():
+            if p.kind not in ("arena", "input"):
+                continue
+            if isinstance(v.owner, Operation):
+                op = v.owner
+                what, loc = _what(op, v.index), _loc(op)
+            else:
+                s = arg_slots(self.fn)[v.index]
+                what, loc = f"{s.role} {s.name}", None
+            bufs.append(Buffer(v, -1, p.size, self.start[v], self.last[v], what, loc))
+        return bufs
+
+
+def assign_offsets(sizes: list[int], starts: list[int], ends: list[int]) -> list[int]:
+    """Offsets for closed time intervals so that no two intervals live at the same
+    time overlap in bytes: decreasing size, best-fit gap (see the module's docstring)."""
+    n = len(sizes)
+    horizon = max(ends, default=0) + 1
+    width = 1
+    while width < horizon:
+        width *= 2
+    tree: list[list[int]] = [[] for _ in range(2 * width)]  # node -> placed intervals covering it
+    placed_starts: list[int] = []
+    placed_ids: list[int] = []
+    offsets = [-1] * n
+    for i in sorted(range(n), key=lambda i: (-sizes[i], starts[i], i)):
+        s, e, size = starts[i], ends[i], sizes[i]
+        hits: list[int] = []
+        node = s + width
+        while node >= 1:  # placed intervals containing s
+            hits.extend(tree[node])
+            node >>= 1
+        lo, hi = bisect.bisect_right(placed_starts, s), bisect.bisect_right(placed_starts, e)
+        hits.extend(placed_ids[lo:hi])  # placed intervals starting in (s, e]
+        best_gap, best_off, top = None, None, 0
+        for a, b in sorted((offsets[j], offsets[j] + sizes[j]) for j in hits):
+            gap = a - top
+            if gap >= size and (best_gap is None or gap < best_gap):
+                best_gap, best_off = gap, top
+            top = max(top, b)
+        offsets[i] = best_off if best_off is not None else top
+        lo_n, hi_n = s + width, e + width + 1
+        while lo_n < hi_n:
+            if lo_n & 1:
+                tree[lo_n].append(i)
+                lo_n += 1
+            if hi_n & 1:
+                hi_n -= 1
+                tree[hi_n].append(i)
+            lo_n >>= 1
+            hi_n >>= 1
+        k = bisect.bisect_right(placed_starts, s)
+        placed_starts.insert(k, s)
+        placed_ids.insert(k, i)
+    return offsets
+
+
+def _torch_bytes(n: int) -> int:
+    return _align(n, TORCH_BLOCK) if n else 0
+
+
+def plan_memory(module: ModuleOp) -> MemoryPlan:
+    """Plans @train_step's memory and records it in the IR (see ``annotate``)."""
+    fn = step_func(module)
+    p = _Planner(fn)
+    p.storage()
+    p.liveness()
+    inplace = p.results()
+    bufs = p.arena_buffers()
+    offsets = assign_offsets([b.size for b in bufs], [b.start for b in bufs], [b.end for b in bufs])
+    bufs = [Buffer(b.value, o, b.size, b.start, b.end, b.what, b.loc) for b, o in zip(bufs, offsets, strict=True)]
+    for b in bufs:
+        p.place[b.value].offset = b.offset
+    delta = [0] * (p.end_time + 2)
+    for b in bufs:
+        delta[b.start] += b.size
+        delta[b.end + 1] -= b.size
+    live, cur = [], 0
+    for t in range(p.end_time + 1):
+        cur += delta[t]
+        live.append(cur)
+    peak_time = max(range(len(live)), key=lambda t: (live[t], -t))
+    peak_op = p.steps[peak_time - 1].op if 1 <= peak_time <= len(p.steps) else None
+    external = {"params": 0, "state": 0, "buffers": 0, "inputs": 0, "outputs": 0, "constants": 0}
+    for a, s in zip(p.block.args, arg_slots(fn), strict=True):
+        key = {"param": "params", "state": "state", "buffer": "buffers"}.get(s.role, "inputs")
+        external[key] += _torch_bytes(nbytes(a))  # inputs: the caller's own batch tensors and scalars
+    for s, v in zip(result_slots(fn), return_op(fn).operands, strict=True):
+        if s.role not in ("param", "state"):
+            external["outputs"] += _torch_bytes(nbytes(v))
+    n_const = sum(1 for q in p.place.values() if q.kind == "const")
+    external["constants"] = _torch_bytes(n_const * ALIGNMENT)
+    plan = MemoryPlan(
+        alignment=ALIGNMENT,
+        arena_bytes=max((b.offset + b.size for b in bufs), default=0),
+        sum_bytes=sum(b.size for b in bufs),
+        lower_bound_bytes=live[peak_time] if live else 0,
+        peak_time=peak_time,
+        peak_what=peak_op.name if peak_op is not None else ("entry" if peak_time == 0 else "return"),
+        peak_loc=_loc(peak_op),
+        external=external,
+        buffers=bufs,
+        inplace=inplace,
+        live_bytes=live,
+        steps=[st.op.name for st in p.steps],
+        placements=p.place,
+    )
+    annotate(module, p, plan)
+    return plan
+
+
+def _i64s(values) -> DenseArrayBase:
+    return DenseArrayBase.from_list(i64, [int(v) for v in values])
+
+
+def annotate(module: ModuleOp, p: _Planner, plan: MemoryPlan) -> None:
+    """Writes the plan into the IR:
+    - every op: ``nova.storage`` (one kind per result) and ``nova.offset`` (the
+      arena offset per result, -1 where the result has no arena buffer);
+    - every argument: ``nova.storage`` and, for input slots, ``nova.offset``;
+    - every result: ``nova.storage`` = inplace / copy / unchanged / output;
+    - the module: ``nova.memory_plan`` with the arena size, the sum of sizes, the
+      live-set lower bound and the predicted peak in bytes, and the alignment."""
+    fn = p.fn
+    for op in p.block.ops:
+        if not isinstance(op, nv.NovaOp):
+            continue
+        kinds = [p.place[r].kind if r in p.place else "fused" for r in op.results]
+        op.attributes["nova.storage"] = ArrayAttr([StringAttr(k) for k in kinds])
+        op.attributes["nova.offset"] = _i64s(p.place[r].offset if r in p.place else -1 for r in op.results)
+    attrs = []
+    for a, d in zip(p.block.args, fn.arg_attrs.data, strict=True):
+        q = p.place[a]
+        extra = {"nova.storage": StringAttr(q.kind)}
+        if q.kind == "input":
+            extra["nova.offset"] = IntegerAttr(q.offset, i64)
+        attrs.append(DictionaryAttr({**d.data, **extra}))
+    fn.arg_attrs = ArrayAttr(attrs)
+    if fn.res_attrs is not None:
+        fn.res_attrs = ArrayAttr([DictionaryAttr({**d.data, "nova.storage": StringAttr(how)})
+                                  for d, how in zip(fn.res_attrs.data, p.result_storage, strict=True)])  # fmt: skip
+    module.attributes["nova.memory_plan"] = DictionaryAttr({
+        "arena_bytes": IntegerAttr(plan.arena_bytes, i64),
+        "sum_bytes": IntegerAttr(plan.sum_bytes, i64),
+        "lower_bound_bytes": IntegerAttr(plan.lower_bound_bytes, i64),
+        "peak_bytes": IntegerAttr(plan.peak_bytes, i64),
+        "alignment": IntegerAttr(plan.alignment, i64),
+    })  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PlanMemory(ModulePass):
+    name = "nova-plan-memory"
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        plan_memory(op)
+
+
+# ----------------------------------------------------------------------------
+# reporting
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
+
+
+def report(plan: MemoryPlan, top: int = 10) -> list[str]:
+    """The plan in a few lines, for ``explain()``."""
+    ext = ", ".join(f"{k} {gib(v)}" for k, v in plan.external.items() if v)
+    lines = [
+        f"predicted peak {gib(plan.peak_bytes)} = arena {gib(plan.arena_bytes)} + outside it: {ext}",
+        f"arena {gib(plan.arena_bytes)}: {len(plan.buffers)} buffers summing to {gib(plan.sum_bytes)} without reuse; "
+        f"the largest live set is {gib(plan.lower_bound_bytes)} (a lower bound), "
+        f"{plan.arena_bytes / max(plan.lower_bound_bytes, 1):.3f}x of it",
+        f"largest live set at step {plan.peak_time} of {len(plan.steps)}: {plan.peak_what}"
+        + (f" ({plan.peak_loc})" if plan.peak_loc else ""),
+    ]
+    copies = [ip for ip in plan.inplace if ip.how == "copy"]
+    n_in = sum(1 for ip in plan.inplace if ip.how == "inplace")
+    lines.append(f"parameters and state: {n_in} updated in place, {len(copies)} copied back after the step")
+    for ip in copies[:top]:
+        lines.append(f"  copy {ip.role} {ip.name}: {ip.reason}")
+    lines.append(f"the {min(top, len(plan.buffers))} largest buffers:")
+    for b in sorted(plan.buffers, key=lambda b: (-b.size, b.start))[:top]:
+        lines.append(f"  {gib(b.size):>12}  offset {b.offset:>12}  steps {b.start}-{b.end}  "
+                     f"{b.what} {b.value.type}" + (f"  ({b.loc})" if b.loc else ""))  # fmt: skip
+    return lines
+
+
+def plot_timeline(plan: MemoryPlan, path) -> None:
+    """A PNG of the arena's live bytes over the steps, with the arena's size and
+    the predicted peak (matplotlib's Agg canvas: no global backend is touched)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    outside = plan.peak_bytes - _align(plan.arena_bytes, TORCH_BLOCK)
+    fig = Figure(figsize=(10, 4.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    xs = list(range(len(plan.live_bytes)))
+    g = 2**30
+    ax.fill_between(xs, [b / g for b in plan.live_bytes], step="mid", alpha=0.35, label="arena bytes live")
+    ax.plot(xs, [(b + outside) / g for b in plan.live_bytes], lw=0.8, label="live + outside the arena")
+    ax.axhline(plan.arena_bytes / g, color="C3", ls="--", lw=1, label=f"arena {gib(plan.arena_bytes)}")
+    ax.axhline(plan.peak_bytes / g, color="k", ls=":", lw=1, label=f"predicted peak {gib(plan.peak_bytes)}")
+    ax.axvline(plan.peak_time, color="C2", lw=0.8, label=f"largest live set: step {plan.peak_time} {plan.peak_what}")
+    ax.set_xlabel("step of the launch order (0 = entry)")
+    ax.set_ylabel("GiB")
+    ax.set_title("Nova memory plan")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(str(path))
