@@ -17,9 +17,11 @@ Engines run one after another; before each, the previous engine's model, optimiz
 state and compiled step are freed and the CUDA cache emptied, so each engine's peak
 (torch.cuda.max_memory_allocated after reset_peak_memory_stats) is its own. The first
 ``--warmup`` steps are excluded from timing; the first step's wall time is the cold
-compile time (torch.compile, nova). Warm compile time: the first step of a fresh copy
-compiled again in the same process (torch.compile after torch._dynamo.reset(), so
-only the on-disk/in-process caches below dynamo are warm). Each timed step is
+compile time (torch.compile, nova), with Nova's, Triton's and Inductor's on-disk
+caches in a new empty directory (--no-fresh-caches keeps the environment's). Warm
+compile time: the first step of a fresh copy compiled again in the same process
+(torch.compile after torch._dynamo.reset(), so only the caches below dynamo, filled
+by the cold compile, are warm). Each timed step is
 bracketed by CUDA events, the stream is synchronized once after the timed window,
 and tok/s = batch * seq / median step time. Losses are read after the window too;
 ``max_rel_loss_diff`` is the largest |loss - eager loss| / |eager loss| over the
@@ -42,13 +44,14 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -63,6 +66,7 @@ from nova.models import GPT, GPTConfig  # noqa: E402
 
 ENGINES = ("eager", "torch.compile", "nova")
 SHORT = {"eager": "eager", "torch.compile": "compile", "nova": "nova"}
+COLORS = {"eager": "#888888", "torch.compile": "#4c72b0", "nova": "#dd8452"}
 PRECISIONS = ("fp32", "tf32", "bf16")
 # (layers, heads, width): GPT-2 small and medium
 PRESETS = {"124m": (12, 12, 768), "355m": (24, 16, 1024)}
@@ -289,8 +293,40 @@ def measure(engine: str, cfg: dict, state: dict, device: torch.device, batches: 
 # --------------------------------------------------------------------------- the run
 
 
-def _finite(x):
-    return x if x is None or math.isfinite(x) else None
+def _clean(x):
+    """Strict JSON: a NaN or infinity (a diverged loss) becomes null."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+CACHE_VARS = ("NOVA_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+
+
+@contextmanager
+def fresh_caches(enabled: bool):
+    """Nova's, Triton's and Inductor's on-disk caches in a new empty directory for the
+    run, so the first compile is cold even on a machine that compiled these kernels
+    before (the warm compile then sees only what this run cached)."""
+    if not enabled:
+        yield None
+        return
+    saved = {k: os.environ.get(k) for k in CACHE_VARS}
+    root = Path(tempfile.mkdtemp(prefix="nova-bench-gpt2-caches-"))
+    os.environ.update({k: str(root / k.split("_")[0].lower()) for k in CACHE_VARS})
+    try:
+        yield str(root)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def compare(rows: list[dict], reference: list[float] | None, warmup: int) -> None:
@@ -300,7 +336,8 @@ def compare(rows: list[dict], reference: list[float] | None, warmup: int) -> Non
     for r in rows:
         if r["error"] is None and len(r["losses"]) == len(reference):
             diffs = [abs(a - b) / abs(b) for a, b in zip(r["losses"][warmup:], reference[warmup:])]
-            r["max_rel_loss_diff"] = max(diffs) if all(map(math.isfinite, diffs)) else float("nan")
+            r["max_rel_loss_diff"] = max(diffs) if all(map(math.isfinite, diffs)) else None
+            r["nonfinite_loss"] = not all(map(math.isfinite, diffs))
 
 
 def run(opts, log=print) -> dict:
@@ -324,6 +361,12 @@ def run(opts, log=print) -> dict:
     for engine in cfg["engines"]:
         log(f"{engine} ...")
         rows.append(measure(engine, cfg, state, device, batches, opts.dry_run, log))
+        r = rows[-1]
+        if r["error"] is None:
+            log(f"  {engine}: {r['tok_s']:,.0f} tok/s, {r['step_ms_median']:.1f} ms/step"
+                + (f", peak {r['peak_gib']:.2f} GiB" if r["peak_gib"] is not None else "")
+                + (f", compile {r['compile_s']:.1f} s cold / {r['compile_warm_s']:.1f} s warm"
+                   if r["compile_warm_s"] is not None else ""))
     reference, reference_note = None, None
     eager = next((r for r in rows if r["engine"] == "eager"), None)
     if eager is not None and eager["error"] is None:
@@ -341,7 +384,7 @@ def run(opts, log=print) -> dict:
     return {
         "benchmark": "gpt2",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-        else "cpu (dry run: eager and Nova's reference backend; timings are no claims)",
+        else "cpu (dry run: Nova's reference backend; timings are no claims)",
         "dry_run": bool(opts.dry_run),
         "versions": {"torch": torch.__version__, "triton": _installed("triton"), "python": platform.python_version(),
                      "nova": nova.__version__},
@@ -351,7 +394,7 @@ def run(opts, log=print) -> dict:
                        else "wall clock per step (CPU), median"),
         "loss_reference": reference_note,
         "seconds": time.perf_counter() - started,
-        "rows": [{k: _finite(v) if isinstance(v, float) else v for k, v in r.items()} for r in rows],
+        "rows": _clean(rows),
     }
 
 
@@ -398,7 +441,7 @@ def chart(doc: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, title in ((axes[0], "tok_s", "tokens / s (median step)"), (axes[1], "peak_gib", "peak allocated GiB")):
         values = [r[key] or 0.0 for r in rows]
-        bars = ax.bar(names, values, color=["#888888", "#4c72b0", "#dd8452"][: len(rows)])
+        bars = ax.bar(names, values, color=[COLORS[n] for n in names])
         for bar, r in zip(bars, rows):
             text = ("OOM" if r["oom"] else "error" if r["error"] else "n/a" if r[key] is None
                     else f"{r[key]:,.0f}" if key == "tok_s" else f"{r[key]:.1f}")
@@ -409,7 +452,7 @@ def chart(doc: dict, path: Path) -> None:
         ax.set_title(title)
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"GPT-2 {c['model']} ({c['layers']}x{c['width']}), {c['precision']}, batch {c['batch']} x {c['seq']}"
-                 f" on {doc['device']}" + (" [dry run: no claims]" if doc["dry_run"] else ""), fontsize=10)
+                 f" on {doc['device']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -455,6 +498,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cap this process's GPU memory at N GiB (set_per_process_memory_fraction)")
     p.add_argument("--seed", type=int, default=0, help="weights from seed, batches from seed + 1 (default 0)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench/results; a temp dir for --dry-run)")
+    p.add_argument("--fresh-caches", action=argparse.BooleanOptionalAction, default=True,
+                   help="put Nova's, Triton's and Inductor's on-disk caches in an empty temp dir for the run, so "
+                   "compile_s is cold (default on; --no-fresh-caches keeps the environment's)")
     p.add_argument("--dry-run", action="store_true",
                    help="a tiny GPT on the CPU: eager and Nova's reference backend, wall-clock timing, no claims")
 
@@ -463,7 +509,9 @@ def run_args(opts, log=print) -> list[Path]:
     if not opts.dry_run and not torch.cuda.is_available():
         raise UsageError("nova bench gpt2 needs a CUDA device (or --dry-run)")
     out_dir = opts.out or (Path(tempfile.mkdtemp(prefix="nova-bench-gpt2-")) if opts.dry_run else REPO / "bench" / "results")
-    doc = run(opts, log)
+    with fresh_caches(opts.fresh_caches) as caches:
+        doc = run(opts, log)
+    doc["config"]["caches"] = "fresh, empty for this run" if caches else "the environment's (not emptied)"
     paths = write(doc, out_dir, result_stem(doc["config"], opts.dry_run))
     log(summary(doc))
     log("wrote " + ", ".join(map(str, paths)))
