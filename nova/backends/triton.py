@@ -22,7 +22,7 @@ import torch
 from xdsl.dialects import func
 from xdsl.ir import Operation, SSAValue
 
-from nova.codegen.triton import attention, elementwise, embedding, reduce, rowwise, scan  # noqa: F401  (register lowerings)
+from nova.codegen.triton import attention, elementwise, embedding, linear_ce, reduce, rowwise, scan  # noqa: F401  (register lowerings)
 from nova.codegen.triton import lowering as lw
 from nova.codegen.triton import matmul as mm
 from nova.ir import dialect as nv
@@ -152,7 +152,8 @@ class TritonProgram:
                     self.steps.append(Step(op, tuple(op.operands), tuple(op.results), run, sources=used))
             else:
                 fn_lower = lw.lowering_for(op)
-                kwargs = {"precision": precision} if isinstance(op, (nv.AttentionOp, nv.AttentionBackwardOp)) else {}
+                takes_precision = (nv.AttentionOp, nv.AttentionBackwardOp, nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp)
+                kwargs = {"precision": precision} if isinstance(op, takes_precision) else {}
                 kernel = fn_lower(op, config_of(op), **kwargs)
                 self.steps.append(Step(op, tuple(op.operands), tuple(op.results), self._launcher(kernel), kernel))
         self.returned = tuple(fn.body.block.last_op.operands)

@@ -78,6 +78,15 @@ def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringC
             "col" if _swaps_last_two(op.operands[0]) else "row",
             "col" if _swaps_last_two(op.operands[1]) else "row", False, device,
         )  # fmt: skip
+    if isinstance(op, (nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp)):
+        # the fused LM head's dominant kernel: one chunk's logits h[chunk] @ w^T (w [V, D] read transposed);
+        # the lowering's row kernels and its two gradient matmuls are sized at launch
+        g_in = 1 if isinstance(op, nv.LinearCrossEntropyBackwardOp) else 0
+        (n, d), (v, _) = shape_of(op.operands[g_in].type), shape_of(op.operands[g_in + 1].type)
+        in_dt = to_torch_dtype(elem_of(op.operands[g_in].type))
+        path = "bf16" if in_dt.itemsize == 2 else cf.STEP_MATMUL_PRECISION[precision]
+        rows = min(op.props()["chunk"], max(n, 1))
+        return cf.configure_matmul(rows, v, d, 1, in_dt, in_dt, in_dt, path, "row", "col", False, device)
     if isinstance(op, (nv.AttentionOp, nv.AttentionBackwardOp)):
         q = shape_of(op.operands[0 if isinstance(op, nv.AttentionOp) else 1].type)
         in_dt = to_torch_dtype(elem_of(op.operands[0].type))

@@ -1,0 +1,243 @@
+"""The LM head fused with the loss (nova.linear_cross_entropy and its backward).
+
+A first version with the token-chunk loop on the host: per chunk of ``chunk``
+rows (the op's property), the matmul template writes that chunk's logits
+h[r0:r1] @ w^T into one [chunk, V] buffer reused by every chunk, and one
+generated kernel walks each row in column blocks (online max / sum over the
+vocabulary, the bias added in the row kernel so the logits round as the
+unfused matmul + add do). Forward: the row's loss into an f32 buffer that one
+program sums in order (a mean divides by the rows that count: NaN for a batch
+of padding, as torch). Backward: d = (softmax - (1 - ls) onehot - ls / V) *
+scale written over the logits in place (the head's type: the cast back the
+unfused VJP makes), then dh[r0:r1] = d @ w (straight into dh's rows) and
+dw += d^T @ h[r0:r1] (an f32 partial per chunk added into an f32 accumulator,
+rounded once at the end), dbias += column sums of d. Peak memory is
+O(chunk x V), not O(N x V). Statistics are f32; 16-bit heads run their
+matmuls in bf16 / f16 with f32 accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nova.codegen.triton import matmul as mm
+from nova.codegen.triton.lowering import Kernel, lowers
+from nova.codegen.triton.rowwise import _FINAL_BLOCK, _TL, LOOP_BLOCK, _check_inputs, _code, _kernel
+from nova.codegen.triton.rowwise import _raise_bad_targets, next_pow2
+from nova.codegen.triton.source import load_kernel
+from nova.ir import dialect as nv
+from nova.ir.types import elem_of, shape_of, to_torch_dtype
+from nova.schedule.config import LoweringConfig
+from nova.schedule.configurator import STEP_MATMUL_PRECISION
+
+_NEG_INF = '-float("inf")'
+_COL_BLOCK = 128  # columns per program of the bias-gradient column sum
+
+
+def _logit(z_ptr: str, cvar: str, mask: str, other: str, has_bias: bool, logit_ty: str) -> str:
+    """The f32 logit at columns ``cvar``: the matmul's value, + bias rounded to the logits' type."""
+    x = f"tl.load({z_ptr} + {cvar}, mask={mask}, other={other}).to(tl.float32)"
+    if not has_bias:
+        return x
+    return f"({x} + tl.load(b_ptr + {cvar}, mask={mask}, other=0.0).to(tl.float32)).to({logit_ty}).to(tl.float32)"
+
+
+def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: str, z_ty: str, block: int) -> str:
+    """Row kernels over a chunk's logits buffer (row stride V), a count of the rows
+    that count, the final sum, the backward's scale, the bias-gradient column sum and
+    the f32 accumulation of the weight gradient."""
+    bias_p = ["b_ptr"] if has_bias else []
+    lse = f"""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        z_row = z_ptr + row * {V}
+        t = tl.load(t_ptr + row)
+        m = tl.full((), {_NEG_INF}, tl.float32)
+        s = tl.zeros((), tl.float32)
+        sx = tl.zeros((), tl.float32)
+        for c0 in range(0, {V}, BLOCK):
+            c = c0 + cols
+            x = {_logit("z_row", "c", f"c < {V}", _NEG_INF, has_bias, logit_ty)}
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            m_safe = tl.where(m_new == {_NEG_INF}, 0.0, m_new)
+            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
+            sx += tl.sum(tl.where(c < {V}, x, 0.0), axis=0)
+            m = m_new
+        lse = tl.where(m == {_NEG_INF}, 0.0, m) + tl.log(s)
+        valid = t != {ignore}
+        inb = (t >= 0) & (t < {V})
+    """
+    tt = "tl.where(inb, t, 0)"
+    loss = "lse - xt" if not ls else f"{1.0 - ls!r} * (lse - xt) + {ls!r} * (lse - sx * {1.0 / V!r})"
+    fwd = _code(lse, f"""
+        xt = {_logit("z_row", tt, "valid & inb", "0.0", has_bias, logit_ty)}
+        loss = tl.where(valid, {loss}, 0.0)
+        loss = tl.where(valid & ((t < 0) | (t >= {V})), float("nan"), loss)
+        tl.store(loss_ptr + row, loss)
+    """)
+    hit, miss = (1.0, 0.0) if not ls else (1.0 - ls + ls / V, ls / V)
+    bwd = _code(lse, f"""
+        wrow = tl.where(valid, 1.0, 0.0) * tl.load(scale_ptr)
+        for c0 in range(0, {V}, BLOCK):
+            c = c0 + cols
+            x = {_logit("z_row", "c", f"c < {V}", "0.0", has_bias, logit_ty)}
+            d = ((tl.exp(x - lse) - tl.where(c == t, {hit!r}, {miss!r})) * wrow).to({logit_ty})
+            tl.store(z_row + c, d.to({z_ty}), mask=c < {V})
+            {"tl.store(db_ptr + row * " + str(V) + " + c, d, mask=c < " + str(V) + ")" if has_bias else "pass"}
+    """)
+    final = _code(_count_source(V, ignore), f"""
+        total = tl.zeros(({_FINAL_BLOCK},), tl.float32)
+        for r0 in range(0, n_rows, {_FINAL_BLOCK}):
+            rr = r0 + r
+            total += tl.load(loss_ptr + rr, mask=rr < n_rows, other=0.0)
+        total = tl.sum(total, axis=0)
+        tl.store(out_ptr, (total / count) if MEAN else total)
+    """)
+    scale = _code(_count_source(V, ignore), """
+        g = tl.load(g_ptr).to(tl.float32)
+        tl.store(scale_ptr, (g / tl.maximum(count, 1.0)) if MEAN else g)
+    """)
+    colsum = f"""
+        pid = tl.program_id(0)
+        c = pid * {_COL_BLOCK} + tl.arange(0, {_COL_BLOCK})
+        acc = tl.load(acc_ptr + c, mask=c < {V}, other=0.0)
+        part = tl.zeros(({_COL_BLOCK},), tl.float32)
+        for r in range(0, n_rows):
+            part += tl.load(d_ptr + r * {V} + c, mask=c < {V}, other=0.0).to(tl.float32)
+        tl.store(acc_ptr + c, acc + part, mask=c < {V})
+    """
+    add = """
+        i = tl.program_id(0).to(tl.int64) * 1024 + tl.arange(0, 1024)
+        tl.store(acc_ptr + i, tl.load(acc_ptr + i, mask=i < n, other=0.0) + tl.load(p_ptr + i, mask=i < n, other=0.0), mask=i < n)
+    """
+    header = (f"# Generated by nova.codegen.triton.linear_ce; do not edit.\n# vocabulary {V}, ignore_index {ignore}, "
+              f"label_smoothing {ls!r}, bias {has_bias}, logits {logit_ty}, head {z_ty}, block {block}\n"
+              f"import triton\nimport triton.language as tl\n\nBLOCK = tl.constexpr({block})\n")
+    return (header
+            + _kernel("lce_rows", ["z_ptr", "t_ptr", *bias_p, "loss_ptr"], fwd)
+            + _kernel("lce_rows_backward", ["z_ptr", "t_ptr", *bias_p, "scale_ptr", *(["db_ptr"] if has_bias else [])], bwd)
+            + _kernel("lce_final", ["t_ptr", "loss_ptr", "out_ptr", "bad_ptr", "n_rows", "st", "MEAN: tl.constexpr"], final)
+            + _kernel("lce_scale", ["g_ptr", "t_ptr", "scale_ptr", "bad_ptr", "n_rows", "st", "MEAN: tl.constexpr"], scale)
+            + _kernel("lce_colsum", ["d_ptr", "acc_ptr", "n_rows"], colsum)
+            + _kernel("lce_add", ["acc_ptr", "p_ptr", "n"], add))
+
+
+def _count_source(V: int, ignore: int) -> str:
+    return f"""
+        r = tl.arange(0, {_FINAL_BLOCK})
+        count = tl.zeros(({_FINAL_BLOCK},), tl.float32)
+        bad = tl.zeros(({_FINAL_BLOCK},), tl.int32)
+        for r0 in range(0, n_rows, {_FINAL_BLOCK}):
+            rr = r0 + r
+            t = tl.load(t_ptr + rr.to(tl.int64) * st, mask=rr < n_rows, other={ignore})
+            valid = t != {ignore}
+            count += valid.to(tl.float32)
+            bad += (valid & ((t < 0) | (t >= {V}))).to(tl.int32)
+        count = tl.sum(count, axis=0)
+        tl.store(bad_ptr, tl.sum(bad, axis=0))
+    """
+
+
+def _dtype_ty(t) -> str:
+    return _TL[to_torch_dtype(elem_of(t))]
+
+
+def _lower(op, cfg: LoweringConfig | None, precision: str, check_ids: bool, backward: bool, max_block: int) -> Kernel:
+    g_in = 1 if backward else 0
+    h_t, w_t = op.operands[g_in].type, op.operands[g_in + 1].type
+    has_bias = len(op.operands) == g_in + 4
+    (N, D), (V, _) = shape_of(h_t), shape_of(w_t)
+    head = to_torch_dtype(elem_of(h_t))
+    if head == torch.float64:
+        raise NotImplementedError(f"{op.name}: the Triton lowering takes f32, bf16 or f16 heads (the matmul template's types)")
+    logit_t = op.operands[g_in + 3].type if has_bias else h_t
+    p = op.props()
+    ignore, ls, chunk, mean = p["ignore_index"], float(p["label_smoothing"]), min(p["chunk"], max(N, 1)), p["reduction"] == "mean"
+    block = min(max_block, next_pow2(V))
+    src = linear_ce_source(V, ignore, ls, has_bias, _dtype_ty(logit_t), _TL[head], block)
+    k = {n: load_kernel(src, n)[0] for n in ("lce_rows", "lce_rows_backward", "lce_final", "lce_scale", "lce_colsum", "lce_add")}
+    prec = STEP_MATMUL_PRECISION[precision]
+    name = f"nova_linear_cross_entropy{'_backward' if backward else ''}_{N}x{D}x{V}_chunk{chunk}"
+    warps = 4 if block <= 1024 else 8
+    loss_dtype = to_torch_dtype(elem_of(op.results[0].type))
+    used: dict[str, str] = {}
+
+    def logits(h, w, r0, r1, buf):
+        z = buf[: r1 - r0]
+        mm.matmul(h[r0:r1], w.t(), cfg=cfg, precision=prec, out=z, record=used)
+        return z
+
+    def forward(inputs):
+        h, w, t, *b = inputs
+        dev = h.device
+        bad = torch.empty((1,), dtype=torch.int32, device=dev)
+        out = torch.empty((), dtype=torch.float32, device=dev)
+        rows = torch.empty((N,), dtype=torch.float32, device=dev)
+        buf = torch.empty((chunk, V), dtype=head, device=dev)  # the one logits buffer every chunk reuses
+        for r0 in range(0, N, chunk):
+            r1 = min(N, r0 + chunk)
+            z = logits(h, w, r0, r1, buf)
+            k["lce_rows"][(r1 - r0,)](z, t[r0:r1], *b, rows[r0:], num_warps=warps)
+        k["lce_final"][(1,)](t, rows, out, bad, N, t.stride(0), MEAN=mean, num_warps=4)
+        if check_ids:
+            _raise_bad_targets(op.name, t, V, ignore, bad)
+        return [out.to(loss_dtype)]
+
+    def backward_(inputs):
+        g, h, w, t, *b = inputs
+        dev = h.device
+        bad = torch.empty((1,), dtype=torch.int32, device=dev)
+        scale = torch.empty((1,), dtype=torch.float32, device=dev)
+        k["lce_scale"][(1,)](g, t, scale, bad, N, t.stride(0), MEAN=mean, num_warps=4)
+        if check_ids:
+            _raise_bad_targets(op.name, t, V, ignore, bad)
+        dh = torch.empty((N, D), dtype=head, device=dev)
+        dw = torch.zeros((V, D), dtype=torch.float32, device=dev)
+        part = torch.empty((V, D), dtype=torch.float32, device=dev)
+        buf = torch.empty((chunk, V), dtype=head, device=dev)
+        dbuf = torch.empty((chunk, V), dtype=b[0].dtype, device=dev) if b else None  # d in the logits' type
+        db = torch.zeros((V,), dtype=torch.float32, device=dev) if b else None
+        for r0 in range(0, N, chunk):
+            r1 = min(N, r0 + chunk)
+            z = logits(h, w, r0, r1, buf)
+            extra = [dbuf] if b else []
+            k["lce_rows_backward"][(r1 - r0,)](z, t[r0:r1], *b, scale, *extra, num_warps=warps)
+            if b:
+                k["lce_colsum"][(triton_cdiv(V, _COL_BLOCK),)](dbuf, db, r1 - r0, num_warps=4)
+            mm.matmul(z, w, cfg=None, precision=prec, out=dh[r0:r1], record=used)
+            mm.matmul(z.t(), h[r0:r1], cfg=None, precision=prec, out=part, record=used)
+            k["lce_add"][(triton_cdiv(V * D, 1024),)](dw, part, V * D, num_warps=4)
+        outs = [dh, dw.to(head)]
+        if b:
+            outs.append(db.to(b[0].dtype))
+        return outs
+
+    run = backward_ if backward else forward
+
+    def launch(inputs):
+        _check_inputs(name, op, inputs)
+        if N == 0:
+            raise ValueError(f"{name}: no rows")
+        return run(inputs)
+
+    # the row kernels read the target and the bias with unit stride (the backend copies other layouts
+    # first, and says so); h and w go to the matmul template, which reads any strides
+    contiguous = tuple(range(g_in + 2, len(op.operands)))
+    return Kernel(name, src, launch, needs_contiguous=contiguous, config=cfg, extra={"chunk": chunk, "matmul_sources": used})
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@lowers(nv.LinearCrossEntropyOp)
+def lower_linear_cross_entropy(op, cfg: LoweringConfig | None = None, *, precision: str = "fp32",
+                               check_ids: bool = True, max_block: int = LOOP_BLOCK, **_) -> Kernel:
+    """``max_block``: columns per step of the row loop (tests use small ones to loop over a small V)."""
+    return _lower(op, cfg, precision, check_ids, backward=False, max_block=max_block)
+
+
+@lowers(nv.LinearCrossEntropyBackwardOp)
+def lower_linear_cross_entropy_backward(op, cfg: LoweringConfig | None = None, *, precision: str = "fp32",
+                                        check_ids: bool = True, max_block: int = LOOP_BLOCK, **_) -> Kernel:
+    return _lower(op, cfg, precision, check_ids, backward=True, max_block=max_block)
