@@ -22,7 +22,7 @@ H200 = DEVICES["H200"]
 
 def test_every_op_has_a_schedule_rule_and_a_lowering():
     known = (*cfg_stage.LAYOUT_OPS, *cfg_stage.ROWWISE, *cfg_stage.ELEMENTWISE, nv.MatmulOp, nv.AttentionOp,
-             nv.AttentionBackwardOp)  # fmt: skip
+             nv.AttentionBackwardOp, nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp)  # fmt: skip
     backend_ops = [c for c in nv.NOVA_OPS if c not in nv.AUTODIFF_ONLY]
     assert [c.name for c in backend_ops if c not in known] == []
     missing = [c.name for c in backend_ops if c not in LOWERINGS and c is not nv.MatmulOp]  # matmul: the launcher
@@ -88,3 +88,17 @@ def test_attention_with_bias_and_ce_none_schedules():
     scheduled(build(nv.CrossEntropyOp, [logits, target], props), [logits, target])
     ins = [rand(6, gen=gen), logits, target]
     scheduled(build(nv.CrossEntropyBackwardOp, ins, props), ins)
+
+
+def test_fused_head_schedule_is_its_chunk_logits_matmul():
+    from nova.ir.builder import OpBuilder
+    from nova.ir.module import Slot, new_step
+    from nova.ir.types import tensor
+    from xdsl.dialects.builtin import bf16, i64
+
+    _, fn = new_step([Slot("param", "h", tensor([8192, 768], bf16)), Slot("param", "w", tensor([50304, 768], bf16)),
+                      Slot("batch", "t", tensor([8192], i64))])
+    op = OpBuilder(fn.body.block).create(nv.LinearCrossEntropyOp, list(fn.body.block.args),
+                                         {"ignore_index": -1, "reduction": "mean", "chunk": 4096})
+    cfg = cfg_stage.configure_op(op, H200, "bf16")
+    assert cfg.kind == "matmul" and cfg.block_m <= 4096 and cfg.block_n <= 50304
