@@ -13,6 +13,8 @@ stage), and the IR after each stage is kept as text for ``explain()``.
   simplify    CSE and DCE
   configure   the Analytic Configurator's #nova.lowering_config on every kernel
               (only for a GPU target; the reference executor needs none)
+  plan_memory liveness over the whole step, one static arena with an offset per
+              buffer, in-place param/state updates, the predicted peak (MemoryPlan)
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class Compilation:
     spec: OptimizerSpec | None = None  # the optimizer's structure, named as in the IR
     device: object | None = None  # nova.schedule.devices.DeviceSpec of a GPU target, else None
     stages: dict[str, str] = field(default_factory=dict)  # stage name -> IR text after it
+    memory: object | None = None  # nova.transforms.plan_memory.MemoryPlan, after plan_memory
 
     @property
     def module(self) -> ModuleOp:
@@ -96,6 +99,14 @@ def _configure(c: Compilation) -> None:
     Configure(c.device, c.precision).apply(context(), c.module)
 
 
+def _plan_memory(c: Compilation) -> None:
+    # for every target: cheap (a GPT-2 step's ~5k ops in a fraction of a second), and
+    # it is what explain() reports; only the GPU runtime will bind buffers to it
+    from nova.transforms.plan_memory import plan_memory
+
+    c.memory = plan_memory(c.module)
+
+
 STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
     ("capture", _capture),
     ("fold", _fold),
@@ -105,6 +116,7 @@ STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
     ("precision", _precision),
     ("simplify", _simplify),
     ("configure", _configure),
+    ("plan_memory", _plan_memory),
 ]
 
 
