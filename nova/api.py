@@ -24,10 +24,12 @@ No silent wrong result:
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -331,9 +333,12 @@ class CompiledStep:
         return writes
 
     # --- introspection -----------------------------------------------------
-    def explain(self) -> str:
-        """The MLIR text of the last-used program after each pipeline stage
-        (compiled again with dumping on: the stages rewrite the IR in place)."""
+    def explain(self, plots: str | os.PathLike | None = None) -> str:
+        """The last-used program's memory plan (``//`` comment lines: the predicted
+        peak, the arena, the largest live set and where it occurs, the ten largest
+        buffers), then its MLIR text after each pipeline stage (compiled again with
+        dumping on: the stages rewrite the IR in place). ``plots``: a directory that
+        receives ``memory_timeline.png`` (live bytes over the step, the arena's size)."""
         if self._last is None:
             raise RuntimeError("explain() needs one call of the step first (the batch shapes select the program)")
         last = self._last.compilation
@@ -341,7 +346,16 @@ class CompiledStep:
         c.device = last.device
         with self._lock, _COMPILE_LOCK:
             pipeline.run(c, dump=True)
-        return "\n".join(f"// ===== after stage: {name} =====\n{text}" for name, text in c.stages.items())
+        from nova.transforms.plan_memory import plot_timeline, report
+
+        lines = ["memory plan:", *report(c.memory)]
+        if plots is not None:
+            path = Path(plots) / "memory_timeline.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            plot_timeline(c.memory, path)
+            lines.append(f"memory timeline: {path}")
+        head = "".join(f"// {line}\n" for line in lines)
+        return head + "\n".join(f"// ===== after stage: {name} =====\n{text}" for name, text in c.stages.items())
 
     def kernel_sources(self) -> dict[str, str]:
         """The generated Triton source of every kernel of the last-used program."""

@@ -3,8 +3,11 @@
 It builds the GPT and AdamW that ``nova train`` builds (its sizes from the
 flags, or the model of the checkpoint in ``--out``), compiles the step, runs
 it once on a random batch (the batch's shapes select the program), and prints
-``step.explain()``: the IR after every pipeline stage. With ``--out-dir`` each
-stage's IR goes to its own file instead, ``NN-stage.mlir`` in pipeline order.
+``step.explain()``: the memory plan (``//`` lines: predicted peak, arena, the
+largest live set and where, the largest buffers), then the IR after every
+pipeline stage. With ``--out-dir`` each stage's IR goes to its own file instead,
+``NN-stage.mlir`` in pipeline order, and the plan to stderr. With ``--plots DIR``
+the memory timeline is drawn to ``DIR/memory_timeline.png``.
 Nothing is trained or saved: the step runs on a throwaway copy of the model.
 """
 
@@ -21,7 +24,7 @@ from nova.cli import checkpoint
 from nova.cli.errors import UsageError
 from nova.cli.train_config import TrainConfig, add_engine_arguments, add_model_arguments, pick_device, validate
 
-HELP = "compile one training step of the train command's GPT and print its IR after every stage"
+HELP = "compile one training step of the train command's GPT and print its memory plan and its IR after every stage"
 
 # How CompiledStep.explain() heads each stage's text.
 STAGE_HEADER = re.compile(r"^// ===== after stage: (\S+) =====$", re.MULTILINE)
@@ -34,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", default=argparse.SUPPRESS,
                    help="explain the model of the checkpoint in DIR (a nova train --out) instead of the flags' model")
     p.add_argument("--out-dir", metavar="DIR", default=None, help="write each stage's IR to DIR/NN-STAGE.mlir")
+    p.add_argument("--plots", metavar="DIR", default=None,
+                   help="draw the memory plan's timeline (live bytes over the step) to DIR/memory_timeline.png")
 
 
 def split_stages(text: str) -> list[tuple[str, str]]:
@@ -73,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     from nova.models import GPT
 
     cfg, weights = config_from(args)
+    if args.plots is not None and Path(args.plots).exists() and not Path(args.plots).is_dir():
+        raise UsageError(f"--plots {args.plots} is a file, not a directory")
     device = pick_device(cfg.device)
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config()).to(device)
@@ -82,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     ids = torch.randint(0, cfg.model_config().vocab_size, (cfg.batch_size, cfg.block_size + 1))
     x, y = ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
     loss = step(x, y).item()
-    text = step.explain()
+    text = step.explain(plots=args.plots)
     print(f"nova explain: {model.num_params() / 1e6:.2f}M-param GPT, batch {cfg.batch_size}x{cfg.block_size}, "
           f"{cfg.precision}, backend {step.backend}, device {device}; one step ran, loss {loss:.4f}", file=sys.stderr)
     if args.out_dir is None:
@@ -91,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out-dir {out_dir} is a file, not a directory")
+    head = text[:STAGE_HEADER.search(text).start()]
+    sys.stderr.write(head)  # the memory plan's lines
     for i, (stage, ir) in enumerate(split_stages(text)):
         path = out_dir / f"{i:02d}-{stage}.mlir"
         checkpoint.atomic_write(path, lambda f, ir=ir: f.write(ir.encode()))

@@ -526,8 +526,8 @@ def report(plan: MemoryPlan, top: int = 10) -> list[str]:
         f"arena {gib(plan.arena_bytes)}: {len(plan.buffers)} buffers summing to {gib(plan.sum_bytes)} without reuse; "
         f"the largest live set is {gib(plan.lower_bound_bytes)} (a lower bound), "
         f"{plan.arena_bytes / max(plan.lower_bound_bytes, 1):.3f}x of it",
-        f"largest live set at step {plan.peak_time} of {len(plan.steps)}: {plan.peak_what}"
-        + (f" ({plan.peak_loc})" if plan.peak_loc else ""),
+        f"largest live set at step {plan.peak_time} of {len(plan.steps)}: {plan.peak_what} "
+        + (f"({plan.peak_loc})" if plan.peak_loc else "(no nova.loc: an op the compiler added)"),
     ]
     copies = [ip for ip in plan.inplace if ip.how == "copy"]
     n_in = sum(1 for ip in plan.inplace if ip.how == "inplace")
@@ -548,19 +548,23 @@ def plot_timeline(plan: MemoryPlan, path) -> None:
     from matplotlib.figure import Figure
 
     outside = plan.peak_bytes - _align(plan.arena_bytes, TORCH_BLOCK)
+    unit, g = ("GiB", 2**30) if plan.peak_bytes >= 2**28 else ("MiB", 2**20)
     fig = Figure(figsize=(10, 4.5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     xs = list(range(len(plan.live_bytes)))
-    g = 2**30
-    ax.fill_between(xs, [b / g for b in plan.live_bytes], step="mid", alpha=0.35, label="arena bytes live")
-    ax.plot(xs, [(b + outside) / g for b in plan.live_bytes], lw=0.8, label="live + outside the arena")
+    live = [b / g for b in plan.live_bytes]
+    ax.fill_between(xs, live, step="post", alpha=0.3, color="C0", lw=0)
+    ax.step(xs, live, where="post", lw=0.8, color="C0", label="arena bytes live")
+    ax.step(xs, [v + outside / g for v in live], where="post", lw=0.8, color="C1",
+            label="+ outside the arena (params, state, inputs, outputs)")
     ax.axhline(plan.arena_bytes / g, color="C3", ls="--", lw=1, label=f"arena {gib(plan.arena_bytes)}")
     ax.axhline(plan.peak_bytes / g, color="k", ls=":", lw=1, label=f"predicted peak {gib(plan.peak_bytes)}")
     ax.axvline(plan.peak_time, color="C2", lw=0.8, label=f"largest live set: step {plan.peak_time} {plan.peak_what}")
     ax.set_xlabel("step of the launch order (0 = entry)")
-    ax.set_ylabel("GiB")
-    ax.set_title("Nova memory plan")
-    ax.legend(loc="upper left", fontsize=8)
+    ax.set_ylabel(unit)
+    ax.set_ylim(0, plan.peak_bytes / g * 1.35)
+    ax.set_title(f"Nova memory plan: {len(plan.buffers)} arena buffers, {len(plan.steps)} steps")
+    ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(str(path))

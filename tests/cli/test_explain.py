@@ -88,3 +88,37 @@ def test_bench_without_triton_is_one_line(tmp_path, capsys, monkeypatch):
     assert main(["bench", "matmul", "--dry-run", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("nova bench: error: this benchmark needs Triton") and err.count("\n") == 1
+
+
+def _png_drawn(path: Path) -> None:
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    img = matplotlib.image.imread(str(path))
+    assert img.shape[:2] == (450, 1000) and img[..., :3].std() > 0.05  # a drawn figure, not a blank canvas
+
+
+def test_explain_shows_the_memory_plan_and_draws_its_timeline(tmp_path, capsys):
+    assert main(["explain", *SMALL, "--plots", str(tmp_path / "plots")]) == 0
+    out = capsys.readouterr().out
+    head = out[:out.index("// ===== after stage:")]
+    assert head.startswith("// memory plan:\n// predicted peak ")
+    assert re.search(r"// largest live set at step \d+ of \d+: nova\.\w+ \(", head)  # the op, then its nova.loc
+    assert "// the 10 largest buffers:" in head and head.count("offset ") == 10
+    assert f"// memory timeline: {tmp_path / 'plots' / 'memory_timeline.png'}" in head
+    _png_drawn(tmp_path / "plots" / "memory_timeline.png")
+    plan_ir = dict(split_stages(out))["plan_memory"]
+    assert "nova.memory_plan = {arena_bytes = " in plan_ir and 'nova.storage = ["arena"]' in plan_ir
+
+
+def test_explain_with_out_dir_puts_the_plan_on_stderr(tmp_path, capsys):
+    assert main(["explain", *SMALL, "--out-dir", str(tmp_path / "ir")]) == 0
+    captured = capsys.readouterr()
+    assert "// predicted peak " in captured.err and "predicted peak" not in captured.out
+
+
+def test_explain_plots_must_be_a_directory(tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    assert main(["explain", *SMALL, "--plots", str(tmp_path / "f")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nova explain: error: --plots ") and err.endswith("is a file, not a directory\n")
