@@ -456,3 +456,34 @@ def test_the_plan_is_small_work():
         for j in active:
             assert offs[i] + sizes[i] <= offs[j] or offs[j] + sizes[j] <= offs[i]
         active.append(i)
+
+
+def test_the_predicted_peak_is_the_arena_and_what_lives_outside_it():
+    module, fn, _ = _sgd(read_after=False)
+    plan = pm.plan_memory(module)
+    # w (1 KiB, updated in place) and the caller's x (1 KiB) outside; the loss (4 B) a
+    # 512 B block of its own; the 0-d constant 0.1 in the constant pool; the arena
+    assert plan.external == {"params": 1024, "state": 0, "buffers": 0, "inputs": 1024, "outputs": 512,
+                             "constants": 512}
+    assert plan.peak_bytes == -(-plan.arena_bytes // 512) * 512 + 1024 + 1024 + 512 + 512
+
+
+def test_explain_shows_the_plan_and_draws_the_timeline(tmp_path):
+    import matplotlib.image
+
+    import nova
+
+    torch.manual_seed(0)
+    model = GPT(gpt_tiny(n_layer=1, block_size=8))
+    step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ids = torch.randint(0, 256, (2, 9))
+    step(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+    text = step.explain(plots=tmp_path / "p")
+    plan = step._last.compilation.memory
+    assert f"// predicted peak {pm.gib(plan.peak_bytes)} = arena {pm.gib(plan.arena_bytes)}" in text
+    assert f"// largest live set at step {plan.peak_time} of {len(plan.steps)}: {plan.peak_what} " in text
+    biggest = max(plan.buffers, key=lambda b: b.size)
+    assert f"offset {biggest.offset:>12}  steps {biggest.start}-{biggest.end}" in text
+    png = tmp_path / "p" / "memory_timeline.png"
+    img = matplotlib.image.imread(str(png))
+    assert png.stat().st_size > 10_000 and img.shape[:2] == (450, 1000) and img[..., :3].std() > 0.05
