@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from xdsl.dialects.builtin import f32, i64
+from xdsl.dialects.builtin import f32
 
 from nova import pipeline
 from nova.backends.reference import run_function, run_ops
