@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests|gpt2|bench|all] 
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests|gpt2|bench|bench-gpt2|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -19,6 +19,10 @@ if [[ $what == gpt2 || $what == all ]]; then
   for p in fp32 tf32; do
     timeout 240 python3 bench/gpt2_step.py --precision $p --steps 20 --out "$OUT" 2>&1 | tail -30
   done
+fi
+if [[ $what == bench-gpt2 ]]; then  # eager, torch.compile and Nova side by side: nova bench gpt2 [options]
+  shift
+  python3 -m nova.cli.main bench gpt2 --out "$OUT" "$@" 2>&1 | tail -40
 fi
 if [[ $what == bench ]]; then
   shift
