@@ -7,6 +7,8 @@ stage), and the IR after each stage is kept as text for ``explain()``.
               without a conversion), import into @train_step
   fold        values that depend only on static shapes (position ids, causal
               masks) computed once, passed as buffers
+  fuse_loss   cross_entropy(lm_head(x)) as one nova.linear_cross_entropy op
+              (chunked over tokens: the [tokens, vocab] logits never exist)
   autodiff    append the backward (Nova's own VJP rules)
   optimizer   append the parameter and state update (Adam, AdamW, SGD)
   precision   the bf16 / tf32 policy
