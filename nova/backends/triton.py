@@ -30,6 +30,7 @@ from nova.ir.types import elem_of, shape_of, to_torch_dtype
 from nova.log import get_logger, once
 from nova.schedule.config import LoweringConfig
 from nova.schedule.configurator import STEP_MATMUL_PRECISION
+from nova.transforms.plan_memory import bias_epilogue  # one rule, so the memory plan sees the same kernels
 
 _LOG = get_logger(__name__)
 
@@ -110,22 +111,6 @@ def _matmul_run(op: Operation, precision: str, with_bias: bool, copy: Callable[[
     return run
 
 
-def _bias_epilogue(op: Operation) -> Operation | None:
-    """The add that can ride in this matmul's epilogue: its only use, adding a
-    [N] vector broadcast over rows, in the same dtype."""
-    uses = list(op.results[0].uses)
-    if len(uses) != 1 or not isinstance(uses[0].operation, nv.AddOp):
-        return None
-    add = uses[0].operation
-    other = add.operands[1 - uses[0].index]
-    n = shape_of(op.results[0].type)[-1]
-    if shape_of(other.type) != (n,) or elem_of(other.type) != elem_of(op.results[0].type):
-        return None
-    if shape_of(add.results[0].type) != shape_of(op.results[0].type):
-        return None
-    return add
-
-
 class TritonProgram:
     def __init__(self, fn: func.FuncOp, precision: str):
         self.fn = fn
@@ -139,7 +124,7 @@ class TritonProgram:
             if isinstance(op, VIEW_OPS):
                 self.steps.append(Step(op, tuple(op.operands), tuple(op.results), _view(op, self.copy)))
             elif isinstance(op, nv.MatmulOp):
-                add = _bias_epilogue(op)
+                add = bias_epilogue(op)
                 if add is not None:
                     fused.add(add)
                     bias = add.operands[1] if add.operands[0] is op.results[0] else add.operands[0]

@@ -155,8 +155,8 @@ class Step:
 
 
 def bias_epilogue(op: Operation) -> Operation | None:
-    """The add the Triton backend runs in this matmul's epilogue (its only use,
-    adding an [N] vector of the same dtype over rows), as ``_bias_epilogue`` there."""
+    """The add that rides in this matmul's epilogue (its only use, adding an [N]
+    vector of the same dtype over rows): the Triton backend fuses exactly these."""
     uses = list(op.results[0].uses)
     if len(uses) != 1 or not isinstance(uses[0].operation, nv.AddOp):
         return None
