@@ -22,6 +22,7 @@ from xdsl.context import Context
 from xdsl.dialects.builtin import ModuleOp, f32
 from xdsl.ir import Operation, SSAValue
 from xdsl.passes import ModulePass
+from xdsl.utils.exceptions import VerifyException
 
 from nova.ir import dialect as nv
 from nova.ir.builder import OpBuilder
@@ -109,7 +110,7 @@ def _fuse(m: HeadMatch, chunk: int) -> bool:
     operands = [m.h, w, ce.operands[1], *([m.bias] if m.bias is not None else [])]
     try:
         fused = b.create(nv.LinearCrossEntropyOp, operands, props, tensor([], elem_of(ce.results[0].type)))
-    except Exception:  # a combination the fused op does not define (e.g. a bias of another type): stays unfused
+    except VerifyException:  # a combination the fused op does not define (e.g. a bias of another type): stays unfused
         if m.w is None:
             w.owner.detach()
             w.owner.erase()
