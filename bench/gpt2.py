@@ -523,18 +523,10 @@ def run_args(opts, log=print) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nova bench gpt2", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    opts = parser.parse_args(argv)
-    try:
-        run_args(opts, log=lambda s: print(s, flush=True))
-    except UsageError as e:
-        print(f"nova bench gpt2: error: {e}", file=sys.stderr)
-        return 2
-    except RunFailed as e:
-        print(f"nova bench gpt2: {e}", file=sys.stderr)
-        return 1
-    return 0
+    """``python bench/gpt2.py ...`` is ``nova bench gpt2 ...`` (one place handles errors and exit codes)."""
+    from nova.cli.main import main as nova_main
+
+    return nova_main(["bench", "gpt2", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

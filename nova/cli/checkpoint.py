@@ -85,6 +85,19 @@ def load(path: str | Path) -> dict:
     return payload
 
 
+def load_for(flag: str, path: Path) -> dict:
+    """``load(path)`` for the command-line option ``flag``: a missing or unreadable
+    checkpoint is a one-line UsageError naming the option."""
+    from nova.cli.errors import UsageError
+
+    if not path.is_file():
+        raise UsageError(f"{flag}: no checkpoint at {path}")
+    try:
+        return load(path)
+    except ValueError as e:
+        raise UsageError(f"{flag}: {e}") from None
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
     """The trained GPT of a checkpoint, in eval mode, and the checkpoint itself.
 

@@ -60,13 +60,7 @@ def config_from(args: argparse.Namespace) -> tuple[TrainConfig, dict | None]:
         clash = [k for k in MODEL_FLAGS if k in given]
         if clash:
             raise UsageError(f"--out takes the model from its checkpoint; drop --{clash[0].replace('_', '-')}")
-        path = Path(args.out) / checkpoint.LAST
-        if not path.is_file():
-            raise UsageError(f"--out: no checkpoint at {path}")
-        try:
-            payload = checkpoint.load(path)
-        except ValueError as e:
-            raise UsageError(f"--out: {e}") from None
+        payload = checkpoint.load_for("--out", Path(args.out) / checkpoint.LAST)
         saved, weights = payload["config"], payload["model"]
         cfg = TrainConfig(**{**{k: saved[k] for k in MODEL_FLAGS + ("batch_size",)}, **given})
     validate(cfg)

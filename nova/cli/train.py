@@ -140,12 +140,7 @@ def train(given: dict, resume: bool = False, force: bool = False) -> dict:
     ckpt_path, best_path = out / checkpoint.LAST, out / checkpoint.BEST
     saved = None
     if resume:
-        if not ckpt_path.is_file():
-            raise UsageError(f"--resume: no checkpoint at {ckpt_path}")
-        try:
-            saved = checkpoint.load(ckpt_path)
-        except ValueError as e:
-            raise UsageError(f"--resume: {e}") from None
+        saved = checkpoint.load_for("--resume", ckpt_path)
     elif ckpt_path.exists() and not force:
         raise UsageError(f"{ckpt_path} already exists: continue that run with --resume, "
                          f"or start over with --force (which replaces it), or pick another --out")
