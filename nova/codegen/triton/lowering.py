@@ -5,16 +5,27 @@ A lowering runs at compile time: it generates Triton source, loads it with
 ``source.load_kernel`` and returns a ``Kernel`` whose ``launch`` runs it. At
 step time the Triton backend only calls ``launch``.
 
-Contract of ``launch(inputs) -> outputs``:
+Contract of ``launch(inputs, outs=None) -> outputs``:
   * ``inputs`` are torch tensors on the GPU (or CPU under TRITON_INTERPRET=1),
     one per operand, with the operand's shape and dtype. They may be strided
     views (transposes, broadcasts with stride 0, slices with an offset): a
     lowering that needs another layout says so in ``Kernel.needs_contiguous``
     (operand indices) and the backend materializes those first.
-  * ``outputs`` are new tensors, one per result, contiguous, with the
-    result's shape and dtype.
-  * Out-of-range inputs that would read or write out of bounds (token ids,
-    class ids) raise a clear error instead.
+  * ``outs``, when given, holds one tensor per result, contiguous, with the
+    result's shape and dtype: usually a view into the executable's one arena
+    (a nonzero storage offset inside a larger storage). The kernel writes its
+    results into them and returns those same tensors. An output may be one of
+    the inputs itself only for the same-index elementwise ops
+    (``nova.transforms.plan_memory.SAME_INDEX``: element i is read before it
+    is written). Without ``outs`` the results are new tensors.
+  * Scratch (split-K partials, per-program partial sums, a logits chunk) is
+    allocated inside ``launch``; ``Kernel.scratch_bytes`` says how much at
+    most, so the memory plan can predict the step's peak.
+  * ``launch`` never waits for the device (no ``.item()``, ``.tolist()``, no
+    host copy of a device value) and builds no host data per call: a step is
+    captured as one CUDA graph. Inputs out of range (token ids, class ids)
+    never read or write out of bounds: the kernel masks them, and the guard
+    stage's check ops count them on the device (``nova.transforms.guard``).
 A missing lowering is an error that names the op (``lowering_for``).
 """
 
@@ -36,6 +47,7 @@ class Kernel:
     needs_contiguous: tuple[int, ...] = ()
     config: LoweringConfig | None = None
     extra: dict = field(default_factory=dict)
+    scratch_bytes: int = 0  # the most bytes one launch allocates besides its results
 
 
 Lowering = Callable[..., Kernel]  # (op, cfg: LoweringConfig | None) -> Kernel
