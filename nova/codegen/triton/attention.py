@@ -33,6 +33,8 @@ Design choices, and why:
   are (P and dS are rounded to the operand dtype before their dots, as FA2 does);
   fp32 operands use ``input_precision="ieee"`` unless the module's precision
   policy is "tf32"; f64 operands use an f64 dot with f64 accumulation.
+* ``launch(inputs, outs)`` writes into ``outs`` when given; the forward needs no
+  scratch, the backward exactly its delta [B*H, Tq] (``Kernel.scratch_bytes``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import textwrap
 import torch
 
 from nova.codegen.triton.lowering import Kernel, lowers
-from nova.codegen.triton.rowwise import next_pow2
+from nova.codegen.triton.rowwise import nbytes, next_pow2, result_specs, results
 from nova.codegen.triton.source import load_kernel
 from nova.ir import dialect as nv
 from nova.ir.types import elem_of, shape_of, to_torch_dtype
@@ -565,15 +567,14 @@ def lower_attention(op, cfg: LoweringConfig | None = None, *, precision: str = "
     src = attention_forward_source(g)
     kernel, _ = load_kernel(src, "attention_fwd")
     name = _name("fwd", g)
-    lse_dtype = _dtype(op.results[1].type)
+    specs = result_specs(op)  # out [B, H, Tq, D], lse [B, H, Tq]
     grid = (math.ceil(g.tq / g.bm), g.b * g.h)
 
-    def launch(inputs):
+    def launch(inputs, outs=None):
         _check_inputs(name, op, inputs)
         q, k, v, *bias = inputs
         z, z_strides = _bias_args(g, bias)
-        out = torch.empty((g.b, g.h, g.tq, g.d), dtype=g.dtype, device=q.device)
-        lse = torch.empty((g.b, g.h, g.tq), dtype=lse_dtype, device=q.device)
+        out, lse = results(name, specs, outs, q.device)
         if out.numel() == 0:
             return [out, lse]
         if g.tk == 0:  # softmax over no keys: the reference's 0 / 0
@@ -601,16 +602,16 @@ def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision
     name = _name("bwd", g)
     stat = torch.float64 if g.f64 else torch.float32
     bh = g.b * g.h
+    specs = result_specs(op)  # dq, dk, dv
+    empty = bh * g.d == 0 or g.tq == 0 or g.tk == 0  # nothing to launch: zero gradients
 
-    def launch(inputs):
+    def launch(inputs, outs=None):
         _check_inputs(name, op, inputs)
         do, q, k, v, o, lse, *bias = inputs
         z, z_strides = _bias_args(g, bias)
         dev = q.device
-        dq = torch.empty((g.b, g.h, g.tq, g.d), dtype=g.dtype, device=dev)
-        dk = torch.empty((g.b, g.h, g.tk, g.d), dtype=g.dtype, device=dev)
-        dv = torch.empty((g.b, g.h, g.tk, g.d), dtype=g.dtype, device=dev)
-        if bh * g.d == 0 or g.tq == 0 or g.tk == 0:
+        dq, dk, dv = results(name, specs, outs, dev)
+        if empty:
             return [dq.zero_(), dk.zero_(), dv.zero_()]
         _check_spans(name, 256, do, q, k, v, o, *z)
         delta = torch.empty((bh, g.tq), dtype=stat, device=dev)
@@ -623,7 +624,8 @@ def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision
         return [dq, dk, dv]
 
     return Kernel(name, src, launch, config=_effective(cfg, g_kv, kv_warps, kv_stages),
-                  extra={"precision": g.ip, "dq_config": _effective(cfg, g_q, q_warps, q_stages)})
+                  extra={"precision": g.ip, "dq_config": _effective(cfg, g_q, q_warps, q_stages)},
+                  scratch_bytes=0 if empty else nbytes((bh, g.tq), stat))
 
 
 __all__ = ["MAX_HEAD_DIM", "attention_plan", "attention_forward_source", "attention_backward_source",

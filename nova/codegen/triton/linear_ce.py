@@ -10,10 +10,19 @@ program sums in order (a mean divides by the rows that count: NaN for a batch
 of padding, as torch). Backward: d = (softmax - (1 - ls) onehot - ls / V) *
 scale written over the logits in place (the head's type: the cast back the
 unfused VJP makes), then dh[r0:r1] = d @ w (straight into dh's rows) and
-dw += d^T @ h[r0:r1] (an f32 partial per chunk added into an f32 accumulator,
-rounded once at the end), dbias += column sums of d. Peak memory is
-O(chunk x V), not O(N x V). Statistics are f32; 16-bit heads run their
-matmuls in bf16 / f16 with f32 accumulation.
+dw += d^T @ h[r0:r1] (the first chunk's product straight into an f32
+accumulator, later ones through an f32 partial added in; rounded once at the
+end), dbias += column sums of d. Peak memory is O(chunk x V), not O(N x V).
+Statistics are f32; 16-bit heads run their matmuls in bf16 / f16 with f32
+accumulation.
+
+``launch(inputs, outs)`` writes into ``outs`` when given. An f32 dw or dbias is
+its own accumulator, and a bias of the head's type needs no second copy of d
+(the column sum reads the logits buffer), so the scratch (``Kernel.scratch_bytes``)
+is the logits buffer, the per-row losses or the scale, the accumulators of 16-bit
+gradients, the dw partial when there is more than one chunk, and the largest
+matmul's own scratch. Out-of-range targets are masked (their row's loss is NaN,
+their gradient the plain softmax); the guard stage counts them on the device.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import torch
 from nova.codegen.triton import matmul as mm
 from nova.codegen.triton.lowering import Kernel, lowers
 from nova.codegen.triton.rowwise import _FINAL_BLOCK, _TL, LOOP_BLOCK, _check_inputs, _code, _kernel
-from nova.codegen.triton.rowwise import _raise_bad_targets, next_pow2
+from nova.codegen.triton.rowwise import lowering_device, nbytes, next_pow2, result_specs, results
 from nova.codegen.triton.source import load_kernel
 from nova.ir import dialect as nv
 from nova.ir.types import elem_of, shape_of, to_torch_dtype
@@ -45,8 +54,11 @@ def _logit(z_ptr: str, cvar: str, mask: str, other: str, has_bias: bool, logit_t
 def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: str, z_ty: str, block: int) -> str:
     """Row kernels over a chunk's logits buffer (row stride V), a count of the rows
     that count, the final sum, the backward's scale, the bias-gradient column sum and
-    the f32 accumulation of the weight gradient."""
+    the f32 accumulation of the weight gradient. With a bias of another type than
+    the head (``logit_ty != z_ty``) the backward also writes d in the bias's type
+    to ``db_ptr``, for the column sum; otherwise the logits buffer holds that d."""
     bias_p = ["b_ptr"] if has_bias else []
+    separate_d = has_bias and logit_ty != z_ty
     lse = f"""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -83,17 +95,17 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
             x = {_logit("z_row", "c", f"c < {V}", "0.0", has_bias, logit_ty)}
             d = ((tl.exp(x - lse) - tl.where(c == t, {hit!r}, {miss!r})) * wrow).to({logit_ty})
             tl.store(z_row + c, d.to({z_ty}), mask=c < {V})
-            {"tl.store(db_ptr + row * " + str(V) + " + c, d, mask=c < " + str(V) + ")" if has_bias else "pass"}
+            {"tl.store(db_ptr + row * " + str(V) + " + c, d, mask=c < " + str(V) + ")" if separate_d else "pass"}
     """)
-    final = _code(_count_source(V, ignore), f"""
+    final = _code(_count_source(ignore), f"""
         total = tl.zeros(({_FINAL_BLOCK},), tl.float32)
         for r0 in range(0, n_rows, {_FINAL_BLOCK}):
             rr = r0 + r
             total += tl.load(loss_ptr + rr, mask=rr < n_rows, other=0.0)
         total = tl.sum(total, axis=0)
-        tl.store(out_ptr, (total / count) if MEAN else total)
+        tl.store(out_ptr, ((total / count) if MEAN else total).to(out_ptr.dtype.element_ty))
     """)
-    scale = _code(_count_source(V, ignore), """
+    scale = _code(_count_source(ignore), """
         g = tl.load(g_ptr).to(tl.float32)
         tl.store(scale_ptr, (g / tl.maximum(count, 1.0)) if MEAN else g)
     """)
@@ -115,26 +127,23 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
               f"import triton\nimport triton.language as tl\n\nBLOCK = tl.constexpr({block})\n")
     return (header
             + _kernel("lce_rows", ["z_ptr", "t_ptr", *bias_p, "loss_ptr"], fwd)
-            + _kernel("lce_rows_backward", ["z_ptr", "t_ptr", *bias_p, "scale_ptr", *(["db_ptr"] if has_bias else [])], bwd)
-            + _kernel("lce_final", ["t_ptr", "loss_ptr", "out_ptr", "bad_ptr", "n_rows", "st", "MEAN: tl.constexpr"], final)
-            + _kernel("lce_scale", ["g_ptr", "t_ptr", "scale_ptr", "bad_ptr", "n_rows", "st", "MEAN: tl.constexpr"], scale)
+            + _kernel("lce_rows_backward", ["z_ptr", "t_ptr", *bias_p, "scale_ptr", *(["db_ptr"] if separate_d else [])], bwd)
+            + _kernel("lce_final", ["t_ptr", "loss_ptr", "out_ptr", "n_rows", "st", "MEAN: tl.constexpr"], final)
+            + _kernel("lce_scale", ["g_ptr", "t_ptr", "scale_ptr", "n_rows", "st", "MEAN: tl.constexpr"], scale)
             + _kernel("lce_colsum", ["d_ptr", "acc_ptr", "n_rows"], colsum)
             + _kernel("lce_add", ["acc_ptr", "p_ptr", "n"], add))
 
 
-def _count_source(V: int, ignore: int) -> str:
+def _count_source(ignore: int) -> str:
+    """``count``: the rows whose target is not ignored (out-of-range ones included)."""
     return f"""
         r = tl.arange(0, {_FINAL_BLOCK})
         count = tl.zeros(({_FINAL_BLOCK},), tl.float32)
-        bad = tl.zeros(({_FINAL_BLOCK},), tl.int32)
         for r0 in range(0, n_rows, {_FINAL_BLOCK}):
             rr = r0 + r
             t = tl.load(t_ptr + rr.to(tl.int64) * st, mask=rr < n_rows, other={ignore})
-            valid = t != {ignore}
-            count += valid.to(tl.float32)
-            bad += (valid & ((t < 0) | (t >= {V}))).to(tl.int32)
+            count += (t != {ignore}).to(tl.float32)
         count = tl.sum(count, axis=0)
-        tl.store(bad_ptr, tl.sum(bad, axis=0))
     """
 
 
@@ -142,7 +151,49 @@ def _dtype_ty(t) -> str:
     return _TL[to_torch_dtype(elem_of(t))]
 
 
-def _lower(op, cfg: LoweringConfig | None, precision: str, check_ids: bool, backward: bool, max_block: int) -> Kernel:
+_LAYOUTS = ("row", "col", "strided")  # mm.layout's answers
+
+
+def _matmul_scratch(M: int, N: int, K: int, dtype, out_dtype, precision: str, cfg, a_layouts, b_layouts) -> int:
+    """The most bytes ``mm.matmul`` allocates besides its ``out`` for one [M, K] @ [K, N]:
+    the split-K partials and the tf32 staging copies it plans (its ``_run``), over the
+    layouts the operands may have (h and w come with the strides they have)."""
+    worst = 0
+    for la in a_layouts:
+        for lb in b_layouts:
+            c = cfg or mm.configure(M, N, K, 1, dtype, out_dtype, precision, la, lb, False,
+                                    mm.device_spec(lowering_device()))
+            splits = mm.split_k_plan(K, c)[1] if c.split_k > 1 else 1
+            tokens = c.instruction.split("+")
+            staged = ("stage_a" in tokens) * M * K + ("stage_b" in tokens) * K * N
+            worst = max(worst, 4 * (staged + (splits * M * N if splits > 1 else 0)))
+    return worst
+
+
+def _scratch(N, D, V, chunk, head, bias_dtype, separate_d: bool, backward: bool, prec: str, cfg) -> int:
+    """Kernel.scratch_bytes: what ``forward`` / ``backward_`` below allocate, plus the
+    largest matmul's own scratch (the matmuls run one at a time)."""
+    rows = {chunk, N % chunk or chunk}  # a full chunk and the last one
+    f32 = torch.float32
+    mms = [_matmul_scratch(r, V, D, head, head, prec, cfg, _LAYOUTS, _LAYOUTS) for r in rows]  # the logits
+    held = nbytes((chunk, V), head)
+    if not backward:
+        return held + nbytes((N,), f32) + max(mms)
+    mms += [_matmul_scratch(r, D, V, head, head, prec, None, ("row",), _LAYOUTS) for r in rows]  # dh = d @ w
+    mms += [_matmul_scratch(V, D, r, head, f32, prec, None, ("col",), _LAYOUTS) for r in rows]  # d^T @ h
+    held += nbytes((1,), f32)  # the scale
+    held += nbytes((chunk, V), bias_dtype) if separate_d else 0
+    held += nbytes((V,), f32) if bias_dtype not in (None, f32) else 0  # a 16-bit dbias's accumulator
+    held += nbytes((V, D), f32) if head != f32 else 0  # a 16-bit dw's accumulator
+    held += nbytes((V, D), f32) if N > chunk else 0  # the partial of every chunk after the first
+    return held + max(mms)
+
+
+def _dtype_ty(t) -> str:
+    return _TL[to_torch_dtype(elem_of(t))]
+
+
+def _lower(op, cfg: LoweringConfig | None, precision: str, backward: bool, max_block: int) -> Kernel:
     g_in = 1 if backward else 0
     h_t, w_t = op.operands[g_in].type, op.operands[g_in + 1].type
     has_bias = len(op.operands) == g_in + 4
@@ -151,6 +202,8 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, check_ids: bool, back
     if head == torch.float64:
         raise NotImplementedError(f"{op.name}: the Triton lowering takes f32, bf16 or f16 heads (the matmul template's types)")
     logit_t = op.operands[g_in + 3].type if has_bias else h_t
+    bias_dtype = to_torch_dtype(elem_of(logit_t)) if has_bias else None
+    separate_d = has_bias and bias_dtype != head  # d in the bias's type needs its own buffer
     p = op.props()
     ignore, ls, chunk, mean = p["ignore_index"], float(p["label_smoothing"]), min(p["chunk"], max(N, 1)), p["reduction"] == "mean"
     block = min(max_block, next_pow2(V))
@@ -159,71 +212,76 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, check_ids: bool, back
     prec = STEP_MATMUL_PRECISION[precision]
     name = f"nova_linear_cross_entropy{'_backward' if backward else ''}_{N}x{D}x{V}_chunk{chunk}"
     warps = 4 if block <= 1024 else 8
-    loss_dtype = to_torch_dtype(elem_of(op.results[0].type))
+    specs = result_specs(op)
     used: dict[str, str] = {}
+    f32 = torch.float32
+
+    def chunks():
+        return ((r0, min(N, r0 + chunk)) for r0 in range(0, N, chunk))
 
     def logits(h, w, r0, r1, buf):
         z = buf[: r1 - r0]
         mm.matmul(h[r0:r1], w.t(), cfg=cfg, precision=prec, out=z, record=used)
         return z
 
-    def forward(inputs):
+    def forward(inputs, outs):
         h, w, t, *b = inputs
         dev = h.device
-        bad = torch.empty((1,), dtype=torch.int32, device=dev)
-        out = torch.empty((), dtype=torch.float32, device=dev)
-        rows = torch.empty((N,), dtype=torch.float32, device=dev)
+        (out,) = results(name, specs, outs, dev)
+        rows = torch.empty((N,), dtype=f32, device=dev)
         buf = torch.empty((chunk, V), dtype=head, device=dev)  # the one logits buffer every chunk reuses
-        for r0 in range(0, N, chunk):
-            r1 = min(N, r0 + chunk)
+        for r0, r1 in chunks():
             z = logits(h, w, r0, r1, buf)
             k["lce_rows"][(r1 - r0,)](z, t[r0:r1], *b, rows[r0:], num_warps=warps)
-        k["lce_final"][(1,)](t, rows, out, bad, N, t.stride(0), MEAN=mean, num_warps=4)
-        if check_ids:
-            _raise_bad_targets(op.name, t, V, ignore, bad)
-        return [out.to(loss_dtype)]
+        k["lce_final"][(1,)](t, rows, out, N, t.stride(0), MEAN=mean, num_warps=4)  # rounds to the loss's type
+        return [out]
 
-    def backward_(inputs):
+    def accumulator(out: torch.Tensor) -> torch.Tensor:
+        """``out`` itself when it is f32, else an f32 buffer copied into it at the end."""
+        return out if out.dtype == f32 else torch.empty(out.shape, dtype=f32, device=out.device)
+
+    def backward_(inputs, outs):
         g, h, w, t, *b = inputs
         dev = h.device
-        bad = torch.empty((1,), dtype=torch.int32, device=dev)
-        scale = torch.empty((1,), dtype=torch.float32, device=dev)
-        k["lce_scale"][(1,)](g, t, scale, bad, N, t.stride(0), MEAN=mean, num_warps=4)
-        if check_ids:
-            _raise_bad_targets(op.name, t, V, ignore, bad)
-        dh = torch.empty((N, D), dtype=head, device=dev)
-        dw = torch.zeros((V, D), dtype=torch.float32, device=dev)
-        part = torch.empty((V, D), dtype=torch.float32, device=dev)
+        dh, dw, *db = results(name, specs, outs, dev)
+        scale = torch.empty((1,), dtype=f32, device=dev)
+        k["lce_scale"][(1,)](g, t, scale, N, t.stride(0), MEAN=mean, num_warps=4)
+        dw_acc = accumulator(dw)
+        part = torch.empty((V, D), dtype=f32, device=dev) if N > chunk else None
         buf = torch.empty((chunk, V), dtype=head, device=dev)
-        dbuf = torch.empty((chunk, V), dtype=b[0].dtype, device=dev) if b else None  # d in the logits' type
-        db = torch.zeros((V,), dtype=torch.float32, device=dev) if b else None
-        for r0 in range(0, N, chunk):
-            r1 = min(N, r0 + chunk)
+        dbuf = torch.empty((chunk, V), dtype=bias_dtype, device=dev) if separate_d else None
+        db_acc = accumulator(db[0]).zero_() if b else None
+        for r0, r1 in chunks():
             z = logits(h, w, r0, r1, buf)
-            extra = [dbuf] if b else []
-            k["lce_rows_backward"][(r1 - r0,)](z, t[r0:r1], *b, scale, *extra, num_warps=warps)
+            k["lce_rows_backward"][(r1 - r0,)](z, t[r0:r1], *b, scale, *([dbuf] if separate_d else []), num_warps=warps)
             if b:
-                k["lce_colsum"][(triton_cdiv(V, _COL_BLOCK),)](dbuf, db, r1 - r0, num_warps=4)
+                k["lce_colsum"][(triton_cdiv(V, _COL_BLOCK),)](dbuf if separate_d else z, db_acc, r1 - r0, num_warps=4)
             mm.matmul(z, w, cfg=None, precision=prec, out=dh[r0:r1], record=used)
-            mm.matmul(z.t(), h[r0:r1], cfg=None, precision=prec, out=part, record=used)
-            k["lce_add"][(triton_cdiv(V * D, 1024),)](dw, part, V * D, num_warps=4)
-        outs = [dh, dw.to(head)]
-        if b:
-            outs.append(db.to(b[0].dtype))
-        return outs
+            if r0 == 0:  # the first chunk's product is the accumulator's first value: no zeroing
+                mm.matmul(z.t(), h[r0:r1], cfg=None, precision=prec, out=dw_acc, record=used)
+            else:
+                mm.matmul(z.t(), h[r0:r1], cfg=None, precision=prec, out=part, record=used)
+                k["lce_add"][(triton_cdiv(V * D, 1024),)](dw_acc, part, V * D, num_warps=4)
+        if dw_acc is not dw:
+            dw.copy_(dw_acc)  # rounded once
+        if b and db_acc is not db[0]:
+            db[0].copy_(db_acc)
+        return [dh, dw, *db]
 
     run = backward_ if backward else forward
 
-    def launch(inputs):
+    def launch(inputs, outs=None):
         _check_inputs(name, op, inputs)
         if N == 0:
             raise ValueError(f"{name}: no rows")
-        return run(inputs)
+        return run(inputs, outs)
 
     # the row kernels read the target and the bias with unit stride (the backend copies other layouts
     # first, and says so); h and w go to the matmul template, which reads any strides
     contiguous = tuple(range(g_in + 2, len(op.operands)))
-    return Kernel(name, src, launch, needs_contiguous=contiguous, config=cfg, extra={"chunk": chunk, "matmul_sources": used})
+    scratch = _scratch(N, D, V, chunk, head, bias_dtype, separate_d, backward, prec, cfg) if N else 0
+    return Kernel(name, src, launch, needs_contiguous=contiguous, config=cfg, extra={"chunk": chunk, "matmul_sources": used},
+                  scratch_bytes=scratch)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -232,12 +290,12 @@ def triton_cdiv(a: int, b: int) -> int:
 
 @lowers(nv.LinearCrossEntropyOp)
 def lower_linear_cross_entropy(op, cfg: LoweringConfig | None = None, *, precision: str = "fp32",
-                               check_ids: bool = True, max_block: int = LOOP_BLOCK, **_) -> Kernel:
+                               max_block: int = LOOP_BLOCK, **_) -> Kernel:
     """``max_block``: columns per step of the row loop (tests use small ones to loop over a small V)."""
-    return _lower(op, cfg, precision, check_ids, backward=False, max_block=max_block)
+    return _lower(op, cfg, precision, backward=False, max_block=max_block)
 
 
 @lowers(nv.LinearCrossEntropyBackwardOp)
 def lower_linear_cross_entropy_backward(op, cfg: LoweringConfig | None = None, *, precision: str = "fp32",
-                                        check_ids: bool = True, max_block: int = LOOP_BLOCK, **_) -> Kernel:
-    return _lower(op, cfg, precision, check_ids, backward=True, max_block=max_block)
+                                        max_block: int = LOOP_BLOCK, **_) -> Kernel:
+    return _lower(op, cfg, precision, backward=True, max_block=max_block)

@@ -22,9 +22,13 @@ Design choices, and why:
   mixes in each row's mean of -log p over the classes (the row's plain sum rides
   along the max/sum pass), reduction "none" writes one loss per row, and the
   backward of a mean over no rows is 0 (its count is clamped to 1).
-* Out-of-range class ids never address memory (the loads are masked); their
-  row's loss is NaN, and the launcher raises IndexError after the kernel (skipped
-  while a CUDA graph is being captured, where the host cannot read the count).
+* Out-of-range class ids never address memory (the loads are masked): their
+  row's loss is NaN and their gradient row the plain softmax. The launcher does
+  not look at them (that would wait for the device): the guard stage counts them
+  on the device and keeps the step from taking effect (nova.transforms.guard).
+* ``launch(inputs, outs)`` writes into ``outs`` when given (``results``);
+  ``Kernel.scratch_bytes`` is exact: the cross-row partials, the row sums of a
+  looping layer_norm backward, the cross-entropy loss rows or its scale.
 """
 
 from __future__ import annotations
@@ -221,8 +225,34 @@ def _num_sms(device: torch.device) -> int:
     return H200_SMS
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+def lowering_device() -> torch.device:
+    """The device the kernels are built for: the current GPU, or the CPU under the
+    interpreter (standing in for the H200)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def result_specs(op) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of every result of ``op``, computed once at lowering time."""
+    return [(shape_of(r.type), torch_dtype(r.type)) for r in op.results]
+
+
+def results(name: str, specs, outs, device: torch.device) -> list[torch.Tensor]:
+    """The tensors one launch writes its results into: ``outs`` themselves when
+    given (checked: the kernels write through raw pointers, so a wrong shape,
+    dtype or layout would write past the tensor), else new ones."""
+    if outs is None:
+        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
+    if len(outs) != len(specs):
+        raise ValueError(f"{name}: expected {len(specs)} outputs, got {len(outs)}")
+    for i, (t, (shape, dtype)) in enumerate(zip(outs, specs)):
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"{name}: output {i} is {tuple(t.shape)} {t.dtype} (contiguous: {t.is_contiguous()}), "
+                             f"the op needs a contiguous {shape} {dtype}")
+    return list(outs)
+
+
+def nbytes(shape, dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
 
 
 def _shape_name(shape) -> str:
@@ -352,10 +382,11 @@ def _lower_rowwise(op, cfg, kind: str, source_fn, log: bool, max_row_block: int)
     kernel, _ = load_kernel(src, f"{kind}_kernel")
     name = f"nova_{kind}_{_shape_name(shape)}_dim{dim}"
     opts = _launch_options(cfg, warps)
+    specs = result_specs(op)
 
-    def launch(inputs):
+    def launch(inputs, outs=None):
         _check_inputs(name, op, inputs)
-        out = torch.empty(shape, dtype=dtype, device=inputs[0].device)
+        (out,) = results(name, specs, outs, inputs[0].device)
         if out.numel() == 0:
             return [out]
         args = []
@@ -458,13 +489,12 @@ def lower_layer_norm(op, cfg: LoweringConfig | None = None, *, max_row_block: in
     kernel, _ = load_kernel(src, "layer_norm_kernel")
     name = f"nova_layer_norm_{_shape_name(shape)}"
     opts = _launch_options(cfg, warps)
+    specs = result_specs(op)
 
-    def launch(inputs):
+    def launch(inputs, outs=None):
         _check_inputs(name, op, inputs)
         x, w, b = inputs
-        y = torch.empty(shape, dtype=dtype, device=x.device)
-        mean = torch.empty(shape[:-1], dtype=dtype, device=x.device)
-        rstd = torch.empty(shape[:-1], dtype=dtype, device=x.device)
+        y, mean, rstd = results(name, specs, outs, x.device)
         if y.numel():
             _check_span(name, rows.n, block, x.stride(-1), w.stride(0), b.stride(0))
             kernel[(rows.count,)](x, w, b, y, mean, rstd, *rows.args(x), w.stride(0), b.stride(0), **opts)
@@ -496,8 +526,8 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool) -> str:
         x_row = x_ptr + ({rows.offset('sx')})
         g_row = g_ptr + ({rows.offset('sg')})
         d_row = d_ptr + row * {n}
-        mean = tl.load(mean_ptr + row * smean).to({acc})
-        rstd = tl.load(rstd_ptr + row * srstd).to({acc})
+        mean = tl.load(mean_ptr + ({rows.offset('sm')})).to({acc})
+        rstd = tl.load(rstd_ptr + ({rows.offset('sr')})).to({acc})
     """.replace("{decode}", "\n        ".join(rows.decode().splitlines()) or "pass")
     grad = f"d = rstd / {n} * ({n} * gxhat - c1 - xhat * c2)"
     if not looping:
@@ -565,7 +595,9 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool) -> str:
         """, 1))
     params = ["g_ptr", "x_ptr", "w_ptr", "mean_ptr", "rstd_ptr", "d_ptr", "pw_ptr", "pb_ptr"]
     params += ["c1_ptr", "c2_ptr"] if looping else []
-    params += [*rows.params("sg"), *rows.params("sx"), "swc", "smean", "srstd", "ROWS_PER_PROG"]
+    # mean and rstd have the leading dims' shape: read through their strides by the same row index
+    stat_strides = [f"s{p}{k}" for p in ("m", "r") for k in rows.live]
+    params += [*rows.params("sg"), *rows.params("sx"), "swc", *stat_strides, "ROWS_PER_PROG"]
     header = _header("layer_norm_backward", f"shape {list(shape)}, {_plan_line(dtype, block, looping)}", {"BLOCK": block})
     return (header + _kernel("layer_norm_backward_kernel", params, _code(head, body))
             + colsum_source("layer_norm_backward_colsum", n, acc, out))
@@ -595,8 +627,9 @@ def lower_layer_norm_backward(
     partial_programs: int | None = None, **_,
 ) -> Kernel:
     """``partial_programs`` fixes the number of partial-sum programs (default
-    PARTIALS_PER_SM per SM, at most one per row); the weight and bias gradients
-    are deterministic for a given count (the count depends only on the device)."""
+    PARTIALS_PER_SM per SM of the lowering device, at most one per row); the weight
+    and bias gradients are deterministic for a given count. The count is fixed here,
+    so the partial buffers (the launch's scratch) have a size known before the step."""
     shape, dtype = shape_of(op.operands[1].type), torch_dtype(op.operands[1].type)
     rows = Rows(shape, len(shape) - 1)
     n = rows.n
@@ -617,36 +650,37 @@ def lower_layer_norm_backward(
     colsum, _ = load_kernel(src, "layer_norm_backward_colsum")
     name = f"nova_layer_norm_backward_{_shape_name(shape)}"
     opts = _launch_options(cfg, warps)
+    specs = result_specs(op)
+    progs = max(1, min(rows.count, partial_programs or PARTIALS_PER_SM * _num_sms(lowering_device())))
+    per = -(-rows.count // progs)
+    progs = -(-rows.count // per) if rows.count else 0  # no program without rows
+    stat = torch.float64 if dtype == torch.float64 else torch.float32
+    # pw and pb [progs, n]; a looping kernel also keeps two row sums per row
+    scratch = (2 * nbytes((progs, n), stat) + (2 * nbytes((rows.count,), stat) if looping else 0)) if n else 0
 
-    def launch(inputs):
+    def launch(inputs, outs=None):
         _check_inputs(name, op, inputs)
         g, x, w, mean, rstd = inputs
         dev = x.device
-        dx = torch.empty(shape, dtype=dtype, device=dev)
-        dw = torch.empty((n,), dtype=dtype, device=dev)
-        db = torch.empty((n,), dtype=dtype, device=dev)
+        dx, dw, db = results(name, specs, outs, dev)
         if n == 0:
             return [dx, dw, db]
         if rows.count == 0:
             return [dx, dw.zero_(), db.zero_()]
         _check_span(name, n, block, g.stride(-1), x.stride(-1), w.stride(0))
-        progs = min(rows.count, partial_programs or PARTIALS_PER_SM * _num_sms(dev))
-        per = -(-rows.count // progs)
-        progs = -(-rows.count // per)  # no program without rows
-        stat = torch.float64 if dtype == torch.float64 else torch.float32
         pw = torch.empty((progs, n), dtype=stat, device=dev)
         pb = torch.empty((progs, n), dtype=stat, device=dev)
         row_sums = [torch.empty((rows.count,), dtype=stat, device=dev) for _ in range(2)] if looping else []
-        # mean and rstd have the leading dims' shape: read them by one row index
-        m1, r1 = mean.reshape(-1), rstd.reshape(-1)
+        stat_strides = [t.stride(k) for t in (mean, rstd) for k in rows.live]
         main[(progs,)](
-            g, x, w, m1, r1, dx, pw, pb, *row_sums, *rows.args(g), *rows.args(x), w.stride(0),
-            m1.stride(0), r1.stride(0), per, **opts,
+            g, x, w, mean, rstd, dx, pw, pb, *row_sums, *rows.args(g), *rows.args(x), w.stride(0),
+            *stat_strides, per, **opts,
         )
         colsum[(-(-n // _COLSUM_N),)](pw, pb, dw, db, progs, num_warps=4)
         return [dx, dw, db]
 
-    return Kernel(name, src, launch, config=_effective(cfg, block, warps), extra={"looping": looping})
+    return Kernel(name, src, launch, config=_effective(cfg, block, warps), extra={"looping": looping},
+                  scratch_bytes=scratch)
 
 
 # --------------------------------------------------------------------------- cross_entropy
@@ -678,20 +712,17 @@ def _ce_lse(n_cls: int, block: int, acc: str, looping: bool, row_sum: bool = Fal
     """
 
 
-def _ce_count(n_rows: int, n_cls: int, ignore: int, acc: str) -> str:
-    """One program: ``count`` rows whose target is not ignored, ``bad`` of them out of range."""
+def _ce_count(n_rows: int, ignore: int, acc: str) -> str:
+    """One program: ``count``, the rows whose target is not ignored (an out-of-range
+    id counts, as it would in range: the guard stage, not the loss, reports it)."""
     return f"""
         r = tl.arange(0, {_FINAL_BLOCK})
         count = tl.zeros(({_FINAL_BLOCK},), {acc})
-        bad = tl.zeros(({_FINAL_BLOCK},), tl.int32)
         for r0 in range(0, {n_rows}, {_FINAL_BLOCK}):
             rr = r0 + r
             t = tl.load(t_ptr + rr.to(tl.int64) * st, mask=rr < {n_rows}, other={ignore})
-            valid = t != {ignore}
-            count += valid.to({acc})
-            bad += (valid & ((t < 0) | (t >= {n_cls}))).to(tl.int32)
+            count += (t != {ignore}).to({acc})
         count = tl.sum(count, axis=0)
-        tl.store(bad_ptr, tl.sum(bad, axis=0))
     """
 
 
@@ -704,14 +735,17 @@ def _ce_plan_line(n_rows, n_cls, ignore, reduction, ls, dtype, block, looping) -
 def cross_entropy_source(n_rows, n_cls, dtype, ignore: int, reduction: str, block: int, looping: bool,
                          label_smoothing: float = 0.0) -> str:
     """Per row: loss = (1 - ls) * (lse - x[target]) + ls * (lse - mean(x)) (0 when
-    ignored, NaN for an out-of-range id). "none" writes it as the result; "mean"
-    and "sum" put it in a buffer that one program sums in order (dividing by the
-    number of rows that count: the mean of no rows is 0 / 0 = NaN, as in torch)."""
+    ignored, NaN for an out-of-range id, whose load is masked). "none" writes it as
+    the result (one kernel); "mean" and "sum" put it in a buffer that one program
+    sums in order (dividing by the number of rows that count: the mean of no rows
+    is 0 / 0 = NaN, as in torch)."""
     acc, out = acc_type(dtype), _TL[dtype]
     ls = float(label_smoothing)
     c = lambda v: _ce_const(v, acc)  # noqa: E731
     loss = "lse - xt" if not ls else f"{c(1.0 - ls)} * (lse - xt) + {c(ls)} * (lse - sx * {c(1.0 / n_cls)})"
     store = "tl.store(loss_ptr + row, loss.to({}))".format(out) if reduction == "none" else "tl.store(loss_ptr + row, loss)"
+    header = _header("cross_entropy", _ce_plan_line(n_rows, n_cls, ignore, reduction, ls, dtype, block, looping),
+                     {"BLOCK": block})
     rows_body = _code(f"""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -725,41 +759,31 @@ def cross_entropy_source(n_rows, n_cls, dtype, ignore: int, reduction: str, bloc
         loss = tl.where(valid & ((t < 0) | (t >= {n_cls})), float("nan"), loss)
         {store}
     """)
-    if reduction == "none":  # the count kernel only counts the out-of-range ids
-        final_body = _code(_ce_count(n_rows, n_cls, ignore, acc))
-    else:
-        final_body = _code(_ce_count(n_rows, n_cls, ignore, acc), f"""
-            total = tl.zeros(({_FINAL_BLOCK},), {acc})
-            for r0 in range(0, {n_rows}, {_FINAL_BLOCK}):
-                rr = r0 + r
-                total += tl.load(loss_ptr + rr, mask=rr < {n_rows}, other=0.0)
-            total = tl.sum(total, axis=0)
-            tl.store(out_ptr, ({'total / count' if reduction == 'mean' else 'total'}).to({out}))
-        """)
-    header = _header("cross_entropy", _ce_plan_line(n_rows, n_cls, ignore, reduction, ls, dtype, block, looping),
-                     {"BLOCK": block})
-    return (header + _kernel("cross_entropy_rows", ["x_ptr", "t_ptr", "loss_ptr", "sxr", "sxc", "st"], rows_body)
-            + _kernel("cross_entropy_final", ["t_ptr", "loss_ptr", "out_ptr", "bad_ptr", "st"], final_body))
+    src = header + _kernel("cross_entropy_rows", ["x_ptr", "t_ptr", "loss_ptr", "sxr", "sxc", "st"], rows_body)
+    if reduction == "none":  # the rows kernel writes the result: nothing to sum
+        return src
+    final_body = _code(_ce_count(n_rows, ignore, acc), f"""
+        total = tl.zeros(({_FINAL_BLOCK},), {acc})
+        for r0 in range(0, {n_rows}, {_FINAL_BLOCK}):
+            rr = r0 + r
+            total += tl.load(loss_ptr + rr, mask=rr < {n_rows}, other=0.0)
+        total = tl.sum(total, axis=0)
+        tl.store(out_ptr, ({'total / count' if reduction == 'mean' else 'total'}).to({out}))
+    """)
+    return src + _kernel("cross_entropy_final", ["t_ptr", "loss_ptr", "out_ptr", "st"], final_body)
 
 
 def cross_entropy_backward_source(n_rows, n_cls, dtype, ignore: int, reduction: str, block: int, looping: bool,
                                   label_smoothing: float = 0.0) -> str:
-    """One program counts the rows that count (and the out-of-range ids) and writes
+    """For "mean" and "sum" one program counts the rows that count and writes
     scale = grad / max(count, 1) (mean: a batch of ignored rows gets 0, not NaN, as
     torch's gradient) or grad (sum); then per row d = (softmax(x) - (1 - ls)
     onehot(target) - ls / C) * valid * scale, where "none" reads its scale from
-    grad[row]."""
+    grad[row] (and has no scale kernel). An out-of-range id matches no column: its
+    row is the plain softmax times the scale, and nothing is read at the id."""
     acc, out = acc_type(dtype), _TL[dtype]
     ls = float(label_smoothing)
     c = lambda v: _ce_const(v, acc)  # noqa: E731
-    if reduction == "none":
-        scale_body = _code(_ce_count(n_rows, n_cls, ignore, acc))
-    else:
-        scale = "g / tl.maximum(count, 1.0)" if reduction == "mean" else "g"
-        scale_body = _code(_ce_count(n_rows, n_cls, ignore, acc), f"""
-            g = tl.load(g_ptr).to({acc})
-            tl.store(scale_ptr, {scale})
-        """)
     row_scale = "tl.load(scale_ptr + row * ss).to({})".format(acc) if reduction == "none" else "tl.load(scale_ptr)"
     head = f"""
         row = tl.program_id(0).to(tl.int64)
@@ -792,23 +816,17 @@ def cross_entropy_backward_source(n_rows, n_cls, dtype, ignore: int, reduction: 
     header = _header("cross_entropy_backward",
                      _ce_plan_line(n_rows, n_cls, ignore, reduction, ls, dtype, block, looping), {"BLOCK": block})
     rows_params = ["x_ptr", "t_ptr", "scale_ptr", "d_ptr", "sxr", "sxc", "st"] + (["ss"] if reduction == "none" else [])
-    return (header + _kernel("cross_entropy_backward_scale", ["g_ptr", "t_ptr", "scale_ptr", "bad_ptr", "st"], scale_body)
-            + _kernel("cross_entropy_backward_rows", rows_params, _code(head, _ce_lse(n_cls, block, acc, looping), tail)))
+    src = header + _kernel("cross_entropy_backward_rows", rows_params, _code(head, _ce_lse(n_cls, block, acc, looping), tail))
+    if reduction == "none":
+        return src
+    scale_body = _code(_ce_count(n_rows, ignore, acc), f"""
+        g = tl.load(g_ptr).to({acc})
+        tl.store(scale_ptr, {"g / tl.maximum(count, 1.0)" if reduction == "mean" else "g"})
+    """)
+    return src + _kernel("cross_entropy_backward_scale", ["g_ptr", "t_ptr", "scale_ptr", "st"], scale_body)
 
 
-def _raise_bad_targets(name: str, target: torch.Tensor, n_cls: int, ignore: int, bad: torch.Tensor) -> None:
-    if _capturing(target.device):
-        return
-    n_bad = int(bad.item())
-    if n_bad:
-        ids = target[target != ignore]
-        raise IndexError(
-            f"{name}: {n_bad} target id(s) out of range [0, {n_cls}) "
-            f"(min {int(ids.min())}, max {int(ids.max())}; ignore_index {ignore})"
-        )
-
-
-def _lower_ce(op, cfg, max_row_block: int, check_ids: bool, backward: bool) -> Kernel:
+def _lower_ce(op, cfg, max_row_block: int, backward: bool) -> Kernel:
     logits_t = op.operands[1 if backward else 0].type
     (n_rows, n_cls), dtype = shape_of(logits_t), torch_dtype(logits_t)
     p = op.props()
@@ -819,57 +837,62 @@ def _lower_ce(op, cfg, max_row_block: int, check_ids: bool, backward: bool) -> K
     src = (cross_entropy_backward_source if backward else cross_entropy_source)(
         n_rows, n_cls, dtype, ignore, reduction, block, looping, ls
     )
-    first, _ = load_kernel(src, "cross_entropy_backward_scale" if backward else "cross_entropy_rows")
-    second, _ = load_kernel(src, "cross_entropy_backward_rows" if backward else "cross_entropy_final")
+    rows_k, _ = load_kernel(src, f"{kind}_rows")
+    # "mean" / "sum": the scale (backward) or the in-order sum of the rows' losses (forward)
+    once_k = None if reduction == "none" else load_kernel(src, "cross_entropy_backward_scale" if backward
+                                                          else "cross_entropy_final")[0]
     name = f"nova_{kind}_{n_rows}x{n_cls}" + ("_none" if reduction == "none" else "")
     opts = _launch_options(cfg, warps)
+    specs = result_specs(op)
+    # the scratch: the backward's one scale, the forward's per-row losses ("none" writes the result)
+    writes = n_rows * n_cls if backward else n_rows  # no rows to write: no kernel, no scratch
+    scratch = 0 if reduction == "none" or not writes else nbytes((1,) if backward else (n_rows,), stat)
 
-    def launch(inputs):
+    def backward_rows(g, x, t, out):
+        if reduction == "none":  # each row's scale is its own grad entry
+            rows_k[(n_rows,)](x, t, g, out, x.stride(0), x.stride(1), t.stride(0), g.stride(0), **opts)
+            return
+        scale = torch.empty((1,), dtype=stat, device=x.device)
+        once_k[(1,)](g, t, scale, t.stride(0), num_warps=4)
+        rows_k[(n_rows,)](x, t, scale, out, x.stride(0), x.stride(1), t.stride(0), **opts)
+
+    def forward_rows(x, t, out):
+        if reduction == "none":
+            rows_k[(n_rows,)](x, t, out, x.stride(0), x.stride(1), t.stride(0), **opts)
+            return
+        loss = torch.empty((n_rows,), dtype=stat, device=x.device)
+        rows_k[(n_rows,)](x, t, loss, x.stride(0), x.stride(1), t.stride(0), **opts)
+        once_k[(1,)](t, loss, out, t.stride(0), num_warps=4)
+
+    def launch(inputs, outs=None):
         _check_inputs(name, op, inputs)
         *g, x, t = inputs
-        dev = x.device
-        bad = torch.empty((1,), dtype=torch.int32, device=dev)
+        (out,) = results(name, specs, outs, x.device)
         if backward:
-            out = torch.empty((n_rows, n_cls), dtype=dtype, device=dev)
-            if out.numel() == 0:
-                return [out]
-            _check_span(name, n_cls, block, x.stride(1))
-            scale = torch.empty((1,), dtype=stat, device=dev)
-            first[(1,)](g[0], t, scale, bad, t.stride(0), num_warps=4)
-            if reduction == "none":  # each row's scale is its own grad entry
-                second[(n_rows,)](x, t, g[0], out, x.stride(0), x.stride(1), t.stride(0), g[0].stride(0), **opts)
-            else:
-                second[(n_rows,)](x, t, scale, out, x.stride(0), x.stride(1), t.stride(0), **opts)
+            if out.numel():
+                _check_span(name, n_cls, block, x.stride(1))
+                backward_rows(g[0], x, t, out)
+        elif n_rows == 0:
+            out.fill_(float("nan") if reduction == "mean" else 0.0)
         else:
-            out = torch.empty((n_rows,) if reduction == "none" else (), dtype=dtype, device=dev)
-            if n_rows == 0:
-                return [out.fill_(float("nan") if reduction == "mean" else 0.0)]
             _check_span(name, n_cls, block, x.stride(1))
-            # "none": the rows kernel writes the result itself; the second kernel only counts bad ids
-            loss = out if reduction == "none" else torch.empty((n_rows,), dtype=stat, device=dev)
-            first[(n_rows,)](x, t, loss, x.stride(0), x.stride(1), t.stride(0), **opts)
-            second[(1,)](t, loss, out, bad, t.stride(0), num_warps=4)
-        if check_ids:
-            _raise_bad_targets(op.name, t, n_cls, ignore, bad)
+            forward_rows(x, t, out)
         return [out]
 
-    return Kernel(name, src, launch, config=_effective(cfg, block, warps), extra={"looping": looping})
+    return Kernel(name, src, launch, config=_effective(cfg, block, warps), extra={"looping": looping},
+                  scratch_bytes=scratch)
 
 
 @lowers(nv.CrossEntropyOp)
-def lower_cross_entropy(
-    op, cfg: LoweringConfig | None = None, *, max_row_block: int = ROW_BLOCK_LIMIT, check_ids: bool = True, **_
-) -> Kernel:
-    """``check_ids``: read the out-of-range count back after the kernels and raise
-    IndexError (one host sync; rows with a bad id get a NaN loss either way)."""
-    return _lower_ce(op, cfg, max_row_block, check_ids, backward=False)
+def lower_cross_entropy(op, cfg: LoweringConfig | None = None, *, max_row_block: int = ROW_BLOCK_LIMIT, **_) -> Kernel:
+    return _lower_ce(op, cfg, max_row_block, backward=False)
 
 
 @lowers(nv.CrossEntropyBackwardOp)
 def lower_cross_entropy_backward(
-    op, cfg: LoweringConfig | None = None, *, max_row_block: int = ROW_BLOCK_LIMIT, check_ids: bool = True, **_
+    op, cfg: LoweringConfig | None = None, *, max_row_block: int = ROW_BLOCK_LIMIT, **_
 ) -> Kernel:
-    return _lower_ce(op, cfg, max_row_block, check_ids, backward=True)
+    return _lower_ce(op, cfg, max_row_block, backward=True)
 
 
 __all__ = [
