@@ -20,6 +20,18 @@ No silent wrong result:
   it (main thread) is deferred and re-raised once it is complete;
 - compilation is serialized process-wide (torch.export is not thread-safe) and
   each step serializes its own calls, so steps may be called from many threads.
+
+A step that must not take effect is decided on the device (the guard stage,
+``nova.transforms.guard``): an embedding id or a class target out of range, and
+with ``skip_nonfinite`` a non-finite loss or gradient, make every parameter and
+state result its old value. The program returns the counts as ``status``
+results, and the host reads them
+- on the reference backend right after the run (nothing is written back then);
+- on the Triton backend lazily, so that no step waits for the device: at the
+  start of the next call, in ``check()``, ``explain()`` and ``skipped_steps``.
+  Bad ids raise ``IndexError`` naming the step that failed; that step's device
+  writes were its old values, and the optimizer-state entries it created are
+  taken out again.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ from nova.errors import BatchError, CaptureError
 from nova.ir.module import arg_slots, result_slots, step_func
 from nova.ir.types import elem_of, shape_of, to_torch_dtype
 from nova.log import get_logger
+from nova.transforms.guard import BAD_IDS, NONFINITE, describe_bad_ids
 from nova.transforms.optimizer import hyper_values
 from nova.transforms.precision import PRECISIONS
 
@@ -137,9 +150,20 @@ class _DeferSigint:
         return False
 
 
+@dataclass
+class _Pending:
+    """A step whose status the host has not read yet (Triton backend)."""
+
+    call: int  # which step it was (1-based, counting the steps that ran)
+    status: dict[str, torch.Tensor]  # "bad_ids" (and "nonfinite"): 0-d device counts
+    prog: Program
+    args: list[torch.Tensor]  # its arguments: the error message recomputes the bad ids from them
+    stored: list[tuple]  # the ("store", param, key, tensor) writes that created optimizer-state entries
+
+
 class CompiledStep:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: str = "fp32",
-                 backend: str = "auto"):  # fmt: skip
+                 backend: str = "auto", skip_nonfinite: bool = False):  # fmt: skip
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if backend not in BACKENDS:
@@ -171,6 +195,10 @@ class CompiledStep:
         self._last: Program | None = None
         self._last_key: _Key | None = None
         self._lock = threading.RLock()  # one call of this step at a time
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self._calls = 0  # steps run
+        self._skipped = 0  # steps the guard kept from writing because of a non-finite loss or gradient
+        self._pending: _Pending | None = None
 
     # --- batch checks ------------------------------------------------------
     def _check_batch(self, batch: tuple) -> None:
@@ -210,6 +238,7 @@ class CompiledStep:
             with _COMPILE_LOCK:
                 c = pipeline.Compilation(self.model, batch, self.optimizer, self.precision, _step_dtype())
                 c.device = self._device_spec()
+                c.skip_nonfinite = self.skip_nonfinite
                 prog = Program(pipeline.run(c))
                 if self.backend == "triton":
                     from nova.backends.triton import TritonProgram
@@ -244,20 +273,84 @@ class CompiledStep:
     # --- running -----------------------------------------------------------
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         with self._lock:
+            self._settle("the next call")  # the previous step's deferred status first
             self._check_batch(batch)
             prog = self._program(batch)
             if self._batch_sig is None:
                 self._batch_sig = [(t.dtype, t.device, t.dim()) for t in batch]
             self._last = prog
             args, fresh_state = self._gather(prog, batch)
+            self._calls += 1
             with torch.no_grad():
                 outs = prog.run(args, self.precision)
+                status = {s.name: v for s, v in zip(result_slots(prog.fn), outs, strict=True) if s.role == "status"}
+                pending = _Pending(self._calls, status, prog, args, [])
+                if prog.kernels is None and not self._took_effect(pending, None):
+                    return outs[0].detach()  # skipped (non-finite): nothing is written back
                 writes = self._prepare_write_back(prog, outs, fresh_state)
                 with _DeferSigint():
                     _commit(writes, self.optimizer.state)
+                if prog.kernels is not None:
+                    # read at the next call, not now (that would wait for the device). New state
+                    # entries are stored at once, so that optimizer.state after a good step is
+                    # complete without a check (a checkpoint may be saved between calls), and
+                    # taken out again if the step turns out to have failed
+                    pending.stored = [w for w in writes if w[0] == "store"]
+                    self._pending = pending
             # what optimizer.step() records, so LR schedulers see a stepped optimizer
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
             return outs[0].detach()
+
+    # --- the guard's status --------------------------------------------------
+    def check(self) -> None:
+        """Raises the deferred error of the last step, if it failed. On the Triton
+        backend a step's checks (ids in range; with ``skip_nonfinite``, a finite loss
+        and gradients) run on the device and the host reads them lazily: at the next
+        call, or here (this waits for the last step to finish). A failed step wrote
+        nothing: parameters and optimizer state are as they were before it. On the
+        reference backend every call checks its own step, so this never raises."""
+        with self._lock:
+            self._settle("check()")
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps that wrote nothing because their loss or a gradient was not finite
+        (``skip_nonfinite=True``). Reading it waits for the last step (and raises
+        its deferred error, if it had one)."""
+        with self._lock:
+            self._settle("skipped_steps")
+            return self._skipped
+
+    def _settle(self, where: str) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._took_effect(pending, where)
+
+    def _took_effect(self, p: _Pending, deferred_to: str | None) -> bool:
+        """Reads a step's status (a host read): raises IndexError for bad ids; counts
+        and logs a non-finite step (False); True for a step that took effect.
+        ``deferred_to``: where a Triton step's status is read (None: right after the run)."""
+        if not p.status:
+            return True  # a program built without the guard
+        counts = torch.stack([p.status[k] for k in sorted(p.status)]).tolist()  # one device read
+        found = dict(zip(sorted(p.status), counts))
+        bad, nonfinite = found.get(BAD_IDS, 0), found.get(NONFINITE, 0)
+        if not bad and not nonfinite:
+            return True
+        with _DeferSigint():
+            _forget(p.stored, self.optimizer.state)
+        if bad:
+            details = describe_bad_ids(p.prog.fn, p.args) or [
+                f"{bad} id(s) out of range (not found again in the step's inputs: were they changed since?)"]
+            when = f" (reported at {deferred_to}: the Triton backend checks ids on the device without waiting)"
+            also = "; this call did not run either" if deferred_to == "the next call" else ""
+            raise IndexError(f"step {p.call} of this compiled step failed: {'; '.join(details)}. It wrote "
+                             f"nothing: parameters and optimizer state are as before it"
+                             f"{when if deferred_to else ''}{also}")  # fmt: skip
+        self._skipped += 1
+        log.warning("step %d: %d non-finite value(s) in the loss or gradients: skipped (parameters and "
+                    "optimizer state unchanged; %d step(s) skipped so far)", p.call, nonfinite, self._skipped)  # fmt: skip
+        return False
 
     def _gather(self, prog: Program, batch: tuple):
         c = prog.compilation
@@ -338,12 +431,16 @@ class CompiledStep:
         peak, the arena, the largest live set and where it occurs, the ten largest
         buffers), then its MLIR text after each pipeline stage (compiled again with
         dumping on: the stages rewrite the IR in place). ``plots``: a directory that
-        receives ``memory_timeline.png`` (live bytes over the step, the arena's size)."""
+        receives ``memory_timeline.png`` (live bytes over the step, the arena's size).
+        Reads the last step's deferred status first (``check()``: it may raise)."""
         if self._last is None:
             raise RuntimeError("explain() needs one call of the step first (the batch shapes select the program)")
+        with self._lock:
+            self._settle("explain()")
         last = self._last.compilation
         c = pipeline.Compilation(self.model, last.batch, self.optimizer, self.precision, last.step_dtype)
         c.device = last.device
+        c.skip_nonfinite = last.skip_nonfinite
         with self._lock, _COMPILE_LOCK:
             pipeline.run(c, dump=True)
         from nova.transforms.plan_memory import plot_timeline, report
@@ -386,6 +483,19 @@ def _checked_state(pname: str, key: str, v, p: torch.Tensor, dtype: torch.dtype,
     return v.detach()
 
 
+def _forget(stored: list[tuple], state) -> None:
+    """Takes out the optimizer-state entries a failed step created (the ones it
+    stored, if nothing replaced them since), so that ``optimizer.state`` is as it
+    was before the step: the gate kept every existing tensor's value, but a new
+    entry (zero moments, step 0) did not exist then."""
+    for _, p, key, t in stored:
+        entry = state.get(p)
+        if entry is not None and entry.get(key) is t:
+            del entry[key]
+            if not entry:
+                del state[p]
+
+
 def _commit(writes: list[tuple], state) -> None:
     """The write-back: nothing in here can fail on checked inputs (same-shape,
     same-dtype, same-device copies and dict stores), so it is all-or-nothing."""
@@ -406,7 +516,9 @@ def _step_dtype() -> torch.dtype:
 
 
 def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: str = "fp32",
-            backend: str = "auto") -> CompiledStep:  # fmt: skip
+            backend: str = "auto", skip_nonfinite: bool = False) -> CompiledStep:  # fmt: skip
     """Compiles ``model``'s forward + loss, its gradient and ``optimizer``'s
-    update into one step. ``step(*batch)`` runs it and returns the loss."""
-    return CompiledStep(model, optimizer, precision, backend)
+    update into one step. ``step(*batch)`` runs it and returns the loss.
+    ``skip_nonfinite``: a step whose loss or a gradient is NaN or inf writes
+    nothing (no error; counted in ``step.skipped_steps`` and logged)."""
+    return CompiledStep(model, optimizer, precision, backend, skip_nonfinite)

@@ -11,6 +11,8 @@ stage), and the IR after each stage is kept as text for ``explain()``.
               (chunked over tokens: the [tokens, vocab] logits never exist)
   autodiff    append the backward (Nova's own VJP rules)
   optimizer   append the parameter and state update (Adam, AdamW, SGD)
+  guard       device-side checks (ids in range; with skip_nonfinite a finite loss
+              and gradients) gate every param/state update; "status" results
   precision   the bf16 / tf32 policy
   simplify    CSE and DCE
   configure   the Analytic Configurator's #nova.lowering_config on every kernel
@@ -30,7 +32,7 @@ from xdsl.dialects.builtin import ModuleOp
 from nova.autodiff import append_backward
 from nova.capture.importer import Captured, capture
 from nova.config import SETTINGS
-from nova.ir.module import context, print_module
+from nova.ir.module import context, print_module, returned, step_func
 from nova.transforms.fold import fold_static
 from nova.transforms.optimizer import OptimizerSpec, append_optimizer
 from nova.transforms.precision import PrecisionPass
@@ -51,6 +53,8 @@ class Compilation:
     device: object | None = None  # nova.schedule.devices.DeviceSpec of a GPU target, else None
     stages: dict[str, str] = field(default_factory=dict)  # stage name -> IR text after it
     memory: object | None = None  # nova.transforms.plan_memory.MemoryPlan, after plan_memory
+    skip_nonfinite: bool = False  # guard: a non-finite loss or gradient makes the step write nothing
+    grads: dict | None = None  # parameter name -> gradient value, as the optimizer stage found them
 
     @property
     def module(self) -> ModuleOp:
@@ -78,11 +82,19 @@ def _autodiff(c: Compilation) -> None:
 
 
 def _optimizer(c: Compilation) -> None:
+    # the guard checks the gradients, which the update consumes as results
+    c.grads = {n: v for r, n, v in returned(step_func(c.module)) if r == "grad"}
     if c.optimizer is None:
         return
     names = {id(p): n for n, p in c.captured.params.items()}
     c.spec = OptimizerSpec.from_torch(c.optimizer, names)
     append_optimizer(c.module, c.spec, c.step_dtype)
+
+
+def _guard(c: Compilation) -> None:
+    from nova.transforms.guard import guard
+
+    guard(c.module, c.skip_nonfinite, c.grads)
 
 
 def _precision(c: Compilation) -> None:
@@ -115,6 +127,7 @@ STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
     ("fuse_loss", _fuse_loss),
     ("autodiff", _autodiff),
     ("optimizer", _optimizer),
+    ("guard", _guard),
     ("precision", _precision),
     ("simplify", _simplify),
     ("configure", _configure),

@@ -240,6 +240,8 @@ def _cast(b, op, cts):
 
 
 nondifferentiable(nv.FullOp, nv.ArangeOp, nv.DropoutMaskOp, nv.StopGradientOp)
+# the guard stage's counts: integer results, and they appear only after autodiff anyway
+nondifferentiable(*nv.CHECK_OPS)
 
 # ----------------------------------------------------------------------------
 # shapes

@@ -233,17 +233,35 @@ def _layer_norm_bwd(op, xs):
     return [gx.to(dt), gw.to(dt), gb.to(dt)]
 
 
-def _check_ids(ids: torch.Tensor, n: int, what: str, ignore: int | None = None) -> None:
-    valid = ids if ignore is None else ids[ids != ignore]
-    if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= n):
-        raise IndexError(f"{what}: index out of range [0, {n}) (min {int(valid.min())}, max {int(valid.max())})")
+# Out-of-range ids and class targets are not errors of an op: like the Triton
+# kernels, the ops here only never address outside their tables (a bad id reads a
+# zero row, scatters nothing; a bad target's row loss is NaN), and the guard
+# stage's nova.count_out_of_range reports them and keeps the step from writing.
+def _in_range(ids: torch.Tensor, n: int) -> torch.Tensor:
+    return (ids >= 0) & (ids < n)
+
+
+@impl(nv.CountOutOfRangeOp)
+def _count_out_of_range(op, xs):
+    (ids,) = xs
+    p = op.props()
+    bad = (ids < p["low"]) | (ids >= p["high"])
+    if p["ignore"] is not None:
+        bad &= ids != p["ignore"]
+    return [bad.sum(dtype=torch.int64)]
+
+
+@impl(nv.CountNonfiniteOp)
+def _count_nonfinite(op, xs):
+    return [(~torch.isfinite(xs[0])).sum(dtype=torch.int64)]
 
 
 @impl(nv.EmbeddingOp)
 def _embedding(op, xs):
     w, ids = xs
-    _check_ids(ids, w.shape[0], "nova.embedding")
-    return [F.embedding(ids, w)]
+    ok = _in_range(ids, w.shape[0])
+    rows = F.embedding(torch.where(ok, ids, 0), w)
+    return [torch.where(ok.unsqueeze(-1), rows, torch.zeros((), dtype=w.dtype, device=w.device))]
 
 
 @impl(nv.EmbeddingBackwardOp)
@@ -251,7 +269,9 @@ def _embedding_bwd(op, xs):
     g, ids = xs
     p = op.props()
     out = torch.zeros(p["num_embeddings"], g.shape[-1], dtype=g.dtype, device=g.device)
-    out.index_add_(0, ids.reshape(-1), g.reshape(-1, g.shape[-1]))
+    ids, g = ids.reshape(-1), g.reshape(-1, g.shape[-1])
+    ok = _in_range(ids, p["num_embeddings"])
+    out.index_add_(0, ids[ok], g[ok])
     if p["padding_idx"] >= 0:
         out[p["padding_idx"]] = 0
     return [out]
@@ -261,9 +281,16 @@ def _embedding_bwd(op, xs):
 def _cross_entropy(op, xs):
     logits, target = xs
     p = op.props()
-    _check_ids(target, logits.shape[1], "nova.cross_entropy", p["ignore_index"])
-    loss = F.cross_entropy(_wide(logits), target, ignore_index=p["ignore_index"], reduction=p["reduction"],
-                           label_smoothing=p["label_smoothing"])  # fmt: skip
+    bad = ~_in_range(target, logits.shape[1]) & (target != p["ignore_index"])
+    # torch raises on a bad target: compute with an ignored id there, then make those rows NaN
+    safe = torch.where(bad, p["ignore_index"], target)
+    wide = _wide(logits)
+    kw = {"ignore_index": p["ignore_index"], "label_smoothing": p["label_smoothing"]}
+    if p["reduction"] == "none":
+        loss = F.cross_entropy(wide, safe, reduction="none", **kw).masked_fill(bad, float("nan"))
+    else:
+        loss = F.cross_entropy(wide, safe, reduction=p["reduction"], **kw)
+        loss = torch.where(bad.any(), torch.full((), float("nan"), dtype=loss.dtype, device=loss.device), loss)
     return [loss.to(logits.dtype)]
 
 
@@ -275,7 +302,8 @@ def _cross_entropy_bwd(op, xs):
     valid = target != p["ignore_index"]
     probs = torch.softmax(_wide(logits), dim=1)
     onehot = torch.zeros_like(probs)
-    onehot[valid, target[valid]] = 1.0
+    hit = valid & _in_range(target, logits.shape[1])  # a bad target's row has no one-hot entry
+    onehot[hit, target[hit]] = 1.0
     d = (probs - (1.0 - ls) * onehot - ls / logits.shape[1]) * valid.unsqueeze(1)
     gw = _wide(g)
     if p["reduction"] == "mean":
@@ -408,7 +436,6 @@ def _chunk_logits(h, w, bias, r0, r1):
 def _ce_rows(op, xs):
     h, w, target, *bias = xs
     p = op.props()
-    _check_ids(target, w.shape[0], op.name, p["ignore_index"])
     valid = target != p["ignore_index"]
     return h, w, target, (bias[0] if bias else None), p, valid
 
@@ -427,9 +454,11 @@ def _linear_cross_entropy(op, xs):
         r1 = min(n, r0 + p["chunk"])
         x = _wide(_chunk_logits(h, w, bias, r0, r1)).to(acc)
         t, ok = target[r0:r1], valid[r0:r1]
+        hit = ok & _in_range(t, V)
         lse = torch.logsumexp(x, dim=1)
-        xt = x.gather(1, torch.where(ok, t, 0).unsqueeze(1)).squeeze(1)
+        xt = x.gather(1, torch.where(hit, t, 0).unsqueeze(1)).squeeze(1)
         row = lse - xt if not ls else (1.0 - ls) * (lse - xt) + ls * (lse - x.mean(1))
+        row = torch.where(hit | ~ok, row, float("nan"))  # a bad target's row loss is NaN
         total = total + torch.where(ok, row, torch.zeros((), dtype=acc, device=h.device)).sum()
     if p["reduction"] == "mean":
         total = total / valid.sum()  # a mean over no rows is 0 / 0 = NaN, as in torch
@@ -451,8 +480,9 @@ def _linear_cross_entropy_bwd(op, xs):
         z = _chunk_logits(h, w, bias, r0, r1)
         x = _wide(z).to(acc)
         t, ok = target[r0:r1], valid[r0:r1]
+        hit = ok & _in_range(t, V)
         d = torch.softmax(x, dim=1)
-        d[ok, t[ok]] -= 1.0 - ls
+        d[hit, t[hit]] -= 1.0 - ls
         if ls:
             d -= ls / V
         d = (d * (ok.to(acc) * scale).unsqueeze(1)).to(z.dtype)  # the logits' gradient, in their type

@@ -37,6 +37,7 @@ from xdsl.irdl import (
     irdl_op_definition,
     operand_def,
     opt_operand_def,
+    opt_prop_def,
     opt_result_def,
     prop_def,
     result_def,
@@ -1087,6 +1088,61 @@ class LinearCrossEntropyBackwardOp(NovaOp):
         return [h, w, *bias]
 
 
+# ----------------------------------------------------------------------------
+# checks: the guard stage's device-side counts (nova.transforms.guard), so that a
+# bad step is detected without a host read and gates the update
+
+
+@irdl_op_definition
+class CountOutOfRangeOp(NovaOp):
+    """How many ``ids`` lie outside ``[low, high)``, not counting ids equal to
+    ``ignore`` (when given): a 0-d i64. Checks embedding ids (high = rows; a
+    padding_idx row is in range) and class targets (ignore = ignore_index)."""
+
+    name = "nova.count_out_of_range"
+    ids = operand_def(TensorType)
+    low = prop_def(IntProp)
+    high = prop_def(IntProp)
+    ignore = opt_prop_def(IntProp)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("low", "high", "ignore")
+
+    def props(self) -> dict:
+        # ``ignore`` is optional: absent means every id is checked
+        p = {k: prop_value(self.properties[k]) for k in ("low", "high")}
+        p["ignore"] = prop_value(self.properties["ignore"]) if "ignore" in self.properties else None
+        return p
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        (ids,) = in_types
+        if not is_int(ids) or elem_of(ids) == i1:
+            raise VerifyException(f"{cls.name}: ids must be an integer tensor, got {ids}")
+        if props["low"] > props["high"]:
+            raise VerifyException(f"{cls.name}: empty range [{props['low']}, {props['high']})")
+        return [tensor([], i64)]
+
+
+@irdl_op_definition
+class CountNonfiniteOp(NovaOp):
+    """How many elements of a float tensor are NaN or +-inf: a 0-d i64."""
+
+    name = "nova.count_nonfinite"
+    input = operand_def(TensorType)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        (x,) = in_types
+        _require_float(cls.name, x)
+        return [tensor([], i64)]
+
+
+CHECK_OPS: tuple[type[NovaOp], ...] = (CountOutOfRangeOp, CountNonfiniteOp)
+
+
 NOVA_OPS: list[type[NovaOp]] = [
     AddOp, SubOp, MulOp, DivOp, MaximumOp, PowOp,
     EqOp, NeOp, LtOp, LeOp, GtOp, GeOp, WhereOp,
@@ -1098,6 +1154,7 @@ NOVA_OPS: list[type[NovaOp]] = [
     LayerNormOp, LayerNormBackwardOp, EmbeddingOp, EmbeddingBackwardOp,
     CrossEntropyOp, CrossEntropyBackwardOp, AttentionOp, AttentionBackwardOp,
     LinearCrossEntropyOp, LinearCrossEntropyBackwardOp,
+    CountOutOfRangeOp, CountNonfiniteOp,
 ]  # fmt: skip
 
 # ops that steer autodiff only and are gone before configure (simplify removes them)
@@ -1118,4 +1175,4 @@ Nova = Dialect("nova", NOVA_OPS, [LoweringConfigAttr])
 
 OP_BY_NAME: dict[str, type[NovaOp]] = {op.name: op for op in NOVA_OPS}
 
-__all__ = [op.__name__ for op in NOVA_OPS] + ["Nova", "NovaOp", "OP_BY_NAME", "prop_value", "make_prop"]
+__all__ = [op.__name__ for op in NOVA_OPS] + ["CHECK_OPS", "Nova", "NovaOp", "OP_BY_NAME", "prop_value", "make_prop"]

@@ -7,7 +7,9 @@ so the IR itself says what binds to what:
              hyper (a 0-d hyper-parameter read from param_groups each call),
              buffer (a model buffer), batch (a user input), seed (dropout RNG)
   results    loss, grad (after autodiff), param and state (after the optimizer:
-             the new value of the argument with the same name)
+             the new value of the argument with the same name), status (after
+             the guard: 0-d i64 counts of what made the step write nothing,
+             "bad_ids" and, when asked for, "nonfinite")
 
 Printing uses MLIR's generic form, which parses back to identical IR.
 """
@@ -26,7 +28,7 @@ from xdsl.printer import Printer
 
 from nova.ir.dialect import Nova
 
-ROLES = ("param", "state", "hyper", "buffer", "batch", "seed", "loss", "grad")
+ROLES = ("param", "state", "hyper", "buffer", "batch", "seed", "loss", "grad", "status")
 STEP = "train_step"
 
 

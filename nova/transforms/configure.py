@@ -38,13 +38,16 @@ ROWWISE = {
 }  # fmt: skip
 # ops scheduled by the elementwise model (one stream in, one out per element):
 # arithmetic, compares, activations, casts, generators, pad, and the embedding
-# gather / scatter (``block`` is their row-segment width)
+# gather / scatter (``block`` is their row-segment width), and the guard's counts
+# (one stream in, one number out: ``block`` is elements per program; scheduled by
+# their input's dtype, since their one i64 result is no stream)
 ELEMENTWISE = (
     nv.AddOp, nv.SubOp, nv.MulOp, nv.DivOp, nv.MaximumOp, nv.PowOp,
     nv.EqOp, nv.NeOp, nv.LtOp, nv.LeOp, nv.GtOp, nv.GeOp, nv.WhereOp,
     nv.NegOp, nv.ExpOp, nv.LogOp, nv.SqrtOp, nv.RsqrtOp, nv.TanhOp, nv.SigmoidOp, nv.ReluOp,
     nv.CosOp, nv.SinOp, nv.AbsOp, nv.GeluOp, nv.GeluBackwardOp,
     nv.CastOp, nv.FullOp, nv.ArangeOp, nv.DropoutMaskOp, nv.PadOp, nv.EmbeddingOp, nv.EmbeddingBackwardOp,
+    *nv.CHECK_OPS,
 )  # fmt: skip
 # the integer and mask dtypes, for models that need only the element size: the
 # float of the same (or the nearest supported) width
@@ -106,6 +109,9 @@ def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringC
     if not isinstance(op, ELEMENTWISE):
         raise NoScheduleError(f"the configure stage has no schedule rule for {op.name}")
     shape = shape_of(op.results[0].type)
+    if isinstance(op, nv.CHECK_OPS):  # the stream is the checked input
+        dt = to_torch_dtype(elem_of(op.operands[0].type))
+        shape = shape_of(op.operands[0].type)
     # the elementwise model needs only the element size: integers and masks are
     # scheduled as the float of the same (or the nearest supported) width
     dt = _SIZE_ALIKE.get(dt, dt)

@@ -265,7 +265,7 @@ NON_DIFFERENTIABLE_OPS = {
     nv.FullOp, nv.ArangeOp, nv.DropoutMaskOp, nv.StopGradientOp,
     nv.GeluBackwardOp, nv.SoftmaxBackwardOp, nv.LogSoftmaxBackwardOp, nv.LayerNormBackwardOp,
     nv.EmbeddingBackwardOp, nv.CrossEntropyBackwardOp, nv.AttentionBackwardOp,
-    nv.LinearCrossEntropyBackwardOp,
+    nv.LinearCrossEntropyBackwardOp, nv.CountOutOfRangeOp, nv.CountNonfiniteOp,
 }  # fmt: skip
 
 
@@ -471,6 +471,10 @@ def test_nondifferentiable_rules_return_none(op_cls):
         op = b.create(op_cls, [], {"start": 0, "step": 1}, T(3, e=i64))
     elif op_cls is nv.DropoutMaskOp:
         op = b.create(op_cls, [s], {"p": 0.1, "salt": 0}, T(3))
+    elif op_cls is nv.CountOutOfRangeOp:
+        op = b.create(op_cls, [s], {"low": 0, "high": 3})
+    elif op_cls is nv.CountNonfiniteOp:
+        op = b.create(op_cls, [x])
     else:
         op = b.create(op_cls, [x, y])
     n_ops = len(list(block.ops))
