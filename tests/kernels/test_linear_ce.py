@@ -76,24 +76,21 @@ def test_linear_cross_entropy_matches_reference(device, case):
 
 def test_out_of_range_targets_are_masked(device):
     """Ids past either end of the vocabulary (some far enough to fault if read)
-    raise nothing in the launch and address no memory: the loss is NaN, the rows
-    with in-range ids get exactly their gradient (the bad rows count, so the
-    scale is unchanged), and every gradient is finite."""
+    raise nothing in the launch and address no memory; as in the reference, the
+    loss is NaN and the gradients finite (a bad row: the plain softmax)."""
     props = {"ignore_index": -100, "reduction": "mean", "chunk": 3}
     fwd, bwd = _ops(f32, f32, props, f32)
     gen = torch.Generator().manual_seed(1)
     h, w, bias = torch.randn(N, D, generator=gen), torch.randn(V, D, generator=gen), torch.randn(V, generator=gen)
     t = torch.randint(0, V, (N,), generator=gen)
-    bad_rows = [1, 3, 4, 6]
-    bad, fine = t.clone(), t.clone()
-    bad[bad_rows] = torch.tensor([V, -1, 2**40, -(2**40)])
-    fine[bad_rows] = 0
+    t[[1, 3, 4, 6]] = torch.tensor([V, -1, 2**40, -(2**40)])
     g = torch.tensor(1.3)
-    dev = [x.to(device) for x in (h, w, bad, bias)]
+    xs = [h, w, t, bias]
+    dev = [x.to(device) for x in xs]
     (loss,) = lower_linear_cross_entropy(fwd, None, max_block=16).launch(dev)
     assert torch.isnan(loss).item()
-    dh, dw, db = lower_linear_cross_entropy_backward(bwd, None, max_block=16).launch([g.to(device), *dev])
-    want_dh = IMPLS[nv.LinearCrossEntropyBackwardOp](bwd, [g, h, w, fine, bias])[0]
-    keep = [r for r in range(N) if r not in bad_rows]
-    torch.testing.assert_close(dh[keep].cpu(), want_dh[keep], rtol=1e-5, atol=1e-6)
-    assert all(torch.isfinite(x).all() for x in (dh, dw, db))
+    got = lower_linear_cross_entropy_backward(bwd, None, max_block=16).launch([g.to(device), *dev])
+    want = IMPLS[nv.LinearCrossEntropyBackwardOp](bwd, [g, *xs])
+    for name, a, b in zip(("dh", "dw", "dbias"), got, want):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a.cpu(), b, msg=name, rtol=1e-5, atol=1e-6)
