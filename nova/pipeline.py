@@ -14,7 +14,10 @@ stage), and the IR after each stage is kept as text for ``explain()``.
   guard       device-side checks (ids in range; with skip_nonfinite a finite loss
               and gradients) gate every param/state update; "status" results
   precision   the bf16 / tf32 policy
-  simplify    CSE and DCE
+  simplify    cast canonicalization (casts above layout ops, exact round trips
+              dropped), CSE and DCE
+  remat       recompute cheap elementwise values in the backward instead of keeping
+              them from the forward; with memory_budget, more until the plan fits
   configure   the Analytic Configurator's #nova.lowering_config on every kernel
               (only for a GPU target; the reference executor needs none)
   plan_memory liveness over the whole step, one static arena with an offset per
@@ -55,6 +58,8 @@ class Compilation:
     memory: object | None = None  # nova.transforms.plan_memory.MemoryPlan, after plan_memory
     skip_nonfinite: bool = False  # guard: a non-finite loss or gradient makes the step write nothing
     grads: dict | None = None  # parameter name -> gradient value, as the optimizer stage found them
+    memory_budget: int | None = None  # bytes: remat recomputes until the predicted peak fits (None: cheap ones only)
+    remat: list = field(default_factory=list)  # nova.transforms.remat.Choice per recomputed value, after remat
 
     @property
     def module(self) -> ModuleOp:
@@ -105,6 +110,12 @@ def _simplify(c: Compilation) -> None:
     Simplify().apply(context(), c.module)
 
 
+def _remat(c: Compilation) -> None:
+    from nova.transforms.remat import remat
+
+    c.remat = remat(c.module, c.memory_budget)
+
+
 def _configure(c: Compilation) -> None:
     if c.device is None:
         return
@@ -130,6 +141,7 @@ STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
     ("guard", _guard),
     ("precision", _precision),
     ("simplify", _simplify),
+    ("remat", _remat),
     ("configure", _configure),
     ("plan_memory", _plan_memory),
 ]

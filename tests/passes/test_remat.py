@@ -1,0 +1,167 @@
+"""remat: IR in, IR out; the default rule lowers the predicted peak and never
+raises it; a budget chooses more; an impossible budget names the reachable
+peak; every result bit-identical to the step without remat (reference executor)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from xdsl.dialects.builtin import bf16, f32
+
+from nova import pipeline
+from nova.config import SETTINGS
+from nova.backends.reference import run_function
+from nova.ir import dialect as nv
+from nova.ir.builder import OpBuilder
+from nova.ir.module import Slot, arg_slots, new_step, parse_module, print_module, set_results, step_func
+from nova.ir.types import elem_of, shape_of, tensor, to_torch_dtype
+from nova.models import GPT, gpt_tiny
+from nova.transforms import remat as rm
+from nova.transforms.plan_memory import plan_memory
+
+remat = rm.remat
+
+# the step cache would hand a second compile of the same program the first one's IR
+_NO_STEP_CACHE = dataclasses.replace(SETTINGS, step_cache=False) if hasattr(SETTINGS, "step_cache") else SETTINGS
+
+
+def _kept_then_read_late():
+    """y = bf16(gelu(x)) read by a forward matmul and, after a gap holding the
+    largest live set, by a backward matmul (gelu_backward keeps nothing else alive:
+    x is a param)."""
+    module, fn = new_step([Slot("param", "x", tensor([128, 128], f32)), Slot("param", "w", tensor([128, 128], bf16))])
+    b = OpBuilder(fn.body.block)
+    x, w = fn.body.block.args
+    y = b.cast(b.one(nv.GeluOp, [x], {"approximate": "tanh"}), bf16)
+    a = b.matmul(y, w)
+    z = b.one(nv.ExpOp, [x])
+    s = b.add(z, b.one(nv.ExpOp, [z]))  # the gap: z, exp(z) and s live together
+    dw = b.matmul(b.transpose(y, [1, 0]), a)
+    gx = b.one(nv.GeluBackwardOp, [b.cast(dw, f32), x], {"approximate": "tanh"})
+    set_results(fn, [("loss", "loss", b.reduce_sum(s, [0, 1])), ("grad", "x", gx)])
+    return module, fn
+
+
+def test_a_cheap_chain_is_recomputed_before_its_late_read():
+    module, fn = _kept_then_read_late()
+    args = [torch.randn(128, 128), torch.randn(128, 128).to(torch.bfloat16)]
+    before = run_function(fn, args)
+    peak_before = plan_memory(module.clone()).peak_bytes
+    choices = rm.remat(module)
+    module.verify()
+    text = print_module(module)
+    assert print_module(parse_module(text)) == text
+    assert [(c.what, c.rule) for c in choices] == [("gelu -> cast tensor<128x128xbf16>", "default")]
+    assert choices[0].saved_bytes == 128 * 128 * 2
+    ops = list(fn.body.block.ops)
+    gelus = [o for o in ops if isinstance(o, nv.GeluOp)]
+    assert len(gelus) == 2 and "nova.remat" not in gelus[0].attributes
+    assert gelus[1].attributes["nova.remat"].data == "default" and gelus[1].operands[0] is fn.body.block.args[0]
+    # the backward matmul reads the clone through a cloned transpose, the forward one the original
+    mm = [o for o in ops if isinstance(o, nv.MatmulOp)]
+    (use,) = gelus[1].results[0].uses
+    clone_cast = use.operation
+    assert mm[1].operands[0].owner.operands[0] is clone_cast.results[0]
+    assert mm[0].operands[0] is not clone_cast.results[0]
+    assert ops.index(gelus[1]) > ops.index(next(o for o in ops if isinstance(o, nv.AddOp)))
+    assert plan_memory(module.clone()).peak_bytes < peak_before
+    for x, y in zip(before, run_function(fn, args), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_nothing_to_gain_leaves_the_ir_alone():
+    module, fn = new_step([Slot("param", "x", tensor([64, 64], f32))])
+    b = OpBuilder(fn.body.block)
+    (x,) = fn.body.block.args
+    set_results(fn, [("loss", "loss", b.reduce_sum(b.one(nv.ExpOp, [b.cast(x, bf16)]), [0, 1]))])
+    text = print_module(module)
+    assert rm.remat(module) == [] and print_module(module) == text
+
+
+# ---------------------------------------------------------------------------
+# a captured 2-layer GPT in bf16, large enough in tokens that activations dominate
+
+
+def _args(c) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for s in arg_slots(step_func(c.module)):
+        if s.role == "param":
+            out.append(c.captured.params[s.name].detach().clone())
+        elif s.role == "buffer":
+            out.append(c.captured.buffers[s.name])
+        elif s.role == "batch":
+            out.append(c.batch[c.captured.batch_names.index(s.name)])
+        elif s.role == "hyper":
+            out.append(torch.tensor(0.9 if "beta" in s.name else 1e-3, dtype=torch.float64))
+        elif s.role == "state":
+            t = torch.rand(shape_of(s.type), generator=g).to(to_torch_dtype(elem_of(s.type)))
+            out.append(t + (1.0 if "step" in s.name else 0))
+        else:
+            out.append(torch.tensor(7, dtype=torch.int64))
+    return out
+
+
+def _gpt(**kw):
+    torch.manual_seed(0)
+    model = GPT(gpt_tiny(n_layer=2, block_size=64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 256, (8, 65))
+    batch = (ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+    return pipeline.run(pipeline.Compilation(model, batch, opt, "bf16", torch.float32, **kw))
+
+
+@pytest.fixture(scope="module")
+def steps():
+    """The step without remat and with the default rule (the step cache off: it would
+    hand the second compile the first one's IR)."""
+    mp = pytest.MonkeyPatch()
+    mp.setattr(pipeline, "SETTINGS", _NO_STEP_CACHE)
+    mp.setattr(rm, "remat", lambda module, budget=None: [])
+    plain = _gpt()
+    mp.setattr(rm, "remat", remat)
+    default = _gpt()
+    yield plain, default
+    mp.undo()
+
+
+def _same_results(a, b):
+    ra = run_function(step_func(a.module), _args(a), "bf16")
+    rb = run_function(step_func(b.module), _args(b), "bf16")
+    assert len(ra) == len(rb)
+    for x, y in zip(ra, rb, strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+def test_the_default_rule_lowers_the_peak_of_a_gpt_step(steps):
+    plain, default = steps
+    assert plain.remat == [] and default.remat
+    assert all(c.rule == "default" for c in default.remat)
+    assert default.memory.peak_bytes < plain.memory.peak_bytes
+    kinds = {c.what.split(" tensor")[0] for c in default.remat}
+    assert {"gelu -> cast", "cast", "reshape"} <= kinds  # GELU's bf16 output, weight casts, attention's copy
+    assert all(c.loc for c in default.remat)
+    _same_results(plain, default)
+    lines = rm.report(default.remat)
+    assert lines[0].startswith(f"remat: {len(default.remat)} values recomputed")
+
+
+def test_a_budget_between_the_default_and_the_floor(steps, monkeypatch):
+    plain, default = steps
+    monkeypatch.setattr(pipeline, "SETTINGS", _NO_STEP_CACHE)
+    with pytest.raises(rm.MemoryBudgetError) as e:
+        _gpt(memory_budget=1)
+    floor = e.value.reachable
+    assert floor < default.memory.peak_bytes
+    assert f"({floor} bytes" in str(e.value) and "memory_budget" in str(e.value) and "(1 bytes)" in str(e.value)
+    budget = (floor + default.memory.peak_bytes) // 2
+    fit = _gpt(memory_budget=budget)
+    assert fit.memory.peak_bytes <= budget < default.memory.peak_bytes
+    assert len(fit.remat) > len(default.remat) and any(c.rule == "budget" for c in fit.remat)
+    assert fit.module.attributes["nova.memory_plan"].data["peak_bytes"].value.data == fit.memory.peak_bytes
+    _same_results(plain, fit)
+    # a budget the default already meets adds nothing
+    easy = _gpt(memory_budget=default.memory.peak_bytes)
+    assert [c.what for c in easy.remat] == [c.what for c in default.remat]
