@@ -9,7 +9,11 @@ multi-index through the static output shape (divisions by constants), and reads
 each operand through its own strides, passed at launch. So a broadcast operand
 (stride 0, or a size-1 dim that simply has no term), a transposed or sliced view
 (strides and storage offset of the tensor itself) is read in place: no copies.
-The output is always written contiguously at the flat index (coalesced).
+The output is always written contiguously at the flat index (coalesced): a new
+tensor, or the ``out`` the launch is given (a view into the step's arena). The
+same-index ops may write over one of their own operands (an in-place parameter
+update): each lane loads its elements before it stores, and the only lane that
+reads element i of such an operand is the one that writes element i.
 
 Design choices, and why:
 
@@ -114,6 +118,28 @@ def storage_view(t: torch.Tensor) -> torch.Tensor:
 def default_device() -> torch.device:
     """Where ops without operands (full, arange) allocate when not told."""
     return torch.device("cuda" if torch.cuda.is_available() and not interpreting() else "cpu")
+
+
+def result_tensor(what: str, out: torch.Tensor | None, shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Where a launch writes one result: ``out`` when given (checked: contiguous, of
+    the result's shape and dtype; typically a view into the step's arena), else a
+    new tensor on ``device``."""
+    if out is None:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(
+            f"{what}: out is {tuple(out.shape)} {out.dtype} with strides {tuple(out.stride())}, "
+            f"expected a contiguous {tuple(shape)} {dtype} tensor"
+        )
+    return out
+
+
+def only_out(outs: Sequence[torch.Tensor] | None) -> torch.Tensor | None:
+    """The result tensor of a one-result kernel's ``outs`` (None: allocate one)."""
+    if outs is None:
+        return None
+    (out,) = outs
+    return out
 
 
 def sanitize(text: str) -> str:
@@ -290,9 +316,15 @@ class Pointwise:
     block: int
     num_warps: int
 
-    def __call__(self, xs: Sequence[torch.Tensor], device=None) -> torch.Tensor:
+    def __call__(self, xs: Sequence[torch.Tensor], device=None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs the kernel on ``xs``, writing ``out`` (contiguous, the result's shape
+        and dtype; a new tensor when None). ``out`` may be one of ``xs`` itself: lane
+        i loads every operand's element i before it stores element i, and no other
+        lane reads it (the in-place update of the same-index ops)."""
         rank = len(self.shape)
-        out = torch.empty(self.shape, dtype=self.out_dtype, device=xs[0].device if xs else device or default_device())
+        if out is None:
+            device = xs[0].device if xs else device or default_device()
+        out = result_tensor(self.name, out, self.shape, self.out_dtype, device)
         n = out.numel()
         if n == 0:
             return out
@@ -348,8 +380,11 @@ def pointwise(
 
 
 def kernel_of(pw: Pointwise, cfg, launch=None, needs_contiguous=()) -> Kernel:
+    def run(xs, outs=None, device=None):
+        return [pw(xs, device, only_out(outs))]
+
     return Kernel(
-        name=pw.name, source=pw.source, launch=launch or (lambda xs, device=None: [pw(xs, device)]),
+        name=pw.name, source=pw.source, launch=launch or run,
         needs_contiguous=tuple(needs_contiguous), config=cfg,
     )
 
@@ -566,7 +601,8 @@ def lower_cast(op, cfg: LoweringConfig | None = None) -> Kernel:
 
 @lowers(nv.FullOp)
 def lower_full(op, cfg: LoweringConfig | None = None) -> Kernel:
-    """No operands: ``launch([], device=...)`` (device defaults to CUDA when present)."""
+    """No operands: ``launch([], outs)`` or ``launch([], device=...)`` (device
+    defaults to CUDA when present)."""
     _, out_shape, out_dtype = _types(op)
     value = torch.full((), op.props()["value"], dtype=out_dtype)  # the reference's own conversion
     block, _ = block_and_warps(numel(out_shape), cfg)
@@ -624,7 +660,7 @@ def lower_transpose(op, cfg: LoweringConfig | None = None) -> Kernel:
     _, out_shape, out_dtype = _types(op)
     perm = op.props()["perm"]
     pw = copy_pointwise(out_shape, out_dtype, cfg)
-    return kernel_of(pw, cfg, lambda xs, device=None: [pw([xs[0].permute(perm)])])
+    return kernel_of(pw, cfg, lambda xs, outs=None, device=None: [pw([xs[0].permute(perm)], out=only_out(outs))])
 
 
 @lowers(nv.SliceOp)
@@ -634,10 +670,10 @@ def lower_slice(op, cfg: LoweringConfig | None = None) -> Kernel:
     p = op.props()
     pw = copy_pointwise(out_shape, out_dtype, cfg)
 
-    def launch(xs, device=None):
+    def launch(xs, outs=None, device=None):
         idx = [slice(None)] * xs[0].dim()
         idx[p["dim"]] = slice(p["start"], p["end"], p["step"])
-        return [pw([xs[0][tuple(idx)]])]
+        return [pw([xs[0][tuple(idx)]], out=only_out(outs))]
 
     return kernel_of(pw, cfg, launch)
 
@@ -648,7 +684,15 @@ def lower_reshape(op, cfg: LoweringConfig | None = None) -> Kernel:
     flat index is the output offset); the result is a view of that copy."""
     ins, out_shape, out_dtype = _types(op)
     pw = copy_pointwise(ins[0][0], out_dtype, cfg)
-    return kernel_of(pw, cfg, lambda xs, device=None: [pw([xs[0]]).view(out_shape)])
+
+    def launch(xs, outs=None, device=None):
+        out = only_out(outs)
+        if out is None:
+            return [pw([xs[0]]).view(out_shape)]
+        pw([xs[0]], out=result_tensor(pw.name, out, out_shape, out_dtype, None).view(ins[0][0]))
+        return [out]
+
+    return kernel_of(pw, cfg, launch)
 
 
 @lowers(nv.PadOp)
@@ -671,7 +715,7 @@ def lower_pad(op, cfg: LoweringConfig | None = None) -> Kernel:
 
 __all__ = [
     "Operand", "Pointwise", "pointwise", "pointwise_source", "copy_kernel", "cast_kernel", "copy_pointwise",
-    "cast_pointwise", "UnsupportedError",
+    "cast_pointwise", "UnsupportedError", "result_tensor", "only_out",
     "lower_elementwise", "lower_cast", "lower_full", "lower_arange", "lower_dropout_mask", "lower_broadcast_to",
     "lower_transpose", "lower_slice", "lower_reshape", "lower_pad",
 ]  # fmt: skip

@@ -42,6 +42,10 @@ Design choices, and why:
   16-byte aligned base and strides; when either operand does not qualify, the
   pointer kernel runs instead (logged once), which takes any strides. C is always stored through
   pointers (any strides, masked edges).
+* C may be a given ``out`` (a view into the step's arena beside the operands: only
+  overlapping bytes are refused). What a launch allocates besides C (the split-K
+  partials, the staged tf32 copies) is bounded by ``scratch_bytes``, for the memory
+  plan; nothing in a launch waits for the device, so it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -480,6 +484,60 @@ def split_k_plan(K: int, cfg: LoweringConfig) -> tuple[int, int]:
     return k_split, cdiv(K, k_split)
 
 
+def scratch_bytes(
+    M: int, N: int, K: int, batch: int, a_dtype, b_dtype, out_dtype, cfg: LoweringConfig | None,
+    *, precision: str | None = None, device: torch.device | None = None,
+) -> int:  # fmt: skip
+    """The most device memory one ``matmul`` launch of C[batch, M, N] = A @ B with
+    ``cfg`` allocates besides C (an upper bound, for the memory plan; ``batch`` is 1
+    for a 2-D matmul). The launch picks its path from the operands' strides, so the
+    bound counts every buffer the config can lead to:
+
+    * split-K (``split_k_plan`` gives more than one split): the fp32 partials
+      [S, batch, M, N];
+    * a staged tf32 config (``stage_a`` / ``stage_b`` in ``cfg.instruction``, fp32
+      operands): the dense fp32 copy of A [batch, M, K] and / or of B [batch, K, N]
+      (an operand shared by the batch is staged once: at most this).
+
+    TMA descriptors are host objects passed by value: no device memory. The
+    partials are fp32 whatever ``out_dtype`` is, and ``a_dtype`` is ``b_dtype`` (the
+    launch refuses others). ``cfg=None`` means the launch asks the configurator,
+    which also sees the operands' layouts, the bias and ``precision`` (None: any):
+    the bound is then the largest over all of those, configured for ``device``
+    (None: the CPU, which stands in for the H200)."""
+    if M * N * batch == 0 or K == 0:
+        return 0  # nothing is launched
+    if cfg is None:
+        return _configured_scratch_bytes(M, N, K, batch, a_dtype, out_dtype, precision, device)
+    f32 = torch.float32.itemsize
+    total = 0
+    splits = split_k_plan(K, cfg)[1]
+    if splits > 1:
+        total += splits * batch * M * N * f32
+    tokens = cfg.instruction.split("+")
+    if _dtype_name(a_dtype) == "float32":
+        if "stage_a" in tokens:
+            total += batch * M * K * f32
+        if "stage_b" in tokens:
+            total += batch * K * N * f32
+    return total
+
+
+def _configured_scratch_bytes(M, N, K, batch, dtype, out_dtype, precision, device) -> int:
+    """``scratch_bytes`` over every config the configurator may pick at launch."""
+    spec = device_spec(device or torch.device("cpu"))
+    if _dtype_name(dtype) != "float32":
+        precisions = ("bf16",)  # 16-bit operands: the launch ignores the precision
+    else:
+        precisions = PRECISIONS if precision is None else (precision,)
+    layouts = ("row", "col", "strided")
+    configs = (
+        configure(M, N, K, batch, dtype, out_dtype, p, la, lb, bias, spec)
+        for p in precisions for la in layouts for lb in layouts for bias in (False, True)
+    )  # fmt: skip
+    return max(scratch_bytes(M, N, K, batch, dtype, dtype, out_dtype, cfg) for cfg in configs)
+
+
 @functools.lru_cache(maxsize=None)
 def device_spec(device: torch.device):
     """The configurator's description of ``device``; the H200 for CPU tensors (the
@@ -566,6 +624,21 @@ def _num_sms(device: torch.device) -> int:
     return device_spec(device).num_sms
 
 
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range [first, last + 1) the elements of ``t`` lie in."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _overlaps(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``x`` and ``y`` may share bytes: their extents intersect (views into
+    one arena do not overlap when their ranges are disjoint)."""
+    if not x.numel() or not y.numel():
+        return False
+    (x0, x1), (y0, y1) = _extent(x), _extent(y)
+    return x0 < y1 and y0 < x1
+
+
 def _validate(a, b, bias, out, out_dtype, precision, allow_meta=False):
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise ValueError("matmul: a and b must be torch tensors")
@@ -607,10 +680,8 @@ def _validate(a, b, bias, out, out_dtype, precision, allow_meta=False):
             raise ValueError(f"matmul: out is on {out.device}, inputs on {a.device}")
         if any(st == 0 and sz > 1 for sz, st in zip(out.shape, out.stride())):
             raise ValueError("matmul: out has a zero stride (its elements overlap)")
-        if out.numel() and a.device.type != "meta" and out.untyped_storage().data_ptr() in (
-            a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()
-        ):
-            raise ValueError("matmul: out shares storage with an input")
+        if a.device.type != "meta" and any(_overlaps(out, t) for t in (a, b, bias) if t is not None):
+            raise ValueError("matmul: out overlaps an input (the kernel would read what it has written)")
     out_dtype = a.dtype if out_dtype is None else out_dtype
     out_name = _dtype_name(out_dtype)
     if bias is not None:
@@ -641,6 +712,8 @@ def matmul(
     ``precision``: "ieee" | "tf32" | "tf32-rn" | "tf32x3" | "bf16" for float32
     operands (default "ieee", like torch without allow_tf32); 16-bit operands are
     used as they are.
+    ``out``: where C is written (and returned), e.g. a contiguous [M, N] or
+    [batch, M, N] view into an arena; it may not overlap an operand.
     ``out_dtype`` defaults to the input dtype. ``cfg`` defaults to the Analytic
     Configurator's choice. ``num_programs`` caps a persistent grid (default: #SMs).
     ``record`` (a dict) receives {generated file path, or "tf32_stage": source text}
@@ -691,10 +764,11 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     if out.numel() == 0 or K == 0:
         if warmup:
             return []
-        if K == 0 and out.numel():  # empty contraction: the sum over nothing
-            out.zero_()
-            if bias is not None:
-                out += bias.to(out_dtype)
+        if K == 0 and out.numel():  # empty contraction: the sum over nothing, plus the bias
+            if bias is None:
+                out.zero_()
+            else:
+                out.copy_(bias.expand(out.shape))  # converts in place: no temporary
         return out
     if cfg is None:
         cfg = configure(
@@ -793,5 +867,6 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
 
 __all__ = [
     "matmul", "precompile", "precompile_specs", "matmul_source", "matmul_kernels", "configure", "device_spec", "layout",
-    "split_k_plan", "PRECISIONS", "MatmulKernels", "TmaLayout", "round_to_tf32", "TF32_RN", "stage_source", "stage_tf32",
+    "split_k_plan", "scratch_bytes", "PRECISIONS", "MatmulKernels", "TmaLayout", "round_to_tf32", "TF32_RN",
+    "stage_source", "stage_tf32",
 ]

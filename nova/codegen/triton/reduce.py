@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from nova.codegen.triton.elementwise import (
-    INT32_MAX, UnsupportedError, convert, copy_kernel, load, next_pow2, numel, sanitize, shape_name,
-    span, tag,
+    INT32_MAX, UnsupportedError, convert, copy_kernel, load, next_pow2, numel, only_out, result_tensor, sanitize,
+    shape_name, span, tag,
 )  # fmt: skip
 from nova.codegen.triton.lowering import Kernel, lowers
 from nova.ir import dialect as nv
@@ -197,11 +197,18 @@ class Reduction:
     acc_dtype: torch.dtype
     num_warps: int
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def scratch_bytes(self) -> int:
+        """The split reduction's [S, R] workspace (none in one pass)."""
+        if self.plan.split == 1:
+            return 0
+        return self.plan.split * self.plan.R * self.acc_dtype.itemsize
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         p = self.plan
         if tuple(x.shape) != p.shape or x.dtype != self.in_dtype:
             raise ValueError(f"{self.name}: input is {tuple(x.shape)} {x.dtype}, expected {p.shape} {self.in_dtype}")
-        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=x.device)
+        out = result_tensor(self.name, out, self.out_shape, self.out_dtype, x.device)
         if out.numel() == 0:
             return out
         strides = [x.stride(d) for d in range(x.dim()) if x.shape[d] > 1]
@@ -258,8 +265,12 @@ def lower_reduce(op, cfg: LoweringConfig | None = None) -> Kernel:
     if not p["dims"]:
         return copy_kernel(shape, dtype, cfg)
     r = reduction(kind, shape, p["dims"], p["keepdim"], dtype, cfg)
-    return Kernel(name=r.name, source=r.source, launch=lambda xs, device=None: [r(xs[0])], config=cfg,
-                  extra={"split": r.plan.split})  # fmt: skip
+
+    def launch(xs, outs=None, device=None):
+        return [r(xs[0], only_out(outs))]
+
+    return Kernel(name=r.name, source=r.source, launch=launch, config=cfg, extra={"split": r.plan.split},
+                  scratch_bytes=r.scratch_bytes)  # fmt: skip
 
 
 __all__ = ["Plan", "plan", "reduce_source", "reduction", "Reduction", "lower_reduce"]

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from nova.codegen.triton.elementwise import UnsupportedError, copy_kernel, load, sanitize, shape_name, tag
+from nova.codegen.triton.elementwise import (
+    UnsupportedError, copy_kernel, load, only_out, result_tensor, sanitize, shape_name, tag,
+)  # fmt: skip
 from nova.codegen.triton.lowering import Kernel, lowers
 from nova.codegen.triton.rowwise import Rows, _check_span, _contiguous_strides, next_pow2
 from nova.ir import dialect as nv
@@ -116,11 +118,11 @@ def lower_cumsum(op, cfg: LoweringConfig | None = None, **_) -> Kernel:
     fn = load(src, fname)
     grid = (-(-rows.count // br),)
 
-    def launch(xs, device=None):
+    def launch(xs, outs=None, device=None):
         (x,) = xs
         if tuple(x.shape) != tuple(shape) or x.dtype != dtype:
             raise ValueError(f"{name}: input is {tuple(x.shape)} {x.dtype}, expected {tuple(shape)} {dtype}")
-        y = torch.empty(shape, dtype=dtype, device=x.device)
+        y = result_tensor(name, only_out(outs), shape, dtype, x.device)
         if y.numel() == 0:
             return [y]
         _check_span(name, rows.n, bc, x.stride(dim), y.stride(dim))
