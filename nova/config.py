@@ -4,8 +4,11 @@
                              (the final IR is always verified); tests turn it on
   NOVA_PROGRAM_CACHE_SIZE=N  programs a compiled step keeps (default 8): one per batch
                              shape / parameter set / mode, least recently used evicted
-  NOVA_CACHE_DIR=DIR         where generated kernels (and later compiled steps) are
-                             kept (default ~/.cache/nova); read at each use
+  NOVA_CACHE_DIR=DIR         where generated kernels and compiled steps are kept
+                             (default ~/.cache/nova); read at each use
+  NOVA_STEP_CACHE=0          do not read or write the step cache (<cache dir>/steps:
+                             a second compile of the same model skips every stage
+                             after autodiff; nova.runtime.cache); on by default
   TRITON_INTERPRET=1         (Triton's own) run generated kernels on the CPU
 """
 
@@ -22,6 +25,7 @@ class Settings:
     # a step keeps this many programs (LRU): each holds its IR and, on the GPU, its
     # kernels; a changing sequence length would otherwise keep one per length forever
     program_cache_size: int = 8
+    step_cache: bool = True  # NOVA_STEP_CACHE: read and write <cache dir>/steps
 
     @staticmethod
     def from_env() -> "Settings":
@@ -33,7 +37,8 @@ class Settings:
         if n < 1:
             raise ValueError(f"NOVA_PROGRAM_CACHE_SIZE must be a positive integer, got {size!r}")
         return Settings(verify_each_stage=os.environ.get("NOVA_VERIFY_EACH_STAGE", "0") not in ("", "0"),
-                        program_cache_size=n)  # fmt: skip
+                        program_cache_size=n,
+                        step_cache=os.environ.get("NOVA_STEP_CACHE", "1") not in ("", "0"))  # fmt: skip
 
 
 SETTINGS = Settings.from_env()

@@ -56,6 +56,8 @@ class Compilation:
     device: object | None = None  # nova.schedule.devices.DeviceSpec of a GPU target, else None
     stages: dict[str, str] = field(default_factory=dict)  # stage name -> IR text after it
     memory: object | None = None  # nova.transforms.plan_memory.MemoryPlan, after plan_memory
+    cache: str = "off"  # the step cache: "hit" | "miss" | "off" | "rebuilt: <reason>" (nova.runtime.cache)
+    times: dict[str, float] = field(default_factory=dict)  # stage (and "cache.*") -> seconds
     skip_nonfinite: bool = False  # guard: a non-finite loss or gradient makes the step write nothing
     grads: dict | None = None  # parameter name -> gradient value, as the optimizer stage found them
     memory_budget: int | None = None  # bytes: remat recomputes until the predicted peak fits (None: cheap ones only)
@@ -150,12 +152,49 @@ STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
 def run(c: Compilation, dump: bool = False) -> Compilation:
     """Runs every stage in order. ``dump`` keeps each stage's IR text (printing
     a GPT's IR five times costs about as much as compiling it, so only
-    ``explain()`` asks for it)."""
-    for name, stage in STAGES:
+    ``explain()`` asks for it).
+
+    The step cache (``nova.runtime.cache``; ``NOVA_STEP_CACHE=0`` turns it off):
+    after its ``AFTER`` stage the IR is hashed with the options, and on a hit the
+    cached final IR replaces the later stages. ``dump`` bypasses it (explain
+    shows every stage)."""
+    import time
+
+    from nova.log import get_logger
+    from nova.runtime import cache as step_cache
+
+    _log = get_logger("nova.pipeline")
+    names = [name for name, _ in STAGES]
+    looked = None
+    c.cache = "off"
+    for i, (name, stage) in enumerate(STAGES):
+        t0 = time.perf_counter()
         stage(c)
         if SETTINGS.verify_each_stage:
             c.module.verify()
+        c.times[name] = time.perf_counter() - t0
         if dump:
             c.stages[name] = print_module(c.module)
+        if name == step_cache.AFTER and SETTINGS.step_cache and not dump:
+            t0 = time.perf_counter()
+            looked = step_cache.lookup(c, names)
+            c.times["cache.lookup"] = time.perf_counter() - t0
+            if isinstance(looked, str):
+                _log.info("step cache off for this compile: %s", looked)
+                looked = None
+                continue
+            c.cache = looked.status
+            if looked.module is not None:
+                t0 = time.perf_counter()
+                step_cache.restore(c, looked, names[i + 1 :])
+                c.times["cache.restore"] = time.perf_counter() - t0
+                break
+    else:
+        if looked is not None:
+            t0 = time.perf_counter()
+            step_cache.save(c, looked)
+            c.times["cache.store"] = time.perf_counter() - t0
+    if looked is not None:
+        _log.info("step cache %s: %s", c.cache, looked.path)
     c.module.verify()
     return c

@@ -1,0 +1,501 @@
+"""The step cache: a compiled step's final IR on disk, found by a structural hash.
+
+A second process compiling the same model skips every stage after ``autodiff``:
+capture, fold, fuse_loss and autodiff still run (they turn the live model into
+IR, and their IR is what the key hashes), then the final IR is read back from
+``<cache_dir>/steps/<key[:2]>/<key>.json``. A hit's IR prints to the same text
+as a cold compile's.
+
+The key (``key_inputs``) is a SHA-256 over everything that changes the final IR
+(DESIGN.md rule 7): the IR text after autodiff (ops, types, attributes, shapes,
+dtypes), the precision, the optimizer's structure (``OptimizerSpec``: kinds,
+parameter names and flags; learning rates and betas are runtime ``hyper``
+arguments, not part of the program), the step dtype, the device spec (None for
+the reference target), the guard and remat options, the stage names, Nova's
+version and a hash of its own source files (an edited compiler never reads an old
+entry), and the torch, triton and xDSL versions.
+
+``nova.loc`` strings name source files by absolute path. A path can differ
+between two processes compiling the same model (a Jupyter cell lives in
+``/tmp/ipykernel_<pid>/``, a test's model file in a fresh temporary directory),
+so the directory part of every path in a location is replaced by a placeholder
+(``<nova-dir-0>``, ...) in the hashed text and in the stored IR, and bound back
+to this process's directories when an entry is read: a hit reports the same
+locations a cold compile would.
+
+An entry is JSON and nothing in it is executed or unpickled: the final IR (as
+a table of ops over its distinct attributes in MLIR syntax: ``encode``) is
+checked against its SHA-256, read back by xDSL's parser and verified. Writes are atomic (a
+temporary file in the same directory, fsync, ``os.replace``), so two processes
+compiling the same key at once both succeed and leave one whole entry. A corrupt
+or foreign entry is logged with the reason and rebuilt by the fresh compile.
+
+On a hit the Compilation's fields that later code reads are recomputed from the
+final IR (``RESTORE``: the optimizer spec, the memory plan). A stage after
+autodiff that sets another Compilation field must add its restore there, and an
+option a stage reads must be added to ``key_inputs``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import hashlib
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from xdsl.dialects.builtin import ModuleOp
+
+from nova.log import get_logger
+
+FORMAT = 1  # the entry layout; an entry of another format is rebuilt
+AFTER = "autodiff"  # the stage whose IR is hashed; every later stage is cached
+
+log = get_logger("nova.runtime.cache")
+
+
+# ----------------------------------------------------------------------------
+# the key
+
+
+@functools.cache
+def source_digest() -> str:
+    """SHA-256 over Nova's own ``.py`` files (relative path and bytes), once per process."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+@functools.cache
+def _versions() -> dict[str, str | None]:
+    import importlib.metadata
+
+    import xdsl
+
+    import nova
+
+    try:
+        triton = importlib.metadata.version("triton")  # not imported: it is slow to load
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    xdsl_version = getattr(xdsl, "__version__", None)
+    return {"nova": str(nova.__version__), "torch": str(torch.__version__), "triton": triton,
+            "xdsl": None if xdsl_version is None else str(xdsl_version)}  # fmt: skip
+
+
+class Unhashable(TypeError):
+    """An option whose value has no stable text (its repr could hold an address)."""
+
+
+def _plain(v):
+    """``v`` as JSON values; raises ``Unhashable`` for anything without a stable form."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, torch.dtype):
+        return str(v)
+    if isinstance(v, enum.Enum):
+        return f"{type(v).__name__}.{v.name}"
+    raise Unhashable(f"{type(v).__name__}")
+
+
+# nova.loc = "<owner>, node <name>, <path>:<line>: <code>" (nova.capture.importer._location)
+_LOC = re.compile(r'(nova\.loc = ")((?:[^"\\]|\\.)*)(")')
+_PATH = re.compile(r"^(.*?, node [^,]*, )(.+?)(:\d+: )")
+_PLACEHOLDER = re.compile(r"<nova-dir-(\d+)>")
+
+
+def normalise_location(loc: str, dirs: list[str], fixed: bool = False) -> str:
+    """``loc`` with its path's directory replaced by ``<nova-dir-i>`` (``i``: its
+    place in ``dirs``, appended there unless ``fixed``; an unknown directory stays)."""
+
+    def path(m: re.Match) -> str:
+        head, p, tail = m.groups()
+        d, sep, base = p.rpartition("/")
+        if not sep or "\\" in d:  # printed with escapes: left as it is (then part of the key)
+            return m.group(0)
+        if d not in dirs:
+            if fixed:
+                return m.group(0)
+            dirs.append(d)
+        return f"{head}<nova-dir-{dirs.index(d)}>/{base}{tail}"
+
+    return _PATH.sub(path, loc, count=1)
+
+
+def bind_location(loc: str, dirs: list[str]) -> str:
+    """The inverse of ``normalise_location``."""
+
+    def one(p: re.Match) -> str:
+        i = int(p.group(1))
+        if i >= len(dirs):
+            raise ValueError(f"location placeholder <nova-dir-{i}> has no directory")
+        return dirs[i]
+
+    return _PLACEHOLDER.sub(one, loc)
+
+
+def normalise(text: str) -> tuple[str, list[str]]:
+    """Printed IR with every ``nova.loc`` normalised (``normalise_location``), and
+    the directories in order of first appearance. A directory the printer would
+    escape (a quote, a backslash) is left as it is, and so stays part of the key."""
+    dirs: list[str] = []
+
+    def loc(m: re.Match) -> str:
+        return m.group(1) + normalise_location(m.group(2), dirs) + m.group(3)
+
+    return _LOC.sub(loc, text), dirs
+
+
+def key_inputs(c, ir_text: str, spec, stages: list[str]) -> dict:
+    """Everything the key hashes, readable. ``ir_text``: the normalised IR after AFTER."""
+    return {
+        "format": FORMAT,
+        "ir_after": AFTER,
+        "ir_sha256": hashlib.sha256(ir_text.encode("utf-8")).hexdigest(),
+        "precision": _plain(c.precision),
+        "optimizer": _plain(spec),
+        "step_dtype": _plain(c.step_dtype),
+        "device": _plain(c.device),
+        # options other stages read (getattr: a Compilation without them has the default)
+        "skip_nonfinite": _plain(getattr(c, "skip_nonfinite", False)),
+        "memory_budget": _plain(getattr(c, "memory_budget", None)),
+        "stages": list(stages),
+        **_versions(),
+        "nova_source_sha256": source_digest(),
+    }
+
+
+def step_key(inputs: dict) -> str:
+    text = json.dumps(inputs, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def entry_path(key: str, root: Path | None = None) -> Path:
+    from nova.config import cache_dir
+
+    return (root or cache_dir()) / "steps" / key[:2] / f"{key}.json"
+
+
+# ----------------------------------------------------------------------------
+# entries
+
+
+class Corrupt(Exception):
+    """An entry that cannot be used; the message is the reason, for the log."""
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+# The final IR is stored as a table, not as one MLIR text: xDSL's parser reads a
+# GPT-2 step's 1.3 MB of generic text in 4 s (15 s with the configurator's
+# lowering configs), longer than the stages it would replace. The table keeps
+# each distinct attribute and type once, as MLIR text that one xDSL parse reads
+# back (an array attribute of them); ops are rebuilt from their names, operand
+# numbers and table indices, and the module is verified. Nothing is executed.
+#
+#   attrs  [MLIR text of each distinct attribute / type]
+#   func   [properties {name: i}, attributes {name: i}, [argument type i]]
+#   module attributes {name: i}
+#   ops    [[name, [operand value], [result type i], {property: i}, {attribute: i}, loc]]
+#          values: the arguments 0..n-1, then every result in order; loc: the
+#          op's nova.loc string (normalised; its attribute index is -1), or null
+
+
+def _printer_text(attr) -> str:
+    import io
+
+    from xdsl.printer import Printer
+
+    out = io.StringIO()
+    Printer(stream=out, print_generic_format=True).print_attribute(attr)
+    return out.getvalue()
+
+
+def encode(module: ModuleOp, dirs: list[str]) -> dict:
+    """The table of ``module`` (a module holding only @train_step, one block, ops
+    without regions); raises ``ValueError`` for anything else."""
+    from xdsl.dialects import func
+    from xdsl.dialects.builtin import StringAttr
+
+    ops = list(module.ops)
+    if len(ops) != 1 or not isinstance(ops[0], func.FuncOp) or len(ops[0].body.blocks) != 1:
+        raise ValueError("the module is not one func.func with one block")
+    fn = ops[0]
+    index: dict = {}
+    texts: list[str] = []
+
+    def aid(a) -> int:
+        try:
+            i = index.get(a)
+        except TypeError:  # an unhashable attribute: keyed by its text
+            i, a = None, _printer_text(a)
+            i = index.get(a)
+        if i is None:
+            i = index[a] = len(texts)
+            texts.append(a if isinstance(a, str) else _printer_text(a))
+        return i
+
+    def named(d) -> dict:
+        return {k: aid(v) for k, v in d.items()}
+
+    block = fn.body.block
+    values = {a: i for i, a in enumerate(block.args)}
+    table = []
+    for op in block.ops:
+        if op.regions or op.successors:
+            raise ValueError(f"{op.name} has regions or successors")
+        loc = op.attributes.get("nova.loc")
+        attrs = {}
+        for k, v in op.attributes.items():  # in order: the printed IR keeps it
+            attrs[k] = -1 if k == "nova.loc" and isinstance(v, StringAttr) else aid(v)
+        loc = normalise_location(loc.data, dirs, fixed=True) if attrs.get("nova.loc") == -1 else None
+        table.append([op.name, [values[v] for v in op.operands], [aid(r.type) for r in op.results],
+                      named(op.properties), attrs, loc])  # fmt: skip
+        for r in op.results:
+            values[r] = len(values)
+    return {
+        "attrs": texts,
+        "func": [named(fn.properties), named(fn.attributes), [aid(a.type) for a in block.args]],
+        "module": named(module.attributes),
+        "ops": table,
+    }
+
+
+def decode(ir: dict, dirs: list[str]) -> ModuleOp:
+    """The module ``encode`` was given; raises on anything malformed (a corrupt entry)."""
+    from xdsl.dialects import func
+    from xdsl.dialects.builtin import ArrayAttr, StringAttr
+    from xdsl.ir import Block, Region
+    from xdsl.parser import Parser
+
+    from nova.ir.module import context
+
+    ctx = context()
+    texts = ir["attrs"]
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise ValueError("the attribute table is not a list of strings")
+    table = Parser(ctx, "[" + ", ".join(texts) + "]").parse_attribute() if texts else ArrayAttr([])
+    if not isinstance(table, ArrayAttr) or len(table.data) != len(texts):
+        raise ValueError("the attribute table does not read back entry by entry")
+    attrs = table.data
+
+    def named(d: dict) -> dict:
+        return {str(k): attrs[i] for k, i in d.items()}
+
+    fprops, fattrs, arg_types = ir["func"]
+    block = Block(arg_types=[attrs[i] for i in arg_types])
+    values = list(block.args)
+    for name, operands, results, props, op_attrs, loc in ir["ops"]:
+        cls = ctx.get_optional_op(name)
+        if cls is None:
+            raise ValueError(f"unknown op {name!r}")
+        a = {str(k): StringAttr(bind_location(loc, dirs)) if i == -1 else attrs[i] for k, i in op_attrs.items()}
+        op = cls.create(operands=[values[i] for i in operands], result_types=[attrs[i] for i in results],
+                        properties=named(props), attributes=a)  # fmt: skip
+        block.add_op(op)
+        values.extend(op.results)
+    fn = func.FuncOp.create(properties=named(fprops), attributes=named(fattrs), regions=[Region(block)])
+    return ModuleOp.create(attributes=named(ir["module"]), regions=[Region(Block([fn]))])
+
+
+def checksum(entry: dict) -> str:
+    """SHA-256 over an entry's IR table and kept fields."""
+    text = json.dumps([entry.get("ir"), entry.get("fields")], separators=(",", ":"))  # order kept: the IR's
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def store(path: Path, key: str, inputs: dict, ir: dict, stages: list[str], fields: dict | None = None) -> None:
+    """Writes an entry atomically. ``ir``: the final IR's table (``encode``);
+    ``fields``: the Compilation fields kept as data (``KEPT``)."""
+    entry = {"format": FORMAT, "key": key, "inputs": inputs, "stages": list(stages), "ir": ir, "fields": fields or {}}
+    entry["sha256"] = checksum(entry)
+    _write_atomic(path, json.dumps(entry, separators=(",", ":")).encode("utf-8"))
+
+
+def load(path: Path, key: str, inputs: dict, dirs: list[str]) -> tuple[ModuleOp, dict] | None:
+    """The verified final IR of the entry at ``path`` and its kept fields; None
+    where there is none. Raises ``Corrupt`` (with the reason) for an entry that
+    cannot be used."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise Corrupt(f"unreadable ({e.strerror or e})") from None
+    try:
+        entry = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Corrupt(f"not valid JSON ({e}; {len(data)} bytes: truncated?)") from None
+    if not isinstance(entry, dict):
+        raise Corrupt(f"not an entry (a JSON {type(entry).__name__})")
+    if entry.get("format") != FORMAT:
+        raise Corrupt(f"format version {entry.get('format')!r}, this Nova reads {FORMAT}")
+    if entry.get("key") != key:
+        raise Corrupt(f"a foreign entry: written for key {str(entry.get('key'))[:16]}...")
+    if entry.get("inputs") != inputs:
+        theirs = entry.get("inputs") if isinstance(entry.get("inputs"), dict) else {}
+        differ = sorted(k for k in {*inputs, *theirs} if inputs.get(k) != theirs.get(k))
+        raise Corrupt(f"a foreign entry: its key inputs differ in {differ}")
+    ir, fields = entry.get("ir"), entry.get("fields")
+    if not isinstance(ir, dict) or not isinstance(fields, dict) or not isinstance(entry.get("sha256"), str):
+        raise Corrupt("no IR, fields or checksum")
+    if checksum(entry) != entry["sha256"]:
+        raise Corrupt("checksum mismatch: the IR is not the IR that was stored")
+    try:
+        module = decode(ir, dirs)
+    except Exception as e:  # xDSL's ParseError, KeyError/IndexError/ValueError of a malformed table, ...
+        raise Corrupt(f"the IR does not read back: {type(e).__name__}: {_first_line(e)}") from None
+    try:
+        module.verify()
+    except Exception as e:
+        raise Corrupt(f"the IR fails verification: {type(e).__name__}: {_first_line(e)}") from None
+    return module, fields
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+# ----------------------------------------------------------------------------
+# the pipeline's side
+
+
+def _restore_spec(c, looked: "Lookup") -> None:
+    c.spec = looked.spec
+
+
+def _restore_memory(c, looked: "Lookup") -> None:
+    from nova.transforms.plan_memory import plan_memory
+
+    c.memory = plan_memory(c.module)  # it reads placements from the IR alone
+
+
+def _keep_remat(c, dirs: list[str]) -> list:
+    return [{**dataclasses.asdict(ch), "loc": None if ch.loc is None else normalise_location(ch.loc, dirs, fixed=True)}
+            for ch in c.remat]  # fmt: skip
+
+
+def _restore_remat(c, data: list, dirs: list[str]) -> None:
+    from nova.transforms.remat import Choice
+
+    c.remat = [Choice(**{**d, "loc": None if d["loc"] is None else bind_location(d["loc"], dirs)}) for d in data]
+
+
+# stage -> what it leaves on the Compilation besides the IR: recomputed from the
+# final IR on a hit (RESTORE), or kept in the entry as plain data (KEPT: a stage's
+# record of what it decided, which the final IR no longer says)
+RESTORE: dict[str, Callable] = {"optimizer": _restore_spec, "plan_memory": _restore_memory}
+KEPT: dict[str, tuple[Callable, Callable]] = {"remat": (_keep_remat, _restore_remat)}
+
+
+@dataclass
+class Lookup:
+    key: str
+    path: Path
+    inputs: dict
+    dirs: list[str]  # the directories of this process's locations (normalise)
+    spec: object | None  # the OptimizerSpec, computed for the key
+    module: ModuleOp | None = None  # the cached final IR, on a hit
+    fields: dict | None = None  # the kept fields (KEPT), on a hit
+    status: str = "miss"  # "hit" | "miss" | "rebuilt: <reason>"
+
+
+def lookup(c, stages: list[str]) -> Lookup | str:
+    """After AFTER: the key and, on a hit, the cached final IR. Returns a reason
+    string where this compile cannot be cached (an option without a stable form)."""
+    from nova.ir.module import print_module
+    from nova.transforms.optimizer import OptimizerSpec
+
+    spec = None
+    if c.optimizer is not None:
+        names = {id(p): n for n, p in c.captured.params.items()}
+        spec = OptimizerSpec.from_torch(c.optimizer, names)
+    text, dirs = normalise(print_module(c.module))
+    try:
+        inputs = key_inputs(c, text, spec, stages)
+    except Unhashable as e:
+        return f"an option of type {e} has no stable text to hash"
+    key = step_key(inputs)
+    looked = Lookup(key, entry_path(key), inputs, dirs, spec)
+    try:
+        found = load(looked.path, key, inputs, dirs)
+        if found is not None:
+            unknown = sorted(set(found[1]) - set(KEPT))
+            if unknown:
+                raise Corrupt(f"a kept field of no stage: {unknown}")
+            for name, data in found[1].items():
+                try:
+                    KEPT[name][1](c, data, dirs)  # a miss compiles again and overwrites it
+                except Exception as e:
+                    raise Corrupt(f"the kept field {name!r} does not read back: {type(e).__name__}: {e}") from None
+            looked.module, looked.fields = found
+    except Corrupt as e:
+        looked.status = f"rebuilt: {e}"
+        log.warning("step cache entry %s is unusable, compiling it again: %s", looked.path, e)
+        return looked
+    if looked.module is not None:
+        looked.status = "hit"
+    return looked
+
+
+def restore(c, looked: Lookup, later: list[str]) -> None:
+    """Makes ``c`` what the ``later`` stages would have left: the cached IR as the
+    module, and each stage's other fields recomputed (``RESTORE``; the ``KEPT``
+    ones were set by ``lookup``)."""
+    from nova.ir.module import step_func
+
+    c.captured.module = looked.module
+    c.captured.fn = step_func(looked.module)
+    for name in later:
+        fix = RESTORE.get(name)
+        if fix is not None:
+            fix(c, looked)
+
+
+def save(c, looked: Lookup) -> None:
+    """Stores the final IR under the key; a failure is logged, never raised (the
+    compile itself succeeded)."""
+    try:
+        ir = encode(c.module, looked.dirs)
+    except ValueError as e:
+        log.warning("step cache: not storing %s: %s", looked.path, e)
+        return
+    try:
+        fields = {name: keep(c, looked.dirs) for name, (keep, _) in KEPT.items() if name in looked.inputs["stages"]}
+        store(looked.path, looked.key, looked.inputs, ir, looked.inputs["stages"], fields)
+    except OSError as e:
+        log.warning("step cache: could not store %s: %s", looked.path, e)

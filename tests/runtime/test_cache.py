@@ -1,0 +1,394 @@
+"""The step cache (nova/runtime/cache.py): hits, misses, corrupt entries, races."""
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import nova
+from nova import pipeline
+from nova.config import SETTINGS, Settings
+from nova.ir.module import print_module
+from nova.models import GPT, gpt_tiny
+from nova.runtime import cache
+from nova.schedule.devices import DEVICES
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("NOVA_CACHE_DIR", str(root))
+    monkeypatch.setattr(pipeline, "SETTINGS", dataclasses.replace(SETTINGS, step_cache=True))
+    return root
+
+
+def tiny(seed=0, opt="adamw", **cfg):
+    torch.manual_seed(seed)
+    model = GPT(gpt_tiny(n_layer=1, **cfg))
+    if opt == "adamw":
+        o = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    elif opt == "amsgrad":
+        o = torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=True)
+    else:
+        o = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    T = 16
+    batch = (torch.randint(0, 256, (2, T), generator=g), torch.randint(0, 256, (2, T), generator=g))
+    return model, o, batch
+
+
+def compile_(model, opt, batch, precision="fp32", device=None, dump=False):
+    c = pipeline.Compilation(model, batch, opt, precision, torch.float32)
+    c.device = device
+    return pipeline.run(c, dump=dump)
+
+
+def entries(root: Path) -> list[Path]:
+    return sorted((root / "steps").rglob("*")) if (root / "steps").exists() else []
+
+
+def entry_files(root: Path) -> list[Path]:
+    return [p for p in entries(root) if p.is_file()]
+
+
+def plan_summary(plan) -> tuple:
+    """A MemoryPlan without its SSA value objects (those differ between modules)."""
+    return (plan.arena_bytes, plan.sum_bytes, plan.lower_bound_bytes, plan.peak_time, plan.peak_what, plan.peak_loc,
+            plan.peak_bytes, dict(plan.external), [(b.offset, b.size, b.start, b.end, b.what, b.loc) for b in plan.buffers],
+            plan.inplace, plan.live_bytes, plan.steps, sorted(q.kind for q in plan.placements.values()))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------
+# hits
+
+
+@pytest.mark.parametrize("target", ["reference", "h200"])
+def test_second_compile_hits_with_the_same_ir_and_memory_plan(cache_dir, target):
+    device = DEVICES["H200"] if target == "h200" else None
+    cold = compile_(*tiny(), device=device)
+    assert cold.cache == "miss" and len(entry_files(cache_dir)) == 1
+    warm = compile_(*tiny(), device=device)  # a fresh model object of the same structure
+    assert warm.cache == "hit"
+    assert "optimizer" not in warm.times and "plan_memory" not in warm.times  # the stages did not run
+    assert print_module(warm.module) == print_module(cold.module)
+    assert plan_summary(warm.memory) == plan_summary(cold.memory)
+    assert warm.spec == cold.spec and warm.remat == cold.remat and cold.remat  # the default remat recomputes GELUs
+    assert warm.captured.fn is warm.module.body.block.first_op  # Captured.fn follows the new module
+
+
+def test_a_hit_trains_bit_identically(cache_dir):
+    results = []
+    for expect in ("miss", "hit"):
+        model, opt, batch = tiny()
+        step = nova.compile(model, opt, backend="reference")
+        losses = [step(*batch) for _ in range(2)]
+        assert step._last.compilation.cache == expect
+        results.append((losses, [p.detach().clone() for p in model.parameters()],
+                        [v.clone() for s in opt.state.values() for v in s.values()]))  # fmt: skip
+    (l0, p0, s0), (l1, p1, s1) = results
+    for a, b in zip([*l0, *p0, *s0], [*l1, *p1, *s1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_hyper_parameter_values_are_not_part_of_the_key(cache_dir):
+    model, opt, batch = tiny()
+    compile_(model, opt, batch)
+    model, opt, batch = tiny(seed=3)  # other weights
+    for g in opt.param_groups:
+        g["lr"], g["betas"], g["weight_decay"] = 0.5, (0.8, 0.9), 0.3
+    assert compile_(model, opt, batch).cache == "hit"
+
+
+SCRIPT = textwrap.dedent("""
+    import hashlib, json, sys
+    import torch
+    torch.set_num_threads(1)
+    import nova
+    from nova.ir.module import print_module
+    from nova.models import GPT, gpt_tiny
+    torch.manual_seed(0)
+    model = GPT(gpt_tiny(n_layer=1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g))
+    step = nova.compile(model, opt, backend="reference")
+    loss = step(*batch)
+    c = step._last.compilation
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    plan = c.memory
+    print(json.dumps({"cache": c.cache, "ir": hashlib.sha256(print_module(c.module).encode()).hexdigest(),
+                      "plan": [plan.arena_bytes, plan.peak_bytes, [(b.offset, b.size, b.start, b.end) for b in plan.buffers]],
+                      "loss": loss.item().hex(), "params": h.hexdigest()}))
+""")
+
+
+def run_script(root: Path, wait=True):
+    env = {**os.environ, "NOVA_CACHE_DIR": str(root), "NOVA_STEP_CACHE": "1", "PYTHONPATH": str(REPO)}
+    p = subprocess.Popen([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)  # fmt: skip
+    return finish(p) if wait else p
+
+
+def finish(p) -> dict:
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def source_edited_meanwhile(root: Path) -> bool:
+    """Whether the processes' entries differ only in Nova's source hash: a file of
+    nova/ was edited between them (a working tree others edit), which must miss."""
+    inputs = [json.loads(p.read_bytes())["inputs"] for p in entry_files(root)]
+    differ = {k for a in inputs for b in inputs for k in a if a[k] != b[k]}
+    return len(inputs) > 1 and differ == {"nova_source_sha256"}
+
+
+def test_a_new_process_hits_and_trains_the_same(tmp_path):
+    for attempt in range(3):
+        root = tmp_path / f"cache{attempt}"
+        cold = run_script(root)
+        warm = run_script(root)
+        if not source_edited_meanwhile(root):
+            break
+    assert (cold["cache"], warm["cache"]) == ("miss", "hit")
+    assert {k: v for k, v in cold.items() if k != "cache"} == {k: v for k, v in warm.items() if k != "cache"}
+
+
+def test_two_processes_compiling_the_same_key_at_once(tmp_path):
+    for attempt in range(3):
+        root = tmp_path / f"cache{attempt}"
+        procs = [run_script(root, wait=False) for _ in range(2)]
+        outs = [finish(p) for p in procs]
+        if not source_edited_meanwhile(root):
+            break
+    assert {o["ir"] for o in outs} == {outs[0]["ir"]} and {o["params"] for o in outs} == {outs[0]["params"]}
+    files = entry_files(root)
+    assert len(files) == 1 and files[0].suffix == ".json"  # one entry, no temporary file left
+    assert run_script(root)["cache"] == "hit"  # and it is whole
+
+
+# ----------------------------------------------------------------------------
+# locations: the directory of a model's source file is not part of the key
+
+MODEL_FILE = textwrap.dedent("""
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 4)
+
+        def forward(self, x, y):
+            h = torch.tanh(self.fc(x))
+            return torch.nn.functional.cross_entropy(h, y)
+""")
+
+
+def load_net(directory: Path, name: str):
+    directory.mkdir(parents=True)
+    (directory / "net.py").write_text(MODEL_FILE)
+    spec = importlib.util.spec_from_file_location(name, directory / "net.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(0)
+    net = mod.Net()
+    return net, torch.optim.SGD(net.parameters(), lr=0.1), (torch.randn(5, 8), torch.tensor([0, 1, 2, 3, 0]))
+
+
+def test_the_model_files_directory_is_bound_back_on_a_hit(cache_dir, tmp_path, monkeypatch):
+    a = compile_(*load_net(tmp_path / "run-a" / "pkg", "net_a"))
+    assert a.cache == "miss" and str(tmp_path / "run-a" / "pkg") in print_module(a.module)
+    b_dir = tmp_path / "run-b-elsewhere"
+    b = compile_(*load_net(b_dir, "net_b"))
+    assert b.cache == "hit"
+    text = print_module(b.module)
+    assert str(b_dir) in text and "run-a" not in text and "<nova-dir-" not in text
+    monkeypatch.setattr(pipeline, "SETTINGS", dataclasses.replace(SETTINGS, step_cache=False))
+    assert print_module(compile_(*load_net(tmp_path / "run-c", "net_c")).module) == text.replace(str(b_dir), str(tmp_path / "run-c"))
+
+
+def test_normalise_and_bind_locations():
+    loc = 'x.y (Linear), node linear, /tmp/ipykernel_4242/123.py:7: h = f(x["a"])'
+    dirs = []
+    n = cache.normalise_location(loc, dirs)
+    assert n == 'x.y (Linear), node linear, <nova-dir-0>/123.py:7: h = f(x["a"])' and dirs == ["/tmp/ipykernel_4242"]
+    assert cache.bind_location(n, ["/tmp/ipykernel_99"]) == loc.replace("4242", "99")
+    assert cache.normalise_location("<root>, node add", []) == "<root>, node add"  # no source line: unchanged
+    text, found = cache.normalise(f'{{nova.loc = "{n.replace("<nova-dir-0>", "/a/b")}", nova.loc = "o, node k, /c/d.py:1: z"}}')
+    assert found == ["/a/b", "/c"] and "<nova-dir-1>/d.py:1" in text
+
+
+# ----------------------------------------------------------------------------
+# misses
+
+
+@pytest.mark.parametrize("change", ["precision", "optimizer kind", "amsgrad", "model shape", "batch shape", "device",
+                                    "skip_nonfinite", "nova source"])  # fmt: skip
+def test_what_changes_the_output_misses(cache_dir, change, monkeypatch):
+    base = compile_(*tiny())
+    assert base.cache == "miss"
+    model, opt, batch = tiny(opt={"optimizer kind": "sgd", "amsgrad": "amsgrad"}.get(change, "adamw"),
+                             **({"n_embd": 32} if change == "model shape" else {}))  # fmt: skip
+    if change == "batch shape":
+        batch = tuple(t[:, :8].contiguous() for t in batch)
+    c = pipeline.Compilation(model, batch, opt, "bf16" if change == "precision" else "fp32", torch.float32)
+    c.device = DEVICES["H200"] if change == "device" else None
+    c.skip_nonfinite = change == "skip_nonfinite"
+    if change == "nova source":
+        monkeypatch.setattr(cache, "source_digest", lambda: "0" * 64)
+    assert pipeline.run(c).cache == "miss"
+    assert len(entry_files(cache_dir)) == 2
+
+
+def test_disabled_and_dump_bypass_the_cache(cache_dir, monkeypatch):
+    dumped = compile_(*tiny(), dump=True)  # explain() must see every stage
+    assert dumped.cache == "off" and list(dumped.stages) == [n for n, _ in pipeline.STAGES]
+    assert entry_files(cache_dir) == []
+    monkeypatch.setattr(pipeline, "SETTINGS", dataclasses.replace(SETTINGS, step_cache=False))
+    assert compile_(*tiny()).cache == "off" and entry_files(cache_dir) == []
+    monkeypatch.setenv("NOVA_STEP_CACHE", "0")
+    assert Settings.from_env().step_cache is False
+    monkeypatch.setenv("NOVA_STEP_CACHE", "1")
+    assert Settings.from_env().step_cache is True
+
+
+def test_an_option_without_a_stable_form_turns_the_cache_off(cache_dir, caplog, monkeypatch):
+    with pytest.raises(cache.Unhashable):
+        cache._plain({"budget": object()})  # its repr holds an address
+    key_inputs = cache.key_inputs
+
+    def with_an_object(c, *args):
+        return key_inputs(c, *args) | {"budget": cache._plain(object())}
+
+    monkeypatch.setattr(cache, "key_inputs", with_an_object)
+    with caplog.at_level(logging.INFO, logger="nova"):
+        assert compile_(*tiny()).cache == "off"
+    assert "no stable text" in caplog.text and entry_files(cache_dir) == []
+
+
+# ----------------------------------------------------------------------------
+# corrupt and foreign entries
+
+
+def _edit_ir(entry: dict, edit, fix_checksum=True) -> dict:
+    edit(entry["ir"])
+    if fix_checksum:
+        entry["sha256"] = cache.checksum(entry)
+    return entry
+
+
+def _break_verification(ir: dict) -> None:
+    # an op whose result type disagrees with what its operands give (the nova verifier's infer)
+    for op in ir["ops"]:
+        if op[0] == "nova.add":
+            ir["attrs"].append("tensor<3x5xf32>")
+            op[2] = [len(ir["attrs"]) - 1]
+            return
+    raise AssertionError("no nova.add")
+
+
+def _foreign(entry: dict, path: Path) -> bytes:
+    model, opt, batch = tiny()
+    other = compile_(model, opt, batch, precision="bf16")  # writes another key's entry
+    return next(p for p in entry_files(path.parents[2]) if p != path).read_bytes()
+
+
+CORRUPTIONS = {
+    "truncated": (lambda raw, e, p: raw[: len(raw) // 2], "not valid JSON"),
+    "empty": (lambda raw, e, p: b"", "not valid JSON"),
+    "not an object": (lambda raw, e, p: b"[1, 2]", "not an entry"),
+    "format": (lambda raw, e, p: json.dumps({**e, "format": 0}).encode(), "format version 0"),
+    "key": (lambda raw, e, p: json.dumps({**e, "key": "ab" * 32}).encode(), "foreign entry: written for key"),
+    "inputs": (lambda raw, e, p: json.dumps({**e, "inputs": {**e["inputs"], "torch": "0.0"}}).encode(),
+               "inputs differ in ['torch']"),  # fmt: skip
+    "foreign file": (lambda raw, e, p: _foreign(e, p), "foreign entry"),
+    "checksum": (lambda raw, e, p: json.dumps(_edit_ir(e, lambda ir: ir["attrs"].__setitem__(0, ir["attrs"][0] + " "),
+                                                       fix_checksum=False)).encode(), "checksum mismatch"),  # fmt: skip
+    "unparsable": (lambda raw, e, p: json.dumps(_edit_ir(e, lambda ir: ir["attrs"].__setitem__(0, "tensor<<"))).encode(),
+                   "does not read back"),  # fmt: skip
+    "unknown op": (lambda raw, e, p: json.dumps(_edit_ir(e, lambda ir: ir["ops"][0].__setitem__(0, "nova.nope"))).encode(),
+                   "unknown op"),  # fmt: skip
+    "bad operand": (lambda raw, e, p: json.dumps(_edit_ir(e, lambda ir: ir["ops"][3][1].__setitem__(0, 10**6))).encode(),
+                    "does not read back"),  # fmt: skip
+    "kept field": (lambda raw, e, p: json.dumps(_edit_ir({**e, "fields": {"nope": 1}}, lambda ir: None)).encode(),
+                   "a kept field of no stage: ['nope']"),  # fmt: skip
+    "bad kept field": (lambda raw, e, p: json.dumps(_edit_ir({**e, "fields": {"remat": [{"x": 1}]}}, lambda ir: None)).encode(),
+                       "the kept field 'remat' does not read back"),  # fmt: skip
+    "fails verification": (lambda raw, e, p: json.dumps(_edit_ir(e, _break_verification)).encode(), "fails verification"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_a_corrupt_entry_is_logged_and_rebuilt(cache_dir, kind, caplog):
+    cold = compile_(*tiny())
+    (path,) = entry_files(cache_dir)
+    raw = path.read_bytes()
+    corrupt, reason = CORRUPTIONS[kind]
+    path.write_bytes(corrupt(raw, json.loads(raw), path))
+    with caplog.at_level(logging.WARNING, logger="nova"):
+        again = compile_(*tiny())
+    assert again.cache.startswith("rebuilt: ") and reason in again.cache, again.cache
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "unusable" in r.getMessage()]
+    assert len(warnings) == 1 and reason in warnings[0].getMessage()
+    assert print_module(again.module) == print_module(cold.module)
+    assert path.read_bytes() == raw  # rewritten by the fresh compile
+    assert compile_(*tiny()).cache == "hit"
+
+
+# ----------------------------------------------------------------------------
+# atomic writes
+
+
+def test_a_failed_write_leaves_no_entry(cache_dir, monkeypatch, caplog):
+    def fail(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with caplog.at_level(logging.WARNING, logger="nova"):
+        c = compile_(*tiny())
+    assert c.cache == "miss" and "could not store" in caplog.text
+    assert [p for p in entries(cache_dir) if p.is_file()] == []  # neither the entry nor its temporary file
+    monkeypatch.undo()
+    monkeypatch.setenv("NOVA_CACHE_DIR", str(cache_dir))
+    monkeypatch.setattr(pipeline, "SETTINGS", dataclasses.replace(SETTINGS, step_cache=True))
+    assert compile_(*tiny()).cache == "miss" and compile_(*tiny()).cache == "hit"
+
+
+def test_an_interrupted_write_leaves_the_old_entry_whole(cache_dir, monkeypatch):
+    compile_(*tiny())
+    (path,) = entry_files(cache_dir)
+    before = path.read_bytes()
+
+    def fsync(fd):
+        raise KeyboardInterrupt  # as if the process died mid-write
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(KeyboardInterrupt):
+        cache.store(path, "k", {}, {"attrs": [], "func": [{}, {}, []], "module": {}, "ops": []}, [])
+    assert entry_files(cache_dir) == [path] and path.read_bytes() == before
+
+
+def test_the_key_hashes_its_inputs_and_the_source(cache_dir):
+    c = compile_(*tiny())
+    (path,) = entry_files(cache_dir)
+    entry = json.loads(path.read_bytes())
+    assert entry["key"] == path.stem == cache.step_key(entry["inputs"])
+    inputs = entry["inputs"]
+    assert inputs["precision"] == "fp32" and inputs["device"] is None and inputs["step_dtype"] == "torch.float32"
+    assert inputs["optimizer"]["groups"][0]["kind"] == "adamw" and inputs["stages"] == [n for n, _ in pipeline.STAGES]
+    assert inputs["nova"] == nova.__version__ and inputs["torch"] == torch.__version__
+    assert len(inputs["nova_source_sha256"]) == 64
+    assert c.cache == "miss"
