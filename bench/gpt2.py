@@ -205,12 +205,27 @@ def _first_step_s(engine, cfg, state, device, batches, dry_run) -> tuple[float, 
     return time.perf_counter() - t0, float(loss)
 
 
+def _host_ms(step, batches: Batches, device: torch.device, n: int = 10) -> float:
+    """The CPU wall time of one call with the batch already on the device and the
+    device idle before it (median of ``n`` calls after the timed window): what the
+    host spends per step, whatever the GPU does."""
+    walls = []
+    for _ in range(n):
+        x, y = batches.next()
+        _sync(device)
+        t0 = time.perf_counter()
+        step(x, y)
+        walls.append((time.perf_counter() - t0) * 1e3)
+    _sync(device)
+    return statistics.median(walls)
+
+
 def measure(engine: str, cfg: dict, state: dict, device: torch.device, batches: Batches, dry_run: bool,
             log, warm_compile: bool = True) -> dict:
     """One engine's row: every step's loss and (after warm-up) time, peak memory,
     compile times. Out of memory is a result (oom=true), another error is recorded."""
     row = dict(engine=engine, precision=cfg["precision"], batch=cfg["batch"], seq=cfg["seq"], layers=cfg["layers"],
-               width=cfg["width"], heads=cfg["heads"], tok_s=None, step_ms_median=None, peak_gib=None,
+               width=cfg["width"], heads=cfg["heads"], tok_s=None, step_ms_median=None, host_ms=None, peak_gib=None,
                peak_timed_gib=None, baseline_gib=None, compile_s=None, compile_warm_s=None, first_step_s=None,
                oom=False, error=None, max_rel_loss_diff=None, losses=[], step_ms=[])
     cuda = device.type == "cuda"
@@ -254,6 +269,10 @@ def measure(engine: str, cfg: dict, state: dict, device: torch.device, batches: 
         row["step_ms"] = [s.elapsed_time(e) for s, e in zip(starts, ends)] if cuda else walls
         row["losses"] = [float(v) for v in losses]
         assert len(row["losses"]) == n_steps
+        row["host_ms"] = _host_ms(step, batches, device)
+        if engine == "nova":
+            row["predicted_peak_gib"] = step.memory_plan.peak_bytes / GIB
+            row["mode"] = step.mode
     except Exception as e:  # noqa: BLE001 - an engine's failure is a result; the next engine runs
         row["oom"] = _is_oom(e)
         row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:400] if str(e).strip() else ''}"
@@ -420,13 +439,14 @@ def _commit() -> str:
 
 def summary(doc: dict) -> str:
     lines = [f"{'engine':<14} {'tok/s':>10} {'ms/step':>9} {'peak GiB':>9} {'compile s':>10} {'warm s':>8} "
-             f"{'max rel loss diff':>18}"]
+             f"{'max rel loss diff':>18} {'host ms':>8} {'predicted GiB':>13}"]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in doc["rows"]:
         tok = "OOM" if r["oom"] else "error" if r["error"] else fmt(r["tok_s"], ",.0f")
         lines.append(f"{r['engine']:<14} {tok:>10} {fmt(r['step_ms_median'], '.1f'):>9} {fmt(r['peak_gib'], '.2f'):>9} "
                      f"{fmt(r['compile_s'], '.1f'):>10} {fmt(r['compile_warm_s'], '.1f'):>8} "
-                     f"{fmt(r['max_rel_loss_diff'], '.2e'):>18}")
+                     f"{fmt(r['max_rel_loss_diff'], '.2e'):>18} {fmt(r.get('host_ms'), '.3f'):>8} "
+                     f"{fmt(r.get('predicted_peak_gib'), '.2f'):>13}")
     return "\n".join(lines)
 
 

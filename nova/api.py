@@ -69,14 +69,15 @@ BACKENDS = ("reference", "triton", "auto")
 class Program:
     compilation: pipeline.Compilation
     kernels: object | None = None  # nova.backends.triton.TritonProgram for the GPU backend
+    executable: object | None = None  # nova.runtime.executable.Executable: the kernels bound to the memory plan
 
     @property
     def fn(self):
         return step_func(self.compilation.module)
 
-    def run(self, args: list[torch.Tensor], precision: str) -> list[torch.Tensor]:
-        if self.kernels is not None:
-            return self.kernels(args)
+    def run(self, args: list, precision: str) -> list[torch.Tensor]:
+        if self.executable is not None:
+            return self.executable.run(args)
         return run_function(self.fn, args, precision)
 
 
@@ -163,7 +164,8 @@ class _Pending:
 
 class CompiledStep:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: str = "fp32",
-                 backend: str = "auto", skip_nonfinite: bool = False):  # fmt: skip
+                 backend: str = "auto", skip_nonfinite: bool = False, cuda_graph: bool = True,
+                 memory_budget: int | str | None = None):  # fmt: skip
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if backend not in BACKENDS:
@@ -196,6 +198,8 @@ class CompiledStep:
         self._last_key: _Key | None = None
         self._lock = threading.RLock()  # one call of this step at a time
         self.skip_nonfinite = bool(skip_nonfinite)
+        self.cuda_graph = bool(cuda_graph)
+        self.memory_budget = parse_bytes(memory_budget, "memory_budget")
         self._calls = 0  # steps run
         self._skipped = 0  # steps the guard kept from writing because of a non-finite loss or gradient
         self._pending: _Pending | None = None
@@ -239,11 +243,15 @@ class CompiledStep:
                 c = pipeline.Compilation(self.model, batch, self.optimizer, self.precision, _step_dtype())
                 c.device = self._device_spec()
                 c.skip_nonfinite = self.skip_nonfinite
+                c.memory_budget = self.memory_budget
                 prog = Program(pipeline.run(c))
                 if self.backend == "triton":
                     from nova.backends.triton import TritonProgram
+                    from nova.runtime.executable import Executable
 
                     prog.kernels = TritonProgram(prog.fn, self.precision)
+                    device = next(self.model.parameters()).device
+                    prog.executable = Executable(prog.kernels, c.memory, device, cuda_graph=self.cuda_graph)
             self._programs[key] = prog
             while len(self._programs) > SETTINGS.program_cache_size:
                 old, _ = self._programs.popitem(last=False)
@@ -279,24 +287,28 @@ class CompiledStep:
             if self._batch_sig is None:
                 self._batch_sig = [(t.dtype, t.device, t.dim()) for t in batch]
             self._last = prog
-            args, fresh_state = self._gather(prog, batch)
+            exe = prog.executable
+            args, fresh_state, moved = self._gather(prog, batch, device_scalars=exe is None)
             self._calls += 1
             with torch.no_grad():
                 outs = prog.run(args, self.precision)
                 status = {s.name: v for s, v in zip(result_slots(prog.fn), outs, strict=True) if s.role == "status"}
-                pending = _Pending(self._calls, status, prog, args, [])
-                if prog.kernels is None and not self._took_effect(pending, None):
+                pending = _Pending(self._calls, status, prog, exe.arguments if exe is not None else args, [])
+                if exe is None and not self._took_effect(pending, None):
                     return outs[0].detach()  # skipped (non-finite): nothing is written back
-                writes = self._prepare_write_back(prog, outs, fresh_state)
+                writes = self._prepare_write_back(prog, outs, fresh_state, moved, in_place=exe is not None)
                 with _DeferSigint():
                     _commit(writes, self.optimizer.state)
-                if prog.kernels is not None:
+                if exe is not None:
                     # read at the next call, not now (that would wait for the device). New state
                     # entries are stored at once, so that optimizer.state after a good step is
                     # complete without a check (a checkpoint may be saved between calls), and
-                    # taken out again if the step turns out to have failed
-                    pending.stored = [w for w in writes if w[0] == "store"]
+                    # taken out again if the step turns out to have failed. (A state tensor
+                    # moved to the device keeps its value through a failed step: it stays.)
+                    pending.stored = [w for w in writes if w[0] == "store" and w[4]]
                     self._pending = pending
+                    # the executable's loss tensor is overwritten by the next step
+                    return outs[0].detach().clone()
             # what optimizer.step() records, so LR schedulers see a stepped optimizer
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
             return outs[0].detach()
@@ -352,12 +364,19 @@ class CompiledStep:
                     "optimizer state unchanged; %d step(s) skipped so far)", p.call, nonfinite, self._skipped)  # fmt: skip
         return False
 
-    def _gather(self, prog: Program, batch: tuple):
+    def _gather(self, prog: Program, batch: tuple, device_scalars: bool = True):
+        """The program's arguments: ``(args, fresh, moved)``. ``fresh``: state entries
+        this step creates; ``moved``: existing ones the step takes on another device
+        or layout (a CPU ``step`` on a CUDA program) and stores back, so that the
+        executable binds the same tensor at every call. ``device_scalars=False``
+        (the executable): hyper-parameters and seeds stay Python numbers, which it
+        writes into its own buffer with one copy."""
         c = prog.compilation
         device = next(self.model.parameters()).device
         hyper = hyper_values(self.optimizer, c.spec)
         by_name = {n: p for n, p in c.captured.params.items()}
         fresh: dict[str, torch.Tensor] = {}
+        moved: dict[str, torch.Tensor] = {}
         args = []
         hyper_at: list[tuple[int, float]] = []  # (argument index, value): filled from one device tensor below
         for s in arg_slots(prog.fn):
@@ -369,7 +388,8 @@ class CompiledStep:
                 args.append(batch[c.captured.batch_names.index(s.name)])
             elif s.role == "seed":
                 # one draw from torch's default generator per step: torch.manual_seed reproduces runs
-                args.append(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).to(device))
+                seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
+                args.append(seed.to(device) if device_scalars else int(seed))
             elif s.role == "hyper":
                 if s.name.endswith("::momentum_buffer_fresh"):
                     p = by_name[s.name.split("::")[0]]
@@ -383,24 +403,35 @@ class CompiledStep:
                 p = by_name[pname]
                 v = self.optimizer.state.get(p, {}).get(key)
                 if v is not None:
-                    args.append(_checked_state(pname, key, v, p, to_torch_dtype(elem_of(s.type)), shape_of(s.type)))
+                    t = _checked_state(pname, key, v, p, to_torch_dtype(elem_of(s.type)), shape_of(s.type))
+                    if not device_scalars and t.data_ptr() != v.data_ptr():
+                        moved[s.name] = t
+                    args.append(t)
                 else:
                     t = torch.zeros((), dtype=_step_dtype(), device=device) if key == "step" else torch.zeros_like(p)
                     fresh[s.name] = t
                     args.append(t)
             else:
                 raise AssertionError(f"unknown argument role {s.role}")
-        if hyper_at:
+        if hyper_at and not device_scalars:
+            for i, value in hyper_at:
+                args[i] = value
+        elif hyper_at:
             # every hyper-parameter in one host-to-device copy (not one tensor and copy each):
             # each argument is a 0-d view of it, read fresh at every call (LR schedulers work)
             values = torch.tensor([v for _, v in hyper_at], dtype=torch.float64).to(device)
             for k, (i, _) in enumerate(hyper_at):
                 args[i] = values[k]
-        return args, fresh
+        return args, fresh, moved
 
-    def _prepare_write_back(self, prog: Program, outs: list[torch.Tensor], fresh: dict) -> list[tuple]:
+    def _prepare_write_back(self, prog: Program, outs: list[torch.Tensor], fresh: dict, moved: dict,
+                            in_place: bool = False) -> list[tuple]:  # fmt: skip
         """Every write of the commit, checked and materialised: ``("copy", dst, src)``
-        with equal shapes and dtypes, or ``("store", param, key, tensor)``."""
+        with equal shapes and dtypes, or ``("store", param, key, tensor, created)``.
+        ``in_place`` (the executable): the results of params and existing state are
+        the bound tensors themselves, already written; fresh and moved state tensors
+        are stored as they are (the executable keeps writing into them), ``step``
+        included: on the device, as torch keeps it for capturable or fused optimizers."""
         by_name = prog.compilation.captured.params
         state = self.optimizer.state
         writes: list[tuple] = []
@@ -410,19 +441,24 @@ class CompiledStep:
                 if v.shape != dst.shape or v.dtype != dst.dtype:
                     raise AssertionError(f"program result for {s.name} is {v.dtype}{list(v.shape)}, "
                                          f"the parameter {dst.dtype}{list(dst.shape)}")  # fmt: skip
-                writes.append(("copy", dst, v))
+                if not (in_place and v.data_ptr() == dst.data_ptr()):
+                    writes.append(("copy", dst, v))
             elif s.role == "state":
                 pname, key = s.name.split("::")
                 p = by_name[pname]
                 cur = state.get(p, {}).get(key)
-                if s.name not in fresh and cur is not None:
+                if in_place and (s.name in fresh or s.name in moved):
+                    writes.append(("store", p, key, v, s.name in fresh))
+                elif in_place and cur is not None and v.data_ptr() == cur.data_ptr():
+                    continue  # written in place
+                elif s.name not in fresh and cur is not None:
                     # an existing entry, checked in _gather: updated in place (a 1-element step keeps its layout)
                     writes.append(("copy", cur, v.to(cur.dtype).reshape(cur.shape)))
                 elif key == "step":
                     # PyTorch's layout: a 0-d CPU tensor (unless capturable/fused)
-                    writes.append(("store", p, key, v.detach().to("cpu").clone()))
+                    writes.append(("store", p, key, v.detach().to("cpu").clone(), True))
                 else:
-                    writes.append(("store", p, key, v.detach().clone(memory_format=torch.preserve_format)))
+                    writes.append(("store", p, key, v.detach().clone(memory_format=torch.preserve_format), True))
         return writes
 
     # --- introspection -----------------------------------------------------
@@ -461,6 +497,23 @@ class CompiledStep:
         return self._last.kernels.sources()
 
     @property
+    def memory_plan(self):
+        """The last-used program's ``nova.transforms.plan_memory.MemoryPlan``
+        (``peak_bytes``: the predicted peak of a step)."""
+        if self._last is None:
+            raise RuntimeError("memory_plan needs one call of the step first (the batch shapes select the program)")
+        return self._last.compilation.memory
+
+    @property
+    def mode(self) -> str:
+        """How the last-used program runs: ``reference`` (op by op with torch),
+        ``graph`` (one CUDA graph replay) or ``launch list`` (its kernels one by one,
+        and why, where a graph could not be captured)."""
+        if self._last is None or self._last.executable is None:
+            return "reference" if self.backend == "reference" else "not run yet"
+        return self._last.executable.mode
+
+    @property
     def num_programs(self) -> int:
         return len(self._programs)
 
@@ -488,7 +541,7 @@ def _forget(stored: list[tuple], state) -> None:
     stored, if nothing replaced them since), so that ``optimizer.state`` is as it
     was before the step: the gate kept every existing tensor's value, but a new
     entry (zero moments, step 0) did not exist then."""
-    for _, p, key, t in stored:
+    for _, p, key, t, *_ in stored:
         entry = state.get(p)
         if entry is not None and entry.get(key) is t:
             del entry[key]
@@ -515,10 +568,41 @@ def _step_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_bytes(value: int | str | None, what: str) -> int | None:
+    """``12884901888``, ``"12GiB"``, ``"500 MiB"``, ``"1.5GB"`` -> bytes (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, str):
+        text = value.strip().upper().replace(" ", "")
+        digits = text.rstrip("KMGIB")
+        unit = text[len(digits):]
+        try:
+            n = int(float(digits) * _UNITS[unit])
+        except (ValueError, KeyError):
+            raise ValueError(f"{what} must be a number of bytes or a size like '12GiB' or '500MB', "
+                             f"got {value!r}") from None  # fmt: skip
+    else:
+        raise TypeError(f"{what} must be an int (bytes) or a string like '12GiB', got {type(value).__name__}")
+    if n <= 0:
+        raise ValueError(f"{what} must be positive, got {value!r}")
+    return n
+
+
 def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: str = "fp32",
-            backend: str = "auto", skip_nonfinite: bool = False) -> CompiledStep:  # fmt: skip
+            backend: str = "auto", skip_nonfinite: bool = False, cuda_graph: bool = True,
+            memory_budget: int | str | None = None) -> CompiledStep:  # fmt: skip
     """Compiles ``model``'s forward + loss, its gradient and ``optimizer``'s
     update into one step. ``step(*batch)`` runs it and returns the loss.
     ``skip_nonfinite``: a step whose loss or a gradient is NaN or inf writes
-    nothing (no error; counted in ``step.skipped_steps`` and logged)."""
-    return CompiledStep(model, optimizer, precision, backend, skip_nonfinite)
+    nothing (no error; counted in ``step.skipped_steps`` and logged).
+    ``cuda_graph`` (Triton backend on CUDA): replay the step as one CUDA graph
+    from its second call (False: launch its kernels one by one; same results).
+    ``memory_budget`` (bytes, or a size like ``"12GiB"``): the remat stage
+    recomputes more of the forward in the backward until the plan's predicted
+    peak fits, or compiling raises naming the smallest peak it can reach."""
+    return CompiledStep(model, optimizer, precision, backend, skip_nonfinite, cuda_graph, memory_budget)

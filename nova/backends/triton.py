@@ -52,6 +52,7 @@ class Step:
     run: Callable[[list[torch.Tensor]], list[torch.Tensor]]
     kernel: lw.Kernel | None = None  # None for views and matmuls
     sources: dict[str, str] | None = None  # a matmul's: the kernels its launches used
+    is_view: bool = False  # a layout op: a strided view (a copy where strides do not allow one)
 
 
 def _view(op: Operation, copy: Callable[[torch.Tensor], torch.Tensor]):
@@ -100,13 +101,16 @@ def _matmul_run(op: Operation, precision: str, with_bias: bool, copy: Callable[[
                  op.name, tuple(t.shape), tuple(t.stride()))
             return copy(t).view(-1, *t.shape[-2:])
 
-    def run(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def run(xs: list[torch.Tensor], outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         a, b = xs[0], xs[1]
         bias = xs[2] if with_bias else None
         if batch:
             a, b = flat3(a), flat3(b)
-        y = mm.matmul(a, b, bias=bias, cfg=cfg, precision=prec, out_dtype=out_dtype, record=used)
-        return [y.view(out_shape)]
+        out = None
+        if outs is not None:
+            out = outs[0].view(-1, *out_shape[-2:]) if batch else outs[0]
+        y = mm.matmul(a, b, bias=bias, cfg=cfg, precision=prec, out_dtype=out_dtype, record=used, out=out)
+        return [y.view(out_shape)] if outs is None else outs
 
     return run
 
@@ -122,7 +126,7 @@ class TritonProgram:
             if isinstance(op, func.ReturnOp) or op in fused:
                 continue
             if isinstance(op, VIEW_OPS):
-                self.steps.append(Step(op, tuple(op.operands), tuple(op.results), _view(op, self.copy)))
+                self.steps.append(Step(op, tuple(op.operands), tuple(op.results), _view(op, self.copy), is_view=True))
             elif isinstance(op, nv.MatmulOp):
                 add = bias_epilogue(op)
                 if add is not None:
@@ -155,7 +159,7 @@ class TritonProgram:
     def _launcher(self, kernel: lw.Kernel):
         need = set(kernel.needs_contiguous)
 
-        def run(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        def run(xs: list[torch.Tensor], outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
             if need:
                 for i in need:
                     if not xs[i].is_contiguous():
@@ -163,7 +167,7 @@ class TritonProgram:
                              "%s: operand %d is not contiguous (strides %s): copied first", kernel.name, i,
                              tuple(xs[i].stride()))
                 xs = [self.copy(x) if i in need and not x.is_contiguous() else x for i, x in enumerate(xs)]
-            return kernel.launch(xs)
+            return kernel.launch(xs) if outs is None else kernel.launch(xs, outs)
 
         return run
 

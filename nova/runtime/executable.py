@@ -1,0 +1,251 @@
+"""The executable: a compiled step as step time replays it.
+
+Compile time leaves three things (XLA's buffer assignment plus its thunk list):
+
+  arena        one device allocation; every intermediate of the step is a view of
+               it at the offset ``plan_memory`` gave it (the plan's ``arena``
+               and ``input`` placements)
+  slots        static addresses for what changes between calls: the batch tensors
+               (arena slots the call copies into), and one small buffer holding
+               every hyper-parameter and seed (filled by ONE host-to-device copy)
+  launch list  every kernel with its input and output tensors bound once; views
+               (transpose, broadcast, slice, reshape) are made at bind time and
+               launch nothing; 0-d constants are computed at bind time
+
+Parameters, optimizer state and model buffers are the caller's tensors, bound as
+they are; the plan's ``inplace`` results are computed straight into them. The
+returned loss (and gradients, status counts) live in persistent tensors outside
+the arena; the caller copies what it hands out.
+
+A step call is then: copy the batch into its slots, one H2D copy of the scalars,
+and either every launch of the list, or the replay of one CUDA graph captured
+from that list (on the second call: the first runs the list eagerly, which
+compiles every Triton kernel outside capture). Where capture fails, the reason
+is logged once and the list is run from then on. The list and the graph run the
+same kernels on the same addresses, so they compute bit-identical steps.
+
+Rebinding: the launch list holds the external tensors' addresses. When a
+parameter's or a state tensor's storage changes (``p.data = ...``, an optimizer
+``load_state_dict``), ``bind`` builds the list again and drops the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from xdsl.ir import SSAValue
+
+from nova.ir.module import arg_slots, result_slots, return_op
+from nova.ir.types import elem_of, shape_of, to_torch_dtype
+from nova.log import get_logger
+from nova.transforms.plan_memory import EXTERNAL_ROLES, TORCH_BLOCK, MemoryPlan, _align
+
+_LOG = get_logger(__name__)
+
+
+@dataclass
+class Launch:
+    name: str
+    run: Callable[..., list[torch.Tensor]]  # (inputs, outs) -> outs
+    ins: list[torch.Tensor]
+    outs: list[torch.Tensor]
+
+    def __call__(self) -> None:
+        self.run(self.ins, self.outs)
+
+
+def _empty(v: SSAValue, device) -> torch.Tensor:
+    return torch.empty(shape_of(v.type), dtype=to_torch_dtype(elem_of(v.type)), device=device)
+
+
+def _reshape_copy(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    outs[0].view(ins[0].shape).copy_(ins[0])
+    return outs
+
+
+def _copy_into(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    outs[0].copy_(ins[0])
+    return outs
+
+
+class Executable:
+    """See the module docstring. ``program`` is a ``nova.backends.triton.TritonProgram``
+    (its steps: the launch order ``plan_memory`` planned), ``plan`` its MemoryPlan."""
+
+    def __init__(self, program, plan: MemoryPlan, device: torch.device, cuda_graph: bool = True):
+        self.program, self.plan, self.device = program, plan, torch.device(device)
+        fn = program.fn
+        self.block = fn.body.block
+        self.slots = arg_slots(fn)
+        self.results = result_slots(fn)
+        self.returned = list(return_op(fn).operands)
+        self.external = [i for i, s in enumerate(self.slots) if s.role in EXTERNAL_ROLES]
+        self.arg_of = {s.name: i for i, s in enumerate(self.slots) if s.role in EXTERNAL_ROLES}
+        self.batch_args = [i for i, s in enumerate(self.slots) if s.role == "batch"]
+        self.hyper_args = [i for i, s in enumerate(self.slots) if s.role == "hyper"]
+        self.seed_args = [i for i, s in enumerate(self.slots) if s.role == "seed"]
+        self.arena = torch.empty(max(_align(plan.arena_bytes, TORCH_BLOCK), TORCH_BLOCK), dtype=torch.uint8,
+                                 device=self.device)  # fmt: skip
+        # hyper-parameters (f64) then seeds (i64), 8 bytes each: one H2D copy per call
+        n = len(self.hyper_args) + len(self.seed_args)
+        self.scalars = torch.zeros(max(n, 1), dtype=torch.float64, device=self.device)
+        self.want_graph = cuda_graph and self.device.type == "cuda"
+        self.graph_failed: str | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.launches: list[Launch] = []
+        self.bound: list[int] | None = None  # the data pointers of the external tensors the list holds
+        self.arguments: list[torch.Tensor] = []  # every argument as bound (the batch slots, the scalar views)
+        self.inputs: list[torch.Tensor] = []  # the batch slots
+        self.outputs: list[torch.Tensor] = []  # one per result
+        self.runs = 0  # eager runs of the bound list (the graph is captured after one)
+
+    # --- binding -----------------------------------------------------------
+    def _arena_view(self, v: SSAValue, offset: int) -> torch.Tensor:
+        dtype = to_torch_dtype(elem_of(v.type))
+        shape = shape_of(v.type)
+        n = 1
+        for d in shape:
+            n *= d
+        return self.arena[offset:offset + n * dtype.itemsize].view(dtype).view(shape)
+
+    def _storage(self, v: SSAValue, ext: Sequence[torch.Tensor]) -> torch.Tensor:
+        p = self.plan.placements[v]
+        if p.kind == "arena":
+            return self._arena_view(v, p.offset)
+        if p.kind == "inplace":
+            return ext[self.arg_of[p.arg]]
+        if p.kind in ("output", "const", "empty"):
+            return _empty(v, self.device)
+        raise AssertionError(f"a kernel result placed as {p.kind!r}")
+
+    def bind(self, ext: Sequence[torch.Tensor]) -> None:
+        """Binds the launch list to ``ext`` (one tensor per argument; only the
+        param / state / buffer entries are read). Cheap when nothing changed."""
+        ptrs = [ext[i].data_ptr() for i in self.external]
+        if self.bound is not None and ptrs == self.bound:
+            return
+        for i in self.external:
+            if not ext[i].is_contiguous():
+                s = self.slots[i]
+                raise ValueError(f"{s.role} {s.name} is not contiguous (strides {tuple(ext[i].stride())}): "
+                                 "the compiled step reads and writes it as a dense tensor")  # fmt: skip
+        if self.bound is not None:
+            _LOG.info("a parameter or state tensor was replaced: the launch list is bound again")
+        self.graph = None
+        env: dict[SSAValue, torch.Tensor] = {}
+        for i, (a, s) in enumerate(zip(self.block.args, self.slots, strict=True)):
+            if s.role in EXTERNAL_ROLES:
+                env[a] = ext[i]
+            elif s.role == "batch":
+                env[a] = self._arena_view(a, self.plan.placements[a].offset)
+            elif s.role == "hyper":
+                env[a] = self.scalars[self.hyper_args.index(i)]
+            elif s.role == "seed":
+                env[a] = self.scalars.view(torch.int64)[len(self.hyper_args) + self.seed_args.index(i)]
+            else:
+                raise AssertionError(f"argument role {s.role}")
+        self.inputs = [env[self.block.args[i]] for i in self.batch_args]
+        launches: list[Launch] = []
+        for st in self.program.steps:
+            ins = [env[v] for v in st.inputs]
+            run = st.run
+            if st.is_view:
+                if self.plan.placements[st.outputs[0]].kind == "view":  # made once, launches nothing
+                    env[st.outputs[0]] = st.run(ins)[0]
+                    continue
+                run = _reshape_copy  # a reshape the strides do not allow: a copy into its buffer
+            outs = [self._storage(r, ext) for r in st.outputs]
+            launch = Launch(st.op.name, run, ins, outs)
+            if all(self.plan.placements[r].kind == "const" for r in st.outputs):
+                launch()  # a 0-d constant: computed once
+            else:
+                launches.append(launch)
+            env.update(zip(st.outputs, outs, strict=True))
+        self.outputs = []
+        for s, v in zip(self.results, self.returned, strict=True):
+            t = env[v]
+            if s.role in ("param", "state"):
+                target = ext[self.arg_of[s.name]]
+                if not _same(t, target):
+                    launches.append(Launch("copy back " + s.name, _copy_into, [t], [target]))
+                self.outputs.append(target)
+            elif self.plan.placements.get(v) is not None and self.plan.placements[v].kind == "output":
+                self.outputs.append(t)
+            else:  # a view, an argument or a value another result shares: its own copy
+                out = _empty(v, self.device)
+                launches.append(Launch("copy out " + s.name, _copy_into, [t], [out]))
+                self.outputs.append(out)
+        self.launches = launches
+        self.bound = ptrs
+        self.arguments = [env[a] for a in self.block.args]
+        self.runs = 0
+
+    # --- running -----------------------------------------------------------
+    def run(self, args: Sequence) -> list[torch.Tensor]:
+        """One step. ``args``: one entry per argument: tensors for params, state,
+        buffers and the batch, Python numbers for hyper-parameters and seeds.
+        Returns the persistent result tensors (param / state results are the bound
+        tensors themselves, updated in place; the rest are overwritten by the next step)."""
+        self.bind(args)
+        batch = [args[i] for i in self.batch_args]
+        hyper = [args[i] for i in self.hyper_args]
+        seeds = [args[i] for i in self.seed_args]
+        for slot, x in zip(self.inputs, batch, strict=True):
+            slot.copy_(x)
+        if self.hyper_args or self.seed_args:
+            self._write_scalars(hyper, seeds)
+        if self.graph is not None:
+            self.graph.replay()
+        elif self.want_graph and self.graph_failed is None and self.runs >= 1:
+            self._capture()
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self._run_list()
+        else:
+            self._run_list()
+        return self.outputs
+
+    def _run_list(self) -> None:
+        for launch in self.launches:
+            launch()
+        self.runs += 1
+
+    def _write_scalars(self, hyper: Sequence[float], seeds: Sequence[int]) -> None:
+        pin = self.device.type == "cuda"
+        host = torch.empty(self.scalars.numel(), dtype=torch.float64, pin_memory=pin)
+        nh = len(hyper)
+        if nh:
+            host[:nh] = torch.tensor(hyper, dtype=torch.float64)
+        if seeds:
+            host.view(torch.int64)[nh:nh + len(seeds)] = torch.tensor(seeds, dtype=torch.int64)
+        # pinned memory from torch's caching host allocator is not reused before this copy ends
+        self.scalars.copy_(host, non_blocking=pin)
+
+    def _capture(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                for launch in self.launches:
+                    launch()
+        except Exception as e:  # noqa: BLE001  (any capture failure: say why once, run the list)
+            self.graph_failed = f"{type(e).__name__}: {e}"
+            _LOG.warning("the step cannot be captured as a CUDA graph (%s): it runs as a launch list of %d kernels",
+                         self.graph_failed, len(self.launches))  # fmt: skip
+            torch.cuda.synchronize(self.device)
+            return
+        self.graph = graph
+
+    @property
+    def mode(self) -> str:
+        """``graph`` once captured, else ``launch list`` (and why, when capture failed)."""
+        if self.graph is not None:
+            return "graph"
+        return "launch list" + (f" (capture failed: {self.graph_failed})" if self.graph_failed else "")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)  # fmt: skip

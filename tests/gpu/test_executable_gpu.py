@@ -1,0 +1,140 @@
+"""The executable on the H200: CUDA-graph replay against the launch list bit for bit,
+the device-side guard (a bad id, a non-finite step) leaving parameters and optimizer
+state untouched, and the fused LM head + cross-entropy against PyTorch's unfused
+linear + cross_entropy at GPT-2's vocabulary."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nova
+
+from gpu_steps import TOL, make_model, make_optimizer
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _batches(n, B=4, T=32, V=256, seed=1):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, V, (B, T), device="cuda", generator=g)
+        y = torch.randint(0, V, (B, T), device="cuda", generator=g)
+        y[0, :3] = -1
+        out.append((x, y))
+    return out
+
+
+def _snapshot(model, opt):
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    return params, state
+
+
+def _assert_same(model, opt, snap):
+    params, state = snap
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), params[n]), f"parameter {n} changed"
+    assert {id(p) for p in opt.state} == set(state), "optimizer state entries were added or removed"
+    for p, s in opt.state.items():
+        for k, v in s.items():
+            assert torch.equal(v, state[id(p)][k]), f"optimizer state {k} changed"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["sdpa", "manual"])
+def test_graph_replay_is_bit_identical_to_the_launch_list(kind, precision):
+    a = make_model(kind).cuda()
+    b = copy.deepcopy(a)
+    step_a = nova.compile(a, make_optimizer("adamw", a.parameters()), precision=precision, cuda_graph=True)
+    step_b = nova.compile(b, make_optimizer("adamw", b.parameters()), precision=precision, cuda_graph=False)
+    for i, (x, y) in enumerate(_batches(6)):
+        la, lb = step_a(x, y), step_b(x, y)
+        assert torch.equal(la, lb), f"step {i}: loss {la.item()} vs {lb.item()}"
+    assert step_a.mode == "graph" and step_b.mode == "launch list", (step_a.mode, step_b.mode)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), f"parameter {n} differs between graph replay and the launch list"
+
+
+def test_a_bad_id_leaves_parameters_and_state_unchanged():
+    model = make_model("sdpa").cuda()
+    opt = make_optimizer("adamw", model.parameters())
+    step = nova.compile(model, opt)
+    batches = _batches(4)
+    for x, y in batches[:3]:  # the third call replays the graph
+        step(x, y)
+    step.check()
+    snap = _snapshot(model, opt)
+    x, y = batches[3]
+    x = x.clone()
+    x[1, 5] = 256  # one past the vocabulary
+    step(x, y)
+    with pytest.raises(IndexError, match="out of range"):
+        step.check()
+    _assert_same(model, opt, snap)
+    step(*batches[0])  # the step goes on training from the unchanged state
+    step.check()
+
+
+def test_skip_nonfinite_skips_the_step_and_counts_it():
+    model = make_model("sdpa").cuda()
+    opt = make_optimizer("adamw", model.parameters())
+    step = nova.compile(model, opt, skip_nonfinite=True)
+    batches = _batches(3)
+    step(*batches[0])
+    step(*batches[1])
+    snap = _snapshot(model, opt)
+    with torch.no_grad():  # an inf in one weight: the loss and its gradients are not finite
+        w = model.transformer.h[0].mlp.c_fc.weight
+        keep = w[0, 0].clone()
+        w[0, 0] = float("inf")
+        snap[0]["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("inf")
+    step(*batches[2])
+    step.check()
+    assert step.skipped_steps == 1
+    _assert_same(model, opt, snap)
+    with torch.no_grad():
+        w[0, 0] = keep
+    step(*batches[2])
+    step.check()
+    assert step.skipped_steps == 1
+
+
+def test_fused_lm_head_matches_unfused_linear_cross_entropy():
+    """GPT-2's vocabulary and width, 8 x 1024 tokens: Nova's fused head (forward and
+    backward, bf16 operands) against eager autocast linear + cross_entropy."""
+    torch.manual_seed(0)
+    V, D, N = 50304, 768, 8 * 1024
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(D, D)
+            self.head = torch.nn.Linear(D, V, bias=False)
+
+        def forward(self, h, y):
+            return F.cross_entropy(self.head(self.proj(h)), y, ignore_index=-1)
+
+    ref = Head().cuda()
+    mine = copy.deepcopy(ref)
+    h = torch.randn(N, D, device="cuda")
+    y = torch.randint(0, V, (N,), device="cuda")
+    y[:100] = -1
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=1.0)
+    step = nova.compile(mine, torch.optim.SGD(mine.parameters(), lr=1.0), precision="bf16")
+    loss = step(h, y)
+    assert "nova.linear_cross_entropy" in step.explain()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref_loss = ref(h, y)
+    ref_loss.backward()
+    grads = {n: p.grad.float().clone() for n, p in ref.named_parameters()}
+    opt_ref.step()
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < TOL["bf16"]
+    for (n, p), q in zip(mine.named_parameters(), ref.parameters()):
+        # both took one SGD step of lr 1 from the same weights: the updates are the gradients
+        err = ((p - q).norm() / grads[n].norm()).item()
+        assert err < TOL["bf16"], f"{n}: update differs by {err:.3e} of the gradient"

@@ -1,0 +1,101 @@
+"""The executable on the CPU (kernels in Triton's interpreter): the launch list is
+bound once into the arena, parameters and optimizer state are written in place,
+rebinding follows replaced state tensors, and the steps equal the reference
+executor's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import nova
+from nova.models import GPT, gpt_tiny
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _model():
+    torch.manual_seed(0)
+    return GPT(gpt_tiny(n_layer=1, n_embd=32, n_head=2, block_size=16, vocab_size=64))
+
+
+def _batches(n, B=2, T=8):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, 64, (B, T), generator=g), torch.randint(0, 64, (B, T), generator=g)) for _ in range(n)]
+
+
+def test_parameters_and_state_are_written_in_place_and_the_list_is_bound_once():
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = nova.compile(model, opt, backend="triton")
+    oracle = nova.compile(ref, torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9), backend="reference")
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    batches = _batches(3)
+    step(*batches[0])
+    exe = step._last.executable
+    launches = exe.launches
+    assert not [la.name for la in launches if la.name.startswith("copy back")]
+    state_ptrs = {(id(p), k): v.data_ptr() for p, s in opt.state.items() for k, v in s.items()}
+    for x, y in batches[1:]:
+        step(x, y)
+    assert exe.launches is launches, "the launch list was bound again without a reason"
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
+    assert {(id(p), k): v.data_ptr() for p, s in opt.state.items() for k, v in s.items()} == state_ptrs
+    for x, y in batches:
+        oracle(x, y)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=n)
+    assert step.mode == "launch list"
+
+
+def test_a_replaced_state_is_bound_again():
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    step = nova.compile(model, opt, backend="triton")
+    oracle = nova.compile(ref, opt_ref, backend="reference")
+    batches = _batches(3)
+    step(*batches[0])
+    oracle(*batches[0])
+    exe = step._last.executable
+    before = exe.launches
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new tensors, same values
+    for x, y in batches[1:]:
+        step(x, y)
+        oracle(x, y)
+    assert exe.launches is not before
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=n)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], opt_ref.state[q]["momentum_buffer"],
+                                   rtol=1e-4, atol=1e-6)
+
+
+def test_the_returned_loss_is_not_overwritten_by_the_next_step():
+    model = _model()
+    step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="triton")
+    b = _batches(2)
+    first = step(*b[0])
+    kept = first.clone()
+    step(*b[1])
+    assert torch.equal(first, kept)
+
+
+def test_a_non_contiguous_state_tensor_is_a_clear_error():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = nova.compile(model, opt, backend="triton")
+    b = _batches(2)
+    step(*b[0])
+    p = model.transformer.h[0].mlp.c_fc.weight
+    buf = opt.state[p]["momentum_buffer"]
+    opt.state[p]["momentum_buffer"] = buf.t().contiguous().t()  # same values, transposed strides
+    with pytest.raises(ValueError, match="not contiguous"):
+        step(*b[1])
