@@ -59,6 +59,20 @@ from nova.transforms.precision import PRECISIONS
 
 log = get_logger("nova.api")
 
+# bumped whenever any module, parameter or buffer is registered (assigned) in this
+# process: the program key's fingerprint walks the model again only then
+_REGISTRATIONS = [0]
+
+
+def _registered(*_) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+for _register in (torch.nn.modules.module.register_module_module_registration_hook,
+                  torch.nn.modules.module.register_module_parameter_registration_hook,
+                  torch.nn.modules.module.register_module_buffer_registration_hook):  # fmt: skip
+    _register(_registered)
+
 # torch.export (and xDSL's contexts) are not safe to run from two threads at once
 _COMPILE_LOCK = threading.RLock()
 
@@ -70,6 +84,13 @@ class Program:
     compilation: pipeline.Compilation
     kernels: object | None = None  # nova.backends.triton.TritonProgram for the GPU backend
     executable: object | None = None  # nova.runtime.executable.Executable: the kernels bound to the memory plan
+
+    def __post_init__(self):
+        # read from the IR's attributes once (xDSL attribute access is slow per call)
+        self.args = arg_slots(self.fn)
+        self.results = result_slots(self.fn)
+        self.status_at = [i for i, s in enumerate(self.results) if s.role == "status"]
+        self.seen_state: dict[int, torch.Tensor] = {}  # argument index -> the state tensor checked last call
 
     @property
     def fn(self):
@@ -197,6 +218,8 @@ class CompiledStep:
         self._last: Program | None = None
         self._last_key: _Key | None = None
         self._lock = threading.RLock()  # one call of this step at a time
+        self._walk: tuple | None = None  # (registrations, modules, parameters) for the key's fingerprint
+        self._fast: tuple | None = None  # (fingerprint, key) of the last call
         self.skip_nonfinite = bool(skip_nonfinite)
         self.cuda_graph = bool(cuda_graph)
         self.memory_budget = parse_bytes(memory_budget, "memory_budget")
@@ -227,6 +250,26 @@ class CompiledStep:
 
     # --- compilation -------------------------------------------------------
     def _key(self, batch: tuple) -> _Key:
+        """The program key, through a cheap fingerprint: when no module, parameter or
+        buffer was registered anywhere since (torch's global registration hooks),
+        every module has as many of each as before, and every parameter has the same
+        storage and requires_grad, the full key (a walk of every named parameter and
+        buffer) is the one computed last time."""
+        m = self.model
+        if self._walk is None or self._walk[0] != _REGISTRATIONS[0]:
+            mods = list(m.modules())
+            self._walk = (_REGISTRATIONS[0], mods, [p for _, p in m.named_parameters(remove_duplicate=False)])
+        _, mods, plist = self._walk
+        fast = (_REGISTRATIONS[0], tuple((tuple(t.shape), t.dtype) for t in batch), m.training, self._spec_key(),
+                tuple(len(x._parameters) + 1000 * len(x._modules) + 10**6 * len(x._buffers) for x in mods),
+                tuple(p.data_ptr() for p in plist), tuple(p.requires_grad for p in plist))  # fmt: skip
+        if self._fast is not None and self._fast[0] == fast:
+            return self._fast[1]
+        key = self._full_key(batch)
+        self._fast = (fast, key)
+        return key
+
+    def _full_key(self, batch: tuple) -> _Key:
         m = self.model
         params = tuple((*_tensor_sig(n, p), p.requires_grad) for n, p in m.named_parameters(remove_duplicate=False))
         buffers = tuple(_tensor_sig(n, b) for n, b in m.named_buffers(remove_duplicate=False))
@@ -291,8 +334,14 @@ class CompiledStep:
             args, fresh_state, moved = self._gather(prog, batch, device_scalars=exe is None)
             self._calls += 1
             with torch.no_grad():
-                outs = prog.run(args, self.precision)
-                status = {s.name: v for s, v in zip(result_slots(prog.fn), outs, strict=True) if s.role == "status"}
+                if exe is not None:
+                    # the executable writes params and state in place as it launches: a Ctrl-C
+                    # waits until the whole step is enqueued (the guard decides on the device)
+                    with _DeferSigint():
+                        outs = prog.run(args, self.precision)
+                else:
+                    outs = prog.run(args, self.precision)
+                status = {prog.results[i].name: outs[i] for i in prog.status_at}
                 pending = _Pending(self._calls, status, prog, exe.arguments if exe is not None else args, [])
                 if exe is None and not self._took_effect(pending, None):
                     return outs[0].detach()  # skipped (non-finite): nothing is written back
@@ -379,7 +428,7 @@ class CompiledStep:
         moved: dict[str, torch.Tensor] = {}
         args = []
         hyper_at: list[tuple[int, float]] = []  # (argument index, value): filled from one device tensor below
-        for s in arg_slots(prog.fn):
+        for i_arg, s in enumerate(prog.args):
             if s.role == "param":
                 args.append(by_name[s.name].detach())
             elif s.role == "buffer":
@@ -402,10 +451,14 @@ class CompiledStep:
                 pname, key = s.name.split("::")
                 p = by_name[pname]
                 v = self.optimizer.state.get(p, {}).get(key)
-                if v is not None:
+                if v is not None and not device_scalars and prog.seen_state.get(i_arg) is v:
+                    args.append(v)  # the tensor the executable holds, checked when it came: its storage is bound
+                elif v is not None:
                     t = _checked_state(pname, key, v, p, to_torch_dtype(elem_of(s.type)), shape_of(s.type))
                     if not device_scalars and t.data_ptr() != v.data_ptr():
                         moved[s.name] = t
+                    elif not device_scalars:
+                        prog.seen_state[i_arg] = v
                     args.append(t)
                 else:
                     t = torch.zeros((), dtype=_step_dtype(), device=device) if key == "step" else torch.zeros_like(p)
@@ -435,7 +488,9 @@ class CompiledStep:
         by_name = prog.compilation.captured.params
         state = self.optimizer.state
         writes: list[tuple] = []
-        for s, v in zip(result_slots(prog.fn), outs, strict=True):
+        if in_place and not fresh and not moved:
+            return writes  # the executable wrote every param and state in place
+        for s, v in zip(prog.results, outs, strict=True):
             if s.role == "param":
                 dst = by_name[s.name]
                 if v.shape != dst.shape or v.dtype != dst.dtype:

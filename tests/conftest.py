@@ -6,6 +6,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 # verify the IR after every pipeline stage in tests (read once by nova.config)
 os.environ.setdefault("NOVA_VERIFY_EACH_STAGE", "1")
+# no on-disk step cache in tests: tests monkeypatch stages after autodiff (the cache would
+# serve the unpatched IR) and compare pipelines; tests/runtime/test_cache.py turns it on
+os.environ.setdefault("NOVA_STEP_CACHE", "0")
 
 import torch  # noqa: E402
 

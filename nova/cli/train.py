@@ -179,6 +179,9 @@ def train(given: dict, resume: bool = False, force: bool = False) -> dict:
         best_path.unlink(missing_ok=True)  # the replaced run's best is not this run's
 
     def save_checkpoint(path: Path, step: int, rng: dict) -> None:
+        # the nova engine checks a step on the device and reports it at the next call:
+        # a checkpoint must not record a step that failed
+        getattr(step_fn, "check", lambda: None)()
         checkpoint.save(path, model=model, optimizer=optimizer, step=step, config=dataclasses.asdict(cfg),
                         rng=rng, history=history, meta={"data_sha256": data_digest})
 

@@ -127,6 +127,11 @@ class Executable:
         if self.bound is not None and ptrs == self.bound:
             return
         for i in self.external:
+            want = (shape_of(self.slots[i].type), to_torch_dtype(elem_of(self.slots[i].type)))
+            if (tuple(ext[i].shape), ext[i].dtype) != want or ext[i].device != self.device:
+                s = self.slots[i]
+                raise ValueError(f"{s.role} {s.name} is {ext[i].dtype}{list(ext[i].shape)} on {ext[i].device}; the "
+                                 f"step was compiled for {want[1]}{list(want[0])} on {self.device}")  # fmt: skip
             if not ext[i].is_contiguous():
                 s = self.slots[i]
                 raise ValueError(f"{s.role} {s.name} is not contiguous (strides {tuple(ext[i].stride())}): "
