@@ -1,6 +1,8 @@
 """The generated embedding gather / scatter-add kernels against the reference
 executor, through the Triton interpreter; out-of-range ids touch no memory (the
-gather writes zeros for them, the scatter-add adds nothing)."""
+gather writes zeros for them, the scatter-add adds nothing). The scatter-add is
+deterministic: each row is its grad rows summed one by one in token order (bit
+for bit, whatever the tiling), within rounding of the float64 scatter-add."""
 
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ def test_embedding_marker_id_gathers_zeros(dtype):
 
 @pytest.mark.parametrize("dtype,pad", [(F32, -1), (F64, 3), (BF16, 0)], ids=str)
 def test_embedding_backward(dtype, pad):
-    """Scatter-add with repeated ids (atomics into an fp32 / fp64 table); padding row zero."""
+    """Scatter-add with repeated ids (summed in fp32 / fp64, rounded once); padding row zero."""
     V, D = 9, 6
     g = nonzero((4, 5, D), dtype, 3)
     ids = ids_of((4, 5), V, 4)
@@ -136,11 +138,10 @@ def test_out_of_range_ids_read_nothing():
     assert torch.equal(out[~bad], w[ids[~bad]])
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("dtype", [F32, BF16, F16, F64], ids=str)
 def test_out_of_range_ids_add_nothing(dtype):
     """The scatter-add: bad ids (and padding_idx) add nothing; the result's fence
-    stays NaN, so nothing was written out of bounds (for bf16 the fp32 table is
-    scratch, and the result is written by the rounding cast)."""
+    stays NaN, so nothing was written out of bounds."""
     V, D, pad = 13, 4, 5
     g = nonzero((2, 7, D), dtype, 7)
     ids = ids_of((2, 7), V, 8)
@@ -151,8 +152,127 @@ def test_out_of_range_ids_add_nothing(dtype):
     assert lowering_for(op)(op, None).launch([g, ids], [out])[0] is out
     keep = (ids >= 0) & (ids < V) & (ids != pad)
     expected = torch.zeros((V, D), dtype=F64).index_add_(0, ids[keep], g[keep].double()).to(dtype)
-    torch.testing.assert_close(out, expected, rtol=2**-7 if dtype == BF16 else 1e-6, atol=0)
+    torch.testing.assert_close(out, expected, rtol=2**-7 if dtype == BF16 else 2**-10 if dtype == F16 else 1e-6, atol=0)
     assert torch.isnan(buf[:2]).all() and torch.isnan(buf[-2:]).all()
+
+
+# --------------------------------------------------------------------------- deterministic scatter-add
+
+ACC = {F32: F32, BF16: F32, F16: F32, F64: F64}  # the accumulator of each grad dtype
+
+
+def bits(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+def backward_kernel(g, ids, V, pad=-1, cfg=None):
+    op = build(nv.EmbeddingBackwardOp, [(tuple(g.shape), g.dtype), (tuple(ids.shape), I64)],
+               {"num_embeddings": V, "padding_idx": pad})  # fmt: skip
+    return lowering_for(op)(op, cfg)
+
+
+def token_order_sum(g, ids, V, pad=-1):
+    """Each row: its grad rows added one at a time in token order, in the
+    accumulator dtype (from +0.0), then rounded once; bad ids and pad add nothing."""
+    flat, rows = ids.reshape(-1).tolist(), g.reshape(len(ids.reshape(-1)), -1)
+    acc = torch.zeros((V, rows.shape[1]), dtype=ACC[g.dtype])
+    for t, r in enumerate(flat):
+        if 0 <= r < V and r != pad:
+            acc[r] = acc[r] + rows[t].to(acc.dtype)
+    return acc.to(g.dtype)
+
+
+def f64_scatter_add(g, ids, V, pad=-1):
+    """(the float64 scatter-add, the bound on our error: the accumulator's rounding
+    of each row's partial sums, plus one rounding to the grad's dtype)."""
+    flat, rows = ids.reshape(-1), g.reshape(ids.numel(), -1).double()
+    keep = (flat >= 0) & (flat < V) & (flat != pad)
+    ref = torch.zeros((V, rows.shape[1]), dtype=F64).index_add_(0, flat[keep], rows[keep])
+    mass = torch.zeros_like(ref).index_add_(0, flat[keep], rows[keep].abs())
+    count = torch.zeros((V, 1), dtype=F64).index_add_(0, flat[keep], torch.ones((int(keep.sum()), 1), dtype=F64))
+    u_acc, u_out = torch.finfo(ACC[g.dtype]).eps, torch.finfo(g.dtype).eps
+    return ref, count * u_acc * mass + u_out * ref.abs()
+
+
+def small_tiles(monkeypatch, block=8, positions=4):
+    """A config of ``block`` columns and ``positions`` sorted positions per program
+    (TILE is what bounds the positions), so that short runs cross block ends."""
+    monkeypatch.setattr(em, "TILE", block * positions)
+    return LoweringConfig(kind="elementwise", block=block, num_warps=1)
+
+
+def long_runs(n, V, seed):
+    """ids with runs longer than a block: few distinct values, one of them 3/8 of all."""
+    ids = ids_of((n,), min(V, 5), seed)
+    ids[torch.randperm(n, generator=torch.Generator().manual_seed(seed))[: 3 * n // 8]] = 2
+    return ids
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16, F64], ids=str)
+@pytest.mark.parametrize("ids_kind", ["long-runs", "one-id", "spread"])
+def test_backward_is_the_token_order_sum_bit_for_bit(dtype, ids_kind, monkeypatch):
+    """Every row is exactly the sequential sum of its grad rows in token order
+    (so two launches give the same bits, and so does every tiling), and it is
+    within rounding of the float64 scatter-add."""
+    V, n, D = 11, 37, 20  # 3 column blocks of 8 (the last one partial), 10 position blocks of 4
+    g = nonzero((n, D), dtype, 21)
+    ids = {"long-runs": long_runs(n, V, 22), "one-id": torch.full((n,), 6), "spread": ids_of((n,), V, 23)}[ids_kind]
+    expected = token_order_sum(g, ids, V)
+    ref, bound = f64_scatter_add(g, ids, V)
+    configs = (None, LoweringConfig(kind="elementwise", block=16, num_warps=2), lambda: small_tiles(monkeypatch))
+    for make in configs:  # the default tiles (one position block), 16 columns, then 4 positions x 8 columns
+        cfg = make() if callable(make) else make
+        kernel = backward_kernel(g, ids, V, cfg=cfg)
+        first, second = kernel.launch([g, ids])[0], kernel.launch([g, ids])[0]
+        assert torch.equal(bits(first), bits(second))
+        assert torch.equal(bits(first), bits(expected)), cfg
+        assert ((first.double() - ref).abs() <= bound).all(), cfg
+    hit = torch.zeros(V, dtype=torch.bool)
+    hit[ids] = True
+    assert not first[~hit].any()
+
+
+def test_backward_sums_in_token_order_not_in_any_other():
+    """One row, three fp32 values whose sum depends on the order: the kernel's is
+    the token order's ((2**24 + 1) + 1 rounds to 2**24 twice; 1 + 1 + 2**24 does not)."""
+    g = torch.tensor([[2.0**24], [1.0], [1.0]])
+    kernel = backward_kernel(g, torch.tensor([0, 0, 0]), 1)
+    assert kernel.launch([g, torch.tensor([0, 0, 0])])[0].item() == 2.0**24
+    g = torch.tensor([[1.0], [1.0], [2.0**24]])
+    assert kernel.launch([g, torch.tensor([0, 0, 0])])[0].item() == 2.0**24 + 2
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_backward_bad_ids_and_padding_in_long_runs(dtype, monkeypatch):
+    """Bad ids and padding_idx in runs that cross block ends, beside a long run of a
+    real row: they add nothing anywhere, the padding row stays zero, nothing is
+    written outside the result (NaN fence), and the rest is the token-order sum."""
+    V, n, D, pad = 13, 45, 10, 4
+    g = nonzero((n, D), dtype, 31)
+    ids = ids_of((n,), V, 32)
+    ids[5:14] = pad
+    ids[14:23] = torch.tensor(BAD_IDS + [-1, 2**40, V])
+    ids[23:35] = 7
+    ids[[0, 40, 44]] = -(2**40)
+    cfg = small_tiles(monkeypatch)
+    buf, out = fenced((V, D), dtype)
+    assert backward_kernel(g, ids, V, pad, cfg).launch([g, ids], [out])[0] is out
+    assert torch.isnan(buf[:2]).all() and torch.isnan(buf[-2:]).all()
+    assert not out[pad].any()
+    assert torch.equal(bits(out), bits(token_order_sum(g, ids, V, pad)))
+
+
+def test_backward_with_no_ids_is_zero():
+    g, ids = torch.empty((0, 5)), torch.empty((0,), dtype=I64)
+    kernel = backward_kernel(g, ids, 6)
+    assert kernel.scratch_bytes == 0
+    out = torch.full((6, 5), float("nan"))
+    assert kernel.launch([g, ids], [out])[0] is out and not out.any()
+
+
+def test_backward_source_has_no_atomics():
+    kernel = backward_kernel(nonzero((4, 3), F32, 1), ids_of((4,), 5, 2), 5)
+    assert "atomic" not in kernel.source and "torch.sort" in kernel.source
 
 
 def test_registered():

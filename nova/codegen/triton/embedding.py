@@ -4,7 +4,7 @@ generated Triton source.
 Both kernels tile [BLOCK_N ids x BLOCK_D columns]; rows are read and written
 along D, the contiguous axis (coalesced). Any id value is memory-safe: an id
 outside [0, num_embeddings) (the -1 a captured gather uses for an out-of-range
-index included) never addresses memory, its loads and atomics are masked off:
+index included) never addresses memory, its loads and stores are masked off:
 the gather writes a row of zeros for it and the scatter-add adds nothing. The
 kernels do not report such ids: the guard stage's check ops count them on the
 device (``nova.transforms.guard``), so a launch never waits for the device.
@@ -13,13 +13,20 @@ The gather moves stored values, so the table may be of any element type (f32,
 f64, bf16, f16, i64, bool as 0/1 bytes): integer gathers and advanced indexing
 are captured as embedding on [N, 1] or [N, C] tables.
 
-embedding_backward accumulates with ``tl.atomic_add`` into a zeroed fp32 table
-(fp64 for f64 grads): the result itself when the grad is fp32 / fp64, else a
-scratch table that the elementwise cast kernel then rounds once into the
-result. Atomics make fp32 sums depend on the order of arrival (not bitwise
-reproducible run to run on the GPU); a sort + segmented sum would be the
-deterministic alternative. Rows of ``padding_idx`` receive nothing, so they stay
-zero as in torch.
+embedding_backward is deterministic, bit for bit, run to run and with or
+without the CUDA graph (no atomics): the flattened ids are stably sorted on the
+device (``torch.sort(..., stable=True)``: deterministic, no host sync,
+capturable), so the positions of each row form one run of the sorted order, in
+token order. A [BLOCK_T sorted positions x BLOCK_D columns] program owns the
+rows whose run starts in its block: it sums that run's grad rows one by one,
+in token order (continuing past its block end while the sorted id stays the
+same), in fp32 (fp64 for f64 grads), and writes the row once, rounded to the
+grad's dtype; positions whose run started in an earlier block are skipped.
+The result is zeroed first (the rows no id hits), so no [V, D] fp32 table is
+needed for bf16 / f16 grads. Out-of-range ids and ``padding_idx`` sort into
+runs of their own that nobody owns: they add nothing and address nothing, and
+the padding row stays zero as in torch. The serial part of a launch is the
+longest run (the most frequent id's count), one BLOCK_D row load per step.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from nova.codegen.triton.elementwise import (
-    INT32_MAX, UnsupportedError, cast_kernel, load, next_pow2, only_out, result_tensor, sanitize, shape_name, span,
+    INT32_MAX, UnsupportedError, load, next_pow2, only_out, result_tensor, sanitize, shape_name, span,
     storage_view, tag,
 )  # fmt: skip
 from nova.codegen.triton.lowering import Kernel, lowers
@@ -37,8 +44,9 @@ from nova.schedule.config import LoweringConfig
 
 TILE = 2048  # elements per program: 16 per thread at 4 warps
 DEFAULT_BLOCK_D = 512  # columns per program: 2 KiB of fp32 per row segment
+_TL_FLOAT = {"f32": "tl.float32", "f64": "tl.float64", "bf16": "tl.bfloat16", "f16": "tl.float16"}
 
-# both kernels: a [bn rows, bd columns] tile of the [n, d] rows the ids select
+# the gather: a [bn rows, bd columns] tile of the [n, d] rows the ids select
 _ROWS = """    pid_n = tl.program_id(0)
     pid_d = tl.program_id(1)
     rows = pid_n * {bn} + tl.arange(0, {bn})
@@ -62,18 +70,50 @@ def {name}(w_ptr, ids_ptr, out_ptr, stride_wv, stride_wd, IDX64: tl.constexpr):
     tl.store(out_ptr + rows[:, None] * {d} + cols[None, :], vals, mask=nmask[:, None] & cmask[None, :])
 """
 
-_SCATTER = """import triton
+_SEGMENT_SUM = """import triton
 import triton.language as tl
 
 
 @triton.jit
-def {name}(g_ptr, ids_ptr, table_ptr, IDX64: tl.constexpr):
-""" + _ROWS + """    ok = nmask & (ids >= 0) & (ids < {v}) & (ids != {pad})
+def {name}(g_ptr, sorted_ptr, perm_ptr, out_ptr):
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    pos = pid_t.to(tl.int64) * {bt} + tl.arange(0, {bt})
+    cols = pid_d * {bd} + tl.arange(0, {bd})
     cmask = cols < {d}
-    g = tl.load(g_ptr + rows[:, None] * {d} + cols[None, :], mask=nmask[:, None] & cmask[None, :], other=0)
-    dst = table_ptr + tl.where(ok, ids, 0)[:, None] * {d} + cols[None, :]
-    tl.atomic_add(dst, g.to({acc}), mask=ok[:, None] & cmask[None, :])
+    inb = pos < {n}
+    row = tl.load(sorted_ptr + pos, mask=inb, other=0).to(tl.int64)
+    prev = tl.load(sorted_ptr + pos - 1, mask=inb & (pos > 0), other=0).to(tl.int64)
+    # this program owns the rows whose run of equal sorted ids starts in its block
+    own = inb & ((pos == 0) | (prev != row)) & (row >= 0) & (row < {v}) & (row != {pad})
+    acc = tl.zeros([{bt}, {bd}], {acc})
+    j = pos
+    live = own
+    while tl.max(live.to(tl.int32), axis=0) != 0:  # the longest run owned here
+        src = tl.load(perm_ptr + j, mask=live, other=0)  # the token, in token order within the run
+        g = tl.load(g_ptr + src[:, None] * {d} + cols[None, :], mask=live[:, None] & cmask[None, :], other=0)
+        acc += g.to({acc})
+        j += 1
+        live = live & (j < {n})
+        live = live & (tl.load(sorted_ptr + j, mask=live, other=0).to(tl.int64) == row)
+    dst = out_ptr + tl.where(own, row, 0)[:, None] * {d} + cols[None, :]
+    tl.store(dst, acc.to({out}), mask=own[:, None] & cmask[None, :])
 """
+
+
+def sort_scratch_bytes(n: int, id_itemsize: int) -> int:
+    """The most device bytes the stable sort of ``n`` ids takes besides the result:
+    its outputs (sorted ids + int64 permutation, ours), and what torch allocates
+    inside ``torch.sort`` on CUDA (read from ATen's SortStable.cu and CUB's
+    onesweep radix sort, not measured: no GPU here): an int64 arange of
+    positions fed to the sort as values, CUB's alternate key / value buffers,
+    and its per-tile lookback counters (< 4 bytes per id: 256 4-byte digits per
+    tile of >= 256 ids), plus 64 KiB for its histograms and the allocator's
+    rounding. Sorts of <= 4096 ids run in place in the outputs (less)."""
+    if n == 0:
+        return 0
+    outputs = n * (id_itemsize + 8)
+    return outputs + n * 8 + outputs + n * 4 + 65536
 
 
 def tiles(n: int, d: int, cfg: LoweringConfig | None) -> tuple[int, int, int]:
@@ -127,48 +167,47 @@ def lower_embedding(op, cfg: LoweringConfig | None = None) -> Kernel:
 
 @lowers(nv.EmbeddingBackwardOp)
 def lower_embedding_backward(op, cfg: LoweringConfig | None = None) -> Kernel:
-    """Scatter-add of grad rows into [num_embeddings, D]; grad and ids contiguous
+    """Scatter-add of grad rows into [num_embeddings, D], deterministically (sort +
+    segmented sum, see the module docstring); grad and ids contiguous
     (needs_contiguous=(0, 1))."""
     g_shape, g_dtype = shape_of(op.operands[0].type), to_torch_dtype(elem_of(op.operands[0].type))
-    ids_shape = shape_of(op.operands[1].type)
+    ids_shape, ids_dtype = shape_of(op.operands[1].type), to_torch_dtype(elem_of(op.operands[1].type))
     p = op.props()
     V, pad = p["num_embeddings"], p["padding_idx"]
     D = g_shape[-1]
     t = tag(g_dtype)
     if t not in ("f32", "f64", "bf16", "f16"):
         raise UnsupportedError(f"nova.embedding_backward: grad must be a float tensor, got {g_dtype}")
-    acc_dtype = torch.float64 if t == "f64" else torch.float32
     n = numel(ids_shape)
-    bn, bd, warps = tiles(n, D, cfg)
+    bt, bd, warps = tiles(n, D, cfg)
     name = f"nova_embedding_backward_{V}x{D}_{shape_name(ids_shape)}_{t}_pad{pad}"
     fname = sanitize(name)
-    src = _SCATTER.format(
-        name=fname, bn=bn, bd=bd, n=n, v=V, d=D, pad=pad if pad >= 0 else -1,
-        acc="tl.float64" if t == "f64" else "tl.float32",
+    src = _SEGMENT_SUM.format(
+        name=fname, bt=bt, bd=bd, n=n, v=V, d=D, pad=pad if pad >= 0 else -1,
+        acc="tl.float64" if t == "f64" else "tl.float32", out=_TL_FLOAT[t],
     )  # fmt: skip
     fn = load(src, fname)
-    cast = cast_kernel((V, D), acc_dtype, g_dtype) if acc_dtype != g_dtype else None
-    source = src if cast is None else src + "\n\n# then, rounding the table once:\n" + cast.source
+    source = "# launched after out.zero_() and torch.sort(ids.reshape(-1), stable=True)\n" + src
 
     def launch(xs, outs=None, device=None):
         g, ids = xs
         if tuple(g.shape) != tuple(g_shape) or g.dtype != g_dtype:
             raise ValueError(f"{name}: grad is {tuple(g.shape)} {g.dtype}, expected {tuple(g_shape)} {g_dtype}")
         _check_ids(ids, ids_shape, name)
-        out = only_out(outs)
-        if cast is None:  # the result is the accumulator
-            table = result_tensor(name, out, (V, D), g_dtype, g.device)
-        else:
-            table = torch.empty((V, D), dtype=acc_dtype, device=g.device)
-        table.zero_()
+        out = result_tensor(name, only_out(outs), (V, D), g_dtype, g.device)
+        out.zero_()  # the rows no id hits (a memset: capturable, no host sync)
         if n and D:
-            g, ids = g.contiguous(), ids.contiguous()
-            big = table.numel() + TILE > INT32_MAX or g.numel() + TILE > INT32_MAX
-            fn[(-(-n // bn), -(-D // bd))](g, ids, table, IDX64=big, num_warps=warps)
-        return [table] if cast is None else cast.launch([table], outs)
+            g, flat = g.contiguous(), ids.contiguous().reshape(-1)
+            # torch's stable sort: deterministic (stability fixes the permutation),
+            # device-side and capturable; it keeps each row's tokens in token order
+            sorted_ids = torch.empty((n,), dtype=flat.dtype, device=flat.device)
+            perm = torch.empty((n,), dtype=torch.int64, device=flat.device)
+            torch.sort(flat, stable=True, out=(sorted_ids, perm))
+            fn[(-(-n // bt), -(-D // bd))](g, sorted_ids, perm, out, num_warps=warps)
+        return [out]
 
-    scratch = 0 if cast is None else V * D * acc_dtype.itemsize  # the fp32 table before rounding
+    scratch = sort_scratch_bytes(n, ids_dtype.itemsize) if D else 0
     return Kernel(name=name, source=source, launch=launch, needs_contiguous=(0, 1), config=cfg, scratch_bytes=scratch)
 
 
-__all__ = ["lower_embedding", "lower_embedding_backward", "tiles"]
+__all__ = ["lower_embedding", "lower_embedding_backward", "sort_scratch_bytes", "tiles"]
