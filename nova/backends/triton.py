@@ -53,6 +53,7 @@ class Step:
     kernel: lw.Kernel | None = None  # None for views and matmuls
     sources: dict[str, str] | None = None  # a matmul's: the kernels its launches used
     is_view: bool = False  # a layout op: a strided view (a copy where strides do not allow one)
+    scratch: int = 0  # the most bytes its launch allocates besides its results (Kernel.scratch_bytes)
 
 
 def _view(op: Operation, copy: Callable[[torch.Tensor], torch.Tensor]):
@@ -115,6 +116,18 @@ def _matmul_run(op: Operation, precision: str, with_bias: bool, copy: Callable[[
     return run
 
 
+def _matmul_scratch(op: Operation, precision: str) -> int:
+    a, b = shape_of(op.operands[0].type), shape_of(op.operands[1].type)
+    out = shape_of(op.results[0].type)
+    batch = 1
+    for d in out[:-2]:
+        batch *= d
+    dtype = to_torch_dtype(elem_of(op.operands[0].type))
+    return mm.scratch_bytes(out[-2], out[-1], a[-1], batch, dtype, to_torch_dtype(elem_of(op.operands[1].type)),
+                            to_torch_dtype(elem_of(op.results[0].type)), config_of(op),
+                            precision=STEP_MATMUL_PRECISION[precision])  # fmt: skip
+
+
 class TritonProgram:
     def __init__(self, fn: func.FuncOp, precision: str):
         self.fn = fn
@@ -134,18 +147,26 @@ class TritonProgram:
                     bias = add.operands[1] if add.operands[0] is op.results[0] else add.operands[0]
                     used: dict[str, str] = {}
                     run = _matmul_run(op, precision, True, self.copy, used)
-                    self.steps.append(Step(op, (*op.operands, bias), tuple(add.results), run, sources=used))
+                    self.steps.append(Step(op, (*op.operands, bias), tuple(add.results), run, sources=used,
+                                           scratch=_matmul_scratch(op, precision)))
                 else:
                     used = {}
                     run = _matmul_run(op, precision, False, self.copy, used)
-                    self.steps.append(Step(op, tuple(op.operands), tuple(op.results), run, sources=used))
+                    self.steps.append(Step(op, tuple(op.operands), tuple(op.results), run, sources=used,
+                                           scratch=_matmul_scratch(op, precision)))
             else:
                 fn_lower = lw.lowering_for(op)
                 takes_precision = (nv.AttentionOp, nv.AttentionBackwardOp, nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp)
                 kwargs = {"precision": precision} if isinstance(op, takes_precision) else {}
                 kernel = fn_lower(op, config_of(op), **kwargs)
-                self.steps.append(Step(op, tuple(op.operands), tuple(op.results), self._launcher(kernel), kernel))
+                self.steps.append(Step(op, tuple(op.operands), tuple(op.results), self._launcher(kernel), kernel,
+                                       scratch=kernel.scratch_bytes))
         self.returned = tuple(fn.body.block.last_op.operands)
+
+    def scratch(self) -> tuple[int, str]:
+        """The largest scratch one launch allocates, and which op it is."""
+        top = max(self.steps, key=lambda st: st.scratch, default=None)
+        return (top.scratch, top.op.name) if top is not None else (0, "")
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """A contiguous copy made by a generated kernel (for layouts a kernel cannot read)."""

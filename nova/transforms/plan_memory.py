@@ -132,6 +132,8 @@ class MemoryPlan:
     live_bytes: list[int]  # arena bytes live at each time
     steps: list[str]  # the op name of each step, in launch order
     placements: dict[SSAValue, Placement] = field(repr=False, default_factory=dict)
+    scratch_bytes: int = 0  # the most one launch allocates besides its results (set by the backend's kernels)
+    scratch_what: str = ""  # the op whose launch that is
 
     @property
     def peak_bytes(self) -> int:
@@ -139,8 +141,10 @@ class MemoryPlan:
         the arena (one allocation) plus everything outside it that is allocated while
         the step runs: params, optimizer state, model buffers, the caller's batch and
         scalar inputs, the returned outputs and the constant pool (each rounded up to
-        512 B as torch's caching allocator does)."""
-        return _align(self.arena_bytes, TORCH_BLOCK) + sum(self.external.values())
+        512 B as torch's caching allocator does), and the largest scratch of one
+        launch (known once the backend has lowered the kernels: ``scratch_bytes``)."""
+        return (_align(self.arena_bytes, TORCH_BLOCK) + sum(self.external.values())
+                + _align(self.scratch_bytes, TORCH_BLOCK))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------
@@ -521,8 +525,9 @@ def gib(n: int) -> str:
 def report(plan: MemoryPlan, top: int = 10) -> list[str]:
     """The plan in a few lines, for ``explain()``."""
     ext = ", ".join(f"{k} {gib(v)}" for k, v in plan.external.items() if v)
+    scratch = f" + the largest launch scratch {gib(plan.scratch_bytes)} ({plan.scratch_what})" if plan.scratch_bytes else ""
     lines = [
-        f"predicted peak {gib(plan.peak_bytes)} = arena {gib(plan.arena_bytes)} + outside it: {ext}",
+        f"predicted peak {gib(plan.peak_bytes)} = arena {gib(plan.arena_bytes)} + outside it: {ext}{scratch}",
         f"arena {gib(plan.arena_bytes)}: {len(plan.buffers)} buffers summing to {gib(plan.sum_bytes)} without reuse; "
         f"the largest live set is {gib(plan.lower_bound_bytes)} (a lower bound), "
         f"{plan.arena_bytes / max(plan.lower_bound_bytes, 1):.3f}x of it",

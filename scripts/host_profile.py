@@ -1,0 +1,51 @@
+"""Where the host time of one compiled step call goes (CPU wall time, the batch
+already on the device, the device idle before each call): GPT-2 124M bf16 on the
+GPU, ``python scripts/host_profile.py [--batch 8] [--calls 20]``; prints the
+median call time and a cProfile of the calls."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+
+import nova
+from nova.models import GPT, GPTConfig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True)
+    opts = ap.parse_args()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = GPT(GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step = nova.compile(model, opt, precision="bf16", cuda_graph=opts.graph)
+    x = torch.randint(0, 50304, (opts.batch, 1024), device="cuda")
+    y = torch.randint(0, 50304, (opts.batch, 1024), device="cuda")
+    for _ in range(3):
+        step(x, y)
+    torch.cuda.synchronize()
+    walls = []
+    prof = cProfile.Profile()
+    for _ in range(opts.calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        prof.enable()
+        step(x, y)
+        prof.disable()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    print(f"mode {step.mode}; host ms per call: median {statistics.median(walls):.3f}, min {min(walls):.3f}")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
