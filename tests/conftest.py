@@ -12,6 +12,13 @@ os.environ.setdefault("NOVA_STEP_CACHE", "0")
 
 import torch  # noqa: E402
 
+# without a GPU, generated Triton kernels run in Triton's interpreter. Triton decides
+# between compiling and interpreting when triton.language is first imported, so this is
+# set here, before any test module is collected (a module setting it later would be
+# order-dependent: another module collected first may have imported triton already)
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 # one thread per test process: the suite runs in parallel workers on 2 cores, and
 # oversubscribed OpenMP threads make small CPU kernels 100x slower
 torch.set_num_threads(1)

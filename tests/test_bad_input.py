@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 
 import pytest
 import torch
 
-# the Triton steps below run in Triton's interpreter without a GPU; it is chosen
-# when triton.language is first imported (as tests/kernels/conftest.py does)
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+# (without a GPU the Triton steps below run in Triton's interpreter: tests/conftest.py)
 import torch.nn as nn
 import torch.nn.functional as F
 

@@ -14,11 +14,6 @@ import nova
 from nova.models import GPT, gpt_tiny
 
 
-@pytest.fixture(autouse=True)
-def _interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
 def _model():
     torch.manual_seed(0)
     return GPT(gpt_tiny(n_layer=1, n_embd=32, n_head=2, block_size=16, vocab_size=64))
