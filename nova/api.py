@@ -91,6 +91,7 @@ class Program:
         self.results = result_slots(self.fn)
         self.status_at = [i for i, s in enumerate(self.results) if s.role == "status"]
         self.seen_state: dict[int, torch.Tensor] = {}  # argument index -> the state tensor checked last call
+        self.gather: _GatherPlan | None = None  # the executable's argument sources, built at its first call
 
     @property
     def fn(self):
@@ -100,6 +101,42 @@ class Program:
         if self.executable is not None:
             return self.executable.run(args)
         return run_function(self.fn, args, precision)
+
+
+@dataclass
+class _GatherPlan:
+    """Where each argument of an executable's program comes from, resolved once."""
+
+    fixed: list  # params and buffers (the key pins their identity); None elsewhere
+    batch: list[tuple[int, int]]  # (argument, batch position)
+    hyper: list[tuple[int, str]]  # (argument, hyper-parameter name)
+    momentum_fresh: list[tuple[int, torch.Tensor]]  # (argument, param): 1.0 until its buffer exists
+    seeds: list[int]
+    state: list[tuple[int, torch.Tensor, str, str]]  # (argument, param, state name, key)
+
+    @staticmethod
+    def of(prog: "Program") -> "_GatherPlan":
+        cap = prog.compilation.captured
+        g = _GatherPlan([None] * len(prog.args), [], [], [], [], [])
+        for i, s in enumerate(prog.args):
+            if s.role == "param":
+                g.fixed[i] = cap.params[s.name].detach()
+            elif s.role == "buffer":
+                g.fixed[i] = cap.buffers[s.name]
+            elif s.role == "batch":
+                g.batch.append((i, cap.batch_names.index(s.name)))
+            elif s.role == "seed":
+                g.seeds.append(i)
+            elif s.role == "hyper" and s.name.endswith("::momentum_buffer_fresh"):
+                g.momentum_fresh.append((i, cap.params[s.name.split("::")[0]]))
+            elif s.role == "hyper":
+                g.hyper.append((i, s.name))
+            elif s.role == "state":
+                pname, key = s.name.split("::")
+                g.state.append((i, cap.params[pname], s.name, key))
+            else:
+                raise AssertionError(f"unknown argument role {s.role}")
+        return g
 
 
 class _Key(NamedTuple):
@@ -332,7 +369,10 @@ class CompiledStep:
                 self._batch_sig = [(t.dtype, t.device, t.dim()) for t in batch]
             self._last = prog
             exe = prog.executable
-            args, fresh_state, moved = self._gather(prog, batch, device_scalars=exe is None)
+            if exe is not None:
+                args, fresh_state, moved = self._bound_args(prog, batch)
+            else:
+                args, fresh_state, moved = self._gather(prog, batch)
             self._calls += 1
             with torch.no_grad():
                 if exe is not None:
@@ -414,22 +454,59 @@ class CompiledStep:
                     "optimizer state unchanged; %d step(s) skipped so far)", p.call, nonfinite, self._skipped)  # fmt: skip
         return False
 
-    def _gather(self, prog: Program, batch: tuple, device_scalars: bool = True):
-        """The program's arguments: ``(args, fresh, moved)``. ``fresh``: state entries
-        this step creates; ``moved``: existing ones the step takes on another device
-        or layout (a CPU ``step`` on a CUDA program) and stores back, so that the
-        executable binds the same tensor at every call. ``device_scalars=False``
-        (the executable): hyper-parameters and seeds stay Python numbers, which it
-        writes into its own buffer with one copy."""
+    def _bound_args(self, prog: Program, batch: tuple):
+        """``_gather`` for the executable, per call only what can change: the batch,
+        the hyper-parameters, the seeds and the state tensors (a state tensor seen
+        before is not checked again: the executable compares its storage)."""
+        g = prog.gather
+        if g is None:
+            g = prog.gather = _GatherPlan.of(prog)
+        args = list(g.fixed)
+        for i, k in g.batch:
+            args[i] = batch[k]
+        if g.hyper:
+            hyper = hyper_values(self.optimizer, prog.compilation.spec)
+            for i, name in g.hyper:
+                args[i] = hyper[name]
+        state = self.optimizer.state
+        for i, p in g.momentum_fresh:
+            args[i] = 0.0 if "momentum_buffer" in state.get(p, {}) else 1.0
+        for i in g.seeds:
+            # one draw from torch's default generator per step: torch.manual_seed reproduces runs
+            args[i] = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64))
+        fresh: dict[str, torch.Tensor] = {}
+        moved: dict[str, torch.Tensor] = {}
+        seen = prog.seen_state
+        for i, p, name, key in g.state:
+            entry = state.get(p)
+            v = entry.get(key) if entry is not None else None
+            if v is not None and seen.get(i) is v:
+                args[i] = v
+            elif v is not None:
+                s = prog.args[i]
+                t = _checked_state(name.split("::")[0], key, v, p, to_torch_dtype(elem_of(s.type)), shape_of(s.type))
+                if t.data_ptr() != v.data_ptr():
+                    moved[name] = t
+                else:
+                    seen[i] = v
+                args[i] = t
+            else:
+                t = torch.zeros((), dtype=_step_dtype(), device=p.device) if key == "step" else torch.zeros_like(p)
+                fresh[name] = t
+                args[i] = t
+        return args, fresh, moved
+
+    def _gather(self, prog: Program, batch: tuple):
+        """The reference executor's arguments: ``(args, fresh, {})``, ``fresh`` the
+        state entries this step creates."""
         c = prog.compilation
         device = next(self.model.parameters()).device
         hyper = hyper_values(self.optimizer, c.spec)
         by_name = {n: p for n, p in c.captured.params.items()}
         fresh: dict[str, torch.Tensor] = {}
-        moved: dict[str, torch.Tensor] = {}
         args = []
         hyper_at: list[tuple[int, float]] = []  # (argument index, value): filled from one device tensor below
-        for i_arg, s in enumerate(prog.args):
+        for s in prog.args:
             if s.role == "param":
                 args.append(by_name[s.name].detach())
             elif s.role == "buffer":
@@ -438,8 +515,7 @@ class CompiledStep:
                 args.append(batch[c.captured.batch_names.index(s.name)])
             elif s.role == "seed":
                 # one draw from torch's default generator per step: torch.manual_seed reproduces runs
-                seed = torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
-                args.append(seed.to(device) if device_scalars else int(seed))
+                args.append(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).to(device))
             elif s.role == "hyper":
                 if s.name.endswith("::momentum_buffer_fresh"):
                     p = by_name[s.name.split("::")[0]]
@@ -452,31 +528,21 @@ class CompiledStep:
                 pname, key = s.name.split("::")
                 p = by_name[pname]
                 v = self.optimizer.state.get(p, {}).get(key)
-                if v is not None and not device_scalars and prog.seen_state.get(i_arg) is v:
-                    args.append(v)  # the tensor the executable holds, checked when it came: its storage is bound
-                elif v is not None:
-                    t = _checked_state(pname, key, v, p, to_torch_dtype(elem_of(s.type)), shape_of(s.type))
-                    if not device_scalars and t.data_ptr() != v.data_ptr():
-                        moved[s.name] = t
-                    elif not device_scalars:
-                        prog.seen_state[i_arg] = v
-                    args.append(t)
+                if v is not None:
+                    args.append(_checked_state(pname, key, v, p, to_torch_dtype(elem_of(s.type)), shape_of(s.type)))
                 else:
                     t = torch.zeros((), dtype=_step_dtype(), device=device) if key == "step" else torch.zeros_like(p)
                     fresh[s.name] = t
                     args.append(t)
             else:
                 raise AssertionError(f"unknown argument role {s.role}")
-        if hyper_at and not device_scalars:
-            for i, value in hyper_at:
-                args[i] = value
-        elif hyper_at:
+        if hyper_at:
             # every hyper-parameter in one host-to-device copy (not one tensor and copy each):
             # each argument is a 0-d view of it, read fresh at every call (LR schedulers work)
             values = torch.tensor([v for _, v in hyper_at], dtype=torch.float64).to(device)
             for k, (i, _) in enumerate(hyper_at):
                 args[i] = values[k]
-        return args, fresh, moved
+        return args, fresh, {}
 
     def _prepare_write_back(self, prog: Program, outs: list[torch.Tensor], fresh: dict, moved: dict,
                             in_place: bool = False) -> list[tuple]:  # fmt: skip

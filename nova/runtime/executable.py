@@ -123,7 +123,7 @@ class Executable:
     def bind(self, ext: Sequence[torch.Tensor]) -> None:
         """Binds the launch list to ``ext`` (one tensor per argument; only the
         param / state / buffer entries are read). Cheap when nothing changed."""
-        ptrs = [ext[i].data_ptr() for i in self.external]
+        ptrs = [ext[i].data_ptr() for i in self.external]  # ~0.2 us each
         if self.bound is not None and ptrs == self.bound:
             return
         for i in self.external:
