@@ -599,11 +599,15 @@ class CompiledStep:
         c = pipeline.Compilation(self.model, last.batch, self.optimizer, self.precision, last.step_dtype)
         c.device = last.device
         c.skip_nonfinite = last.skip_nonfinite
+        c.memory_budget = last.memory_budget
         with self._lock, _COMPILE_LOCK:
             pipeline.run(c, dump=True)
+        from nova.transforms import remat
         from nova.transforms.plan_memory import plot_timeline, report
 
-        lines = ["memory plan:", *report(c.memory)]
+        # the launch scratch is known from the lowered kernels of the program that ran
+        c.memory.scratch_bytes, c.memory.scratch_what = last.memory.scratch_bytes, last.memory.scratch_what
+        lines = ["memory plan:", *report(c.memory), *remat.report(c.remat), f"runs as: {self.mode}"]
         if plots is not None:
             path = Path(plots) / "memory_timeline.png"
             path.parent.mkdir(parents=True, exist_ok=True)

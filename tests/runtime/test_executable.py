@@ -94,3 +94,14 @@ def test_a_non_contiguous_state_tensor_is_a_clear_error():
     opt.state[p]["momentum_buffer"] = buf.t().contiguous().t()  # same values, transposed strides
     with pytest.raises(ValueError, match="not contiguous"):
         step(*b[1])
+
+
+def test_explain_reports_the_plan_the_remat_choices_and_how_the_step_runs():
+    model = _model()
+    step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="triton")
+    step(*_batches(1)[0])
+    head = [line for line in step.explain().splitlines() if line.startswith("// ") and "=====" not in line]
+    text = "\n".join(head)
+    assert "predicted peak" in text and "largest launch scratch" in text
+    assert "remat:" in text
+    assert "runs as: launch list" in text
