@@ -19,22 +19,34 @@ defining op and, recursively, the producers of its operands, stopping at
 argument is updated in place before T), 0-d constants, and values *live at T
 anyway* (their last read, kept by other readers, is at T or later). Layout ops
 that are strided views cost nothing and are cloned along (the late readers'
-views of ``v`` too). Only element-local ops are cloned: never a reduction, a
-contraction (matmul, attention, the fused LM head) or an embedding.
+views of ``v`` too). Only element-local ops are cloned: elementwise ones and
+layer_norm (a row pass; only for its output, never for its statistics alone),
+never a reduction, a contraction (matmul, attention, the fused LM head) or an
+embedding. A leaf that is not live at T anyway is *extended*: it is kept until T.
 
-  default   up to ``DEFAULT_OPS`` kernels, all elementwise (casts, add/mul with a
-            bias or a scalar, gelu, neg, copies, ...), and every leaf live at T
-            anyway: the recompute extends no lifetime, so freeing ``v`` can only
-            lower the live bytes between its forward reads and T (the new
-            transients at T are checked below). Examples: a weight's bf16 cast
-            (from the param), the bf16 GELU output (from the pre-GELU value
-            gelu_backward keeps), the attention output's [B, T, C] copy (from
-            the attention output attention_backward keeps).
-  budget    with ``Compilation.memory_budget`` (bytes), also layer_norm outputs
-            (from the input and params layer_norm_backward keeps), chains of up to
-            ``BUDGET_OPS`` kernels, and leaves that are not live at T (their
-            lifetime grows to T: worth it when they are smaller, e.g. a bf16 matmul
-            output kept instead of its f32 bias add).
+  default   up to ``DEFAULT_OPS`` kernels, each elementwise (casts, add/mul with a
+            bias or a scalar, gelu, neg, copies, ...) or a layer_norm, from leaves
+            live at T anyway; or, *narrower source*, an elementwise-only chain
+            whose extended leaves together are at most half the bytes of ``v``.
+            On GPT-2 (bytes read + written per byte of ``v`` no longer kept):
+            a weight's bf16 cast from the param (3); the attention output's
+            [B, T, C] copy from the attention output attention_backward keeps (2);
+            the bf16 GELU output from the pre-GELU value (7: gelu, cast); the bf16
+            LayerNorm outputs the backward matmuls read, from the input and params
+            layer_norm_backward keeps (7: layer_norm, cast); the f32 pre-GELU bias
+            add from the bf16 matmul output, kept instead at half the bytes (3.5:
+            cast, add); a residual from the previous one and the bf16 projection
+            output (6.5). One pass over bytes per kernel, no FLOPs to speak of: at
+            batch 32 x 1024 the recomputes move 46 GiB (about 10 ms at the H200's
+            4.8 TB/s; 16 GiB before narrower sources and layer_norm) against about
+            27 TFLOP of matmuls, attention and LM head (27 ms at 989 TFLOP/s). Each
+            clone is its own launch today; fused into its reader (gelu_backward
+            reading the bf16 matmul output) a narrower source moves fewer bytes
+            than keeping ``v`` would.
+  budget    with ``Compilation.memory_budget`` (bytes), also chains of up to
+            ``BUDGET_OPS`` kernels, dropout masks (a counter-based RNG) and extended
+            leaves of any size (e.g. each residual from the one two additions back
+            and both bf16 projection outputs: 6 kernels, 13 bytes moved per byte).
 
 Which choices: the plan's liveness (``plan_memory._Planner``: the same storage,
 views, fused epilogues and in-place rules as the final plan) gives the bytes
@@ -44,9 +56,13 @@ every helping default choice (not touching another one applied in the same
 round) is applied, liveness is recomputed, and rounds repeat while t* has a
 helping choice; a round whose largest live set is larger than before is
 undone and its choices tried one at a time, each kept only if the largest live
-set does not grow. Budget: then, one choice at a time, the one that frees the
-most bytes at t* per byte the recompute reads and writes (elementwise kernels
-are bandwidth-bound), until the predicted peak (``plan_memory``'s full plan,
+set does not grow. Choices from leaves live anyway go first, narrower sources
+only in a round with none of those left (or none kept): once the GELU output
+is recomputed from the pre-GELU value, that value's late reads include the
+clone, and its narrower source (the bf16 matmul output) then serves both.
+Budget: then, one choice at a time, the one that frees the most bytes at t*
+per byte the recompute reads and writes (elementwise kernels are
+bandwidth-bound), until the predicted peak (``plan_memory``'s full plan,
 ``peak_bytes``) fits; if no choice is left, ``MemoryBudgetError`` names the
 budget and the smallest peak reached.
 
@@ -77,8 +93,11 @@ ELEMENTWISE = (
     nv.CosOp, nv.SinOp, nv.AbsOp, nv.GeluOp, nv.GeluBackwardOp, nv.CompareOp,
     nv.TransposeOp, nv.ReshapeOp, nv.BroadcastToOp, nv.SliceOp, nv.PadOp, nv.FullOp,
 )  # fmt: skip
-# more work per byte (a row reduction inside, a counter-based RNG): only to fit a budget
-BUDGET_ONLY = (nv.LayerNormOp, nv.DropoutMaskOp)
+# one pass over a row: reads the row and writes it, like an elementwise kernel
+# (its statistics are recomputed too and then unused)
+ROW_LOCAL = (nv.LayerNormOp,)
+# a counter-based RNG per element: only to fit a budget
+BUDGET_ONLY = (nv.DropoutMaskOp,)
 # a handful of element-local kernels: as cheap as the launches of the ops they serve
 DEFAULT_OPS = 3
 BUDGET_OPS = 8
@@ -200,8 +219,10 @@ def _split(times: list[int]) -> tuple[int, int] | None:
 
 
 def _recompute(live: _Live, v: SSAValue, t: int, budget: bool):
-    """The ops to clone and the leaves, or None when ``v`` cannot be recomputed at ``t``."""
-    allowed = ELEMENTWISE + BUDGET_ONLY if budget else ELEMENTWISE
+    """The ops to clone, the leaves and the extended leaves (an op that is not
+    recomputed, or not within the kernel limit, is kept until ``t``), or None
+    when ``v`` cannot be recomputed at ``t``."""
+    allowed = ELEMENTWISE + ROW_LOCAL + BUDGET_ONLY if budget else ELEMENTWISE + ROW_LOCAL
     limit = BUDGET_OPS if budget else DEFAULT_OPS
     ops: dict[Operation, None] = {}
     leaves: set[SSAValue] = set()
@@ -219,10 +240,12 @@ def _recompute(live: _Live, v: SSAValue, t: int, budget: bool):
         if op in ops:
             return True
         recomputable = isinstance(op, allowed) and kernels < limit
+        if isinstance(op, ROW_LOCAL) and u is not op.results[0]:
+            recomputable = False  # a row's statistics alone: 1/C of the bytes the pass moves
         if isinstance(op, nv.FullOp) and live.kind(u) == "const":
             recomputable = False
         if not recomputable:
-            if not budget or u is v or live.kind(u) == "fused":
+            if u is v or live.kind(u) == "fused":
                 return False
             r = live.p.root(u)
             leaves.add(r)
@@ -254,8 +277,20 @@ def _grown_peak(live: _Live, size: int, early: int, late: int, extended: set[SSA
     return top
 
 
+def _default_kind(kernels: list[Operation], extended_bytes: int, size: int) -> bool:
+    """The default rule: at most ``DEFAULT_OPS`` elementwise or row-local kernels
+    whose leaves are live anyway, or an elementwise-only chain from narrower
+    sources (the extended leaves at most half the bytes freed)."""
+    if len(kernels) > DEFAULT_OPS or not all(isinstance(op, ELEMENTWISE + ROW_LOCAL) for op in kernels):
+        return False
+    if not extended_bytes:
+        return True
+    return all(isinstance(op, ELEMENTWISE) for op in kernels) and 2 * extended_bytes <= size
+
+
 def candidates(live: _Live, budget: bool) -> list[_Candidate]:
-    """The choices that free bytes at the current largest live set."""
+    """The choices that free bytes at the current largest live set: with ``budget``
+    every one (rule "budget"), else the default rule's."""
     tp = live.peak_time
     out = []
     for b in live.buffers:
@@ -278,16 +313,18 @@ def candidates(live: _Live, budget: bool) -> list[_Candidate]:
         if net <= 0:
             continue
         kernels = [op for op in ops if live.kind(op.results[0]) != "view"]
+        grown = sum(live.size(r) for r in extended)
+        if not budget and not _default_kind(kernels, grown, b.size):
+            continue
         # no new largest live set elsewhere: the clones' intermediates at T (the clone
         # of v itself replaces v there) and each extended leaf over its new stretch
         transient = sum(live.size(r) for op in kernels for r in op.results if r is not v)
-        if live.live[late] + transient + sum(live.size(r) for r in extended) > live.lower:
+        if live.live[late] + transient + grown > live.lower:
             continue
         if extended and _grown_peak(live, b.size, early, late, extended) > live.lower:
             continue
         cost = sum(pm.nbytes(x) for op in kernels for x in (*op.operands, *op.results))
-        rule = "default" if not extended and len(kernels) <= DEFAULT_OPS and not any(
-            isinstance(op, BUDGET_ONLY) for op in ops) else "budget"  # fmt: skip
+        rule = "budget" if budget else "default"
         names = [op.name.removeprefix("nova.") for op in kernels]
         out.append(_Candidate(v, late, ops, leaves, extended, net, cost, rule, names))
     return out
@@ -374,37 +411,47 @@ def _choice(c: _Candidate) -> Choice:
 # the stage
 
 
+def _try_round(fn, live: _Live, cands: list[_Candidate], chosen: list[Choice]) -> tuple[_Live, bool]:
+    """Applies every candidate not touching another one applied before it; keeps
+    them if the largest live set does not grow, else tries them one at a time.
+    Returns the new liveness and whether anything was kept."""
+    touched: set[SSAValue] = set()
+    applied: list[_Applied] = []
+    for c in cands:
+        if c.touched() & touched:
+            continue
+        touched |= c.touched()
+        applied.append(_apply(live, c))
+    after = _Live(fn)
+    if after.lower <= live.lower:
+        chosen.extend(_choice(a.cand) for a in applied)
+        return (_Live(fn) if dce(fn.body.block) else after), True
+    for a in reversed(applied):  # the round made a larger live set: one choice at a time
+        a.undo()
+    kept = 0
+    for c in [a.cand for a in applied]:
+        a = _apply(live, c)
+        nxt = _Live(fn)
+        if nxt.lower <= live.lower:
+            chosen.append(_choice(c))
+            kept += 1
+        else:
+            a.undo()
+    dce(fn.body.block)
+    return _Live(fn), kept > 0
+
+
 def _default_rounds(fn, live: _Live, chosen: list[Choice]) -> _Live:
     for _ in range(MAX_ROUNDS):
-        cands = sorted((c for c in candidates(live, budget=False) if c.rule == "default"), key=lambda c: -c.net)
-        if not cands:
-            return live
-        touched: set[SSAValue] = set()
-        applied: list[_Applied] = []
-        for c in cands:
-            if c.touched() & touched:
-                continue
-            touched |= c.touched()
-            applied.append(_apply(live, c))
-        after = _Live(fn)
-        if after.lower <= live.lower:
-            chosen.extend(_choice(a.cand) for a in applied)
-            live = _Live(fn) if dce(fn.body.block) else after
-            continue
-        for a in reversed(applied):  # the round made a larger live set: one choice at a time
-            a.undo()
-        kept = 0
-        for c in [a.cand for a in applied]:
-            a = _apply(live, c)
-            nxt = _Live(fn)
-            if nxt.lower <= live.lower:
-                chosen.append(_choice(c))
-                kept += 1
-            else:
-                a.undo()
-        dce(fn.body.block)
-        live = _Live(fn)
-        if not kept:
+        cands = sorted(candidates(live, budget=False), key=lambda c: -c.net)
+        # from values live anyway first, narrower sources after (module docstring)
+        groups = [[c for c in cands if not c.extended], [c for c in cands if c.extended]]
+        for group in groups:
+            if group:
+                live, kept = _try_round(fn, live, group, chosen)
+                if kept:
+                    break
+        else:
             return live
     return live
 

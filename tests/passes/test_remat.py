@@ -71,6 +71,56 @@ def test_a_cheap_chain_is_recomputed_before_its_late_read():
         assert torch.equal(x, y)
 
 
+def _bias_add_read_late(src):
+    """p = add(cast(a @ w), bias) read by gelu in the forward and, after a gap
+    holding the largest live set, by gelu_backward: the [128, 128] matmul output
+    is read by nothing else (not live at the late read). ``src`` is the matmul's
+    element type; with f32 the chain is neg -> add (a source as wide as p)."""
+    module, fn = new_step([
+        Slot("param", "a", tensor([128, 128], src)), Slot("param", "w", tensor([128, 128], src)),
+        Slot("param", "bias", tensor([128], f32)), Slot("param", "x", tensor([128, 128], f32)),
+    ])  # fmt: skip
+    b = OpBuilder(fn.body.block)
+    a, w, bias, x = fn.body.block.args
+    mm = b.matmul(a, w)
+    p = b.add(b.cast(mm, f32) if src == bf16 else b.neg(mm), bias)
+    r1 = b.reduce_sum(b.one(nv.GeluOp, [p], {"approximate": "tanh"}), [0, 1])
+    z = b.one(nv.ExpOp, [x])
+    r2 = b.reduce_sum(b.add(z, b.one(nv.ExpOp, [z])), [0, 1])  # the gap
+    gp = b.one(nv.GeluBackwardOp, [x, p], {"approximate": "tanh"})
+    set_results(fn, [("loss", "loss", b.add(r1, r2)), ("grad", "x", gp)])
+    dtype = to_torch_dtype(src)
+    args = [torch.randn(128, 128).to(dtype), torch.randn(128, 128).to(dtype), torch.randn(128), torch.randn(128, 128)]
+    return module, fn, args
+
+
+def test_a_narrower_source_is_kept_instead_of_its_f32_bias_add():
+    module, fn, args = _bias_add_read_late(bf16)
+    before = run_function(fn, args)
+    peak_before = plan_memory(module.clone()).peak_bytes
+    choices = rm.remat(module)
+    module.verify()
+    assert [(c.what, c.rule) for c in choices] == [("cast -> add tensor<128x128xf32>", "default")]
+    assert choices[0].saved_bytes == 128 * 128 * 4
+    ops = list(fn.body.block.ops)
+    adds = [o for o in ops if isinstance(o, nv.AddOp) and o.attributes.get("nova.remat")]
+    (clone,) = [o for o in adds if list(shape_of(o.results[0].type)) == [128, 128]]
+    (late,) = [o for o in ops if isinstance(o, nv.GeluBackwardOp)]
+    assert late.operands[1] is clone.results[0]
+    cast = clone.operands[0].owner
+    assert isinstance(cast, nv.CastOp) and cast.attributes["nova.remat"].data == "default"
+    assert isinstance(cast.operands[0].owner, nv.MatmulOp)  # the bf16 matmul output, kept until the late read
+    assert plan_memory(module.clone()).peak_bytes < peak_before
+    for x, y in zip(before, run_function(fn, args), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_a_source_as_wide_as_the_value_is_not_recomputed_by_default():
+    module, fn, _ = _bias_add_read_late(f32)
+    text = print_module(module)
+    assert rm.remat(module) == [] and print_module(module) == text
+
+
 def test_nothing_to_gain_leaves_the_ir_alone():
     module, fn = new_step([Slot("param", "x", tensor([64, 64], f32))])
     b = OpBuilder(fn.body.block)
@@ -113,17 +163,27 @@ def _gpt(**kw):
     return pipeline.run(pipeline.Compilation(model, batch, opt, "bf16", torch.float32, **kw))
 
 
+def _older_default(kernels, extended_bytes, size):
+    """The default rule before narrower sources and layer_norm: elementwise chains
+    from values live anyway only."""
+    return not extended_bytes and len(kernels) <= rm.DEFAULT_OPS and all(isinstance(o, rm.ELEMENTWISE) for o in kernels)
+
+
 @pytest.fixture(scope="module")
 def steps():
-    """The step without remat and with the default rule (the step cache off: it would
-    hand the second compile the first one's IR)."""
+    """The step without remat, with the older default rule and with the default rule
+    (the step cache off: it would hand a later compile the first one's IR)."""
     mp = pytest.MonkeyPatch()
     mp.setattr(pipeline, "SETTINGS", _NO_STEP_CACHE)
     mp.setattr(rm, "remat", lambda module, budget=None: [])
     plain = _gpt()
     mp.setattr(rm, "remat", remat)
+    with pytest.MonkeyPatch.context() as older:
+        older.setattr(rm, "ROW_LOCAL", ())
+        older.setattr(rm, "_default_kind", _older_default)
+        old = _gpt()
     default = _gpt()
-    yield plain, default
+    yield plain, default, old
     mp.undo()
 
 
@@ -136,7 +196,7 @@ def _same_results(a, b):
 
 
 def test_the_default_rule_lowers_the_peak_of_a_gpt_step(steps):
-    plain, default = steps
+    plain, default, _ = steps
     assert plain.remat == [] and default.remat
     assert all(c.rule == "default" for c in default.remat)
     assert default.memory.peak_bytes < plain.memory.peak_bytes
@@ -148,8 +208,32 @@ def test_the_default_rule_lowers_the_peak_of_a_gpt_step(steps):
     assert lines[0].startswith(f"remat: {len(default.remat)} values recomputed")
 
 
+def test_the_default_rule_recomputes_the_pre_gelu_value_and_layer_norm_outputs(steps):
+    plain, default, old = steps
+    whats = [c.what for c in default.remat]
+    # the f32 bias add before GELU, from the bf16 matmul output (kept instead: half the bytes)
+    assert "cast -> add tensor<8x64x256xf32>" in whats
+    # the bf16 LayerNorm outputs the matmuls' backward reads, from the input and params
+    # layer_norm_backward keeps; never a layer_norm for its statistics alone
+    assert whats.count("layer_norm -> cast tensor<8x64x64xbf16>") == 4
+    assert not any(w.startswith("layer_norm tensor") for w in whats)
+    assert not any("layer_norm" in c.what or c.what.startswith("cast -> add") for c in old.remat)
+    fn = step_func(default.module)
+    gelu_bwd = [o for o in fn.body.block.ops if isinstance(o, nv.GeluBackwardOp)]
+    (bwd,) = [o for o in gelu_bwd if "h.0." in o.attributes["nova.loc"].data]
+    pre = bwd.operands[1].owner
+    assert isinstance(pre, nv.AddOp) and pre.attributes["nova.remat"].data == "default"
+    src = pre.operands[0].owner
+    while not isinstance(src, nv.MatmulOp):
+        assert isinstance(src, (nv.CastOp, nv.ReshapeOp)) and src.attributes["nova.remat"].data == "default"
+        src = src.operands[0].owner
+    assert elem_of(src.results[0].type) == bf16 and "nova.remat" not in src.attributes
+    assert default.memory.peak_bytes < old.memory.peak_bytes < plain.memory.peak_bytes
+    _same_results(plain, default)
+
+
 def test_a_budget_between_the_default_and_the_floor(steps, monkeypatch):
-    plain, default = steps
+    plain, default, _ = steps
     monkeypatch.setattr(pipeline, "SETTINGS", _NO_STEP_CACHE)
     with pytest.raises(rm.MemoryBudgetError) as e:
         _gpt(memory_budget=1)
