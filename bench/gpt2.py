@@ -370,8 +370,9 @@ def run(opts, log=print) -> dict:
         f"{n_params / 1e6:.1f}M parameters; {cfg['precision']}, batch {cfg['batch']} x {cfg['seq']}; "
         f"{cfg['warmup']} warm-up + {cfg['steps']} timed steps; engines {', '.join(cfg['engines'])}")
     if cfg["cap_gib"] and device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg["cap_gib"] * GIB / total), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()  # torch wants an index
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg["cap_gib"] * GIB / total), index)
         log(f"memory capped at {cfg['cap_gib']:g} GiB of {total / GIB:.1f}")
     elif cfg["cap_gib"]:
         log("--cap-gib is not applied on the CPU")
