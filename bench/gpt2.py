@@ -180,6 +180,11 @@ def _is_oom(e: BaseException | None) -> bool:
     return False
 
 
+def _index(device: torch.device) -> int:
+    """The CUDA device's index (set_per_process_memory_fraction refuses a bare 'cuda')."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -370,9 +375,8 @@ def run(opts, log=print) -> dict:
         f"{n_params / 1e6:.1f}M parameters; {cfg['precision']}, batch {cfg['batch']} x {cfg['seq']}; "
         f"{cfg['warmup']} warm-up + {cfg['steps']} timed steps; engines {', '.join(cfg['engines'])}")
     if cfg["cap_gib"] and device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()  # torch wants an index
-        total = torch.cuda.get_device_properties(index).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg["cap_gib"] * GIB / total), index)
+        total = torch.cuda.get_device_properties(_index(device)).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg["cap_gib"] * GIB / total), _index(device))
         log(f"memory capped at {cfg['cap_gib']:g} GiB of {total / GIB:.1f}")
     elif cfg["cap_gib"]:
         log("--cap-gib is not applied on the CPU")
@@ -393,7 +397,7 @@ def run(opts, log=print) -> dict:
         reference, reference_note = eager["losses"], "eager, this run"
     elif eager is not None and eager["oom"] and cfg["cap_gib"] and device.type == "cuda":
         log("eager ran out of memory under the cap: its reference losses again, uncapped ...")
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, _index(device))
         ref = measure("eager", cfg, state, device, batches, opts.dry_run, log, warm_compile=False)
         if ref["error"] is None:
             reference, reference_note = ref["losses"], "eager without the memory cap (it ran out of memory under it)"
