@@ -417,6 +417,7 @@ def run(opts, log=print) -> dict:
                        timing="CUDA events per step, one synchronize per timed window, median" if device.type == "cuda"
                        else "wall clock per step (CPU), median"),
         "loss_reference": reference_note,
+        "reference_losses": _clean(reference) if reference else None,
         "seconds": time.perf_counter() - started,
         "rows": _clean(rows),
     }
