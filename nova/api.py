@@ -330,7 +330,7 @@ class CompiledStep:
                     from nova.runtime.executable import Executable
 
                     prog.kernels = TritonProgram(prog.fn, self.precision)
-                    c.memory.scratch_bytes, c.memory.scratch_what = prog.kernels.scratch()
+                    c.memory.scratch_bytes, c.memory.scratch_what = prog.kernels.scratch(c.memory.scratch_at)
                     device = next(self.model.parameters()).device
                     prog.executable = Executable(prog.kernels, c.memory, device, cuda_graph=self.cuda_graph)
             self._programs[key] = prog

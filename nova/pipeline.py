@@ -128,10 +128,17 @@ def _configure(c: Compilation) -> None:
 
 def _plan_memory(c: Compilation) -> None:
     # for every target: cheap (a GPT-2 step's ~5k ops in a fraction of a second), and
-    # it is what explain() reports; only the GPU runtime will bind buffers to it
+    # it is what explain() reports; the GPU executable binds every buffer to it, and
+    # plans the arena scratch of the launches that take one (the fused LM head's
+    # logits chunk) into its gaps
     from nova.transforms.plan_memory import plan_memory
 
-    c.memory = plan_memory(c.module)
+    scratch = None
+    if c.device is not None:
+        from nova.backends.triton import planned_scratch
+
+        scratch = planned_scratch(step_func(c.module))
+    c.memory = plan_memory(c.module, scratch)
 
 
 STAGES: list[tuple[str, Callable[[Compilation], None]]] = [

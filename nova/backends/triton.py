@@ -116,6 +116,16 @@ def _matmul_run(op: Operation, precision: str, with_bias: bool, copy: Callable[[
     return run
 
 
+def planned_scratch(fn: func.FuncOp) -> dict[Operation, int]:
+    """The arena scratch of every launch that takes one (``lowering.ARENA_SCRATCH``)."""
+    out = {}
+    for op in fn.body.block.ops:
+        rule = lw.ARENA_SCRATCH.get(type(op))
+        if rule is not None:
+            out[op] = rule(op)
+    return out
+
+
 def _matmul_scratch(op: Operation, precision: str) -> int:
     a, b = shape_of(op.operands[0].type), shape_of(op.operands[1].type)
     out = shape_of(op.results[0].type)
@@ -163,10 +173,15 @@ class TritonProgram:
                                        scratch=kernel.scratch_bytes))
         self.returned = tuple(fn.body.block.last_op.operands)
 
-    def scratch(self) -> tuple[int, str]:
-        """The largest scratch one launch allocates, and which op it is."""
-        top = max(self.steps, key=lambda st: st.scratch, default=None)
-        return (top.scratch, top.op.name) if top is not None else (0, "")
+    def scratch(self, planned: dict) -> tuple[int, str]:
+        """The largest scratch one launch allocates outside the arena (``planned``:
+        the ops whose arena scratch the memory plan holds), and which op it is."""
+        def outside(st: Step) -> int:
+            taken = st.kernel.arena_scratch_bytes if st.kernel is not None and st.op in planned else 0
+            return st.scratch - taken
+
+        top = max(self.steps, key=outside, default=None)
+        return (outside(top), top.op.name) if top is not None else (0, "")
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """A contiguous copy made by a generated kernel (for layouts a kernel cannot read)."""
@@ -180,7 +195,8 @@ class TritonProgram:
     def _launcher(self, kernel: lw.Kernel):
         need = set(kernel.needs_contiguous)
 
-        def run(xs: list[torch.Tensor], outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        def run(xs: list[torch.Tensor], outs: list[torch.Tensor] | None = None,
+                scratch: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
             if need:
                 for i in need:
                     if not xs[i].is_contiguous():
@@ -188,6 +204,8 @@ class TritonProgram:
                              "%s: operand %d is not contiguous (strides %s): copied first", kernel.name, i,
                              tuple(xs[i].stride()))
                 xs = [self.copy(x) if i in need and not x.is_contiguous() else x for i, x in enumerate(xs)]
+            if scratch is not None:
+                return kernel.launch(xs, outs, scratch=scratch)
             return kernel.launch(xs) if outs is None else kernel.launch(xs, outs)
 
         return run

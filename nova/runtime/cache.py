@@ -399,9 +399,9 @@ def _restore_spec(c, looked: "Lookup") -> None:
 
 
 def _restore_memory(c, looked: "Lookup") -> None:
-    from nova.transforms.plan_memory import plan_memory
+    from nova.pipeline import _plan_memory
 
-    c.memory = plan_memory(c.module)  # it reads placements from the IR alone
+    _plan_memory(c)  # the stage itself, on the restored IR: it reads placements from the IR alone
 
 
 def _keep_remat(c, dirs: list[str]) -> list:

@@ -51,9 +51,13 @@ class Launch:
     run: Callable[..., list[torch.Tensor]]  # (inputs, outs) -> outs
     ins: list[torch.Tensor]
     outs: list[torch.Tensor]
+    scratch: torch.Tensor | None = None  # a planned arena slice for the launch's scratch
 
     def __call__(self) -> None:
-        self.run(self.ins, self.outs)
+        if self.scratch is None:
+            self.run(self.ins, self.outs)
+        else:
+            self.run(self.ins, self.outs, scratch=self.scratch)
 
 
 def _empty(v: SSAValue, device) -> torch.Tensor:
@@ -163,6 +167,9 @@ class Executable:
                 run = _reshape_copy  # a reshape the strides do not allow: a copy into its buffer
             outs = [self._storage(r, ext) for r in st.outputs]
             launch = Launch(st.op.name, run, ins, outs)
+            if st.op in self.plan.scratch_at:  # its scratch is planned in the arena too
+                off, size = self.plan.scratch_at[st.op]
+                launch.scratch = self.arena[off:off + size]
             if all(self.plan.placements[r].kind == "const" for r in st.outputs):
                 launch()  # a 0-d constant: computed once
             else:

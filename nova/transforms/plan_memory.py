@@ -132,7 +132,8 @@ class MemoryPlan:
     live_bytes: list[int]  # arena bytes live at each time
     steps: list[str]  # the op name of each step, in launch order
     placements: dict[SSAValue, Placement] = field(repr=False, default_factory=dict)
-    scratch_bytes: int = 0  # the most one launch allocates besides its results (set by the backend's kernels)
+    scratch_at: dict[Operation, tuple[int, int]] = field(repr=False, default_factory=dict)  # op -> planned scratch
+    scratch_bytes: int = 0  # the most one launch allocates outside the arena (set by the backend's kernels)
     scratch_what: str = ""  # the op whose launch that is
 
     @property
@@ -417,18 +418,29 @@ def _torch_bytes(n: int) -> int:
     return _align(n, TORCH_BLOCK) if n else 0
 
 
-def plan_memory(module: ModuleOp) -> MemoryPlan:
-    """Plans @train_step's memory and records it in the IR (see ``annotate``)."""
+def plan_memory(module: ModuleOp, scratch: dict[Operation, int] | None = None) -> MemoryPlan:
+    """Plans @train_step's memory and records it in the IR (see ``annotate``).
+    ``scratch``: bytes of arena scratch a launch takes (the backend's ``arena_scratch``
+    rules), planned as a buffer live only during that launch (``MemoryPlan.scratch_at``)."""
     fn = step_func(module)
     p = _Planner(fn)
     p.storage()
     p.liveness()
     inplace = p.results()
     bufs = p.arena_buffers()
+    scratch_steps = []
+    for t, st in enumerate(p.steps, 1):
+        n = (scratch or {}).get(st.op, 0)
+        if n:
+            scratch_steps.append((st.op, len(bufs)))
+            bufs.append(Buffer(st.op.results[0], -1, _align(n), t, t, f"{st.op.name} scratch", _loc(st.op)))
     offsets = assign_offsets([b.size for b in bufs], [b.start for b in bufs], [b.end for b in bufs])
     bufs = [Buffer(b.value, o, b.size, b.start, b.end, b.what, b.loc) for b, o in zip(bufs, offsets, strict=True)]
-    for b in bufs:
-        p.place[b.value].offset = b.offset
+    scratch_at = {op: (bufs[i].offset, bufs[i].size) for op, i in scratch_steps}
+    scratch_bufs = {i for _, i in scratch_steps}
+    for i, b in enumerate(bufs):
+        if i not in scratch_bufs:
+            p.place[b.value].offset = b.offset
     delta = [0] * (p.end_time + 2)
     for b in bufs:
         delta[b.start] += b.size
@@ -462,6 +474,7 @@ def plan_memory(module: ModuleOp) -> MemoryPlan:
         live_bytes=live,
         steps=[st.op.name for st in p.steps],
         placements=p.place,
+        scratch_at=scratch_at,
     )
     annotate(module, p, plan)
     return plan

@@ -488,3 +488,23 @@ def test_explain_shows_the_plan_and_draws_the_timeline(tmp_path):
     png = tmp_path / "p" / "memory_timeline.png"
     img = matplotlib.image.imread(str(png))
     assert png.stat().st_size > 10_000 and img.shape[:2] == (450, 1000) and img[..., :3].std() > 0.05
+
+
+def test_planned_scratch_is_a_buffer_live_only_during_its_launch():
+    module, fn, b = _step(Slot("batch", "x", tensor([64, 64], f32)))
+    x = fn.body.block.args[0]
+    a = b.one(nv.ExpOp, [x])
+    c = b.one(nv.ExpOp, [a])
+    d = b.one(nv.ExpOp, [c])
+    set_results(fn, [("loss", "loss", b.reduce_sum(d, [0, 1]))])
+    without = pm.plan_memory(module.clone())
+    op_c = c.owner
+    plan = pm.plan_memory(module, {op_c: 1000})
+    off, size = plan.scratch_at[op_c]
+    assert size == 1024  # aligned
+    t = plan.steps.index("nova.exp", 1) + 1  # c's launch
+    live = [bf for bf in plan.buffers if bf.start <= t <= bf.end and not bf.what.endswith("scratch")]
+    for bf in live:  # never overlaps what is live while it is
+        assert off + size <= bf.offset or bf.offset + bf.size <= off, bf.what
+    assert plan.arena_bytes == without.arena_bytes + 1024  # here the launch's live set is the largest
+    assert plan.lower_bound_bytes == without.lower_bound_bytes + 1024

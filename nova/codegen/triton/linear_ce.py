@@ -30,9 +30,9 @@ from __future__ import annotations
 import torch
 
 from nova.codegen.triton import matmul as mm
-from nova.codegen.triton.lowering import Kernel, lowers
+from nova.codegen.triton.lowering import Kernel, Scratch, arena_scratch, lowers
 from nova.codegen.triton.rowwise import _FINAL_BLOCK, _TL, LOOP_BLOCK, _check_inputs, _code, _kernel
-from nova.codegen.triton.rowwise import lowering_device, nbytes, next_pow2, result_specs, results
+from nova.codegen.triton.rowwise import lowering_device, next_pow2, result_specs, results
 from nova.codegen.triton.source import load_kernel
 from nova.ir import dialect as nv
 from nova.ir.types import elem_of, shape_of, to_torch_dtype
@@ -170,23 +170,57 @@ def _matmul_scratch(M: int, N: int, K: int, dtype, out_dtype, precision: str, cf
     return worst
 
 
+def _held(N, D, V, chunk, head, bias_dtype, separate_d: bool, backward: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The buffers ``forward`` / ``backward_`` below take from their ``Scratch``, in
+    the order they take them (the arena rule plans exactly these)."""
+    f32 = torch.float32
+    if not backward:
+        return [((N,), f32), ((chunk, V), head)]  # the row losses, the one logits buffer
+    parts = [((1,), f32)]  # the scale
+    if head != f32:
+        parts.append(((V, D), f32))  # a 16-bit dw's accumulator
+    if N > chunk:
+        parts.append(((V, D), f32))  # the partial of every chunk after the first
+    parts.append(((chunk, V), head))
+    if separate_d:
+        parts.append(((chunk, V), bias_dtype))
+    if bias_dtype not in (None, f32):
+        parts.append(((V,), f32))  # a 16-bit dbias's accumulator
+    return parts
+
+
 def _scratch(N, D, V, chunk, head, bias_dtype, separate_d: bool, backward: bool, prec: str, cfg) -> int:
-    """Kernel.scratch_bytes: what ``forward`` / ``backward_`` below allocate, plus the
-    largest matmul's own scratch (the matmuls run one at a time)."""
+    """Kernel.scratch_bytes: what ``forward`` / ``backward_`` below take (``_held``),
+    plus the largest matmul's own scratch (the matmuls run one at a time)."""
     rows = {chunk, N % chunk or chunk}  # a full chunk and the last one
     f32 = torch.float32
     mms = [_matmul_scratch(r, V, D, head, head, prec, cfg, _LAYOUTS, _LAYOUTS) for r in rows]  # the logits
-    held = nbytes((chunk, V), head)
-    if not backward:
-        return held + nbytes((N,), f32) + max(mms)
-    mms += [_matmul_scratch(r, D, V, head, head, prec, None, ("row",), _LAYOUTS) for r in rows]  # dh = d @ w
-    mms += [_matmul_scratch(V, D, r, head, f32, prec, None, ("col",), _LAYOUTS) for r in rows]  # d^T @ h
-    held += nbytes((1,), f32)  # the scale
-    held += nbytes((chunk, V), bias_dtype) if separate_d else 0
-    held += nbytes((V,), f32) if bias_dtype not in (None, f32) else 0  # a 16-bit dbias's accumulator
-    held += nbytes((V, D), f32) if head != f32 else 0  # a 16-bit dw's accumulator
-    held += nbytes((V, D), f32) if N > chunk else 0  # the partial of every chunk after the first
-    return held + max(mms)
+    if backward:
+        mms += [_matmul_scratch(r, D, V, head, head, prec, None, ("row",), _LAYOUTS) for r in rows]  # dh = d @ w
+        mms += [_matmul_scratch(V, D, r, head, f32, prec, None, ("col",), _LAYOUTS) for r in rows]  # d^T @ h
+    return Scratch.size(*_held(N, D, V, chunk, head, bias_dtype, separate_d, backward)) + max(mms)
+
+
+def _shapes(op, backward: bool):
+    g_in = 1 if backward else 0
+    h_t, w_t = op.operands[g_in].type, op.operands[g_in + 1].type
+    has_bias = len(op.operands) == g_in + 4
+    (N, D), (V, _) = shape_of(h_t), shape_of(w_t)
+    head = to_torch_dtype(elem_of(h_t))
+    logit_t = op.operands[g_in + 3].type if has_bias else h_t
+    bias_dtype = to_torch_dtype(elem_of(logit_t)) if has_bias else None
+    chunk = min(op.props()["chunk"], max(N, 1))
+    return N, D, V, chunk, head, bias_dtype, has_bias and bias_dtype != head
+
+
+@arena_scratch(nv.LinearCrossEntropyOp)
+def _arena_forward(op) -> int:
+    return Scratch.size(*_held(*_shapes(op, False), False))
+
+
+@arena_scratch(nv.LinearCrossEntropyBackwardOp)
+def _arena_backward(op) -> int:
+    return Scratch.size(*_held(*_shapes(op, True), True))
 
 
 def _dtype_ty(t) -> str:
@@ -224,33 +258,34 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, backward: bool, max_b
         mm.matmul(h[r0:r1], w.t(), cfg=cfg, precision=prec, out=z, record=used)
         return z
 
-    def forward(inputs, outs):
+    def forward(inputs, outs, sc: Scratch):
         h, w, t, *b = inputs
         dev = h.device
         (out,) = results(name, specs, outs, dev)
-        rows = torch.empty((N,), dtype=f32, device=dev)
-        buf = torch.empty((chunk, V), dtype=head, device=dev)  # the one logits buffer every chunk reuses
+        rows = sc.take((N,), f32)
+        buf = sc.take((chunk, V), head)  # the one logits buffer every chunk reuses
         for r0, r1 in chunks():
             z = logits(h, w, r0, r1, buf)
             k["lce_rows"][(r1 - r0,)](z, t[r0:r1], *b, rows[r0:], num_warps=warps)
         k["lce_final"][(1,)](t, rows, out, N, t.stride(0), MEAN=mean, num_warps=4)  # rounds to the loss's type
         return [out]
 
-    def accumulator(out: torch.Tensor) -> torch.Tensor:
+    def accumulator(out: torch.Tensor, sc: Scratch) -> torch.Tensor:
         """``out`` itself when it is f32, else an f32 buffer copied into it at the end."""
-        return out if out.dtype == f32 else torch.empty(out.shape, dtype=f32, device=out.device)
+        return out if out.dtype == f32 else sc.take(tuple(out.shape), f32)
 
-    def backward_(inputs, outs):
+    def backward_(inputs, outs, sc: Scratch):
+        # takes from ``sc`` in ``_held``'s order: scale, dw accumulator, partial, buffers, db accumulator
         g, h, w, t, *b = inputs
         dev = h.device
         dh, dw, *db = results(name, specs, outs, dev)
-        scale = torch.empty((1,), dtype=f32, device=dev)
+        scale = sc.take((1,), f32)
         k["lce_scale"][(1,)](g, t, scale, N, t.stride(0), MEAN=mean, num_warps=4)
-        dw_acc = accumulator(dw)
-        part = torch.empty((V, D), dtype=f32, device=dev) if N > chunk else None
-        buf = torch.empty((chunk, V), dtype=head, device=dev)
-        dbuf = torch.empty((chunk, V), dtype=bias_dtype, device=dev) if separate_d else None
-        db_acc = accumulator(db[0]).zero_() if b else None
+        dw_acc = accumulator(dw, sc)
+        part = sc.take((V, D), f32) if N > chunk else None
+        buf = sc.take((chunk, V), head)
+        dbuf = sc.take((chunk, V), bias_dtype) if separate_d else None
+        db_acc = accumulator(db[0], sc).zero_() if b else None
         for r0, r1 in chunks():
             z = logits(h, w, r0, r1, buf)
             k["lce_rows_backward"][(r1 - r0,)](z, t[r0:r1], *b, scale, *([dbuf] if separate_d else []), num_warps=warps)
@@ -270,18 +305,19 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, backward: bool, max_b
 
     run = backward_ if backward else forward
 
-    def launch(inputs, outs=None):
+    def launch(inputs, outs=None, scratch=None):
         _check_inputs(name, op, inputs)
         if N == 0:
             raise ValueError(f"{name}: no rows")
-        return run(inputs, outs)
+        return run(inputs, outs, Scratch(scratch, inputs[0].device))
 
     # the row kernels read the target and the bias with unit stride (the backend copies other layouts
     # first, and says so); h and w go to the matmul template, which reads any strides
     contiguous = tuple(range(g_in + 2, len(op.operands)))
     scratch = _scratch(N, D, V, chunk, head, bias_dtype, separate_d, backward, prec, cfg) if N else 0
+    held = Scratch.size(*_held(N, D, V, chunk, head, bias_dtype, separate_d, backward)) if N else 0
     return Kernel(name, src, launch, needs_contiguous=contiguous, config=cfg, extra={"chunk": chunk, "matmul_sources": used},
-                  scratch_bytes=scratch)
+                  scratch_bytes=scratch, arena_scratch_bytes=held)
 
 
 def triton_cdiv(a: int, b: int) -> int:

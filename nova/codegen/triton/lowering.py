@@ -20,7 +20,12 @@ Contract of ``launch(inputs, outs=None) -> outputs``:
     is written). Without ``outs`` the results are new tensors.
   * Scratch (split-K partials, per-program partial sums, a logits chunk) is
     allocated inside ``launch``; ``Kernel.scratch_bytes`` says how much at
-    most, so the memory plan can predict the step's peak.
+    most, so the memory plan can predict the step's peak. A lowering with large
+    scratch may instead register an ``arena_scratch`` rule: the memory plan then
+    gives its launch that many bytes of the arena (live only during the launch,
+    so they fit into a gap of the plan), passed as ``launch(..., scratch=)``, a
+    uint8 tensor the launch carves with ``Scratch``; ``Kernel.arena_scratch_bytes``
+    is that part of ``scratch_bytes``.
   * ``launch`` never waits for the device (no ``.item()``, ``.tolist()``, no
     host copy of a device value) and builds no host data per call: a step is
     captured as one CUDA graph. Inputs out of range (token ids, class ids)
@@ -48,6 +53,56 @@ class Kernel:
     config: LoweringConfig | None = None
     extra: dict = field(default_factory=dict)
     scratch_bytes: int = 0  # the most bytes one launch allocates besides its results
+    arena_scratch_bytes: int = 0  # the part of it a planned ``scratch=`` buffer provides instead
+
+
+SCRATCH_ALIGN = 256  # the arena's alignment (plan_memory.ALIGNMENT): carved tensors start aligned
+
+
+class Scratch:
+    """Carves a launch's scratch tensors out of one planned buffer, in order, each
+    256-byte aligned; without a buffer (a direct launch) each is ``torch.empty``.
+    ``Scratch.size`` of the same shapes gives the bytes the rule must plan."""
+
+    def __init__(self, buf: torch.Tensor | None, device):
+        self.buf, self.device, self.used = buf, device, 0
+
+    @staticmethod
+    def size(*parts: tuple[tuple[int, ...], torch.dtype]) -> int:
+        total = 0
+        for shape, dtype in parts:
+            total = -(-total // SCRATCH_ALIGN) * SCRATCH_ALIGN + _nbytes(shape, dtype)
+        return total
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.buf is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        start = -(-self.used // SCRATCH_ALIGN) * SCRATCH_ALIGN
+        n = _nbytes(shape, dtype)
+        if start + n > self.buf.numel():
+            raise AssertionError(f"scratch of {self.buf.numel()} bytes is too small for {shape} {dtype} at {start}")
+        self.used = start + n
+        return self.buf[start:start + n].view(dtype).view(shape)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * dtype.itemsize
+
+
+# op class -> fn(op) -> the bytes of arena scratch its launch takes (see the contract above)
+ARENA_SCRATCH: dict[type, Callable] = {}
+
+
+def arena_scratch(*op_classes):
+    def register(fn):
+        for c in op_classes:
+            ARENA_SCRATCH[c] = fn
+        return fn
+
+    return register
 
 
 Lowering = Callable[..., Kernel]  # (op, cfg: LoweringConfig | None) -> Kernel
