@@ -9,40 +9,18 @@ one, never a torn one.
 
 from __future__ import annotations
 
-import os
 import pickle
-import tempfile
 from pathlib import Path
-from typing import BinaryIO, Callable
 
 import torch
+
+from nova.atomic import atomic_write  # noqa: F401  (checkpoint.atomic_write: used by train and explain)
 
 FORMAT = "nova-train-checkpoint/1"
 LAST = "checkpoint.pt"  # the latest saved step of a run: what --resume continues
 BEST = "best.pt"  # the step with the lowest validation loss so far: what to sample from
 
 
-def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    # fsync the directory too, so the rename itself survives a power loss.
-    if hasattr(os, "O_DIRECTORY"):
-        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
 
 def rng_state(data_generator: torch.Generator) -> dict:

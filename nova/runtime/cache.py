@@ -43,9 +43,7 @@ import enum
 import functools
 import hashlib
 import json
-import os
 import re
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +51,7 @@ from pathlib import Path
 import torch
 from xdsl.dialects.builtin import ModuleOp
 
+from nova.atomic import atomic_write
 from nova.log import get_logger
 
 FORMAT = 1  # the entry layout; an entry of another format is rebuilt
@@ -202,21 +201,6 @@ class Corrupt(Exception):
     """An entry that cannot be used; the message is the reason, for the log."""
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 # The final IR is stored as a table, not as one MLIR text: xDSL's parser reads a
@@ -342,7 +326,8 @@ def store(path: Path, key: str, inputs: dict, ir: dict, stages: list[str], field
     ``fields``: the Compilation fields kept as data (``KEPT``)."""
     entry = {"format": FORMAT, "key": key, "inputs": inputs, "stages": list(stages), "ir": ir, "fields": fields or {}}
     entry["sha256"] = checksum(entry)
-    _write_atomic(path, json.dumps(entry, separators=(",", ":")).encode("utf-8"))
+    data = json.dumps(entry, separators=(",", ":")).encode("utf-8")
+    atomic_write(path, lambda f: f.write(data))
 
 
 def load(path: Path, key: str, inputs: dict, dirs: list[str]) -> tuple[ModuleOp, dict] | None:

@@ -414,6 +414,19 @@ def assign_offsets(sizes: list[int], starts: list[int], ends: list[int]) -> list
     return offsets
 
 
+def live_profile(bufs: list[Buffer], end_time: int) -> tuple[list[int], int]:
+    """The bytes live at each time 0..end_time, and the (first) time of the most."""
+    delta = [0] * (end_time + 2)
+    for b in bufs:
+        delta[b.start] += b.size
+        delta[b.end + 1] -= b.size
+    live, cur = [], 0
+    for t in range(end_time + 1):
+        cur += delta[t]
+        live.append(cur)
+    return live, max(range(len(live)), key=lambda t: (live[t], -t))
+
+
 def _torch_bytes(n: int) -> int:
     return _align(n, TORCH_BLOCK) if n else 0
 
@@ -441,15 +454,7 @@ def plan_memory(module: ModuleOp, scratch: dict[Operation, int] | None = None) -
     for i, b in enumerate(bufs):
         if i not in scratch_bufs:
             p.place[b.value].offset = b.offset
-    delta = [0] * (p.end_time + 2)
-    for b in bufs:
-        delta[b.start] += b.size
-        delta[b.end + 1] -= b.size
-    live, cur = [], 0
-    for t in range(p.end_time + 1):
-        cur += delta[t]
-        live.append(cur)
-    peak_time = max(range(len(live)), key=lambda t: (live[t], -t))
+    live, peak_time = live_profile(bufs, p.end_time)
     peak_op = p.steps[peak_time - 1].op if 1 <= peak_time <= len(p.steps) else None
     external = {"params": 0, "state": 0, "buffers": 0, "inputs": 0, "outputs": 0, "constants": 0}
     for a, s in zip(p.block.args, arg_slots(fn), strict=True):

@@ -154,17 +154,8 @@ class _Live:
             for v in st.inputs:
                 self.reads.setdefault(p.root(v), []).append(t)
         self.buffers = p.arena_buffers()
-        delta = [0] * (p.end_time + 2)
-        for b in self.buffers:
-            delta[b.start] += b.size
-            delta[b.end + 1] -= b.size
-        live, cur = [], 0
-        for t in range(p.end_time + 1):
-            cur += delta[t]
-            live.append(cur)
-        self.live = live
-        self.peak_time = max(range(len(live)), key=lambda t: (live[t], -t))
-        self.lower = live[self.peak_time]
+        self.live, self.peak_time = pm.live_profile(self.buffers, p.end_time)
+        self.lower = self.live[self.peak_time]
         # an argument updated in place at step d holds the old value only until d
         by_slot = {(s.role, s.name): a for a, s in zip(p.block.args, arg_slots(fn), strict=True)}
         self.overwritten = {by_slot[(ip.role, ip.name)]: ip.written_at for ip in inplace if ip.how == "inplace"}

@@ -33,10 +33,11 @@ import hashlib
 import linecache
 import os
 import sys
-import tempfile
 import threading
 import types
 from pathlib import Path
+
+from nova.atomic import atomic_write
 
 _LOCK = threading.Lock()
 _LOADED: dict[tuple[str, str, bool], tuple[object, Path]] = {}  # (sha, name, interpreted) -> (kernel, path)
@@ -55,19 +56,6 @@ def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode("utf-8")).hexdigest()
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def interpreting() -> bool:
@@ -201,7 +189,7 @@ def load_kernel(source: str, name: str, cache_dir: str | os.PathLike | None = No
         except (FileNotFoundError, UnicodeDecodeError):
             current = None
         if current != source:
-            _write_atomic(path, source)  # for reading and diffing only: never executed
+            atomic_write(path, lambda f: f.write(source.encode("utf-8")), durable=False)  # for reading and diffing only: never executed
         module_name = f"nova_generated_{digest[:24]}" + ("_interpreted" if interpreted else "")
         kernel = _exec_verified(source, name, digest, path, module_name)
         if type(kernel).__module__.startswith("triton."):  # a @triton.jit object
