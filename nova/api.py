@@ -338,6 +338,9 @@ class CompiledStep:
                 old, _ = self._programs.popitem(last=False)
                 log.info("program cache full (NOVA_PROGRAM_CACHE_SIZE=%d): dropped the least recently used "
                          "program (batch %s)", SETTINGS.program_cache_size, [s for s, _ in old.batch])  # fmt: skip
+        if self._last is not None and self._last is not prog and self._last.executable is not None:
+            # one arena at a time: a step alternating batch shapes would otherwise hold one per program
+            self._last.executable.release()
         self._last_key = key
         return prog
 

@@ -90,8 +90,7 @@ class Executable:
         self.batch_args = [i for i, s in enumerate(self.slots) if s.role == "batch"]
         self.hyper_args = [i for i, s in enumerate(self.slots) if s.role == "hyper"]
         self.seed_args = [i for i, s in enumerate(self.slots) if s.role == "seed"]
-        self.arena = torch.empty(max(_align(plan.arena_bytes, TORCH_BLOCK), TORCH_BLOCK), dtype=torch.uint8,
-                                 device=self.device)  # fmt: skip
+        self.arena: torch.Tensor | None = None  # allocated at the first bind (and again after release())
         # hyper-parameters (f64) then seeds (i64), 8 bytes each: one H2D copy per call
         n = len(self.hyper_args) + len(self.seed_args)
         self.scalars = torch.zeros(max(n, 1), dtype=torch.float64, device=self.device)
@@ -130,6 +129,9 @@ class Executable:
         ptrs = [ext[i].data_ptr() for i in self.external]  # ~0.2 us each
         if self.bound is not None and ptrs == self.bound:
             return
+        if self.arena is None:
+            self.arena = torch.empty(max(_align(self.plan.arena_bytes, TORCH_BLOCK), TORCH_BLOCK),
+                                     dtype=torch.uint8, device=self.device)  # fmt: skip
         for i in self.external:
             want = (shape_of(self.slots[i].type), to_torch_dtype(elem_of(self.slots[i].type)))
             if (tuple(ext[i].shape), ext[i].dtype) != want or ext[i].device != self.device:
@@ -193,6 +195,13 @@ class Executable:
         self.bound = ptrs
         self.arguments = [env[a] for a in self.block.args]
         self.runs = 0
+
+    def release(self) -> None:
+        """Frees the arena, the launch list and the graph (another program of the same
+        step runs now: one arena at a time, not one per cached program). The next
+        call binds again, and captures the graph again one call later."""
+        self.graph, self.launches, self.bound, self.arena = None, [], None, None
+        self.inputs, self.outputs, self.arguments, self.runs = [], [], [], 0
 
     # --- running -----------------------------------------------------------
     def run(self, args: Sequence) -> list[torch.Tensor]:

@@ -105,3 +105,17 @@ def test_explain_reports_the_plan_the_remat_choices_and_how_the_step_runs():
     assert "predicted peak" in text and "largest launch scratch" in text
     assert "remat:" in text
     assert "runs as: launch list" in text
+
+
+def test_alternating_batch_shapes_keep_one_arena_and_train_like_the_reference():
+    model = _model()
+    ref = copy.deepcopy(model)
+    step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), backend="triton")
+    oracle = nova.compile(ref, torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9), backend="reference")
+    short, long = _batches(2, T=4), _batches(2, T=8)
+    for x, y in (short[0], long[0], short[1], long[1]):
+        torch.testing.assert_close(step(x, y), oracle(x, y), rtol=1e-4, atol=1e-6)
+    arenas = [p.executable.arena for p in step._programs.values()]
+    assert step.num_programs == 2 and sum(a is not None for a in arenas) == 1
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=n)
