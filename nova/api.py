@@ -400,11 +400,10 @@ class CompiledStep:
                     # moved to the device keeps its value through a failed step: it stays.)
                     pending.stored = [w for w in writes if w[0] == "store" and w[4]]
                     self._pending = pending
-                    # the executable's loss tensor is overwritten by the next step
-                    return outs[0].detach().clone()
             # what optimizer.step() records, so LR schedulers see a stepped optimizer
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
-            return outs[0].detach()
+            # the executable's loss tensor is overwritten by the next step: the caller gets a copy
+            return outs[0].detach().clone() if exe is not None else outs[0].detach()
 
     # --- the guard's status --------------------------------------------------
     def check(self) -> None:

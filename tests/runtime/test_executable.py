@@ -119,3 +119,14 @@ def test_alternating_batch_shapes_keep_one_arena_and_train_like_the_reference():
     assert step.num_programs == 2 and sum(a is not None for a in arenas) == 1
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_an_lr_scheduler_sees_a_stepped_optimizer(recwarn):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    step = nova.compile(model, opt, backend="triton")
+    step(*_batches(1)[0])
+    sched.step()
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+    assert opt.param_groups[0]["lr"] == 0.05
