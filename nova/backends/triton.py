@@ -8,13 +8,14 @@ At compile time every op becomes one step of a launch plan:
   * every other op is lowered through the registry in
     ``nova.codegen.triton.lowering`` with the ``#nova.lowering_config`` the
     configure stage wrote on it.
-At step time the plan only launches kernels. ``sources()`` returns every
-kernel's generated Triton source for dumping.
+At step time ``nova.runtime.executable.Executable`` binds these steps into the
+memory plan's arena and launches them (or replays them as one CUDA graph).
+``sources()`` returns every kernel's generated Triton source for dumping.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,7 +172,6 @@ class TritonProgram:
                 kernel = fn_lower(op, config_of(op), **kwargs)
                 self.steps.append(Step(op, tuple(op.operands), tuple(op.results), self._launcher(kernel), kernel,
                                        scratch=kernel.scratch_bytes))
-        self.returned = tuple(fn.body.block.last_op.operands)
 
     def scratch(self, planned: dict) -> tuple[int, str]:
         """The largest scratch one launch allocates outside the arena (``planned``:
@@ -209,15 +209,6 @@ class TritonProgram:
             return kernel.launch(xs) if outs is None else kernel.launch(xs, outs)
 
         return run
-
-    def __call__(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        block = self.fn.body.block
-        env: dict[SSAValue, torch.Tensor] = dict(zip(block.args, args, strict=True))
-        for st in self.steps:
-            outs = st.run([env[v] for v in st.inputs])
-            for r, t in zip(st.outputs, outs, strict=True):
-                env[r] = t
-        return [env[v] for v in self.returned]
 
     def sources(self) -> dict[str, str]:
         """Every kernel's generated source, by name. A matmul's kernels are chosen at
