@@ -24,6 +24,8 @@ from nova.ir.types import elem_of, numel, shape_of, tensor, to_torch_dtype
 from nova.models import GPT, gpt_tiny
 from nova.transforms import plan_memory as pm
 
+from step_inputs import step_args
+
 ALIGN = 256
 
 
@@ -374,24 +376,6 @@ def gpt_step(request):
     return request.param, c
 
 
-def _args(c) -> list[torch.Tensor]:
-    from nova.ir.module import step_func
-
-    out = []
-    for s in arg_slots(step_func(c.module)):
-        if s.role == "param":
-            out.append(c.captured.params[s.name].detach().clone())
-        elif s.role == "buffer":
-            out.append(c.captured.buffers[s.name])
-        elif s.role == "batch":
-            out.append(c.batch[c.captured.batch_names.index(s.name)])
-        elif s.role == "hyper":
-            out.append(torch.tensor(0.9 if "beta" in s.name else 1e-3, dtype=torch.float64))
-        elif s.role == "state":
-            out.append(torch.rand(shape_of(s.type), dtype=to_torch_dtype(elem_of(s.type))) + (1.0 if "step" in s.name else 0))
-        else:
-            out.append(torch.tensor(7, dtype=torch.int64))
-    return out
 
 
 def test_the_plan_of_a_gpt_step(gpt_step):
@@ -403,7 +387,7 @@ def test_the_plan_of_a_gpt_step(gpt_step):
     assert plan is not None and plan.placements
     check_no_overlap(plan)
     replay_backend_schedule(fn)
-    args = _args(c)
+    args = step_args(c)
     before, _ = run_in_arena(fn, plan, args, arena=False)
     outs, after = run_in_arena(fn, plan, args)
     for x, y in zip(before, outs, strict=True):

@@ -15,11 +15,13 @@ from nova.config import SETTINGS
 from nova.backends.reference import run_function
 from nova.ir import dialect as nv
 from nova.ir.builder import OpBuilder
-from nova.ir.module import Slot, arg_slots, new_step, parse_module, print_module, set_results, step_func
+from nova.ir.module import Slot, new_step, parse_module, print_module, set_results, step_func
 from nova.ir.types import elem_of, shape_of, tensor, to_torch_dtype
 from nova.models import GPT, gpt_tiny
 from nova.transforms import remat as rm
 from nova.transforms.plan_memory import plan_memory
+
+from step_inputs import step_args
 
 remat = rm.remat
 
@@ -134,24 +136,6 @@ def test_nothing_to_gain_leaves_the_ir_alone():
 # a captured 2-layer GPT in bf16, large enough in tokens that activations dominate
 
 
-def _args(c) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for s in arg_slots(step_func(c.module)):
-        if s.role == "param":
-            out.append(c.captured.params[s.name].detach().clone())
-        elif s.role == "buffer":
-            out.append(c.captured.buffers[s.name])
-        elif s.role == "batch":
-            out.append(c.batch[c.captured.batch_names.index(s.name)])
-        elif s.role == "hyper":
-            out.append(torch.tensor(0.9 if "beta" in s.name else 1e-3, dtype=torch.float64))
-        elif s.role == "state":
-            t = torch.rand(shape_of(s.type), generator=g).to(to_torch_dtype(elem_of(s.type)))
-            out.append(t + (1.0 if "step" in s.name else 0))
-        else:
-            out.append(torch.tensor(7, dtype=torch.int64))
-    return out
 
 
 def _gpt(**kw):
@@ -188,8 +172,8 @@ def steps():
 
 
 def _same_results(a, b):
-    ra = run_function(step_func(a.module), _args(a), "bf16")
-    rb = run_function(step_func(b.module), _args(b), "bf16")
+    ra = run_function(step_func(a.module), step_args(a), "bf16")
+    rb = run_function(step_func(b.module), step_args(b), "bf16")
     assert len(ra) == len(rb)
     for x, y in zip(ra, rb, strict=True):
         assert x.dtype == y.dtype and torch.equal(x, y)

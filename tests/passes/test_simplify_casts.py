@@ -14,11 +14,13 @@ from nova.config import SETTINGS
 from nova.backends.reference import run_function
 from nova.ir import dialect as nv
 from nova.ir.builder import OpBuilder
-from nova.ir.module import Slot, arg_slots, context, new_step, parse_module, print_module, set_results, step_func
-from nova.ir.types import elem_of, shape_of, tensor, to_torch_dtype
+from nova.ir.module import Slot, context, new_step, parse_module, print_module, set_results, step_func
+from nova.ir.types import elem_of, tensor
 from nova.models import GPT, gpt_tiny
 from nova.transforms import simplify
 from nova.transforms.simplify import Simplify
+
+from step_inputs import step_args
 
 # the step cache would hand a second compile of the same program the first one's IR
 _NO_STEP_CACHE = dataclasses.replace(SETTINGS, step_cache=False) if hasattr(SETTINGS, "step_cache") else SETTINGS
@@ -118,27 +120,6 @@ def test_a_cast_without_a_rule_is_left_alone():
 
 # ---------------------------------------------------------------------------
 # a whole step
-
-
-def step_args(c) -> list[torch.Tensor]:
-    """Arguments for a compiled step: its params, buffers and batch, seeded state and hypers."""
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for s in arg_slots(step_func(c.module)):
-        if s.role == "param":
-            out.append(c.captured.params[s.name].detach().clone())
-        elif s.role == "buffer":
-            out.append(c.captured.buffers[s.name])
-        elif s.role == "batch":
-            out.append(c.batch[c.captured.batch_names.index(s.name)])
-        elif s.role == "hyper":
-            out.append(torch.tensor(0.9 if "beta" in s.name else 1e-3, dtype=torch.float64))
-        elif s.role == "state":
-            t = torch.rand(shape_of(s.type), generator=g).to(to_torch_dtype(elem_of(s.type)))
-            out.append(t + (1.0 if "step" in s.name else 0))
-        else:
-            out.append(torch.tensor(7, dtype=torch.int64))
-    return out
 
 
 def tiny_gpt_step(precision: str = "bf16", n_layer: int = 2, **kw):
