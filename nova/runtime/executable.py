@@ -38,7 +38,7 @@ import torch
 from xdsl.ir import SSAValue
 
 from nova.ir.module import arg_slots, result_slots, return_op
-from nova.ir.types import elem_of, shape_of, to_torch_dtype
+from nova.ir.types import elem_of, numel, shape_of, to_torch_dtype
 from nova.log import get_logger
 from nova.transforms.plan_memory import EXTERNAL_ROLES, TORCH_BLOCK, MemoryPlan, _align
 
@@ -108,10 +108,7 @@ class Executable:
     def _arena_view(self, v: SSAValue, offset: int) -> torch.Tensor:
         dtype = to_torch_dtype(elem_of(v.type))
         shape = shape_of(v.type)
-        n = 1
-        for d in shape:
-            n *= d
-        return self.arena[offset:offset + n * dtype.itemsize].view(dtype).view(shape)
+        return self.arena[offset:offset + numel(shape) * dtype.itemsize].view(dtype).view(shape)
 
     def _storage(self, v: SSAValue, ext: Sequence[torch.Tensor]) -> torch.Tensor:
         p = self.plan.placements[v]

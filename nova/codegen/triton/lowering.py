@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nova.ir.types import numel
 from nova.schedule.config import LoweringConfig
 
 
@@ -71,25 +72,18 @@ class Scratch:
     def size(*parts: tuple[tuple[int, ...], torch.dtype]) -> int:
         total = 0
         for shape, dtype in parts:
-            total = -(-total // SCRATCH_ALIGN) * SCRATCH_ALIGN + _nbytes(shape, dtype)
+            total = -(-total // SCRATCH_ALIGN) * SCRATCH_ALIGN + numel(shape) * dtype.itemsize
         return total
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.buf is None:
             return torch.empty(shape, dtype=dtype, device=self.device)
         start = -(-self.used // SCRATCH_ALIGN) * SCRATCH_ALIGN
-        n = _nbytes(shape, dtype)
+        n = numel(shape) * dtype.itemsize
         if start + n > self.buf.numel():
             raise AssertionError(f"scratch of {self.buf.numel()} bytes is too small for {shape} {dtype} at {start}")
         self.used = start + n
         return self.buf[start:start + n].view(dtype).view(shape)
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * dtype.itemsize
 
 
 # op class -> fn(op) -> the bytes of arena scratch its launch takes (see the contract above)
