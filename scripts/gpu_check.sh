@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests|gpt2|bench|bench-gpt2|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests|gpt2|bench|bench-gpt2|profile|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -23,6 +23,11 @@ fi
 if [[ $what == bench-gpt2 ]]; then  # eager, torch.compile and Nova side by side: nova bench gpt2 [options]
   shift
   python3 -m nova.cli.main bench gpt2 --out "$OUT" "$@" 2>&1 | tail -40
+fi
+if [[ $what == profile ]]; then  # kernel time per step, Nova beside torch.compile, and the host time of a call
+  shift
+  timeout 400 python3 scripts/kernel_profile.py --out "$OUT" "$@" 2>&1 | tee "$OUT/kernel_profile.log" | tail -150
+  timeout 150 python3 scripts/host_profile.py --calls 20 2>&1 | tee "$OUT/host_profile.log" | head -45
 fi
 if [[ $what == bench ]]; then
   shift

@@ -601,6 +601,52 @@ def configure_reduction(rows: int, cols: int, dtype, device, kind: str = "sum") 
     )
 
 
+# A column reduction (the kept axis is the contiguous one: a bias gradient summed over
+# tokens) holds this many accumulators per program: 16 per thread at 4 warps
+COLUMN_TILE = 2048
+COLUMN_WARPS = 4
+MIN_SPLIT_CHUNKS = 4  # a split walks at least this many chunks, so its partial row pays for itself
+
+
+def configure_column_reduction(kept: int, reduced: int, dtype, device, kind: str = "sum") -> LoweringConfig:
+    """Reduce ``reduced`` rows of ``kept`` contiguous elements to one row of ``kept``
+    (the layout of a bias gradient: [tokens, features] summed over tokens; ``kind``
+    one of SPLITTABLE_KINDS). A program owns ``block`` contiguous kept elements and
+    walks the reduced axis in chunks of COLUMN_TILE / block; ``split_k`` programs
+    share each kept block (a second pass sums their partials). ``split_k`` follows
+    from Little's law: enough programs that every SM keeps IN_FLIGHT_SECONDS of its
+    DRAM share in flight, one COLUMN_TILE of loads per program, no more programs than
+    an SM holds, and at least MIN_SPLIT_CHUNKS chunks per program."""
+    _positive(kept=kept, reduced=reduced)
+    if kind not in SPLITTABLE_KINDS:
+        raise ValueError(f"configurator: a column reduction needs an associative kind {SPLITTABLE_KINDS}, got {kind!r}")
+    dev = _device(device)
+    elt = _ELT[dtype_name(dtype)]
+    vec = VECTOR_BYTES // elt
+    block = min(_pow2_ceil(kept), 32 * vec)  # a warp's row of 16-byte loads: 512 contiguous bytes
+    block_c = max(1, COLUMN_TILE // block)
+    chunks = _cdiv(reduced, block_c)
+    kept_programs = _cdiv(kept, block)
+    in_flight = dev.mem_bandwidth / dev.sm_count * IN_FLIGHT_SECONDS  # bytes one SM keeps in flight
+    per_sm = min(
+        _cdiv(int(in_flight), COLUMN_TILE * elt),
+        dev.max_threads_per_sm // (COLUMN_WARPS * dev.warp_size),
+        dev.max_blocks_per_sm,
+    )
+    want = dev.sm_count * per_sm
+    split = max(1, min(_cdiv(want, kept_programs), chunks // MIN_SPLIT_CHUNKS))
+    programs = kept_programs * split
+    return LoweringConfig(
+        kind="reduction",
+        block=block,
+        split_k=split,
+        num_warps=COLUMN_WARPS,
+        num_stages=1,
+        instruction="simt",
+        regime="launch-bound" if programs * 2 <= dev.sm_count else "memory-bound",
+    )
+
+
 def configure_elementwise(numel: int, dtype, n_inputs: int, device) -> LoweringConfig:
     """A pointwise kernel over ``numel`` elements reading ``n_inputs`` tensors and
     writing one: ``block`` = elements per program."""
@@ -727,6 +773,6 @@ CONFIGURATORS = {
 }
 
 __all__ = [
-    "configure_matmul", "plan_matmul", "MatmulPlan", "configure_reduction", "configure_elementwise",
+    "configure_matmul", "plan_matmul", "MatmulPlan", "configure_reduction", "configure_column_reduction", "configure_elementwise",
     "configure_attention", "arithmetic_path", "dtype_name", "CONFIGURATORS", "REDUCTION_KINDS",
 ]  # fmt: skip

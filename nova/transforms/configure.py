@@ -99,6 +99,12 @@ def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringC
         if isinstance(op, (nv.ReduceSumOp, nv.ReduceMaxOp)):
             dims = op.props()["dims"]
             cols = numel([x[d] for d in dims])
+            moving = [d for d in range(len(x)) if x[d] > 1]
+            if moving and moving[-1] not in dims and cols > 1:
+                # the kept axis is the contiguous one (a bias gradient summed over tokens)
+                in_dt = to_torch_dtype(elem_of(op.operands[0].type))
+                kept = numel(x) // cols
+                return cf.configure_column_reduction(kept, cols, _SIZE_ALIKE.get(in_dt, in_dt), device, ROWWISE[type(op)])
         elif "dim" in op.PROPS:
             cols = x[op.props()["dim"]] if x else 1  # a 0-d cumsum: one element
         else:

@@ -95,6 +95,20 @@ def test_default_plan_splits_tall_outer_reductions():
     assert p.inner and p.split == 1 and p.block_c == 1024
 
 
+@pytest.mark.parametrize("cls", [nv.ReduceSumOp, nv.ReduceMaxOp], ids=lambda c: c.name)
+def test_configured_column_reduction(cls):
+    """The configure stage's schedule for an outer (bias-gradient) reduction runs as
+    the split it declares and matches the reference."""
+    from nova.schedule.devices import DEVICES
+    from nova.transforms.configure import configure_op
+
+    x = draw((2, 160, 48), F32).contiguous()
+    op = build(cls, tuple(x.shape), F32, (0, 1), False)
+    cfg = LoweringConfig.from_dict(dict(configure_op(op, DEVICES["H200"], "fp32").to_dict()))
+    assert cfg.split_k > 1 and cfg.block == 64
+    assert run(cls, x, (0, 1), False, cfg).extra["split"] == rd.plan(x.shape, (0, 1), cfg).split > 1
+
+
 def test_reduce_max_nan_and_inf():
     x = draw((4, 6), F32, seed=4).contiguous()
     x[1, 2] = float("nan")

@@ -341,6 +341,24 @@ def test_reductions(device):
 
 
 @pytest.mark.parametrize("device", sorted(DEVICES))
+def test_column_reductions(device):
+    """A bias gradient ([tokens, features] summed over tokens): the kept axis is the
+    contiguous one; splits keep every SM busy (the unsplit [8192, 2304] sum had
+    18 programs) and every split walks at least MIN_SPLIT_CHUNKS chunks."""
+    dev = DEVICES[device]
+    for reduced, kept, dtype in itertools.product((1, 7, 8192, 32768), (1, 4, 768, 2304, 50304), ("float32", "bfloat16")):
+        c = cf.configure_column_reduction(kept, reduced, dtype, dev)
+        assert c.kind == "reduction" and pow2(c.block) and c.num_warps == cf.COLUMN_WARPS
+        assert c.block <= 32 * (16 // {"float32": 4, "bfloat16": 2}[dtype]) and c.block < 2 * kept  # 512 B per warp row
+        chunks = -(-reduced // max(1, cf.COLUMN_TILE // c.block))
+        assert c.split_k == 1 or chunks // c.split_k >= cf.MIN_SPLIT_CHUNKS
+        if reduced >= 8192 and kept >= 768:  # enough work to fill the device
+            assert -(-kept // c.block) * c.split_k >= dev.sm_count, (reduced, kept, c)
+    with pytest.raises(ValueError, match="associative"):
+        cf.configure_column_reduction(768, 8192, "float32", "H200", "softmax")
+
+
+@pytest.mark.parametrize("device", sorted(DEVICES))
 def test_elementwise(device):
     dev = DEVICES[device]
     for numel, dtype, n_in in itertools.product((1, 1000, 10**5, 10**8), ("float32", "bfloat16", "float64"), (1, 3, 6)):

@@ -40,8 +40,9 @@ from nova.codegen.triton.lowering import Kernel, lowers
 from nova.ir import dialect as nv
 from nova.ir.types import elem_of, shape_of, to_torch_dtype
 from nova.schedule.config import LoweringConfig
+from nova.schedule.configurator import COLUMN_TILE
 
-TILE = 2048  # accumulators per program: 16 per thread at 4 warps
+TILE = COLUMN_TILE  # accumulators per program: 16 per thread at 4 warps (the configurator sizes splits by it)
 DEFAULT_INNER_BLOCK = 1024  # columns per chunk when the reduced axis is contiguous
 DEFAULT_OUTER_BLOCK = 128  # rows per program when the kept axis is contiguous (512 B of fp32 per row)
 # 2 programs per SM on an H200 (132 SMs): below this the rows alone leave SMs idle

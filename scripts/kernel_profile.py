@@ -1,0 +1,95 @@
+"""Where the GPU time of one GPT-2 training step goes, kernel by kernel, for Nova
+and torch.compile side by side (torch.profiler, CUDA activity only):
+``python scripts/kernel_profile.py [--batch 8] [--steps 3] [--out DIR]``.
+Prints the kernels grouped by name (total ms per step, launches per step) and
+writes ``kernel_profile_b<batch>.json`` to ``--out``. Nova runs its launch list
+(no CUDA graph) so that every kernel is its own profiler event."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import nova
+from nova.models import GPT, GPTConfig
+
+
+def _family(name: str) -> str:
+    """A kernel's name without its shape suffix: nova_reduce_sum_8x1024x768_d0_1_f32 -> nova_reduce_sum."""
+    return re.sub(r"(_\d+(x\d+)*)(_.*)?$", "", name)[:60]
+
+
+def _kernels(run, steps: int) -> tuple[dict, float]:
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    by_name: dict = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[e.name][0] += e.device_time / 1e3 / steps  # ms per step
+            by_name[e.name][1] += 1 / steps
+    total = sum(v[0] for v in by_name.values())
+    return {k: {"ms": round(v[0], 4), "launches": round(v[1], 2)} for k, v in by_name.items()}, total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--top", type=int, default=40)
+    opts = ap.parse_args()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    x = torch.randint(0, 50304, (opts.batch, 1024), device="cuda")
+    y = torch.randint(0, 50304, (opts.batch, 1024), device="cuda")
+    doc = {"batch": opts.batch, "device": torch.cuda.get_device_name(), "engines": {}}
+    for engine in ("nova", "torch.compile"):
+        with torch.device("cuda"):
+            model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        if engine == "nova":
+            step = nova.compile(model, opt, precision="bf16", cuda_graph=False)
+
+            def run():
+                step(x, y)
+        else:
+            fwd = torch.compile(model)
+
+            def run():
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = fwd(x, y)
+                loss.backward()
+                opt.step()
+
+        kernels, total = _kernels(run, opts.steps)
+        families: dict = defaultdict(lambda: [0.0, 0.0])
+        for k, v in kernels.items():
+            families[_family(k)][0] += v["ms"]
+            families[_family(k)][1] += v["launches"]
+        doc["engines"][engine] = {"total_ms": round(total, 3), "kernels": kernels,
+                                  "families": {k: {"ms": round(a, 3), "launches": round(b, 1)} for k, (a, b) in families.items()}}
+        print(f"== {engine}: {total:.2f} ms of kernels per step, {sum(v['launches'] for v in kernels.values()):.0f} launches")
+        for k, (ms, n) in sorted(families.items(), key=lambda kv: -kv[1][0])[:25]:
+            print(f"  family {ms:9.3f} ms {n:7.1f}x  {k}")
+        for k, v in sorted(kernels.items(), key=lambda kv: -kv[1]["ms"])[: opts.top]:
+            print(f"  {v['ms']:9.3f} ms {v['launches']:6.1f}x  {k[:110]}")
+        del model, opt, run
+        torch.cuda.empty_cache()
+    opts.out.mkdir(parents=True, exist_ok=True)
+    (opts.out / f"kernel_profile_b{opts.batch}.json").write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
