@@ -360,6 +360,18 @@ def _attention_bwd(op, xs):
 _NEEDS_DEVICE = (nv.FullOp, nv.ArangeOp)
 
 
+@impl(nv.FusedOp)
+def _fused(op, xs, device=None):
+    """A group runs its ops one by one, with the same implementations as unfused."""
+    block = op.body.block
+    env: dict[SSAValue, torch.Tensor] = dict(zip(block.args, xs, strict=True))
+    run_ops(op.inner_ops(), env, device if device is not None else (xs[0].device if xs else torch.device("cpu")))
+    return [env[v] for v in block.last_op.operands]
+
+
+_NEEDS_DEVICE = (*_NEEDS_DEVICE, nv.FusedOp)
+
+
 def run_ops(ops, env: dict[SSAValue, torch.Tensor], device: torch.device) -> None:
     """Executes ``ops`` in order, reading and extending ``env``."""
     for op in ops:

@@ -29,7 +29,7 @@ from xdsl.dialects.builtin import (
     i1,
     i64,
 )
-from xdsl.ir import Attribute, Dialect
+from xdsl.ir import Attribute, Dialect, Operation
 from xdsl.irdl import (
     IRDLOperation,
     ParametrizedAttribute,
@@ -40,10 +40,13 @@ from xdsl.irdl import (
     opt_prop_def,
     opt_result_def,
     prop_def,
+    region_def,
     result_def,
     traits_def,
+    var_operand_def,
+    var_result_def,
 )
-from xdsl.traits import Pure
+from xdsl.traits import HasParent, IsolatedFromAbove, IsTerminator, Pure
 from xdsl.utils.exceptions import VerifyException
 
 from nova.ir.types import broadcast_shapes, elem_of, is_float, is_int, numel, shape_of, tensor
@@ -107,6 +110,12 @@ class NovaOp(IRDLOperation):
     # values of properties a creator may leave out (added later to an op that
     # existing IR and callers create without them)
     PROP_DEFAULTS: ClassVar[dict] = {}
+    # what kind of computation the op is, for fusion (``nova.transforms.fuse``) and
+    # scheduling; grouping reads this, never op names (CATEGORIES says what each means)
+    CATEGORY: ClassVar[str] = "opaque"
+    # an elementwise op whose value depends on its own flat index (arange, dropout_mask):
+    # it is computed where its result lives, never recomputed inside another op's loop
+    FLAT_INDEX: ClassVar[bool] = False
 
     @classmethod
     def complete(cls, props: dict) -> dict:
@@ -155,6 +164,7 @@ def _same_elem(name: str, *types: TensorType) -> None:
 
 
 class BinaryOp(NovaOp):
+    CATEGORY: ClassVar = "elementwise"
     lhs = operand_def(TensorType)
     rhs = operand_def(TensorType)
     result = result_def(TensorType)
@@ -207,6 +217,7 @@ class PowOp(BinaryOp):
 
 
 class CompareOp(NovaOp):
+    CATEGORY: ClassVar = "elementwise"
     lhs = operand_def(TensorType)
     rhs = operand_def(TensorType)
     result = result_def(TensorType)
@@ -254,6 +265,7 @@ class WhereOp(NovaOp):
     """``cond ? a : b`` with broadcasting; ``cond`` is i1."""
 
     name = "nova.where"
+    CATEGORY: ClassVar = "elementwise"
     cond = operand_def(TensorType)
     lhs = operand_def(TensorType)
     rhs = operand_def(TensorType)
@@ -270,6 +282,7 @@ class WhereOp(NovaOp):
 
 
 class UnaryOp(NovaOp):
+    CATEGORY: ClassVar = "elementwise"
     input = operand_def(TensorType)
     result = result_def(TensorType)
     traits = traits_def(Pure())
@@ -373,6 +386,7 @@ class GeluBackwardOp(NovaOp):
     """d/dx gelu(x) * grad."""
 
     name = "nova.gelu_backward"
+    CATEGORY: ClassVar = "elementwise"
     grad = operand_def(TensorType)
     input = operand_def(TensorType)
     result = result_def(TensorType)
@@ -396,6 +410,7 @@ class CastOp(NovaOp):
     """Element type conversion; the result type names the target."""
 
     name = "nova.cast"
+    CATEGORY: ClassVar = "elementwise"
     input = operand_def(TensorType)
     result = result_def(TensorType)
     traits = traits_def(Pure())
@@ -414,6 +429,7 @@ class FullOp(NovaOp):
     """A tensor filled with one value (scalars are 0-d fulls)."""
 
     name = "nova.full"
+    CATEGORY: ClassVar = "elementwise"
     value = prop_def(FloatProp)
     result = result_def(TensorType)
     traits = traits_def(Pure())
@@ -432,6 +448,8 @@ class ArangeOp(NovaOp):
     """``start + step * i`` for i in [0, n); n is the result's only dimension."""
 
     name = "nova.arange"
+    CATEGORY: ClassVar = "elementwise"
+    FLAT_INDEX: ClassVar = True
     start = prop_def(IntProp)
     step = prop_def(IntProp)
     result = result_def(TensorType)
@@ -452,6 +470,8 @@ class DropoutMaskOp(NovaOp):
     (``nova.rng``): a pure function of the 0-d i64 ``seed`` and the op's salt."""
 
     name = "nova.dropout_mask"
+    CATEGORY: ClassVar = "elementwise"
+    FLAT_INDEX: ClassVar = True
     seed = operand_def(TensorType)
     p = prop_def(FloatProp)
     salt = prop_def(IntProp)
@@ -479,6 +499,7 @@ class DropoutMaskOp(NovaOp):
 @irdl_op_definition
 class ReshapeOp(NovaOp):
     name = "nova.reshape"
+    CATEGORY: ClassVar = "layout"
     input = operand_def(TensorType)
     result = result_def(TensorType)
     traits = traits_def(Pure())
@@ -497,6 +518,7 @@ class TransposeOp(NovaOp):
     """General permutation: result dim i is input dim perm[i]."""
 
     name = "nova.transpose"
+    CATEGORY: ClassVar = "layout"
     input = operand_def(TensorType)
     perm = prop_def(DenseArrayBase)
     result = result_def(TensorType)
@@ -515,6 +537,7 @@ class TransposeOp(NovaOp):
 @irdl_op_definition
 class BroadcastToOp(NovaOp):
     name = "nova.broadcast_to"
+    CATEGORY: ClassVar = "layout"
     input = operand_def(TensorType)
     result = result_def(TensorType)
     traits = traits_def(Pure())
@@ -539,6 +562,7 @@ class SliceOp(NovaOp):
     """Elements start, start+step, ... < end along dim (normalized, in range)."""
 
     name = "nova.slice"
+    CATEGORY: ClassVar = "layout"
     input = operand_def(TensorType)
     dim = prop_def(IntProp)
     start = prop_def(IntProp)
@@ -595,6 +619,7 @@ class PadOp(NovaOp):
 
 
 class ReduceOp(NovaOp):
+    CATEGORY: ClassVar = "reduction"
     input = operand_def(TensorType)
     dims = prop_def(DenseArrayBase)
     keepdim = prop_def(BoolProp)
@@ -632,6 +657,7 @@ class CumsumOp(NovaOp):
     adjoint of the forward sum); f32/f64/bf16/f16 or i64."""
 
     name = "nova.cumsum"
+    CATEGORY: ClassVar = "reduction"
     input = operand_def(TensorType)
     dim = prop_def(IntProp)
     reverse = prop_def(BoolProp)
@@ -659,6 +685,7 @@ class MatmulOp(NovaOp):
     bf16 accumulate in f32; the result has the operands' element type."""
 
     name = "nova.matmul"
+    CATEGORY: ClassVar = "contraction"
     lhs = operand_def(TensorType)
     rhs = operand_def(TensorType)
     result = result_def(TensorType)
@@ -683,6 +710,7 @@ class MatmulOp(NovaOp):
 
 
 class _DimOp(NovaOp):
+    CATEGORY: ClassVar = "reduction"  # softmax, log_softmax and their backwards: row-wise
     dim = prop_def(IntProp)
     PROPS: ClassVar = ("dim",)
 
@@ -746,6 +774,7 @@ class LayerNormOp(NovaOp):
     reciprocal standard deviation that layer_norm_backward consumes."""
 
     name = "nova.layer_norm"
+    CATEGORY: ClassVar = "reduction"
     input = operand_def(TensorType)
     weight = operand_def(TensorType)
     bias = operand_def(TensorType)
@@ -771,6 +800,7 @@ class LayerNormOp(NovaOp):
 @irdl_op_definition
 class LayerNormBackwardOp(NovaOp):
     name = "nova.layer_norm_backward"
+    CATEGORY: ClassVar = "reduction"
     grad = operand_def(TensorType)
     input = operand_def(TensorType)
     weight = operand_def(TensorType)
@@ -863,6 +893,7 @@ class CrossEntropyOp(NovaOp):
     "mean", "sum" (0-d results) or "none" (one loss per row, 0 where ignored)."""
 
     name = "nova.cross_entropy"
+    CATEGORY: ClassVar = "reduction"
     logits = operand_def(TensorType)
     target = operand_def(TensorType)
     ignore_index = prop_def(IntProp)
@@ -889,6 +920,7 @@ class CrossEntropyBackwardOp(NovaOp):
     no rows is 0 (not NaN), so the count is at least 1 here."""
 
     name = "nova.cross_entropy_backward"
+    CATEGORY: ClassVar = "reduction"
     grad = operand_def(TensorType)
     logits = operand_def(TensorType)
     target = operand_def(TensorType)
@@ -932,6 +964,7 @@ class AttentionOp(NovaOp):
     every key gives 0, as torch's SDPA does (its lse is -inf)."""
 
     name = "nova.attention"
+    CATEGORY: ClassVar = "contraction"
     q = operand_def(TensorType)
     k = operand_def(TensorType)
     v = operand_def(TensorType)
@@ -959,6 +992,7 @@ def _stat_elem(t: TensorType) -> Attribute:
 @irdl_op_definition
 class AttentionBackwardOp(NovaOp):
     name = "nova.attention_backward"
+    CATEGORY: ClassVar = "contraction"
     grad = operand_def(TensorType)
     q = operand_def(TensorType)
     k = operand_def(TensorType)
@@ -1030,6 +1064,7 @@ class LinearCrossEntropyOp(NovaOp):
     result type is given by the creator)."""
 
     name = "nova.linear_cross_entropy"
+    CATEGORY: ClassVar = "contraction"
     h = operand_def(TensorType)
     w = operand_def(TensorType)
     target = operand_def(TensorType)
@@ -1063,6 +1098,7 @@ class LinearCrossEntropyBackwardOp(NovaOp):
     computed ``chunk`` rows at a time, dw and dbias accumulated across chunks."""
 
     name = "nova.linear_cross_entropy_backward"
+    CATEGORY: ClassVar = "contraction"
     grad = operand_def(TensorType)
     h = operand_def(TensorType)
     w = operand_def(TensorType)
@@ -1100,6 +1136,7 @@ class CountOutOfRangeOp(NovaOp):
     padding_idx row is in range) and class targets (ignore = ignore_index)."""
 
     name = "nova.count_out_of_range"
+    CATEGORY: ClassVar = "reduction"
     ids = operand_def(TensorType)
     low = prop_def(IntProp)
     high = prop_def(IntProp)
@@ -1129,6 +1166,7 @@ class CountNonfiniteOp(NovaOp):
     """How many elements of a float tensor are NaN or +-inf: a 0-d i64."""
 
     name = "nova.count_nonfinite"
+    CATEGORY: ClassVar = "reduction"
     input = operand_def(TensorType)
     result = result_def(TensorType)
     traits = traits_def(Pure())
@@ -1141,6 +1179,88 @@ class CountNonfiniteOp(NovaOp):
 
 
 CHECK_OPS: tuple[type[NovaOp], ...] = (CountOutOfRangeOp, CountNonfiniteOp)
+
+
+# ----------------------------------------------------------------------------
+# fusion: a group of ops that becomes one kernel (nova.transforms.fuse)
+
+CATEGORIES: dict[str, str] = {
+    "elementwise": "result element i reads element i of each operand, broadcast (right-aligned) to the result's "
+                   "shape; generators (full, arange, dropout_mask) read their own flat index",
+    "layout": "a view of its operand (reshape, transpose, broadcast_to, slice): the Triton backend makes a "
+              "strided view, no kernel",
+    "reduction": "reduces (or scans) along dims: sums, maxima, row-wise softmax / layer_norm / cross-entropy, counts",
+    "contraction": "matmul, attention and the fused LM head",
+    "opaque": "anything else (gathers, scatters, pad): never fused",
+    "fused": "a nova.fused group",
+}  # fmt: skip
+FUSED_KINDS = ("elementwise",)
+
+
+@irdl_op_definition
+class FusedOp(NovaOp):
+    """A group of ops that runs as one kernel. Operands: the group's inputs from
+    outside; results: the group's values used outside. The one block's arguments
+    are the operands, 1:1 (same types), its ops the original nova ops (with their
+    ``nova.loc``), and it ends in ``nova.yield`` of the results. The region is
+    isolated: inner ops read only block arguments and inner values.
+
+    ``kind`` "elementwise": every inner op is of category elementwise, and every
+    inner result either has the iteration shape (the first result's shape) or has
+    one element (a scalar the group recomputes from scalar inputs)."""
+
+    name = "nova.fused"
+    CATEGORY: ClassVar = "fused"
+    inputs = var_operand_def(TensorType)
+    kind = prop_def(StringAttr)
+    outputs = var_result_def(TensorType)
+    body = region_def("single_block")
+    traits = traits_def(Pure(), IsolatedFromAbove())
+    PROPS: ClassVar = ("kind",)
+
+    def inner_ops(self) -> list[Operation]:
+        """The group's ops in order, without the yield."""
+        return [o for o in self.body.block.ops if not isinstance(o, YieldOp)]
+
+    def iteration_shape(self) -> tuple[int, ...]:
+        return shape_of(self.results[0].type)
+
+    def verify_(self) -> None:
+        kind = self.props()["kind"]
+        if kind not in FUSED_KINDS:
+            raise VerifyException(f"{self.name}: kind must be one of {FUSED_KINDS}, got {kind!r}")
+        block = self.body.block
+        if [a.type for a in block.args] != [o.type for o in self.operands]:
+            raise VerifyException(f"{self.name}: block arguments {[str(a.type) for a in block.args]} do not match "
+                                  f"the operands {[str(o.type) for o in self.operands]}")
+        last = block.last_op
+        if not isinstance(last, YieldOp):
+            raise VerifyException(f"{self.name}: the body must end in nova.yield")
+        if [v.type for v in last.operands] != [r.type for r in self.results]:
+            raise VerifyException(f"{self.name}: yielded types {[str(v.type) for v in last.operands]} do not match "
+                                  f"the results {[str(r.type) for r in self.results]}")
+        if not self.results:
+            raise VerifyException(f"{self.name}: a group without results")
+        shape = self.iteration_shape()
+        for op in self.inner_ops():
+            if not isinstance(op, NovaOp) or op.CATEGORY != kind:
+                raise VerifyException(f"{self.name} ({kind}): holds {op.name}, which is not of category {kind}")
+            for r in op.results:
+                if shape_of(r.type) != shape and numel(shape_of(r.type)) != 1:
+                    raise VerifyException(f"{self.name}: {op.name} gives {shape_of(r.type)}, neither the iteration "
+                                          f"shape {shape} nor one element")
+        for r in self.results:
+            if shape_of(r.type) != shape:
+                raise VerifyException(f"{self.name}: result {r.type} does not have the iteration shape {shape}")
+
+
+@irdl_op_definition
+class YieldOp(IRDLOperation):
+    """The values a nova.fused group gives to the outside, in result order."""
+
+    name = "nova.yield"
+    values = var_operand_def(TensorType)
+    traits = traits_def(IsTerminator(), HasParent(FusedOp), Pure())
 
 
 NOVA_OPS: list[type[NovaOp]] = [
@@ -1171,8 +1291,11 @@ class LoweringConfigAttr(ParametrizedAttribute):
     config: DictionaryAttr
 
 
-Nova = Dialect("nova", NOVA_OPS, [LoweringConfigAttr])
+# the fuse stage's structure: not ops of a step before fusion (no VJP rule, no lowering of their own kind)
+STRUCTURAL_OPS: tuple[type[IRDLOperation], ...] = (FusedOp, YieldOp)
+
+Nova = Dialect("nova", [*NOVA_OPS, *STRUCTURAL_OPS], [LoweringConfigAttr])
 
 OP_BY_NAME: dict[str, type[NovaOp]] = {op.name: op for op in NOVA_OPS}
 
-__all__ = [op.__name__ for op in NOVA_OPS] + ["CHECK_OPS", "Nova", "NovaOp", "OP_BY_NAME", "prop_value", "make_prop"]
+__all__ = [op.__name__ for op in (*NOVA_OPS, *STRUCTURAL_OPS)] + ["CHECK_OPS", "CATEGORIES", "STRUCTURAL_OPS", "Nova", "NovaOp", "OP_BY_NAME", "prop_value", "make_prop"]

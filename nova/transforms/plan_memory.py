@@ -63,7 +63,9 @@ SAME_INDEX = (
     nv.NegOp, nv.ExpOp, nv.LogOp, nv.SqrtOp, nv.RsqrtOp, nv.TanhOp, nv.SigmoidOp, nv.ReluOp,
     nv.CosOp, nv.SinOp, nv.AbsOp, nv.GeluOp, nv.GeluBackwardOp,
 )  # fmt: skip
-EXTERNAL_ROLES = ("param", "state", "buffer")
+EXTERNAL_ROLES = ("param", "state", "buffer", "guard")
+# arguments whose result of the same name is their new value (written in place where it can be)
+UPDATED_ROLES = ("param", "state", "guard")
 INPUT_ROLES = ("batch", "hyper", "seed")
 
 
@@ -316,7 +318,7 @@ class _Planner:
         rets = list(zip(result_slots(self.fn), return_op(self.fn).operands, strict=True))
         self.result_storage: list[str] = []
         for s, v in rets:
-            if s.role not in ("param", "state"):
+            if s.role not in UPDATED_ROLES:
                 self.result_storage.append("")
                 continue
             arg = args[(s.role, s.name)]
@@ -345,7 +347,7 @@ class _Planner:
             self.result_storage.append(how)
         # the loss and the gradients leave the step: their own allocations
         for k, (s, v) in enumerate(rets):
-            if s.role in ("param", "state"):
+            if s.role in UPDATED_ROLES:
                 continue
             if self.place[v].kind == "arena" and v not in claimed:
                 claimed.add(v)
@@ -461,7 +463,7 @@ def plan_memory(module: ModuleOp, scratch: dict[Operation, int] | None = None) -
         key = {"param": "params", "state": "state", "buffer": "buffers"}.get(s.role, "inputs")
         external[key] += _torch_bytes(nbytes(a))  # inputs: the caller's own batch tensors and scalars
     for s, v in zip(result_slots(fn), return_op(fn).operands, strict=True):
-        if s.role not in ("param", "state"):
+        if s.role not in UPDATED_ROLES:
             external["outputs"] += _torch_bytes(nbytes(v))
     n_const = sum(1 for q in p.place.values() if q.kind == "const")
     external["constants"] = _torch_bytes(n_const * ALIGNMENT)

@@ -1,0 +1,418 @@
+"""The fuse stage: groups of elementwise ops become one ``nova.fused`` op each
+(one generated kernel in the Triton backend, ``nova/codegen/triton/fused.py``).
+
+Grouping reads only op categories (``NovaOp.CATEGORY``): an op added later with
+category elementwise fuses without new code here.
+
+  vertical     an elementwise op joins the group of an elementwise producer of
+               the same iteration shape (its result shape). Operands of another
+               shape (broadcast biases, scalars) and layout views (transpose,
+               broadcast_to, slice, reshape: strided views in the backend, even
+               chains of them) stay outside: the kernel reads them through strides.
+  horizontal   elementwise ops of one iteration shape that read the same
+               non-scalar value join one group (a multi-output kernel reading it
+               once), when they lie within ``HORIZONTAL_WINDOW`` ops of each other.
+  scalars      a one-element elementwise op whose operands all have one element
+               (the optimizer's bias corrections, lr * ..., the guard's ok flag)
+               is not a kernel of its own: each consumer group recomputes it from
+               its scalar leaves (a cone of at most ``SCALAR_CONE`` ops), unless
+               something other than an elementwise op reads it (the return, a
+               reduction): then it is computed where it is, and read.
+  not fused    an add that is the only use of a matmul result, adding a bias over
+               rows (``plan_memory.bias_epilogue``): the backend runs it in the
+               matmul's epilogue. Ops reading their own flat index (arange,
+               dropout_mask) are grouped like any op of their shape, never
+               recomputed as scalars.
+  singletons   a group of one op stays that op (no wrapper), unless it recomputes
+               scalars (then its wrapper saves their kernels).
+
+No cycles, no reordering surprises: every group is placed at the position of
+one of its members, and a merge is taken only where that position lies after
+every outside value the merged group reads and before every outside op that
+reads its results (the ops outside groups keep their positions), so the block
+in placement order is a valid order by construction; the ops are then sorted
+into it. Inner ops keep their attributes (``nova.loc``, ``nova.remat``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from xdsl.context import Context
+from xdsl.dialects import func
+from xdsl.dialects.builtin import ModuleOp, StringAttr
+from xdsl.ir import Block, Operation, Region, SSAValue
+from xdsl.passes import ModulePass
+
+from nova.ir import dialect as nv
+from nova.ir.module import step_func
+from nova.ir.types import elem_of, numel, shape_of, tensor
+from nova.transforms.plan_memory import bias_epilogue
+
+# A recomputed scalar runs once per thread of every program of each consumer
+# kernel (0-d values in Triton are not per element): 16 ops (a pow is some 40
+# fp64 instructions) stay far below the ~3,000 fp64 FLOPs an H200 thread can
+# issue in the time its 8 elements' ~200 bytes take to stream (67 TFLOP/s fp64
+# against 4.8 TB/s), so the recompute is free where a kernel launch is not.
+SCALAR_CONE = 16
+# Horizontal partners this close in the step's order are computed together: the
+# earlier one's inputs stay live for at most this many ops longer (or the later
+# one's result is made that much earlier), which keeps the memory plan's live sets
+# as they were, while reading the shared value once.
+HORIZONTAL_WINDOW = 8
+
+
+def fusible(op: Operation) -> bool:
+    """An elementwise op that may be grouped (every op of that category but a
+    matmul's bias add, which rides in the matmul's epilogue)."""
+    if not isinstance(op, nv.NovaOp) or op.CATEGORY != "elementwise" or len(op.results) != 1:
+        return False
+    if isinstance(op, nv.AddOp):
+        for v in op.operands:
+            if isinstance(v.owner, nv.MatmulOp) and bias_epilogue(v.owner) is op:
+                return False
+    return True
+
+
+def _scalar(v: SSAValue) -> bool:
+    return numel(shape_of(v.type)) == 1
+
+
+@dataclass(eq=False)
+class Node:
+    """A group under construction: ``members`` in block order, placed at ``pos``."""
+
+    members: list[Operation]
+    pos: int
+    shape: tuple[int, ...] | None  # the iteration shape (None: not an elementwise node)
+    fused: bool = True  # False for ops that are never grouped (opaque, contractions, the return)
+
+
+@dataclass
+class Group:
+    """A finished group: its ops in block order and the scalar ops it recomputes."""
+
+    members: list[Operation]
+    cone: list[Operation] = field(default_factory=list)
+
+
+class _Grouping:
+    def __init__(self, block: Block):
+        self.block = block
+        self.ops = list(block.ops)
+        self.pos = {op: i for i, op in enumerate(self.ops)}
+        self.virtual: set[Operation] = set()  # scalar ops recomputed by their consumers
+        self.leaves: dict[SSAValue, tuple[SSAValue, ...]] = {}
+        self._find_virtual()
+        # the inputs of every op that stays an op (virtual scalars replaced by their leaves)
+        self.inputs: dict[Operation, list[SSAValue]] = {}
+        self.users: dict[SSAValue, list[Operation]] = {}
+        for op in self.ops:
+            if op in self.virtual:
+                continue
+            ins: list[SSAValue] = []
+            for v in op.operands:
+                for w in self._leaves_of(v) if self._is_virtual(v) else (v,):
+                    if w not in ins:
+                        ins.append(w)
+            self.inputs[op] = ins
+            for w in ins:
+                self.users.setdefault(w, []).append(op)
+        self.node: dict[Operation, Node] = {}
+        for op in self.ops:
+            if op in self.virtual:
+                continue
+            ok = fusible(op)
+            self.node[op] = Node([op], self.pos[op], shape_of(op.results[0].type) if ok else None, ok)
+
+    # --- scalars recomputed where they are read ----------------------------
+    def _is_virtual(self, v: SSAValue) -> bool:
+        return isinstance(v.owner, Operation) and v.owner in self.virtual
+
+    def _find_virtual(self) -> None:
+        cone: dict[Operation, set[Operation]] = {}
+        for op in self.ops:
+            if not fusible(op) or op.FLAT_INDEX or not _scalar(op.results[0]):
+                continue
+            if not all(_scalar(v) for v in op.operands):
+                continue
+            if not all(fusible(u.operation) for u in op.results[0].uses):
+                continue  # the return or a non-elementwise op reads it: computed where it is
+            c = {op}
+            for v in op.operands:
+                if self._is_virtual(v):
+                    c |= cone[v.owner]
+            if len(c) > SCALAR_CONE:
+                continue
+            cone[op] = c
+            self.virtual.add(op)
+
+    def _leaves_of(self, v: SSAValue) -> tuple[SSAValue, ...]:
+        """The values a virtual scalar is recomputed from (none for a constant)."""
+        got = self.leaves.get(v)
+        if got is None:
+            out: list[SSAValue] = []
+            for w in v.owner.operands:
+                for x in self._leaves_of(w) if self._is_virtual(w) else (w,):
+                    if x not in out:
+                        out.append(x)
+            got = self.leaves[v] = tuple(out)
+        return got
+
+    def cone_of(self, ops: list[Operation]) -> list[Operation]:
+        """The virtual scalar ops these ops recompute, in block order."""
+        seen: set[Operation] = set()
+        stack = [v.owner for op in ops for v in op.operands if self._is_virtual(v)]
+        while stack:
+            o = stack.pop()
+            if o in seen:
+                continue
+            seen.add(o)
+            stack.extend(v.owner for v in o.operands if self._is_virtual(v))
+        return sorted(seen, key=self.pos.__getitem__)
+
+    # --- placement ---------------------------------------------------------
+    def _def_pos(self, v: SSAValue) -> int:
+        owner = v.owner
+        return self.node[owner].pos if isinstance(owner, Operation) else -1
+
+    def _window(self, members: list[Operation], merging: set[int]) -> tuple[int, int]:
+        """(latest outside input, earliest outside reader) of a would-be group."""
+        latest, earliest = -1, len(self.ops)
+        for m in members:
+            for w in self.inputs[m]:
+                owner = w.owner
+                if isinstance(owner, Operation) and id(self.node[owner]) in merging:
+                    continue
+                latest = max(latest, self._def_pos(w))
+            for r in m.results:
+                for u in self.users.get(r, ()):
+                    n = self.node[u]
+                    if id(n) not in merging:
+                        earliest = min(earliest, n.pos)
+        return latest, earliest
+
+    def try_merge(self, nodes: list[Node]) -> Node | None:
+        """Merges ``nodes`` into one placed at the latest member position that keeps
+        every outside input before it and every outside reader after it; None (and
+        nothing changes) where no member position does."""
+        merging = {id(n) for n in nodes}
+        members = sorted((m for n in nodes for m in n.members), key=self.pos.__getitem__)
+        latest, earliest = self._window(members, merging)
+        for m in reversed(members):
+            p = self.pos[m]
+            if latest < p < earliest:
+                merged = Node(members, p, nodes[0].shape)
+                for x in members:
+                    self.node[x] = merged
+                return merged
+        return None
+
+    # --- the rules ---------------------------------------------------------
+    def group(self) -> None:
+        for op in self.ops:
+            node = self.node.get(op)
+            if node is None or not node.fused:
+                continue
+            # vertical: producers of the same iteration shape
+            for w in self.inputs[op]:
+                owner = w.owner
+                if not isinstance(owner, Operation):
+                    continue
+                other = self.node[owner]
+                if other is node or not other.fused or other.shape != node.shape:
+                    continue
+                node = self.try_merge([node, other]) or node
+            # horizontal: earlier readers of one of its non-scalar inputs, close by
+            for w in self.inputs[op]:
+                if _scalar(w):
+                    continue
+                for u in self.users.get(w, ()):
+                    if u is op or self.pos[u] >= self.pos[op] or self.pos[op] - self.pos[u] > HORIZONTAL_WINDOW:
+                        continue
+                    other = self.node[u]
+                    if other is node or not other.fused or other.shape != node.shape:
+                        continue
+                    node = self.try_merge([node, other]) or node
+
+    def groups(self) -> list[Group]:
+        seen: set[int] = set()
+        out: list[Group] = []
+        for op in self.ops:
+            n = self.node.get(op)
+            if n is None or not n.fused or id(n) in seen:
+                continue
+            seen.add(id(n))
+            cone = self.cone_of(n.members)
+            # a lone op reading only constants stays itself (0-d constants cost no kernel)
+            if len(n.members) == 1 and all(not c.operands for c in cone):
+                continue
+            out.append(Group(n.members, cone))
+        return out
+
+
+def _build(g: _Grouping, group: Group) -> nv.FusedOp:
+    """The nova.fused op of ``group`` (not inserted yet); the outside readers of its
+    results are redirected to it."""
+    inside = set(group.members) | set(group.cone)
+    ops = sorted(inside, key=g.pos.__getitem__)  # block order: a scalar may read a member
+    inputs: list[SSAValue] = []
+    for op in ops:
+        for v in op.operands:
+            owner = v.owner
+            if (not isinstance(owner, Operation) or owner not in inside) and v not in inputs:
+                inputs.append(v)
+    members = set(group.members)
+    outputs = [r for m in group.members for r in m.results if any(u.operation not in members for u in r.uses)]
+    block = Block(arg_types=[v.type for v in inputs])
+    mapping: dict[SSAValue, SSAValue] = dict(zip(inputs, block.args, strict=True))
+    for op in ops:
+        new = op.clone(value_mapper=mapping)
+        for old_r, new_r in zip(op.results, new.results, strict=True):
+            mapping[old_r] = new_r
+        block.add_op(new)
+    block.add_op(nv.YieldOp.create(operands=[mapping[r] for r in outputs]))
+    fused = nv.FusedOp.create(
+        operands=inputs, result_types=[r.type for r in outputs],
+        properties={"kind": StringAttr("elementwise")}, regions=[Region(block)],
+    )  # fmt: skip
+    for old, new in zip(outputs, fused.results, strict=True):
+        for use in list(old.uses):
+            if use.operation not in members:
+                use.operation.operands[use.index] = new
+    return fused
+
+
+# ----------------------------------------------------------------------------
+# views between a producer and its consumers
+
+
+def _sinkable(op: Operation) -> Operation | None:
+    """The layout op to move ``op`` below: ``op`` is elementwise, its one use is a
+    reshape or transpose whose readers are all elementwise and one of them has the
+    view's shape, and its operands have its shape (or are 0-d), each contiguous
+    when the view is a reshape (so the new reshape is a view too)."""
+    if not fusible(op) or op.FLAT_INDEX or not op.operands:
+        return None
+    uses = list(op.results[0].uses)
+    if len(uses) != 1 or not isinstance(uses[0].operation, (nv.ReshapeOp, nv.TransposeOp)):
+        return None
+    view = uses[0].operation
+    shape = shape_of(op.results[0].type)
+    for v in op.operands:
+        if shape_of(v.type) == ():
+            continue
+        if shape_of(v.type) != shape:
+            return None
+        if isinstance(view, nv.ReshapeOp) and isinstance(v.owner, nv.NovaOp) and v.owner.CATEGORY == "layout":
+            return None  # a reshape of a strided view may need a copy
+    readers = [u.operation for u in view.results[0].uses]
+    out = shape_of(view.results[0].type)
+    if not readers or not all(fusible(r) for r in readers):
+        return None
+    if not any(shape_of(r.results[0].type) == out for r in readers):
+        return None
+    return view
+
+
+def _relayout(view: Operation, v: SSAValue) -> Operation:
+    """``view``'s layout op applied to ``v`` instead (its attributes, e.g. nova.loc, kept)."""
+    if isinstance(view, nv.TransposeOp):
+        perm = view.props()["perm"]
+        result = tensor([shape_of(v.type)[p] for p in perm], elem_of(v.type))
+    else:
+        result = tensor(shape_of(view.results[0].type), elem_of(v.type))
+    return type(view).create(operands=[v], result_types=[result], properties=dict(view.properties),
+                             attributes=dict(view.attributes))  # fmt: skip
+
+
+def sink_views(block: Block) -> int:
+    """``layout(f(a, b))`` becomes ``f(layout(a), layout(b))`` where the layout op's
+    readers are elementwise (see ``_sinkable``): ``f`` then has its readers'
+    iteration shape and joins their group, reading ``a`` and ``b`` through the view
+    instead of a kernel writing ``f``'s result first. Exact: the same ops on the
+    same elements. Returns how many ops moved."""
+    moved = 0
+    changed = True
+    while changed:
+        changed = False
+        for op in list(block.ops):
+            view = _sinkable(op)
+            if view is None:
+                continue
+            operands = []
+            for v in op.operands:
+                if shape_of(v.type) == ():
+                    operands.append(v)
+                    continue
+                lay = _relayout(view, v)
+                block.insert_op_before(lay, view)
+                operands.append(lay.results[0])
+            new = type(op).create(operands=operands, result_types=[view.results[0].type.__class__(
+                elem_of(op.results[0].type), view.results[0].type.get_shape())],
+                properties=dict(op.properties), attributes=dict(op.attributes))  # fmt: skip
+            block.insert_op_before(new, view)
+            view.results[0].replace_all_uses_with(new.results[0])
+            block.erase_op(view)
+            block.erase_op(op)
+            moved += 1
+            changed = True
+    return moved
+
+
+def fuse(module: ModuleOp) -> list[nv.FusedOp]:
+    """Groups @train_step's elementwise ops (see the module docstring); returns the
+    nova.fused ops made, in block order."""
+    fn = step_func(module)
+    block = fn.body.block
+    sink_views(block)
+    g = _Grouping(block)
+    g.group()
+    groups = g.groups()
+    placed: dict[int, Operation] = {}  # position -> the op that goes there
+    replaced: set[Operation] = set()
+    made = []
+    for group in groups:
+        fused = _build(g, group)
+        placed[g.node[group.members[0]].pos] = fused
+        replaced.update(group.members)
+        made.append(fused)
+    order: list[Operation] = []
+    for i, op in enumerate(g.ops):
+        if i in placed:
+            order.append(placed[i])
+        elif op not in replaced:
+            order.append(op)
+    # ops outside groups keep their position; a group goes where it was placed
+    for op in list(block.ops):
+        block.detach_op(op)
+    for op in replaced:
+        op.erase(safe_erase=False)
+    for op in order:
+        block.add_op(op)
+    # virtual scalars every reader now recomputes are dead
+    for op in reversed(order):
+        if op in g.virtual and all(not r.uses for r in op.results):
+            block.erase_op(op)
+    assert isinstance(block.last_op, func.ReturnOp)
+    return made
+
+
+def summary(module: ModuleOp) -> list[str]:
+    """One line per nova.fused op, for ``explain()``: its ops, inputs and outputs."""
+    lines = []
+    for op in step_func(module).body.block.ops:
+        if isinstance(op, nv.FusedOp):
+            names = [o.name.removeprefix("nova.") for o in op.inner_ops()]
+            shape = "x".join(map(str, op.iteration_shape())) or "scalar"
+            lines.append(f"fused {op.props()['kind']} [{shape}]: {len(names)} ops ({' '.join(names)}), "
+                         f"{len(op.operands)} inputs, {len(op.results)} outputs")  # fmt: skip
+    return lines
+
+
+@dataclass(frozen=True)
+class Fuse(ModulePass):
+    name = "nova-fuse"
+
+    def apply(self, ctx: Context, op: ModuleOp) -> None:
+        fuse(op)
