@@ -23,7 +23,7 @@ import torch
 from xdsl.dialects import func
 from xdsl.ir import Operation, SSAValue
 
-from nova.codegen.triton import attention, checks, elementwise, embedding, linear_ce, reduce, rowwise, scan  # noqa: F401  (register lowerings)
+from nova.codegen.triton import attention, checks, elementwise, embedding, fused, linear_ce, reduce, rowwise, scan  # noqa: F401  (register lowerings)
 from nova.codegen.triton import lowering as lw
 from nova.codegen.triton import matmul as mm
 from nova.ir import dialect as nv

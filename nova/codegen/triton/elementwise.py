@@ -176,19 +176,6 @@ def const(value: float, ct: str) -> str:
     return repr(float(value))
 
 
-def bits_const(value: torch.Tensor, block: int) -> str:
-    """A block filled with the 0-d tensor ``value``, exactly (NaN, inf, any dtype)."""
-    t = tag(value.dtype)
-    if t == "u8":
-        return f"tl.full([{block}], {int(bool(value))}, tl.uint8)"
-    if t == "i64":
-        return f"tl.full([{block}], {int(value)}, tl.int64)"
-    itype = {"f64": torch.int64, "f32": torch.int32, "bf16": torch.int16, "f16": torch.int16}[t]
-    ibits = int(value.reshape(1).view(itype)[0])
-    itl = {torch.int64: "tl.int64", torch.int32: "tl.int32", torch.int16: "tl.int16"}[itype]
-    return f"tl.full([{block}], {ibits}, {itl}).to({_TL[t]}, bitcast=True)"
-
-
 def load(source: str, name: str):
     return load_kernel(source, name)[0]
 
@@ -238,20 +225,27 @@ def pointwise_source(
     out_dtype: torch.dtype,
     block: int,
     helpers: str = "",
+    stores: Sequence[tuple[str, str, torch.dtype]] | None = None,
 ) -> str:
     """Triton source of one pointwise kernel named ``name``.
 
     Iterates over ``shape`` (row-major flat index = the output offset); loads
     operand k into ``x<k>``; ``body`` (statements, may use ``offs`` and ``mask``)
     assigns ``y`` of register type ``y_tag``, which is stored as ``out_dtype``.
-    Kernel arguments: operand pointers, the output pointer, the strides of every
-    operand dim that moves (in operand order), then DENSE<k> per dense-capable
-    operand and IDX64 (constexprs)."""
+    ``stores`` instead: (variable, register type, dtype) per output, written to
+    ``out0``, ``out1``, ... (a multi-output kernel; every load comes before the
+    first store). Kernel arguments: operand pointers, the output pointers, the
+    strides of every operand dim that moves (in operand order), then DENSE<k> per
+    dense-capable operand and IDX64 (constexprs)."""
     shape = tuple(int(s) for s in shape)
     rank = len(shape)  # any rank: one division per moving dim
     n = numel(shape)
     even = n % block == 0
-    params = [f"in{k}" for k in range(len(operands))] + ["out"]
+    if stores is None:
+        outs = [("out", "y", y_tag, out_dtype)]
+    else:
+        outs = [(f"out{j}", v, t, d) for j, (v, t, d) in enumerate(stores)]
+    params = [f"in{k}" for k in range(len(operands))] + [o[0] for o in outs]
     flags = []
     lines = [
         "pid = tl.program_id(0)",
@@ -293,7 +287,8 @@ def pointwise_source(
         other = ", other=0" if op.mask else ""
         lines.append(f"x{k} = {convert(f'tl.load(in{k} + o{k}, mask={m}{other})', raw, loaded)}")
     lines += body.strip("\n").splitlines()
-    lines.append(f"tl.store(out + offs, {convert('y', y_tag, tag(out_dtype))}, mask=mask)")
+    for ptr, var, vtag, dtype in outs:
+        lines.append(f"tl.store({ptr} + offs, {convert(var, vtag, tag(dtype))}, mask=mask)")
     params += [f"{f}: tl.constexpr" for f in flags] + ["IDX64: tl.constexpr"]
     text = "\n".join("    " + ln for ln in lines)
     return (
@@ -315,19 +310,29 @@ class Pointwise:
     out_dtype: torch.dtype
     block: int
     num_warps: int
+    out_dtypes: tuple[torch.dtype, ...] = ()  # a multi-output kernel's (``stores``); () = (out_dtype,)
 
     def __call__(self, xs: Sequence[torch.Tensor], device=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Runs the kernel on ``xs``, writing ``out`` (contiguous, the result's shape
         and dtype; a new tensor when None). ``out`` may be one of ``xs`` itself: lane
         i loads every operand's element i before it stores element i, and no other
         lane reads it (the in-place update of the same-index ops)."""
+        return self.run(xs, device, None if out is None else [out])[0]
+
+    def run(self, xs: Sequence[torch.Tensor], device=None,
+            outs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:  # fmt: skip
+        """``__call__`` for any number of outputs (``outs``: one per output, or None)."""
         rank = len(self.shape)
-        if out is None:
+        dtypes = self.out_dtypes or (self.out_dtype,)
+        if outs is None:
             device = xs[0].device if xs else device or default_device()
-        out = result_tensor(self.name, out, self.shape, self.out_dtype, device)
-        n = out.numel()
+            outs = [None] * len(dtypes)
+        if len(outs) != len(dtypes):
+            raise ValueError(f"{self.name}: {len(outs)} outs for {len(dtypes)} results")
+        outs = [result_tensor(self.name, o, self.shape, d, device) for o, d in zip(outs, dtypes, strict=True)]
+        n = numel(self.shape)
         if n == 0:
-            return out
+            return outs
         args, flags = [], {}
         big = n + self.block > INT32_MAX
         for k, (op, x) in enumerate(zip(self.operands, xs, strict=True)):
@@ -339,12 +344,14 @@ class Pointwise:
             big = big or span(x) > INT32_MAX
             if op.dense_capable(self.shape):
                 flags[f"DENSE{k}"] = x.is_contiguous()
-        args.append(storage_view(out))
+        args += [storage_view(o) for o in outs]
         for op, x in zip(self.operands, xs):
             args += [x.stride(kd) for kd, _, _ in op.terms(rank)]
         grid = (-(-n // self.block),)
-        self.fn[grid](*args, **flags, IDX64=big, num_warps=self.num_warps)
-        return out
+        # no contraction of a mul and an add into an fma: each op rounds as written,
+        # so a fused kernel computes what the unfused ones do, bit for bit
+        self.fn[grid](*args, **flags, IDX64=big, num_warps=self.num_warps, enable_fp_fusion=False)
+        return outs
 
 
 def block_and_warps(n: int, cfg: LoweringConfig | None) -> tuple[int, int]:
@@ -394,7 +401,7 @@ def kernel_of(pw: Pointwise, cfg, launch=None, needs_contiguous=()) -> Kernel:
 # Cephes tanhf (|x| < 0.625: odd polynomial, else 1 - 2 / (exp(2|x|) + 1)): ~2 ulp
 _TANH_F32 = """
 @triton.jit
-def _tanh(x):
+def _tanh_f32(x):
     ax = tl.abs(x)
     z = x * x
     p = ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z
@@ -407,7 +414,7 @@ def _tanh(x):
 # Cephes tanh (double): rational approximation below 0.625
 _TANH_F64 = """
 @triton.jit
-def _tanh(x):
+def _tanh_f64(x):
     ax = tl.abs(x)
     z = x * x
     num = (tl.full([], -9.64399179425052238628e-1, tl.float64) * z
@@ -447,73 +454,208 @@ def _div(a: str, b: str, ct: str) -> str:
     return f"tl.math.div_rn({a}, {b})" if ct == "f32" else f"({a}) / ({b})"
 
 
-# --------------------------------------------------------------------------- op bodies
+# --------------------------------------------------------------------------- expressions
 
-# (body(ct, c) -> code assigning y; result tag: None = the compute type, "i1" = bool)
-_BINARY: dict[type, Callable[[str], str]] = {
-    nv.AddOp: lambda ct: "y = x0 + x1",
-    nv.SubOp: lambda ct: "y = x0 - x1",
-    nv.MulOp: lambda ct: "y = x0 * x1",
-    nv.DivOp: lambda ct: "y = " + _div("x0", "x1", ct),
-    nv.MaximumOp: lambda ct: "y = tl.maximum(x0, x1, propagate_nan=tl.PropagateNan.ALL)",
-    nv.PowOp: lambda ct: (
-        "y = _pow(x0, x1)" if ct == "f64" else "y = _pow(x0.to(tl.float64), x1.to(tl.float64)).to(tl.float32)"
+
+@dataclass(frozen=True)
+class Expr:
+    """One elementwise op as code, the unit that single-op kernels and fused
+    kernels (``nova.codegen.triton.fused``) are both made of.
+
+    ``loads[k]``: how operand k is read ("compute": floats widened to their
+    compute type, bools as int1; "raw": the stored type, bools as 0/1 bytes);
+    ``code(args, y)``: statements assigning variable ``y`` from the operand
+    variables ``args`` (temporaries are named ``<y>_...``); ``tag``: ``y``'s
+    register type, rounded to the result's dtype by the store (or, inside a fused
+    kernel, by the same conversion where the store would have been). Code may read
+    ``offs``, the flat index of the iteration space (arange, dropout_mask)."""
+
+    loads: tuple[str, ...]
+    tag: str
+    code: Callable[[Sequence[str], str], str]
+    helpers: tuple[str, ...] = ()
+
+
+EXPRESSIONS: dict[type, Callable[[nv.NovaOp], Expr]] = {}
+
+
+def expression(*op_classes):
+    def register(fn):
+        for c in op_classes:
+            if c in EXPRESSIONS:
+                raise ValueError(f"{c.name} already has an expression")
+            EXPRESSIONS[c] = fn
+        return fn
+
+    return register
+
+
+def expression_of(op) -> Expr:
+    """The op's expression; a missing one is an error naming the op."""
+    fn = EXPRESSIONS.get(type(op))
+    if fn is None:
+        raise UnsupportedError(f"{op.name}: no elementwise expression in the Triton codegen")
+    return fn(op)
+
+
+def _dtypes(op) -> tuple[list[torch.dtype], torch.dtype]:
+    return [to_torch_dtype(elem_of(v.type)) for v in op.operands], to_torch_dtype(elem_of(op.results[0].type))
+
+
+def scalar_const(value: torch.Tensor) -> str:
+    """The 0-d tensor ``value`` as a 0-d Triton constant, exactly (NaN, inf, any dtype)."""
+    t = tag(value.dtype)
+    if t == "u8":
+        return f"tl.full([], {int(bool(value))}, tl.uint8)"
+    if t == "i64":
+        return f"tl.full([], {int(value)}, tl.int64)"
+    itype = {"f64": torch.int64, "f32": torch.int32, "bf16": torch.int16, "f16": torch.int16}[t]
+    ibits = int(value.reshape(1).view(itype)[0])
+    itl = {torch.int64: "tl.int64", torch.int32: "tl.int32", torch.int16: "tl.int16"}[itype]
+    return f"tl.full([], {ibits}, {itl}).to({_TL[t]}, bitcast=True)"
+
+
+# float bodies: (args, y, compute type) -> code
+_BINARY: dict[type, Callable[[Sequence[str], str, str], str]] = {
+    nv.AddOp: lambda a, y, ct: f"{y} = {a[0]} + {a[1]}",
+    nv.SubOp: lambda a, y, ct: f"{y} = {a[0]} - {a[1]}",
+    nv.MulOp: lambda a, y, ct: f"{y} = {a[0]} * {a[1]}",
+    nv.DivOp: lambda a, y, ct: f"{y} = " + _div(a[0], a[1], ct),
+    nv.MaximumOp: lambda a, y, ct: f"{y} = tl.maximum({a[0]}, {a[1]}, propagate_nan=tl.PropagateNan.ALL)",
+    nv.PowOp: lambda a, y, ct: (
+        f"{y} = _pow({a[0]}, {a[1]})" if ct == "f64"
+        else f"{y} = _pow({a[0]}.to(tl.float64), {a[1]}.to(tl.float64)).to(tl.float32)"
     ),
-}
+}  # fmt: skip
 _COMPARE = {nv.EqOp: "==", nv.NeOp: "!=", nv.LtOp: "<", nv.LeOp: "<=", nv.GtOp: ">", nv.GeOp: ">="}
-_UNARY: dict[type, Callable[[str], str]] = {
-    nv.NegOp: lambda ct: "y = -x0",
-    nv.ExpOp: lambda ct: "y = tl.exp(x0)",
-    nv.LogOp: lambda ct: "y = tl.log(x0)",
-    nv.SqrtOp: lambda ct: "y = tl.sqrt_rn(x0)" if ct == "f32" else "y = tl.sqrt(x0)",
-    nv.RsqrtOp: lambda ct: "y = tl.math.rsqrt(x0)",
-    nv.TanhOp: lambda ct: "y = _tanh(x0)",
-    nv.SigmoidOp: lambda ct: "y = " + _div(const(1.0, ct) if ct == "f64" else "tl.full([], 1.0, tl.float32)",
-                                           "1.0 + tl.exp(-x0)", ct),
-    nv.ReluOp: lambda ct: "y = tl.where(x0 < 0, 0.0, x0)",
+_UNARY: dict[type, Callable[[Sequence[str], str, str], str]] = {
+    nv.NegOp: lambda a, y, ct: f"{y} = -{a[0]}",
+    nv.ExpOp: lambda a, y, ct: f"{y} = tl.exp({a[0]})",
+    nv.LogOp: lambda a, y, ct: f"{y} = tl.log({a[0]})",
+    nv.SqrtOp: lambda a, y, ct: f"{y} = tl.sqrt_rn({a[0]})" if ct == "f32" else f"{y} = tl.sqrt({a[0]})",
+    nv.RsqrtOp: lambda a, y, ct: f"{y} = tl.math.rsqrt({a[0]})",
+    nv.TanhOp: lambda a, y, ct: f"{y} = _tanh_{ct}({a[0]})",
+    nv.SigmoidOp: lambda a, y, ct: f"{y} = " + _div(const(1.0, ct) if ct == "f64" else "tl.full([], 1.0, tl.float32)",
+                                                    f"1.0 + tl.exp(-{a[0]})", ct),
+    nv.ReluOp: lambda a, y, ct: f"{y} = tl.where({a[0]} < 0, 0.0, {a[0]})",
     # core ops: libdevice's __nv_cos(f)/__nv_sin(f) (full range reduction) on the GPU,
     # numpy's under the interpreter; both within an ulp of the true value
-    nv.CosOp: lambda ct: "y = tl.cos(x0)",
-    nv.SinOp: lambda ct: "y = tl.sin(x0)",
-    nv.AbsOp: lambda ct: "y = tl.abs(x0)",
+    nv.CosOp: lambda a, y, ct: f"{y} = tl.cos({a[0]})",
+    nv.SinOp: lambda a, y, ct: f"{y} = tl.sin({a[0]})",
+    nv.AbsOp: lambda a, y, ct: f"{y} = tl.abs({a[0]})",
 }  # fmt: skip
 # integer arithmetic (position ids, index math): i64 in, i64 out, wrapping like torch
-_INTEGER_BINARY: dict[type, str] = {
-    nv.AddOp: "y = x0 + x1", nv.SubOp: "y = x0 - x1", nv.MulOp: "y = x0 * x1", nv.MaximumOp: "y = tl.maximum(x0, x1)",
-}  # fmt: skip
+_INTEGER_BINARY: dict[type, str] = {nv.AddOp: "+", nv.SubOp: "-", nv.MulOp: "*"}
 
 
-def _gelu_body(approximate: str, ct: str) -> str:
+def _gelu_code(approximate: str, ct: str):
     c = lambda v: const(v, ct)  # noqa: E731
     if approximate == "none":
-        return f"y = x0 * {c(0.5)} * ({c(1.0)} + tl.math.erf(x0 * {c(_SQRT1_2)}))"
-    return (
-        f"inner = {c(_GELU_BETA)} * (x0 + {c(_KAPPA)} * (x0 * x0 * x0))\n"
-        f"y = {c(0.5)} * x0 * ({c(1.0)} + _tanh(inner))"
+        return lambda a, y: f"{y} = {a[0]} * {c(0.5)} * ({c(1.0)} + tl.math.erf({a[0]} * {c(_SQRT1_2)}))"
+    return lambda a, y: (
+        f"{y}_inner = {c(_GELU_BETA)} * ({a[0]} + {c(_KAPPA)} * ({a[0]} * {a[0]} * {a[0]}))\n"
+        f"{y} = {c(0.5)} * {a[0]} * ({c(1.0)} + _tanh_{ct}({y}_inner))"
     )
 
 
-def _gelu_backward_body(approximate: str, ct: str) -> str:
+def _gelu_backward_code(approximate: str, ct: str):
     c = lambda v: const(v, ct)  # noqa: E731
-    if approximate == "none":  # x0 = grad, x1 = input
-        return (
-            f"cdf = {c(0.5)} * ({c(1.0)} + tl.math.erf(x1 * {c(_SQRT1_2)}))\n"
-            f"pdf = {c(_GELU_ALPHA)} * tl.exp(x1 * x1 * {c(-0.5)})\n"
-            "y = x0 * (cdf + x1 * pdf)"
+    if approximate == "none":  # a[0] = grad, a[1] = input
+        return lambda a, y: (
+            f"{y}_cdf = {c(0.5)} * ({c(1.0)} + tl.math.erf({a[1]} * {c(_SQRT1_2)}))\n"
+            f"{y}_pdf = {c(_GELU_ALPHA)} * tl.exp({a[1]} * {a[1]} * {c(-0.5)})\n"
+            f"{y} = {a[0]} * ({y}_cdf + {a[1]} * {y}_pdf)"
         )
-    return (
-        "x_sq = x1 * x1\n"
-        f"inner = {c(_GELU_BETA)} * (x1 + {c(_KAPPA)} * (x_sq * x1))\n"
-        "t = _tanh(inner)\n"
-        f"left = {c(0.5)} * x1\n"
-        f"left_derivative = {c(0.5)} * ({c(1.0)} + t)\n"
-        f"right_derivative = left * ({c(1.0)} - t * t) * ({c(_GELU_BETA)} * ({c(1.0)} + {c(3.0 * _KAPPA)} * x_sq))\n"
-        "y = x0 * (left_derivative + right_derivative)"
+    return lambda a, y: (
+        f"{y}_x_sq = {a[1]} * {a[1]}\n"
+        f"{y}_inner = {c(_GELU_BETA)} * ({a[1]} + {c(_KAPPA)} * ({y}_x_sq * {a[1]}))\n"
+        f"{y}_t = _tanh_{ct}({y}_inner)\n"
+        f"{y}_left = {c(0.5)} * {a[1]}\n"
+        f"{y}_left_derivative = {c(0.5)} * ({c(1.0)} + {y}_t)\n"
+        f"{y}_right_derivative = {y}_left * ({c(1.0)} - {y}_t * {y}_t) * ({c(_GELU_BETA)} * ({c(1.0)} + "
+        f"{c(3.0 * _KAPPA)} * {y}_x_sq))\n"
+        f"{y} = {a[0]} * ({y}_left_derivative + {y}_right_derivative)"
     )
 
 
 def _tanh_helper(ct: str) -> str:
     return _TANH_F64 if ct == "f64" else _TANH_F32
+
+
+@expression(*_BINARY, *_COMPARE, *_UNARY, nv.WhereOp, nv.GeluOp, nv.GeluBackwardOp)
+def _arith(op) -> Expr:
+    """Arithmetic, compares, where and activations; float math in the compute type."""
+    ins, out = _dtypes(op)
+    n = len(ins)
+    ct = compute_tag(ins[-1])
+    if isinstance(op, nv.WhereOp):
+        return Expr(("raw",) * 3, tag(out), lambda a, y: f"{y} = tl.where({a[0]} != 0, {a[1]}, {a[2]})")
+    if type(op) in _COMPARE:
+        load = "raw" if ins[0] == torch.bool else "compute"  # bools compare as 0/1 bytes
+        sym = _COMPARE[type(op)]
+        return Expr((load, load), "i1", lambda a, y: f"{y} = {a[0]} {sym} {a[1]}")
+    if tag(ins[0]) == "i64" and (type(op) in _INTEGER_BINARY or isinstance(op, nv.MaximumOp)):
+        if isinstance(op, nv.MaximumOp):
+            return Expr(("compute",) * 2, "i64", lambda a, y: f"{y} = tl.maximum({a[0]}, {a[1]})")
+        sym = _INTEGER_BINARY[type(op)]
+        return Expr(("compute",) * 2, "i64", lambda a, y: f"{y} = {a[0]} {sym} {a[1]}")
+    if tag(ins[0]) not in _FLOATS:
+        raise UnsupportedError(f"{op.name}: needs float operands, got {ins[0]}")
+    if type(op) in _BINARY:
+        body = _BINARY[type(op)]
+        return Expr(("compute",) * n, ct, lambda a, y: body(a, y, ct), (_POW,) if isinstance(op, nv.PowOp) else ())
+    if type(op) in _UNARY:
+        body = _UNARY[type(op)]
+        return Expr(("compute",), ct, lambda a, y: body(a, y, ct), (_tanh_helper(ct),) if isinstance(op, nv.TanhOp) else ())
+    approx = op.props()["approximate"]
+    code = _gelu_code(approx, ct) if isinstance(op, nv.GeluOp) else _gelu_backward_code(approx, ct)
+    return Expr(("compute",) * n, ct, code, (_tanh_helper(ct),) if approx == "tanh" else ())
+
+
+@expression(nv.CastOp)
+def _cast(op) -> Expr:
+    """The value as stored, converted by the store (``convert``: torch's rounding)."""
+    ins, _ = _dtypes(op)
+    return Expr(("raw",), tag(ins[0]), lambda a, y: f"{y} = {a[0]}")
+
+
+@expression(nv.FullOp)
+def _full(op) -> Expr:
+    _, out = _dtypes(op)
+    value = torch.full((), op.props()["value"], dtype=out)  # the reference's own conversion
+    return Expr((), tag(out), lambda a, y: f"{y} = {scalar_const(value)}")
+
+
+@expression(nv.ArangeOp)
+def _arange(op) -> Expr:
+    """``start + step * i`` in int64, then converted like ``Tensor.to``."""
+    p = op.props()
+    return Expr((), "i64", lambda a, y: f"{y} = offs.to(tl.int64) * {int(p['step'])} + {int(p['start'])}")
+
+
+@expression(nv.DropoutMaskOp)
+def _dropout_mask(op) -> Expr:
+    """Bit-exact with ``nova.rng.dropout_scale`` (the seed operand is a 0-d int64)."""
+    _, out = _dtypes(op)
+    p = op.props()
+    prob, salt = float(p["p"]), int(p["salt"])
+    threshold = math.ceil(prob * 2**24)  # u >= p  <=>  (x >> 8) >= ceil(p * 2**24): exact
+    # the kept value exactly as the reference rounds it (a 1-D tensor times a Python float)
+    kept = (torch.ones(1, dtype=out) * (1.0 / (1.0 - prob)))[0]
+    zero = torch.zeros((), dtype=out)
+    salt_term = (salt * rng.SALT_MUL) & rng.M32
+
+    def code(a, y):
+        return f"""{y}_s = {a[0]}.to(tl.uint32)
+{y}_x = offs.to(tl.uint32) * {rng.GOLDEN} + {y}_s * {rng.SEED_MUL} + {salt_term}
+{y}_x = {y}_x ^ ({y}_x >> 16)
+{y}_x = {y}_x * 0x85EBCA6B
+{y}_x = {y}_x ^ ({y}_x >> 13)
+{y}_x = {y}_x * 0xC2B2AE35
+{y}_x = {y}_x ^ ({y}_x >> 16)
+{y} = tl.where(({y}_x >> 8) >= {threshold}, {scalar_const(kept)}, {scalar_const(zero)})"""
+
+    return Expr(("raw",), tag(out), code)
 
 
 # --------------------------------------------------------------------------- lowerings
@@ -533,42 +675,31 @@ def _name(op, out_shape, out_dtype) -> str:
     return f"nova_{op.name.removeprefix('nova.')}_{shape_name(out_shape)}_{_short(out_dtype)}"
 
 
-@lowers(*_BINARY, *_COMPARE, *_UNARY, nv.WhereOp, nv.GeluOp, nv.GeluBackwardOp)
-def lower_elementwise(op, cfg: LoweringConfig | None = None) -> Kernel:
-    """Arithmetic, compares, where and activations: broadcasting operands are read
-    through their strides (any view works: needs_contiguous is empty)."""
+def merge_helpers(helpers: Sequence[str]) -> str:
+    """The helper functions some expressions call, each once, in first-use order."""
+    return "\n\n".join(h.strip("\n") for h in dict.fromkeys(helpers))
+
+
+def lower_expression(op, cfg: LoweringConfig | None = None) -> Kernel:
+    """One elementwise op as one kernel: its expression over operands read through
+    their strides (any view works: needs_contiguous is empty). Ops without operands
+    (full, arange) take ``launch([], outs)`` or ``launch([], device=...)`` (device
+    defaults to CUDA when present)."""
     ins, out_shape, out_dtype = _types(op)
-    ct = compute_tag(ins[-1][1])
-    helpers = ""
-    if isinstance(op, nv.WhereOp):
-        operands = [Operand(s, d, load="raw") for s, d in ins]
-        body, y_tag = "y = tl.where(x0 != 0, x1, x2)", tag(out_dtype)
-    elif type(op) in _COMPARE:
-        load = "raw" if ins[0][1] == torch.bool else "compute"  # bools compare as 0/1 bytes
-        operands = [Operand(s, d, load=load) for s, d in ins]
-        body, y_tag = f"y = x0 {_COMPARE[type(op)]} x1", "i1"
-    elif type(op) in _INTEGER_BINARY and tag(ins[0][1]) == "i64":
-        operands = [Operand(s, d) for s, d in ins]
-        body, y_tag = _INTEGER_BINARY[type(op)], "i64"
-    else:
-        if tag(ins[0][1]) not in _FLOATS:
-            raise UnsupportedError(f"{op.name}: needs float operands, got {ins[0][1]}")
-        operands = [Operand(s, d) for s, d in ins]
-        y_tag = ct
-        if type(op) in _BINARY:
-            body = _BINARY[type(op)](ct)
-            helpers = _POW if isinstance(op, nv.PowOp) else ""
-        elif type(op) in _UNARY:
-            body = _UNARY[type(op)](ct)
-            helpers = _tanh_helper(ct) if isinstance(op, nv.TanhOp) else ""
-        elif isinstance(op, nv.GeluOp):
-            approx = op.props()["approximate"]
-            body, helpers = _gelu_body(approx, ct), _tanh_helper(ct) if approx == "tanh" else ""
-        else:
-            approx = op.props()["approximate"]
-            body, helpers = _gelu_backward_body(approx, ct), _tanh_helper(ct) if approx == "tanh" else ""
-    pw = pointwise(_name(op, out_shape, out_dtype), out_shape, operands, body, y_tag, out_dtype, cfg, helpers)
+    e = expression_of(op)
+    operands = [Operand(s, d, load=e.loads[k]) for k, (s, d) in enumerate(ins)]
+    name = _name(op, out_shape, out_dtype)
+    if isinstance(op, nv.DropoutMaskOp):
+        name += f"_salt{int(op.props()['salt']) & rng.M32}"
+    body = e.code([f"x{k}" for k in range(len(ins))], "y")
+    pw = pointwise(name, out_shape, operands, body, e.tag, out_dtype, cfg, merge_helpers(e.helpers))
     return kernel_of(pw, cfg)
+
+
+lower_elementwise = lowers(*_BINARY, *_COMPARE, *_UNARY, nv.WhereOp, nv.GeluOp, nv.GeluBackwardOp)(lower_expression)
+lower_full = lowers(nv.FullOp)(lower_expression)
+lower_arange = lowers(nv.ArangeOp)(lower_expression)
+lower_dropout_mask = lowers(nv.DropoutMaskOp)(lower_expression)
 
 
 def cast_pointwise(shape: Sequence[int], src: torch.dtype, dst: torch.dtype, cfg: LoweringConfig | None = None):
@@ -597,52 +728,6 @@ def copy_kernel(shape: Sequence[int], dtype: torch.dtype, cfg: LoweringConfig | 
 def lower_cast(op, cfg: LoweringConfig | None = None) -> Kernel:
     ins, out_shape, out_dtype = _types(op)
     return cast_kernel(out_shape, ins[0][1], out_dtype, cfg)
-
-
-@lowers(nv.FullOp)
-def lower_full(op, cfg: LoweringConfig | None = None) -> Kernel:
-    """No operands: ``launch([], outs)`` or ``launch([], device=...)`` (device
-    defaults to CUDA when present)."""
-    _, out_shape, out_dtype = _types(op)
-    value = torch.full((), op.props()["value"], dtype=out_dtype)  # the reference's own conversion
-    block, _ = block_and_warps(numel(out_shape), cfg)
-    body = f"y = {bits_const(value, block)}"
-    return kernel_of(pointwise(_name(op, out_shape, out_dtype), out_shape, [], body, tag(out_dtype), out_dtype, cfg), cfg)
-
-
-@lowers(nv.ArangeOp)
-def lower_arange(op, cfg: LoweringConfig | None = None) -> Kernel:
-    """``start + step * i`` in int64, then converted like ``Tensor.to``."""
-    _, out_shape, out_dtype = _types(op)
-    p = op.props()
-    body = f"y = offs.to(tl.int64) * {int(p['step'])} + {int(p['start'])}"
-    return kernel_of(pointwise(_name(op, out_shape, out_dtype), out_shape, [], body, "i64", out_dtype, cfg), cfg)
-
-
-@lowers(nv.DropoutMaskOp)
-def lower_dropout_mask(op, cfg: LoweringConfig | None = None) -> Kernel:
-    """Bit-exact with ``nova.rng.dropout_scale`` (the seed operand is a 0-d int64)."""
-    _, out_shape, out_dtype = _types(op)
-    p = op.props()
-    prob, salt = float(p["p"]), int(p["salt"])
-    threshold = math.ceil(prob * 2**24)  # u >= p  <=>  (x >> 8) >= ceil(p * 2**24): exact
-    # the kept value exactly as the reference rounds it (a 1-D tensor times a Python float)
-    kept = (torch.ones(1, dtype=out_dtype) * (1.0 / (1.0 - prob)))[0]
-    block, _ = block_and_warps(numel(out_shape), cfg)
-    salt_term = (salt * rng.SALT_MUL) & rng.M32
-    body = f"""
-s = x0.to(tl.uint32)
-x = offs.to(tl.uint32) * {rng.GOLDEN} + s * {rng.SEED_MUL} + {salt_term}
-x = x ^ (x >> 16)
-x = x * 0x85EBCA6B
-x = x ^ (x >> 13)
-x = x * 0xC2B2AE35
-x = x ^ (x >> 16)
-y = tl.where((x >> 8) >= {threshold}, {bits_const(kept, block)}, {bits_const(torch.zeros((), dtype=out_dtype), block)})
-"""
-    seed = Operand((), torch.int64, load="raw")
-    name = f"{_name(op, out_shape, out_dtype)}_salt{salt & rng.M32}"
-    return kernel_of(pointwise(name, out_shape, [seed], body, tag(out_dtype), out_dtype, cfg), cfg)
 
 
 @lowers(nv.BroadcastToOp)
@@ -714,6 +799,7 @@ def lower_pad(op, cfg: LoweringConfig | None = None) -> Kernel:
 
 
 __all__ = [
+    "Expr", "EXPRESSIONS", "expression", "expression_of", "lower_expression", "merge_helpers", "scalar_const",
     "Operand", "Pointwise", "pointwise", "pointwise_source", "copy_kernel", "cast_kernel", "copy_pointwise",
     "cast_pointwise", "UnsupportedError", "result_tensor", "only_out",
     "lower_elementwise", "lower_cast", "lower_full", "lower_arange", "lower_dropout_mask", "lower_broadcast_to",

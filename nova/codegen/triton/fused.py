@@ -1,0 +1,98 @@
+"""The lowering of ``nova.fused`` (kind elementwise): one kernel per group.
+
+The kernel is ``elementwise.pointwise_source``'s loop over the group's iteration
+shape; its body is the composition, in block order, of the inner ops'
+expressions (``elementwise.EXPRESSIONS``, the same ones the single-op kernels are
+made of), so an elementwise op with an expression fuses without code here.
+
+Bit-identical to the unfused kernels, by construction:
+
+* every inner value is converted to its IR dtype exactly where the unfused
+  kernel would have stored it (``convert(y, expression type, stored type)``: a
+  bf16 intermediate is rounded to bf16), and each reader converts that stored
+  form as its own kernel would have loaded it (bf16 -> fp32, bools -> int1);
+* floating-point contraction is off in every pointwise kernel (``Pointwise``
+  launches with ``enable_fp_fusion=False``): a mul of one op and an add of the
+  next are never merged into an fma the unfused kernels could not form.
+
+Operands are the group's inputs, each loaded once in its stored form through its
+own strides, as in any pointwise kernel (broadcast operands, transposed and
+sliced views are read in place; contiguous ones of the iteration shape at the
+flat index, ``DENSE<k>``). One-element operands are 0-d loads, and the scalar
+ops computed from them (the optimizer's bias corrections) run once per thread,
+not per element. Outputs are written contiguously at the flat index after every
+load, so an output may be an input of the iteration shape itself (the in-place
+parameter and state update; ``plan_memory`` allows exactly that).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from nova.codegen.triton.elementwise import (
+    Operand, Pointwise, UnsupportedError, block_and_warps, convert, expression_of, load, merge_helpers,
+    numel, pointwise_source, sanitize, shape_name, tag,
+)  # fmt: skip
+from nova.codegen.triton.lowering import Kernel, lowers
+from nova.ir import dialect as nv
+from nova.ir.types import elem_of, shape_of, to_torch_dtype
+from nova.schedule.config import LoweringConfig
+
+
+def _dtype(v):
+    return to_torch_dtype(elem_of(v.type))
+
+
+def fused_body(op: nv.FusedOp) -> tuple[list[Operand], str, list[tuple[str, str, object]], str]:
+    """(operands, body, stores, helpers) of the group's kernel: operand k is loaded
+    into ``x<k>``, inner op n computes ``y<n>`` and its stored form ``v<n>``."""
+    block = op.body.block
+    operands: list[Operand] = []
+    var: dict = {}  # value -> (variable holding its stored form, stored type)
+    for k, a in enumerate(block.args):
+        operands.append(Operand(shape_of(a.type), _dtype(a), load="raw"))
+        var[a] = (f"x{k}", tag(_dtype(a)))
+    lines: list[str] = []
+    helpers: list[str] = []
+    for n, inner in enumerate(op.inner_ops()):
+        e = expression_of(inner)
+        args = []
+        for j, v in enumerate(inner.operands):
+            name, stored = var[v]
+            want = Operand((), _dtype(v), load=e.loads[j]).loaded_tag()
+            if want == stored:
+                args.append(name)
+            else:  # as the unfused kernel would load it
+                lines.append(f"a{n}_{j} = {convert(name, stored, want)}")
+                args.append(f"a{n}_{j}")
+        lines += e.code(args, f"y{n}").splitlines()
+        stored = tag(_dtype(inner.results[0]))
+        lines.append(f"v{n} = {convert(f'y{n}', e.tag, stored)}")  # as the unfused kernel would store it
+        var[inner.results[0]] = (f"v{n}", stored)
+        helpers += e.helpers
+    stores = [(*var[v], _dtype(v)) for v in block.last_op.operands]
+    return operands, "\n".join(lines), stores, merge_helpers(helpers)
+
+
+@lowers(nv.FusedOp)
+def lower_fused(op: nv.FusedOp, cfg: LoweringConfig | None = None) -> Kernel:
+    """``launch(inputs, outs=None)``: one output per result (``outs`` may hold an
+    input of the iteration shape itself: see the module docstring)."""
+    kind = op.props()["kind"]
+    if kind != "elementwise":
+        raise UnsupportedError(f"{op.name}: no Triton lowering for kind {kind!r}")
+    shape = op.iteration_shape()
+    operands, body, stores, helpers = fused_body(op)
+    ops = [o.name.removeprefix("nova.") for o in op.inner_ops()]
+    digest = hashlib.sha256((body + repr(operands) + repr(stores)).encode()).hexdigest()[:10]
+    name = f"nova_fused_{shape_name(shape)}_{len(ops)}ops_{'_'.join(dict.fromkeys(ops[-3:]))}_{digest}"
+    fname = sanitize(name)
+    block, warps = block_and_warps(numel(shape), cfg)
+    src = pointwise_source(fname, shape, operands, body, "", None, block, helpers, stores=stores)
+    out_dtypes = tuple(d for _, _, d in stores)
+    pw = Pointwise(load(src, fname), name, src, shape, tuple(operands), out_dtypes[0], block, warps, out_dtypes)
+
+    def launch(xs, outs=None, device=None):
+        return pw.run(xs, device, outs)
+
+    return Kernel(name=name, source=src, launch=launch, config=cfg)
