@@ -39,7 +39,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -53,7 +53,7 @@ from nova.errors import BatchError, CaptureError
 from nova.ir.module import arg_slots, result_slots, step_func
 from nova.ir.types import elem_of, shape_of, to_torch_dtype
 from nova.log import get_logger
-from nova.transforms.guard import BAD_IDS, NONFINITE, describe_bad_ids
+from nova.transforms.guard import BAD_IDS, FAILED, GUARD, NONFINITE, SKIPPED, describe_bad_ids
 from nova.transforms.optimizer import hyper_values
 from nova.transforms.precision import PRECISIONS
 
@@ -113,11 +113,12 @@ class _GatherPlan:
     momentum_fresh: list[tuple[int, torch.Tensor]]  # (argument, param): 1.0 until its buffer exists
     seeds: list[int]
     state: list[tuple[int, torch.Tensor, str, str]]  # (argument, param, state name, key)
+    guard: list[tuple[int, str]]  # (argument, guard name): the step's device-side memory of failures
 
     @staticmethod
     def of(prog: "Program") -> "_GatherPlan":
         cap = prog.compilation.captured
-        g = _GatherPlan([None] * len(prog.args), [], [], [], [], [])
+        g = _GatherPlan([None] * len(prog.args), [], [], [], [], [], [])
         for i, s in enumerate(prog.args):
             if s.role == "param":
                 g.fixed[i] = cap.params[s.name].detach()
@@ -134,6 +135,8 @@ class _GatherPlan:
             elif s.role == "state":
                 pname, key = s.name.split("::")
                 g.state.append((i, cap.params[pname], s.name, key))
+            elif s.role == GUARD:
+                g.guard.append((i, s.name))
             else:
                 raise AssertionError(f"unknown argument role {s.role}")
         return g
@@ -209,15 +212,29 @@ class _DeferSigint:
         return False
 
 
+# steps whose guard the host has not read yet, at most: a host this far ahead of the
+# device waits for the oldest (backpressure, as CUDA's own launch queue would apply)
+PENDING_STEPS = 16
+
+
 @dataclass
 class _Pending:
-    """A step whose status the host has not read yet (Triton backend)."""
+    """A step whose status the host has not read yet."""
 
     call: int  # which step it was (1-based, counting the steps that ran)
-    status: dict[str, torch.Tensor]  # "bad_ids" (and "nonfinite"): 0-d device counts
+    status: dict[str, torch.Tensor]  # "bad_ids" (and "nonfinite"): 0-d counts (the reference backend's)
     prog: Program
     args: list[torch.Tensor]  # its arguments: the error message recomputes the bad ids from them
     stored: list[tuple]  # the ("store", param, key, tensor) writes that created optimizer-state entries
+    guard: torch.Tensor | None = None  # the executable's: [failed, skipped] after the step, a host copy
+    event: object | None = None  # recorded after that copy (None: the copy is complete already)
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()  # cudaEventQuery: never waits
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
 
 
 class CompiledStep:
@@ -262,7 +279,10 @@ class CompiledStep:
         self.memory_budget = parse_bytes(memory_budget, "memory_budget")
         self._calls = 0  # steps run
         self._skipped = 0  # steps the guard kept from writing because of a non-finite loss or gradient
-        self._pending: _Pending | None = None
+        self._pending: deque[_Pending] = deque()  # executable steps whose guard is unread, oldest first
+        self._guard: torch.Tensor | None = None  # [failed, skipped] on the device (guard.py), updated in place
+        self._guard_host: torch.Tensor | None = None  # PENDING_STEPS host rows its copies land in (pinned)
+        self._guard_row = 0
 
     # --- batch checks ------------------------------------------------------
     def _check_batch(self, batch: tuple) -> None:
@@ -365,7 +385,7 @@ class CompiledStep:
     # --- running -----------------------------------------------------------
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         with self._lock:
-            self._settle("the next call")  # the previous step's deferred status first
+            self._poll()  # the guard of every earlier step that has finished (no waiting)
             self._check_batch(batch)
             prog = self._program(batch)
             if self._batch_sig is None:
@@ -385,21 +405,20 @@ class CompiledStep:
                         outs = prog.run(args, self.precision)
                 else:
                     outs = prog.run(args, self.precision)
-                status = {prog.results[i].name: outs[i] for i in prog.status_at}
-                pending = _Pending(self._calls, status, prog, exe.arguments if exe is not None else args, [])
-                if exe is None and not self._took_effect(pending, None):
-                    return outs[0].detach()  # skipped (non-finite): nothing is written back
+                if exe is None:
+                    status = {prog.results[i].name: outs[i] for i in prog.status_at}
+                    if not self._took_effect(_Pending(self._calls, status, prog, args, []), None):
+                        return outs[0].detach()  # skipped (non-finite): nothing is written back
                 writes = self._prepare_write_back(prog, outs, fresh_state, moved, in_place=exe is not None)
                 with _DeferSigint():
                     _commit(writes, self.optimizer.state)
                 if exe is not None:
-                    # read at the next call, not now (that would wait for the device). New state
-                    # entries are stored at once, so that optimizer.state after a good step is
-                    # complete without a check (a checkpoint may be saved between calls), and
-                    # taken out again if the step turns out to have failed. (A state tensor
+                    # read when the step has finished, not now (that would wait for the device).
+                    # New state entries are stored at once, so that optimizer.state after a good
+                    # step is complete without a check (a checkpoint may be saved between calls),
+                    # and taken out again if the step turns out to have failed. (A state tensor
                     # moved to the device keeps its value through a failed step: it stays.)
-                    pending.stored = [w for w in writes if w[0] == "store" and w[4]]
-                    self._pending = pending
+                    self._defer(prog, exe, batch, [w for w in writes if w[0] == "store" and w[4]])
             # what optimizer.step() records, so LR schedulers see a stepped optimizer
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
             # the executable's loss tensor is overwritten by the next step: the caller gets a copy
@@ -425,18 +444,89 @@ class CompiledStep:
             self._settle("skipped_steps")
             return self._skipped
 
+    def _guard_views(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The guard arguments (``guard.py``): views of one [failed, skipped] tensor on
+        ``device``, zero until a step fails or is skipped (one copy reads both)."""
+        if self._guard is None or self._guard.device != device:
+            self._guard = torch.zeros(2, dtype=torch.int64, device=device)
+            pin = device.type == "cuda"
+            self._guard_host = torch.zeros((PENDING_STEPS, 2), dtype=torch.int64, pin_memory=pin)
+            self._guard_row = 0
+        return {FAILED: self._guard[0], SKIPPED: self._guard[1]}
+
+    def _defer(self, prog: Program, exe, batch: tuple, stored: list[tuple]) -> None:
+        """Queues the step just launched: a copy of the guard to a host row, then an
+        event, both enqueued after the step (neither waits)."""
+        if len(self._pending) >= PENDING_STEPS:
+            self._settle_one(self._pending[0], "the next call")  # backpressure: the oldest row is needed
+        row = self._guard_host[self._guard_row]
+        self._guard_row = (self._guard_row + 1) % PENDING_STEPS
+        event = None
+        if self._guard.device.type == "cuda":
+            row.copy_(self._guard, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            row.copy_(self._guard)
+        args = list(exe.arguments)
+        for i, k in prog.gather.batch:  # the batch slots are overwritten by the next call: the caller's own
+            args[i] = batch[k]
+        self._pending.append(_Pending(self._calls, {}, prog, args, stored, row, event))
+
+    def _poll(self) -> None:
+        """Reads the guard of every step that has finished, oldest first, without
+        waiting; a step that created optimizer-state entries is waited for (the next
+        step would update those entries: a failure found later could not take them
+        out), which happens on the first step only."""
+        while self._pending and (self._pending[0].ready() or self._pending[0].stored):
+            self._settle_one(self._pending[0], "the next call")
+
     def _settle(self, where: str) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._took_effect(pending, where)
+        """Reads the guard of every launched step (waits for the last one)."""
+        while self._pending:
+            self._settle_one(self._pending[0], where)
+
+    def _settle_one(self, p: _Pending, where: str) -> None:
+        p.wait()
+        self._pending.popleft()
+        failed, skipped = (int(v) for v in p.guard.tolist())  # a host tensor: no device read
+        if failed:
+            later = [q.call for q in self._pending]
+            for q in [p, *self._pending]:
+                with _DeferSigint():
+                    _forget(q.stored, self.optimizer.state)
+            self._pending.clear()
+            self._guard.zero_()  # the device forgets the failure: the next call runs normally
+            self._skipped = max(self._skipped, skipped)
+            self._raise_bad_ids(p, failed, where, later)
+        if skipped > self._skipped:
+            with _DeferSigint():
+                _forget(p.stored, self.optimizer.state)
+            self._skipped = skipped
+            log.warning("step %d: non-finite values in the loss or gradients: skipped (parameters and "
+                        "optimizer state unchanged; %d step(s) skipped so far)", p.call, self._skipped)  # fmt: skip
+
+    def _raise_bad_ids(self, p: _Pending, bad: int, deferred_to: str | None, later: list[int] = ()) -> None:
+        details = describe_bad_ids(p.prog.fn, p.args) or [
+            f"{bad} id(s) out of range (not found again in the step's inputs: were they changed since?)"]
+        when = f" (reported at {deferred_to}: the Triton backend checks ids on the device without waiting)"
+        also = ""
+        if later:
+            also = (f"; step{'s' if len(later) > 1 else ''} {', '.join(map(str, later))}, launched before this "
+                    "was read, wrote nothing either")  # fmt: skip
+        if deferred_to == "the next call":
+            also += "; this call did not run either"
+        raise IndexError(f"step {p.call} of this compiled step failed: {'; '.join(details)}. It wrote "
+                         f"nothing: parameters and optimizer state are as before it"
+                         f"{when if deferred_to else ''}{also}")  # fmt: skip
 
     def _took_effect(self, p: _Pending, deferred_to: str | None) -> bool:
-        """Reads a step's status (a host read): raises IndexError for bad ids; counts
-        and logs a non-finite step (False); True for a step that took effect.
-        ``deferred_to``: where a Triton step's status is read (None: right after the run)."""
+        """Reads a reference step's status right after its run: raises IndexError
+        for bad ids; counts and logs a non-finite step (False); True for a step that
+        took effect."""
         if not p.status:
             return True  # a program built without the guard
-        counts = torch.stack([p.status[k] for k in sorted(p.status)]).tolist()  # one device read
+        counts = torch.stack([p.status[k] for k in sorted(p.status)]).tolist()  # one read
         found = dict(zip(sorted(p.status), counts))
         bad, nonfinite = found.get(BAD_IDS, 0), found.get(NONFINITE, 0)
         if not bad and not nonfinite:
@@ -444,13 +534,7 @@ class CompiledStep:
         with _DeferSigint():
             _forget(p.stored, self.optimizer.state)
         if bad:
-            details = describe_bad_ids(p.prog.fn, p.args) or [
-                f"{bad} id(s) out of range (not found again in the step's inputs: were they changed since?)"]
-            when = f" (reported at {deferred_to}: the Triton backend checks ids on the device without waiting)"
-            also = "; this call did not run either" if deferred_to == "the next call" else ""
-            raise IndexError(f"step {p.call} of this compiled step failed: {'; '.join(details)}. It wrote "
-                             f"nothing: parameters and optimizer state are as before it"
-                             f"{when if deferred_to else ''}{also}")  # fmt: skip
+            self._raise_bad_ids(p, bad, deferred_to)
         self._skipped += 1
         log.warning("step %d: %d non-finite value(s) in the loss or gradients: skipped (parameters and "
                     "optimizer state unchanged; %d step(s) skipped so far)", p.call, nonfinite, self._skipped)  # fmt: skip
@@ -466,6 +550,10 @@ class CompiledStep:
         args = list(g.fixed)
         for i, k in g.batch:
             args[i] = batch[k]
+        if g.guard:
+            views = self._guard_views(prog.executable.device)
+            for i, name in g.guard:
+                args[i] = views[name]
         if g.hyper:
             hyper = hyper_values(self.optimizer, prog.compilation.spec)
             for i, name in g.hyper:
@@ -536,6 +624,9 @@ class CompiledStep:
                     t = torch.zeros((), dtype=_step_dtype(), device=device) if key == "step" else torch.zeros_like(p)
                     fresh[s.name] = t
                     args.append(t)
+            elif s.role == GUARD:
+                # the reference step is read right after it runs: nothing failed before it
+                args.append(torch.zeros((), dtype=torch.int64, device=device))
             else:
                 raise AssertionError(f"unknown argument role {s.role}")
         if hyper_at:

@@ -24,6 +24,8 @@ def step_args(c) -> list[torch.Tensor]:
         elif s.role == "state":
             t = torch.rand(shape_of(s.type), generator=g).to(to_torch_dtype(elem_of(s.type)))
             out.append(t + (1.0 if "step" in s.name else 0))
+        elif s.role == "guard":
+            out.append(torch.tensor(0, dtype=torch.int64))  # nothing failed before this step
         else:
             out.append(torch.tensor(7, dtype=torch.int64))
     return out

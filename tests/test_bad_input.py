@@ -222,6 +222,36 @@ def test_triton_step_reports_a_bad_id_later_and_writes_nothing(where, reported):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests/gpu runs the compiled Triton steps")
+def test_steps_launched_before_a_failure_is_read_write_nothing_either(monkeypatch):
+    """The host reads a step's guard only once the device has finished it; a step
+    launched before then is gated on the device by the sticky guard::failed. Here
+    no step counts as finished until check(), as on a device running behind."""
+    from nova import api
+
+    model = small_gpt()
+    opt = torch.optim.AdamW(model.parameters())
+    step = nova.compile(model, opt, backend="triton")
+    g = torch.Generator().manual_seed(0)
+    step(*small_batch(g))  # creates the optimizer state: read before the next step runs
+    monkeypatch.setattr(api._Pending, "ready", lambda self: False)
+    snap = snapshot(model, opt)
+    x, y = small_batch(g)
+    x[0, 3] = 64
+    step(x, y)  # step 2 fails on the device
+    for _ in range(2):
+        step(*small_batch(g))  # steps 3 and 4: good ids, launched before step 2 was read
+    assert len(step._pending) == 3
+    assert_untouched(model, opt, snap)
+    with pytest.raises(IndexError, match=r"step 2 of this compiled step failed: nova\.embedding.*steps 3, 4, launched "
+                                         r"before this was read, wrote nothing either"):
+        step.check()
+    assert_untouched(model, opt, snap)
+    step(*small_batch(g))  # the device forgot the failure: this step takes effect
+    step.check()
+    assert opt.state[next(model.parameters())]["step"].item() == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests/gpu runs the compiled Triton steps")
 def test_triton_failed_first_step_takes_its_new_state_out_again():
     model = small_gpt()
     opt = torch.optim.AdamW(model.parameters())

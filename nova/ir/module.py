@@ -10,6 +10,8 @@ so the IR itself says what binds to what:
              the new value of the argument with the same name), status (after
              the guard: 0-d i64 counts of what made the step write nothing,
              "bad_ids" and, when asked for, "nonfinite")
+  both       guard (after the guard: 0-d i64 device-side memory of failed and
+             skipped steps, "guard::failed" and "guard::skipped", updated in place)
 
 Printing uses MLIR's generic form, which parses back to identical IR.
 """
@@ -28,7 +30,7 @@ from xdsl.printer import Printer
 
 from nova.ir.dialect import Nova
 
-ROLES = ("param", "state", "hyper", "buffer", "batch", "seed", "loss", "grad", "status")
+ROLES = ("param", "state", "hyper", "buffer", "batch", "seed", "loss", "grad", "status", "guard")
 STEP = "train_step"
 
 

@@ -40,7 +40,7 @@ from xdsl.ir import SSAValue
 from nova.ir.module import arg_slots, result_slots, return_op
 from nova.ir.types import elem_of, numel, shape_of, to_torch_dtype
 from nova.log import get_logger
-from nova.transforms.plan_memory import EXTERNAL_ROLES, TORCH_BLOCK, MemoryPlan, _align
+from nova.transforms.plan_memory import EXTERNAL_ROLES, TORCH_BLOCK, UPDATED_ROLES, MemoryPlan, _align
 
 _LOG = get_logger(__name__)
 
@@ -177,7 +177,7 @@ class Executable:
         self.outputs = []
         for s, v in zip(self.results, self.returned, strict=True):
             t = env[v]
-            if s.role in ("param", "state"):
+            if s.role in UPDATED_ROLES:
                 target = ext[self.arg_of[s.name]]
                 if not _same(t, target):
                     launches.append(Launch("copy back " + s.name, _copy_into, [t], [target]))

@@ -16,10 +16,20 @@ would be a stream sync per check; instead the checks are ops of the step:
 and every param and state result ``r`` becomes ``where(ok, r, old)`` with
 ``old`` the argument of the same name, so a failed step leaves parameters and
 optimizer state bit-identical. The counts leave the step as results of role
-``status`` named ``bad_ids`` and ``nonfinite``; the host reads them when it
-chooses (``nova.api``: right after the run on the reference backend, at the
-next call on the GPU). ``where`` is a same-index op, so plan_memory still
-writes each gated update into its argument in place.
+``status`` named ``bad_ids`` and ``nonfinite``. ``where`` is a same-index op, so
+plan_memory still writes each gated update into its argument in place.
+
+The host must not wait for a step to learn whether it failed, so a failure is
+also remembered on the device: two ``guard`` arguments, updated in place,
+
+  guard::failed  = failed + bad_ids     (sticky: nonzero once a step failed)
+  guard::skipped = skipped + (step skipped for non-finite values only;
+                   only with skip_nonfinite)
+
+and ``ok`` also needs ``failed == 0``: once a step has failed, every later step
+launched before the host read the failure writes nothing either. The host
+(``nova.api``) reads both with one non-blocking copy per step when that step's
+event has completed, raises for the first failed step, and zeroes ``failed``.
 
 A program with nothing to check (no ids, no targets, no skip_nonfinite) is not
 gated: its ``bad_ids`` is a constant 0.
@@ -35,11 +45,13 @@ from xdsl.ir import Operation, SSAValue
 
 from nova.ir import dialect as nv
 from nova.ir.builder import OpBuilder
-from nova.ir.module import arg_slots, return_op, returned, set_results, step_func
-from nova.ir.types import is_float, shape_of
+from nova.ir.module import Slot, add_arg, arg_slots, return_op, returned, set_results, step_func
+from nova.ir.types import is_float, shape_of, tensor
 
 STATUS = "status"
 BAD_IDS, NONFINITE = "bad_ids", "nonfinite"
+GUARD = "guard"  # the role of the device-side memory of failures (arguments and results)
+FAILED, SKIPPED = "guard::failed", "guard::skipped"
 # the attribute naming the op a count_out_of_range checks (for the error message)
 CHECKED = "nova.checked"
 
@@ -94,15 +106,25 @@ def guard(module: ModuleOp, skip_nonfinite: bool = False, grads: dict[str, SSAVa
     if not id_counts and not skip_nonfinite:
         set_results(fn, results + status)  # nothing can fail: no gate
         return
-    total = bad_ids if not skip_nonfinite else b.add(bad_ids, status[1][2])
-    ok = b.one(nv.EqOp, [total, b.full(0.0, (), i64)])
+    failed = add_arg(fn, Slot(GUARD, FAILED, tensor([], i64)))
+    zero = b.full(0.0, (), i64)
+    failed_now = b.add(failed, bad_ids)  # every count is >= 0: zero iff nothing failed, now or before
+    total = failed_now if not skip_nonfinite else b.add(failed_now, status[1][2])
+    ok = b.one(nv.EqOp, [total, zero])
+    guards = [(GUARD, FAILED, failed_now)]
+    if skip_nonfinite:
+        skipped = add_arg(fn, Slot(GUARD, SKIPPED, tensor([], i64)))
+        one = b.full(1.0, (), i64)
+        was_skipped = b.where(b.one(nv.EqOp, [failed_now, zero]),
+                              b.where(b.one(nv.EqOp, [status[1][2], zero]), zero, one), zero)  # fmt: skip
+        guards.append((GUARD, SKIPPED, b.add(skipped, was_skipped)))
     args = {(s.role, s.name): a for s, a in zip(arg_slots(fn), fn.body.block.args, strict=True)}
     gated = []
     for role, name, v in results:
         old = args.get((role, name)) if role in ("param", "state") else None
         # the 0-d flag broadcasts in where; an unchanged result needs no gate
         gated.append((role, name, b.where(ok, v, old) if old is not None and v is not old else v))
-    set_results(fn, gated + status)
+    set_results(fn, gated + status + guards)
 
 
 def describe_bad_ids(fn, args: Sequence[torch.Tensor]) -> list[str]:
@@ -143,4 +165,4 @@ def _describe(op: nv.CountOutOfRangeOp, ids: torch.Tensor) -> list[str]:
             f"(min {lo}, max {hi}; ignore_index {p['ignore']}){loc}"]  # fmt: skip
 
 
-__all__ = ["BAD_IDS", "NONFINITE", "STATUS", "checked_ids", "describe_bad_ids", "guard"]
+__all__ = ["BAD_IDS", "FAILED", "GUARD", "NONFINITE", "SKIPPED", "STATUS", "checked_ids", "describe_bad_ids", "guard"]

@@ -80,6 +80,50 @@ def test_a_bad_id_leaves_parameters_and_state_unchanged():
     step.check()
 
 
+def test_a_call_never_waits_for_the_device():
+    """No synchronizing CUDA call inside a step call (torch's sync debug mode raises
+    on one): the guard is read through a pinned copy and an event query."""
+    model = make_model("sdpa").cuda()
+    opt = make_optimizer("adamw", model.parameters())
+    step = nova.compile(model, opt, skip_nonfinite=True)
+    batches = _batches(6)
+    for x, y in batches[:3]:  # compile, first state, graph capture
+        step(x, y)
+    step.check()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x, y in batches[3:]:
+            step(x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    step.check()
+    assert step.mode == "graph" and step.skipped_steps == 0
+
+
+def test_steps_launched_after_a_bad_one_write_nothing_either():
+    model = make_model("sdpa").cuda()
+    opt = make_optimizer("adamw", model.parameters())
+    step = nova.compile(model, opt)
+    batches = _batches(4)
+    for x, y in batches[:3]:
+        step(x, y)
+    step.check()
+    snap = _snapshot(model, opt)
+    x, y = batches[3]
+    x = x.clone()
+    x[0, 7] = -1
+    step(x, y)  # step 4 fails on the device
+    raised = None
+    try:
+        for x, y in batches[:3]:  # good steps: launched before step 4 was read, or after it raised
+            step(x, y)
+        step.check()
+    except IndexError as e:
+        raised = str(e)
+    assert raised is not None and raised.startswith("step 4 of this compiled step failed"), raised
+    _assert_same(model, opt, snap)
+
+
 def test_skip_nonfinite_skips_the_step_and_counts_it():
     model = make_model("sdpa").cuda()
     opt = make_optimizer("adamw", model.parameters())

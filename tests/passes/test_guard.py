@@ -1,5 +1,6 @@
 """guard: device-side counts of bad ids (and non-finite values), the gate on every
-param/state result, the status results; plan_memory still updates in place."""
+param/state result, the status results, the sticky guard::failed / guard::skipped
+memory; plan_memory still updates in place."""
 
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ def _args(fn, ids, target):
     for s in arg_slots(fn):
         if s.role == "param" or s.name.endswith("momentum_buffer"):
             out.append(torch.randn(tuple(s.type.get_shape()), generator=g))
+        elif s.role == "guard":
+            out.append(torch.tensor(0))
         elif s.name == "ids":
             out.append(ids)
         elif s.name == "target":
@@ -84,7 +87,7 @@ def test_counts_gate_and_status_results():
     slots = result_slots(fn)
     assert [(s.role, s.name) for s in slots] == [
         ("loss", "loss"), ("param", "emb"), ("state", "emb::momentum_buffer"), ("param", "head"),
-        ("state", "head::momentum_buffer"), ("status", "bad_ids"),
+        ("state", "head::momentum_buffer"), ("status", "bad_ids"), ("guard", "guard::failed"),
     ]  # fmt: skip
     args = {(s.role, s.name): a for s, a in zip(arg_slots(fn), fn.body.block.args)}
     for s, v in zip(slots, return_op(fn).operands):
@@ -93,8 +96,9 @@ def test_counts_gate_and_status_results():
     # a good step computes what the unguarded step computes, bit for bit
     values = _args(fn, GOOD_IDS, GOOD_TARGET)
     got = run_function(fn, values)
-    want = run_function(next(iter(unguarded.ops)), values)
-    assert all(torch.equal(x, y) for x, y in zip(got, want)) and got[-1].item() == 0
+    assert [s.role for s in arg_slots(fn)][-1:] == ["guard"]  # appended: the unguarded step takes the rest
+    want = run_function(next(iter(unguarded.ops)), values[:-1])
+    assert all(torch.equal(x, y) for x, y in zip(got, want)) and [t.item() for t in got[-2:]] == [0, 0]
 
 
 @pytest.mark.parametrize("where", ["id", "target"])
@@ -108,7 +112,8 @@ def test_a_bad_id_makes_every_param_and_state_result_its_old_value(where):
         target[1] = C  # -100 is ignored, C is out of range
     values = _args(fn, ids, target)
     outs = run_function(fn, values)  # memory-safe: no error inside the step
-    assert outs[-1].item() == (2 if where == "id" else 1)
+    bad, failed = (t.item() for t in outs[-2:])
+    assert bad == failed == (2 if where == "id" else 1)
     by_name = {s.name: a for s, a in zip(arg_slots(fn), values)}
     for s, t in zip(result_slots(fn), outs):
         if s.role in ("param", "state"):
@@ -132,8 +137,30 @@ def test_skip_nonfinite_counts_the_loss_and_every_gradient():
     head = [s.name for s in arg_slots(fn)].index("head")
     values[head][0, 0] = float("inf")  # an inf weight: inf / NaN logits, loss and gradients
     outs = run_function(fn, values)
-    assert outs[-2].item() == 0 and outs[-1].item() > 0
+    bad, nonfinite, failed, skipped = (t.item() for t in outs[-4:])
+    assert bad == 0 and nonfinite > 0 and failed == 0 and skipped == 1  # skipped, not failed
     by_name = {s.name: a for s, a in zip(arg_slots(fn), values)}
+    for s, t in zip(result_slots(fn), outs):
+        if s.role in ("param", "state"):
+            assert torch.equal(t, by_name[s.name]), s.name
+
+
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_an_unread_failure_gates_every_later_step(skip_nonfinite):
+    """guard::failed is sticky: a step launched after a failed one (before the host
+    read it) writes nothing either, with good ids; it is not counted as skipped."""
+    module, fn = _lm()
+    guard(module, skip_nonfinite=skip_nonfinite, grads=_with_sgd(module, fn))
+    values = _args(fn, GOOD_IDS, GOOD_TARGET)
+    names = [s.name for s in arg_slots(fn)]
+    values[names.index("guard::failed")] = torch.tensor(3)
+    if skip_nonfinite:
+        values[names.index("guard::skipped")] = torch.tensor(5)
+    outs = run_function(fn, values)
+    got = {s.name: t for s, t in zip(result_slots(fn), outs)}
+    assert got["bad_ids"].item() == 0 and got["guard::failed"].item() == 3
+    assert ("guard::skipped" in got) == skip_nonfinite and (not skip_nonfinite or got["guard::skipped"].item() == 5)
+    by_name = dict(zip(names, values))
     for s, t in zip(result_slots(fn), outs):
         if s.role in ("param", "state"):
             assert torch.equal(t, by_name[s.name]), s.name
@@ -143,8 +170,10 @@ def test_without_an_optimizer_only_status_results_are_added():
     module, fn = _lm()
     guard(module, skip_nonfinite=True)  # the grads are results here
     module.verify()
-    assert [s.role for s in result_slots(fn)] == ["loss", "grad", "grad", "status", "status"]
-    assert len(_ops(fn, nv.CountNonfiniteOp)) == 3 and _ops(fn, nv.WhereOp) == []
+    assert [s.role for s in result_slots(fn)] == ["loss", "grad", "grad", "status", "status", "guard", "guard"]
+    assert len(_ops(fn, nv.CountNonfiniteOp)) == 3
+    params = {a for s, a in zip(arg_slots(fn), fn.body.block.args) if s.role == "param"}
+    assert not [op for op in _ops(fn, nv.WhereOp) if params & set(op.operands)]  # nothing gated
 
 
 def test_nothing_to_check_is_not_gated():
@@ -170,9 +199,10 @@ def test_every_gated_update_is_still_planned_in_place():
     plan = plan_memory(module)
     assert [(ip.name, ip.how) for ip in plan.inplace] == [
         ("emb", "inplace"), ("emb::momentum_buffer", "inplace"), ("head", "inplace"), ("head::momentum_buffer", "inplace"),
+        ("guard::failed", "inplace"), ("guard::skipped", "inplace"),  # (skip_nonfinite: both)
     ]  # fmt: skip
     # the gate is the op that writes each argument (where reads the old value at the same index)
-    for ip in plan.inplace:
+    for ip in plan.inplace[:4]:
         assert plan.steps[ip.written_at - 1] == "nova.where"
 
 
@@ -192,4 +222,5 @@ def test_the_pipeline_guards_a_gpt_step_and_plans_it_in_place(skip):
     assert len(_ops(fn, nv.CountNonfiniteOp)) == (1 + n_params if skip else 0)
     assert [s.name for s in result_slots(fn) if s.role == "status"] == ["bad_ids", "nonfinite"][: 1 + skip]
     assert {ip.how for ip in c.memory.inplace} == {"inplace"}
-    assert len(c.memory.inplace) == sum(1 for s in result_slots(fn) if s.role in ("param", "state"))
+    assert [s.name for s in result_slots(fn) if s.role == "guard"] == ["guard::failed", "guard::skipped"][: 1 + skip]
+    assert len(c.memory.inplace) == sum(1 for s in result_slots(fn) if s.role in ("param", "state", "guard"))
