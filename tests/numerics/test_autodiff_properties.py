@@ -667,6 +667,7 @@ def nova_gradients(r: Recipe, params, batch) -> tuple[torch.Tensor, dict[str, to
     fn = c.captured.fn
     by_name = {f"p{i}": p for i, p in enumerate(params)} | {n: b for n, b in zip(cap.batch_names, batch)}
     by_name |= {n: t for n, t in cap.buffers.items()}
+    by_name |= {s.name: torch.tensor(0) for s in arg_slots(fn) if s.role == "guard"}  # nothing failed before
     outs = run_function(fn, [by_name[s.name] for s in arg_slots(fn)])
     grads = {name: t for (role, name, _), t in zip(returned(fn), outs) if role == "grad"}
     return outs[0], grads
