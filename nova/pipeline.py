@@ -133,12 +133,17 @@ def _plan_memory(c: Compilation) -> None:
     # logits chunk) into its gaps
     from nova.transforms.plan_memory import plan_memory
 
-    scratch = None
-    if c.device is not None:
-        from nova.backends.triton import planned_scratch
+    c.memory = plan_memory(c.module, arena_scratch(c.device, c.module))
 
-        scratch = planned_scratch(step_func(c.module))
-    c.memory = plan_memory(c.module, scratch)
+
+def arena_scratch(device, module: ModuleOp) -> dict | None:
+    """The arena scratch plan_memory plans for a GPU target's launches (None for
+    the reference target); also what a step cache hit rebuilds the plan with."""
+    if device is None:
+        return None
+    from nova.backends.triton import planned_scratch
+
+    return planned_scratch(step_func(module))
 
 
 STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
@@ -203,5 +208,6 @@ def run(c: Compilation, dump: bool = False) -> Compilation:
             c.times["cache.store"] = time.perf_counter() - t0
     if looked is not None:
         _log.info("step cache %s: %s", c.cache, looked.path)
-    c.module.verify()
+    if c.cache != "hit":  # a hit's IR was verified as it was read (cache.load)
+        c.module.verify()
     return c

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests|gpt2|bench|bench-gpt2|profile|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests|gpt2|bench|bench-gpt2|profile|warm|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -28,6 +28,12 @@ if [[ $what == profile ]]; then  # kernel time per step, Nova beside torch.compi
   shift
   timeout 400 python3 scripts/kernel_profile.py --out "$OUT" "$@" 2>&1 | tee "$OUT/kernel_profile.log" | tail -150
   timeout 150 python3 scripts/host_profile.py --calls 20 2>&1 | tee "$OUT/host_profile.log" | head -45
+fi
+if [[ $what == warm ]]; then  # the warm compile in a second process, GPT-2 124M bf16 at batch 8 and 32 (issue 8: < 5 s)
+  shift
+  for b in 8 32; do
+    timeout 280 python3 scripts/warm_compile.py --device cuda --batch $b --out "$OUT" "$@" 2>&1 | tee "$OUT/warm_compile_b$b.log" | tail -80
+  done
 fi
 if [[ $what == bench ]]; then
   shift

@@ -27,7 +27,7 @@ and the second and third calls (the graph capture, then a steady step) for compa
 for one GPT-2 step) compiles the program as the first call would (``step._program``)
 without running it, in both processes; the first-run phase is then absent.
 
-The result is one JSON object on stdout (and ``--out DIR/warm_compile.json``): the
+The result is one JSON object on stdout (and ``--out DIR/warm_compile_<device>_<backend>_b<batch>_l<layers>.json``): the
 options, process 1's cold compile, process 2's phases, and where the cache lives.
 ``--profile FILE`` writes a cProfile of process 2's compile + first call.
 """
@@ -60,7 +60,7 @@ def options(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--no-step", action="store_true", help="compile without running a step (see the docstring)")
     p.add_argument("--cache-dir", default=None, help="default: a fresh temporary directory (removed after)")
-    p.add_argument("--out", default=None, help="a directory for warm_compile.json")
+    p.add_argument("--out", default=None, help="a directory for the JSON (warm_compile_<device>_<backend>_b<batch>_l<layers>.json)")
     p.add_argument("--profile", default=None, help="a cProfile output file for process 2's compile + first call")
     p.add_argument("--phase", choices=["cold", "warm"], default="cold", help=argparse.SUPPRESS)
     o = p.parse_args(argv)
@@ -211,6 +211,13 @@ def main(argv=None) -> int:
     os.environ.update(NOVA_CACHE_DIR=str(root / "nova"), TRITON_CACHE_DIR=str(root / "triton"), NOVA_STEP_CACHE="1")
     try:
         cold = one_process(o)
+        import gc
+
+        import torch
+
+        gc.collect()  # process 1's step, arena and model are gone before process 2 starts
+        if o.device == "cuda":
+            torch.cuda.empty_cache()
         if cold["cache"] not in ("miss", "hit"):
             raise SystemExit(f"process 1: the step cache said {cold['cache']!r}, not a miss")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
@@ -226,8 +233,6 @@ def main(argv=None) -> int:
     finally:
         if tmp is not None:
             tmp.cleanup()
-    import torch
-
     result = {
         "what": "GPT-2 step compiled in a second process with the step cache on disk",
         "options": {k: v for k, v in vars(o).items() if k not in ("phase",)},
@@ -244,7 +249,7 @@ def main(argv=None) -> int:
     print(text)
     if o.out:
         Path(o.out).mkdir(parents=True, exist_ok=True)
-        (Path(o.out) / "warm_compile.json").write_text(text + "\n")
+        (Path(o.out) / f"warm_compile_{o.device}_{o.backend}_b{o.batch}_l{o.layers}.json").write_text(text + "\n")
     return 0
 
 

@@ -7,43 +7,57 @@ IR, and their IR is what the key hashes), then the final IR is read back from
 as a cold compile's.
 
 The key (``key_inputs``) is a SHA-256 over everything that changes the final IR
-(DESIGN.md rule 7): the IR text after autodiff (ops, types, attributes, shapes,
-dtypes), the precision, the optimizer's structure (``OptimizerSpec``: kinds,
-parameter names and flags; learning rates and betas are runtime ``hyper``
-arguments, not part of the program), the step dtype, the device spec (None for
-the reference target), the guard and remat options, the stage names, Nova's
-version and a hash of its own source files (an edited compiler never reads an old
-entry), and the torch, triton and xDSL versions.
+(DESIGN.md rule 7): the IR after autodiff (ops, types, attributes, shapes,
+dtypes: a SHA-256 of its table, ``ir_digest``, which says all the printed text
+says at a fifth of the cost of printing it), the precision, the optimizer's
+structure (``OptimizerSpec``: kinds, parameter names and flags; learning rates
+and betas are runtime ``hyper`` arguments, not part of the program), the step
+dtype, the device spec (None for the reference target), the guard and remat
+options, the stage names, Nova's version and a hash of its own source files (an
+edited compiler never reads an old entry), and the torch, triton and xDSL
+versions.
 
 ``nova.loc`` strings name source files by absolute path. A path can differ
 between two processes compiling the same model (a Jupyter cell lives in
 ``/tmp/ipykernel_<pid>/``, a test's model file in a fresh temporary directory),
 so the directory part of every path in a location is replaced by a placeholder
-(``<nova-dir-0>``, ...) in the hashed text and in the stored IR, and bound back
+(``<nova-dir-0>``, ...) in the hashed table and in the stored IR, and bound back
 to this process's directories when an entry is read: a hit reports the same
 locations a cold compile would.
 
 An entry is JSON and nothing in it is executed or unpickled: the final IR (as
-a table of ops over its distinct attributes in MLIR syntax: ``encode``) is
-checked against its SHA-256, read back by xDSL's parser and verified. Writes are atomic (a
-temporary file in the same directory, fsync, ``os.replace``), so two processes
-compiling the same key at once both succeed and leave one whole entry. A corrupt
-or foreign entry is logged with the reason and rebuilt by the fresh compile.
+a table of ops over its distinct attributes in MLIR syntax: ``encode``; ops with
+regions, nested blocks and block arguments included) and the kept fields are
+checked against its SHA-256, the IR is read back by xDSL's parser and verified
+(once: the pipeline does not verify a hit again). Writes are atomic (a temporary
+file in the same directory, fsync, ``os.replace``), so two processes compiling
+the same key at once both succeed and leave one whole entry. A corrupt or
+foreign entry is logged with the reason and rebuilt by the fresh compile.
 
-On a hit the Compilation's fields that later code reads are recomputed from the
-final IR (``RESTORE``: the optimizer spec, the memory plan). A stage after
+On a hit the Compilation's fields that later code reads are restored: the
+optimizer spec recomputed (``RESTORE``), the remat choices and the memory plan
+from the entry's kept fields (``KEPT``). The plan keeps its buffer offsets only:
+storage kinds, liveness and in-place updates are recomputed from the IR, and the
+offsets must be a valid placement of them (``nova.runtime.stored_plan``: the same
+buffers and sizes, aligned, no two live buffers sharing a byte, the IR's
+annotations agreeing) before anything binds to them; the best-fit placement and
+the annotation, most of the stage's time, do not run again. A stage after
 autodiff that sets another Compilation field must add its restore there, and an
-option a stage reads must be added to ``key_inputs``.
+option a stage reads must be added to ``key_inputs``. The cyclic garbage
+collector is paused while an entry is read or made (``_gc_paused``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
+import gc
 import hashlib
 import json
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +68,7 @@ from xdsl.dialects.builtin import ModuleOp
 from nova.atomic import atomic_write
 from nova.log import get_logger
 
-FORMAT = 1  # the entry layout; an entry of another format is rebuilt
+FORMAT = 2  # the entry layout; an entry of another format is rebuilt (2: the memory plan's offsets kept)
 AFTER = "autodiff"  # the stage whose IR is hashed; every later stage is cached
 
 log = get_logger("nova.runtime.cache")
@@ -116,7 +130,6 @@ def _plain(v):
 
 
 # nova.loc = "<owner>, node <name>, <path>:<line>: <code>" (nova.capture.importer._location)
-_LOC = re.compile(r'(nova\.loc = ")((?:[^"\\]|\\.)*)(")')
 _PATH = re.compile(r"^(.*?, node [^,]*, )(.+?)(:\d+: )")
 _PLACEHOLDER = re.compile(r"<nova-dir-(\d+)>")
 
@@ -151,24 +164,12 @@ def bind_location(loc: str, dirs: list[str]) -> str:
     return _PLACEHOLDER.sub(one, loc)
 
 
-def normalise(text: str) -> tuple[str, list[str]]:
-    """Printed IR with every ``nova.loc`` normalised (``normalise_location``), and
-    the directories in order of first appearance. A directory the printer would
-    escape (a quote, a backslash) is left as it is, and so stays part of the key."""
-    dirs: list[str] = []
-
-    def loc(m: re.Match) -> str:
-        return m.group(1) + normalise_location(m.group(2), dirs) + m.group(3)
-
-    return _LOC.sub(loc, text), dirs
-
-
-def key_inputs(c, ir_text: str, spec, stages: list[str]) -> dict:
-    """Everything the key hashes, readable. ``ir_text``: the normalised IR after AFTER."""
+def key_inputs(c, ir_sha256: str, spec, stages: list[str]) -> dict:
+    """Everything the key hashes, readable. ``ir_sha256``: the IR after AFTER (``ir_digest``)."""
     return {
         "format": FORMAT,
         "ir_after": AFTER,
-        "ir_sha256": hashlib.sha256(ir_text.encode("utf-8")).hexdigest(),
+        "ir_sha256": ir_sha256,
         "precision": _plain(c.precision),
         "optimizer": _plain(spec),
         "step_dtype": _plain(c.step_dtype),
@@ -201,6 +202,10 @@ class Corrupt(Exception):
     """An entry that cannot be used; the message is the reason, for the log."""
 
 
+class NotStorable(Exception):
+    """A compile whose entry is not written; the message is the reason, for the log."""
+
+
 
 
 # The final IR is stored as a table, not as one MLIR text: xDSL's parser reads a
@@ -213,9 +218,16 @@ class Corrupt(Exception):
 #   attrs  [MLIR text of each distinct attribute / type]
 #   func   [properties {name: i}, attributes {name: i}, [argument type i]]
 #   module attributes {name: i}
-#   ops    [[name, [operand value], [result type i], {property: i}, {attribute: i}, loc]]
-#          values: the arguments 0..n-1, then every result in order; loc: the
-#          op's nova.loc string (normalised; its attribute index is -1), or null
+#   ops    [[name, [operand value], [result type i], {property: i}, {attribute: i}, loc(, regions)]]
+#          values: numbered in definition order: the arguments 0..n-1, then for
+#          each op the values of its regions (block arguments, nested results),
+#          then its own results; loc: the op's nova.loc string (normalised; its
+#          attribute index is -1), or null; regions (only on an op that has any):
+#          [[[block argument type i], [op, ...]] per block] per region
+#
+# The same table (with this process's directories collected, not fixed) is what
+# the key hashes: it says everything the printed IR says, and costs a fifth of
+# printing it (each distinct attribute is printed once).
 
 
 def _printer_text(attr) -> str:
@@ -228,9 +240,12 @@ def _printer_text(attr) -> str:
     return out.getvalue()
 
 
-def encode(module: ModuleOp, dirs: list[str]) -> dict:
-    """The table of ``module`` (a module holding only @train_step, one block, ops
-    without regions); raises ``ValueError`` for anything else."""
+def encode(module: ModuleOp, dirs: list[str], fixed: bool = True) -> dict:
+    """The table of ``module`` (a module holding only @train_step with one block;
+    ops may hold regions, nested to any depth, but no successors); raises
+    ``ValueError`` for anything else. Locations are normalised against ``dirs``
+    (``normalise_location``: with ``fixed``, an unknown directory stays as it is;
+    without, it is appended to ``dirs``)."""
     from xdsl.dialects import func
     from xdsl.dialects.builtin import StringAttr
 
@@ -255,31 +270,53 @@ def encode(module: ModuleOp, dirs: list[str]) -> dict:
     def named(d) -> dict:
         return {k: aid(v) for k, v in d.items()}
 
+    values: dict = {}
+
+    def number(v) -> int:
+        i = values.get(v)
+        if i is None:
+            raise ValueError(f"a value used before its definition: {v}")
+        return i
+
+    def block_ops(block) -> list:
+        table = []
+        for op in block.ops:
+            if op.successors:
+                raise ValueError(f"{op.name} has successors")
+            attrs = {}
+            for k, v in op.attributes.items():  # in order: the printed IR keeps it
+                attrs[k] = -1 if k == "nova.loc" and isinstance(v, StringAttr) else aid(v)
+            loc = normalise_location(op.attributes["nova.loc"].data, dirs, fixed) if attrs.get("nova.loc") == -1 else None
+            row = [op.name, [number(v) for v in op.operands], [aid(r.type) for r in op.results],
+                   named(op.properties), attrs, loc]  # fmt: skip
+            if op.regions:
+                row.append([[blocks(b) for b in r.blocks] for r in op.regions])
+            table.append(row)
+            for r in op.results:
+                values[r] = len(values)
+        return table
+
+    def blocks(b) -> list:
+        types = [aid(a.type) for a in b.args]
+        for a in b.args:
+            values[a] = len(values)
+        return [types, block_ops(b)]
+
     block = fn.body.block
-    values = {a: i for i, a in enumerate(block.args)}
-    table = []
-    for op in block.ops:
-        if op.regions or op.successors:
-            raise ValueError(f"{op.name} has regions or successors")
-        loc = op.attributes.get("nova.loc")
-        attrs = {}
-        for k, v in op.attributes.items():  # in order: the printed IR keeps it
-            attrs[k] = -1 if k == "nova.loc" and isinstance(v, StringAttr) else aid(v)
-        loc = normalise_location(loc.data, dirs, fixed=True) if attrs.get("nova.loc") == -1 else None
-        table.append([op.name, [values[v] for v in op.operands], [aid(r.type) for r in op.results],
-                      named(op.properties), attrs, loc])  # fmt: skip
-        for r in op.results:
-            values[r] = len(values)
+    arg_types = [aid(a.type) for a in block.args]
+    for a in block.args:
+        values[a] = len(values)
     return {
         "attrs": texts,
-        "func": [named(fn.properties), named(fn.attributes), [aid(a.type) for a in block.args]],
+        "func": [named(fn.properties), named(fn.attributes), arg_types],
         "module": named(module.attributes),
-        "ops": table,
+        "ops": block_ops(block),
     }
 
 
-def decode(ir: dict, dirs: list[str]) -> ModuleOp:
-    """The module ``encode`` was given; raises on anything malformed (a corrupt entry)."""
+def decode(ir: dict, dirs: list[str], ctx=None) -> ModuleOp:
+    """The module ``encode`` was given; raises on anything malformed (a corrupt
+    entry). ``ctx``: the xDSL context whose ops it may hold (Nova's by default)."""
     from xdsl.dialects import func
     from xdsl.dialects.builtin import ArrayAttr, StringAttr
     from xdsl.ir import Block, Region
@@ -287,7 +324,7 @@ def decode(ir: dict, dirs: list[str]) -> ModuleOp:
 
     from nova.ir.module import context
 
-    ctx = context()
+    ctx = ctx if ctx is not None else context()
     texts = ir["attrs"]
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
         raise ValueError("the attribute table is not a list of strings")
@@ -295,22 +332,45 @@ def decode(ir: dict, dirs: list[str]) -> ModuleOp:
     if not isinstance(table, ArrayAttr) or len(table.data) != len(texts):
         raise ValueError("the attribute table does not read back entry by entry")
     attrs = table.data
+    classes: dict = {}
 
     def named(d: dict) -> dict:
         return {str(k): attrs[i] for k, i in d.items()}
 
+    def index(i) -> int:
+        if type(i) is not int or i < 0:  # a negative index would count from the end
+            raise ValueError(f"an index {i!r} in the table")
+        return i
+
+    def fill(block: Block, rows: list) -> None:
+        for row in rows:
+            name, operands, results, props, op_attrs, loc = row[:6]
+            regions = row[6] if len(row) == 7 else []
+            if len(row) not in (6, 7) or not regions and len(row) == 7:
+                raise ValueError(f"an op row of {len(row)} fields")
+            cls = classes.get(name)
+            if cls is None:
+                cls = classes[name] = ctx.get_optional_op(name)
+                if cls is None:
+                    raise ValueError(f"unknown op {name!r}")
+            a = {str(k): StringAttr(bind_location(loc, dirs)) if i == -1 else attrs[index(i)] for k, i in op_attrs.items()}
+            made = [Region([new_block(b) for b in r]) for r in regions]
+            op = cls.create(operands=[values[index(i)] for i in operands], result_types=[attrs[index(i)] for i in results],
+                            properties=named(props), attributes=a, regions=made)  # fmt: skip
+            block.add_op(op)
+            values.extend(op.results)
+
+    def new_block(b: list) -> Block:
+        types, rows = b
+        block = Block(arg_types=[attrs[index(i)] for i in types])
+        values.extend(block.args)
+        fill(block, rows)
+        return block
+
     fprops, fattrs, arg_types = ir["func"]
-    block = Block(arg_types=[attrs[i] for i in arg_types])
+    block = Block(arg_types=[attrs[index(i)] for i in arg_types])
     values = list(block.args)
-    for name, operands, results, props, op_attrs, loc in ir["ops"]:
-        cls = ctx.get_optional_op(name)
-        if cls is None:
-            raise ValueError(f"unknown op {name!r}")
-        a = {str(k): StringAttr(bind_location(loc, dirs)) if i == -1 else attrs[i] for k, i in op_attrs.items()}
-        op = cls.create(operands=[values[i] for i in operands], result_types=[attrs[i] for i in results],
-                        properties=named(props), attributes=a)  # fmt: skip
-        block.add_op(op)
-        values.extend(op.results)
+    fill(block, ir["ops"])
     fn = func.FuncOp.create(properties=named(fprops), attributes=named(fattrs), regions=[Region(block)])
     return ModuleOp.create(attributes=named(ir["module"]), regions=[Region(Block([fn]))])
 
@@ -330,10 +390,11 @@ def store(path: Path, key: str, inputs: dict, ir: dict, stages: list[str], field
     atomic_write(path, lambda f: f.write(data))
 
 
-def load(path: Path, key: str, inputs: dict, dirs: list[str]) -> tuple[ModuleOp, dict] | None:
+def load(path: Path, key: str, inputs: dict, dirs: list[str], times: dict | None = None) -> tuple[ModuleOp, dict] | None:
     """The verified final IR of the entry at ``path`` and its kept fields; None
     where there is none. Raises ``Corrupt`` (with the reason) for an entry that
-    cannot be used."""
+    cannot be used. ``times``: seconds of each part, as ``cache.lookup/<part>``."""
+    t = _Timer(times)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -359,15 +420,47 @@ def load(path: Path, key: str, inputs: dict, dirs: list[str]) -> tuple[ModuleOp,
         raise Corrupt("no IR, fields or checksum")
     if checksum(entry) != entry["sha256"]:
         raise Corrupt("checksum mismatch: the IR is not the IR that was stored")
+    t.lap("read")
     try:
         module = decode(ir, dirs)
     except Exception as e:  # xDSL's ParseError, KeyError/IndexError/ValueError of a malformed table, ...
         raise Corrupt(f"the IR does not read back: {type(e).__name__}: {_first_line(e)}") from None
+    t.lap("decode")
     try:
         module.verify()
     except Exception as e:
         raise Corrupt(f"the IR fails verification: {type(e).__name__}: {_first_line(e)}") from None
+    t.lap("verify")
     return module, fields
+
+
+class _Timer:
+    """Laps into ``times`` as ``cache.lookup/<part>`` (the parts of the lookup's time)."""
+
+    def __init__(self, times: dict | None):
+        self.times, self.t0 = times, time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        now = time.perf_counter()
+        if self.times is not None:
+            self.times[f"cache.lookup/{part}"] = now - self.t0
+        self.t0 = now
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """The cyclic garbage collector off while an entry is read or made: decoding a GPT-2
+    step makes ~100k objects, and the full collections they trigger walk every
+    object of the process (torch's and xDSL's too), which made a 0.3 s decode take
+    up to 1 s. Nothing read here is garbage; the collector runs again afterwards
+    (as it was: off stays off)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _first_line(e: Exception) -> str:
@@ -383,28 +476,50 @@ def _restore_spec(c, looked: "Lookup") -> None:
     c.spec = looked.spec
 
 
-def _restore_memory(c, looked: "Lookup") -> None:
-    from nova.pipeline import _plan_memory
-
-    _plan_memory(c)  # the stage itself, on the restored IR: it reads placements from the IR alone
-
-
 def _keep_remat(c, dirs: list[str]) -> list:
     return [{**dataclasses.asdict(ch), "loc": None if ch.loc is None else normalise_location(ch.loc, dirs, fixed=True)}
             for ch in c.remat]  # fmt: skip
 
 
-def _restore_remat(c, data: list, dirs: list[str]) -> None:
+def _restore_remat(c, data: list, dirs: list[str], module: ModuleOp) -> None:
     from nova.transforms.remat import Choice
 
     c.remat = [Choice(**{**d, "loc": None if d["loc"] is None else bind_location(d["loc"], dirs)}) for d in data]
 
 
-# stage -> what it leaves on the Compilation besides the IR: recomputed from the
-# final IR on a hit (RESTORE), or kept in the entry as plain data (KEPT: a stage's
-# record of what it decided, which the final IR no longer says)
-RESTORE: dict[str, Callable] = {"optimizer": _restore_spec, "plan_memory": _restore_memory}
-KEPT: dict[str, tuple[Callable, Callable]] = {"remat": (_keep_remat, _restore_remat)}
+def _keep_memory(c, dirs: list[str]) -> list:
+    # plan_from_offsets assembles the plan as plan_memory does: checked here, where
+    # both are at hand, so that a hit can never bind to a plan a cold compile would
+    # not have made (an entry is not stored then, and the log says why)
+    from nova.pipeline import arena_scratch
+    from nova.runtime.stored_plan import differences, plan_from_offsets, stored_offsets
+
+    data = stored_offsets(c.module, c.memory)
+    differ = differences(plan_from_offsets(c.module, arena_scratch(c.device, c.module), data), c.memory)
+    if differ:
+        raise NotStorable(f"the memory plan does not rebuild from its stored offsets: it differs in {differ}")
+    return data
+
+
+def _restore_memory(c, data: list, dirs: list[str], module: ModuleOp) -> None:
+    # the plan of the cached IR with its stored offsets: storage, liveness and the
+    # in-place decisions recomputed, the offsets checked to be a valid placement of
+    # them (plan_from_offsets); the best-fit placement and annotate do not run again
+    from nova.pipeline import arena_scratch
+    from nova.runtime.stored_plan import plan_from_offsets
+
+    c.memory = plan_from_offsets(module, arena_scratch(c.device, module), data)
+
+
+# stage -> what it leaves on the Compilation besides the IR: recomputed on a hit
+# (RESTORE), or kept in the entry as plain data (KEPT: (keep(c, dirs) -> data,
+# restore(c, data, dirs, module))), for what a stage decided that the final IR
+# does not say (the remat choices), or says only at the cost of running the stage
+# again (the memory plan's offsets). A kept field that does not read back, or a
+# stage's kept field that is missing, makes the entry corrupt.
+RESTORE: dict[str, Callable] = {"optimizer": _restore_spec}
+KEPT: dict[str, tuple[Callable, Callable]] = {"remat": (_keep_remat, _restore_remat),
+                                              "plan_memory": (_keep_memory, _restore_memory)}  # fmt: skip
 
 
 @dataclass
@@ -412,42 +527,64 @@ class Lookup:
     key: str
     path: Path
     inputs: dict
-    dirs: list[str]  # the directories of this process's locations (normalise)
+    dirs: list[str]  # the directories of this process's locations (normalise_location)
     spec: object | None  # the OptimizerSpec, computed for the key
     module: ModuleOp | None = None  # the cached final IR, on a hit
     fields: dict | None = None  # the kept fields (KEPT), on a hit
     status: str = "miss"  # "hit" | "miss" | "rebuilt: <reason>"
 
 
+def ir_digest(module: ModuleOp) -> tuple[str, list[str]]:
+    """SHA-256 of ``module``'s table (``encode``, locations normalised), and the
+    directories of its locations in order of first appearance."""
+    dirs: list[str] = []
+    table = encode(module, dirs, fixed=False)
+    text = json.dumps(table, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest(), dirs
+
+
 def lookup(c, stages: list[str]) -> Lookup | str:
-    """After AFTER: the key and, on a hit, the cached final IR. Returns a reason
-    string where this compile cannot be cached (an option without a stable form)."""
-    from nova.ir.module import print_module
+    """After AFTER: the key and, on a hit, the cached final IR with the kept fields
+    restored onto ``c``. Returns a reason string where this compile cannot be cached
+    (an option without a stable form). Adds ``cache.lookup/<part>`` to ``c.times``."""
     from nova.transforms.optimizer import OptimizerSpec
 
+    t = _Timer(c.times)
     spec = None
     if c.optimizer is not None:
         names = {id(p): n for n, p in c.captured.params.items()}
         spec = OptimizerSpec.from_torch(c.optimizer, names)
-    text, dirs = normalise(print_module(c.module))
     try:
-        inputs = key_inputs(c, text, spec, stages)
+        digest, dirs = ir_digest(c.module)
+    except ValueError as e:
+        return f"the IR after {AFTER} has no table: {e}"
+    try:
+        inputs = key_inputs(c, digest, spec, stages)
     except Unhashable as e:
         return f"an option of type {e} has no stable text to hash"
     key = step_key(inputs)
     looked = Lookup(key, entry_path(key), inputs, dirs, spec)
+    t.lap("key")
     try:
-        found = load(looked.path, key, inputs, dirs)
-        if found is not None:
-            unknown = sorted(set(found[1]) - set(KEPT))
-            if unknown:
-                raise Corrupt(f"a kept field of no stage: {unknown}")
-            for name, data in found[1].items():
-                try:
-                    KEPT[name][1](c, data, dirs)  # a miss compiles again and overwrites it
-                except Exception as e:
-                    raise Corrupt(f"the kept field {name!r} does not read back: {type(e).__name__}: {e}") from None
-            looked.module, looked.fields = found
+        with _gc_paused():
+            found = load(looked.path, key, inputs, dirs, c.times)
+            t = _Timer(c.times)
+            if found is not None:
+                module, fields = found
+                unknown = sorted(set(fields) - set(KEPT))
+                if unknown:
+                    raise Corrupt(f"a kept field of no stage: {unknown}")
+                missing = [n for n in KEPT if n in stages and n not in fields]
+                if missing:
+                    raise Corrupt(f"no kept field of the stages {missing}")
+                for name, data in fields.items():
+                    try:
+                        KEPT[name][1](c, data, dirs, module)  # a miss compiles again and overwrites it
+                    except Exception as e:
+                        raise Corrupt(f"the kept field {name!r} does not read back: {type(e).__name__}: "
+                                      f"{_first_line(e)}") from None  # fmt: skip
+                    t.lap(f"kept {name}")
+                looked.module, looked.fields = found
     except Corrupt as e:
         looked.status = f"rebuilt: {e}"
         log.warning("step cache entry %s is unusable, compiling it again: %s", looked.path, e)
@@ -475,12 +612,13 @@ def save(c, looked: Lookup) -> None:
     """Stores the final IR under the key; a failure is logged, never raised (the
     compile itself succeeded)."""
     try:
-        ir = encode(c.module, looked.dirs)
-    except ValueError as e:
+        with _gc_paused():
+            ir = encode(c.module, looked.dirs)
+            fields = {name: keep(c, looked.dirs) for name, (keep, _) in KEPT.items() if name in looked.inputs["stages"]}
+    except (ValueError, NotStorable) as e:
         log.warning("step cache: not storing %s: %s", looked.path, e)
         return
     try:
-        fields = {name: keep(c, looked.dirs) for name, (keep, _) in KEPT.items() if name in looked.inputs["stages"]}
         store(looked.path, looked.key, looked.inputs, ir, looked.inputs["stages"], fields)
     except OSError as e:
         log.warning("step cache: could not store %s: %s", looked.path, e)

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from xdsl.dialects.builtin import ArrayAttr
+from xdsl.irdl import IRDLOperation, irdl_op_definition, region_def, traits_def, var_operand_def, var_result_def
+from xdsl.traits import IsTerminator
 
 import nova
 from nova import pipeline
@@ -227,8 +231,10 @@ def test_normalise_and_bind_locations():
     assert n == 'x.y (Linear), node linear, <nova-dir-0>/123.py:7: h = f(x["a"])' and dirs == ["/tmp/ipykernel_4242"]
     assert cache.bind_location(n, ["/tmp/ipykernel_99"]) == loc.replace("4242", "99")
     assert cache.normalise_location("<root>, node add", []) == "<root>, node add"  # no source line: unchanged
-    text, found = cache.normalise(f'{{nova.loc = "{n.replace("<nova-dir-0>", "/a/b")}", nova.loc = "o, node k, /c/d.py:1: z"}}')
-    assert found == ["/a/b", "/c"] and "<nova-dir-1>/d.py:1" in text
+    assert cache.normalise_location(loc, ["/elsewhere"], fixed=True) == loc  # fixed: an unknown directory stays
+    dirs = ["/a/b"]
+    assert cache.normalise_location("o, node k, /c/d.py:1: z", dirs) == "o, node k, <nova-dir-1>/d.py:1: z"
+    assert dirs == ["/a/b", "/c"]
 
 
 # ----------------------------------------------------------------------------
@@ -325,7 +331,7 @@ CORRUPTIONS = {
                     "does not read back"),  # fmt: skip
     "kept field": (lambda raw, e, p: json.dumps(_edit_ir({**e, "fields": {"nope": 1}}, lambda ir: None)).encode(),
                    "a kept field of no stage: ['nope']"),  # fmt: skip
-    "bad kept field": (lambda raw, e, p: json.dumps(_edit_ir({**e, "fields": {"remat": [{"x": 1}]}}, lambda ir: None)).encode(),
+    "bad kept field": (lambda raw, e, p: json.dumps(_edit_ir({**e, "fields": {**e["fields"], "remat": [{"x": 1}]}}, lambda ir: None)).encode(),
                        "the kept field 'remat' does not read back"),  # fmt: skip
     "fails verification": (lambda raw, e, p: json.dumps(_edit_ir(e, _break_verification)).encode(), "fails verification"),
 }
@@ -392,3 +398,260 @@ def test_the_key_hashes_its_inputs_and_the_source(cache_dir):
     assert inputs["nova"] == nova.__version__ and inputs["torch"] == torch.__version__
     assert len(inputs["nova_source_sha256"]) == 64
     assert c.cache == "miss"
+
+
+# ----------------------------------------------------------------------------
+# the memory plan is kept in the entry (nova/runtime/stored_plan.py)
+
+
+@pytest.mark.parametrize("target", ["reference", "h200"])
+def test_a_hit_uses_the_stored_plan_and_it_equals_a_fresh_one(cache_dir, target, monkeypatch):
+    from nova.runtime import stored_plan
+    from nova.transforms import plan_memory as pm
+
+    device = DEVICES["H200"] if target == "h200" else None
+    cold = compile_(*tiny(), device=device)
+    (path,) = entry_files(cache_dir)
+    kept = json.loads(path.read_bytes())["fields"]["plan_memory"]
+    assert [[b.size, b.offset] for b in cold.memory.buffers] == [k[1:] for k in kept]
+    if target == "h200":
+        assert cold.memory.scratch_at  # the fused LM head's arena scratch is in the stored plan too
+
+    def not_again(*a, **k):
+        raise AssertionError("a hit placed the buffers again")
+
+    with monkeypatch.context() as m:
+        m.setattr(pm, "plan_memory", not_again)
+        m.setattr(pm, "assign_offsets", not_again)
+        m.setattr(pm, "annotate", not_again)
+        warm = compile_(*tiny(), device=device)
+    assert warm.cache == "hit"
+    assert plan_summary(warm.memory) == plan_summary(cold.memory)
+    assert len(warm.memory.scratch_at) == len(cold.memory.scratch_at)
+    text = print_module(warm.module)
+    # a fresh plan of the restored module itself: the same plan, value for value
+    fresh = pm.plan_memory(warm.module, pipeline.arena_scratch(device, warm.module))
+    assert stored_plan.differences(warm.memory, fresh) == []
+    assert print_module(warm.module) == text  # and the IR's annotations were already its own
+    assert {"cache.lookup/key", "cache.lookup/read", "cache.lookup/decode", "cache.lookup/verify",
+            "cache.lookup/kept plan_memory"} <= set(warm.times)  # fmt: skip
+
+
+def _plan_field(entry: dict, edit) -> dict:
+    edit(entry["fields"]["plan_memory"])
+    entry["sha256"] = cache.checksum(entry)  # a consistent checksum: the plan itself must be checked
+    return entry
+
+
+def _all_at_zero(plan: list) -> None:
+    for b in plan:
+        b[2] = 0
+
+
+PLAN_CORRUPTIONS = {
+    "overlapping offsets": (lambda e: _plan_field(e, _all_at_zero), "overlaps"),
+    "no plan": (lambda e: _edit_ir({**e, "fields": {"remat": e["fields"]["remat"]}}, lambda ir: None),
+                "no kept field of the stages ['plan_memory']"),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("kind", list(PLAN_CORRUPTIONS))
+def test_a_tampered_plan_is_detected_and_rebuilt(cache_dir, kind, caplog):
+    cold = compile_(*tiny())
+    (path,) = entry_files(cache_dir)
+    raw = path.read_bytes()
+    corrupt, reason = PLAN_CORRUPTIONS[kind]
+    path.write_bytes(json.dumps(corrupt(json.loads(raw))).encode())
+    with caplog.at_level(logging.WARNING, logger="nova"):
+        again = compile_(*tiny())
+    assert again.cache.startswith("rebuilt: ") and reason in again.cache, again.cache
+    assert plan_summary(again.memory) == plan_summary(cold.memory)  # planned again by the stage
+    assert path.read_bytes() == raw and compile_(*tiny()).cache == "hit"
+
+
+def test_stored_offsets_that_are_not_this_plan_are_refused():
+    from xdsl.dialects.builtin import IntegerAttr, i64
+
+    from nova.runtime.stored_plan import StoredPlanError, plan_from_offsets, stored_offsets
+
+    c = compile_(*tiny(), device=DEVICES["H200"])
+    scratch = pipeline.arena_scratch(c.device, c.module)
+    good = stored_offsets(c.module, c.memory)
+    assert plan_summary(plan_from_offsets(c.module, scratch, good)) == plan_summary(c.memory)
+
+    def edited(edit):
+        data = json.loads(json.dumps(good))
+        edit(data)
+        return data
+
+    for data, reason in [
+        (edited(_all_at_zero), "overlaps"),
+        (edited(lambda p: p[0].__setitem__(2, p[0][2] + 8)), "not a multiple of 256"),
+        (edited(lambda p: p[0].__setitem__(2, -256)), "has offset -256"),
+        (edited(lambda p: p[0].__setitem__(1, p[0][1] + 256)), "bytes in the stored plan"),
+        (edited(lambda p: p[0].__setitem__(0, p[0][0] + 1)), "bytes in the stored plan"),
+        (edited(lambda p: p.pop()), "stored buffers, the IR has"),
+        (edited(lambda p: p[0].append(1)), "is not [value, size, offset]"),
+        (edited(lambda p: p[0].__setitem__(2, 256.0)), "is not [value, size, offset]"),
+        ({"buffers": good}, "no stored buffers"),
+    ]:
+        with pytest.raises(StoredPlanError, match=re.escape(reason)):
+            plan_from_offsets(c.module, scratch, data)
+    with pytest.raises(StoredPlanError, match="stored buffers, the IR has"):
+        plan_from_offsets(c.module, None, good)  # planned with the arena scratch, read without it
+    # offsets valid on their own but not the ones the IR's annotations were written for
+    moved = edited(lambda p: p.__setitem__(0, [p[0][0], p[0][1], c.memory.arena_bytes + 1024 * 256]))
+    with pytest.raises(StoredPlanError, match="disagree with the plan|nova.memory_plan"):
+        plan_from_offsets(c.module, scratch, moved)
+    attrs = c.module.attributes["nova.memory_plan"].data
+    c.module.attributes["nova.memory_plan"] = type(c.module.attributes["nova.memory_plan"])(
+        {**attrs, "arena_bytes": IntegerAttr(attrs["arena_bytes"].value.data + 256, i64)})
+    with pytest.raises(StoredPlanError, match="nova.memory_plan"):
+        plan_from_offsets(c.module, scratch, good)
+
+
+def test_check_disjoint_finds_buffers_sharing_bytes_while_both_live():
+    from nova.runtime.stored_plan import StoredPlanError, check_disjoint
+    from nova.transforms.plan_memory import Buffer
+
+    def buf(offset, size, start, end, what):
+        return Buffer(None, offset, size, start, end, what, None)
+
+    ok = [buf(0, 512, 0, 3, "a"), buf(512, 256, 1, 2, "b"), buf(0, 512, 4, 5, "c"),  # c reuses a after it died
+          buf(768, 256, 2, 4, "d"), buf(512, 256, 4, 4, "e")]  # fmt: skip
+    check_disjoint(ok)
+    for bad, names in [([buf(0, 512, 0, 3, "a"), buf(256, 512, 3, 5, "b")], ("b", "a")),  # closed intervals: step 3
+                       ([buf(1024, 256, 0, 9, "a"), buf(0, 256, 1, 2, "b"), buf(768, 512, 5, 6, "c")], ("c", "a")),
+                       ([buf(0, 256, 0, 9, "a"), buf(512, 256, 1, 9, "b"), buf(0, 1024, 2, 2, "c")], ("c",))]:
+        with pytest.raises(StoredPlanError, match="overlaps") as e:
+            check_disjoint(bad)
+        assert str(e.value).startswith(names[0])
+
+
+def test_a_plan_that_does_not_rebuild_from_its_offsets_is_not_stored(cache_dir, monkeypatch, caplog):
+    from nova.runtime import stored_plan
+
+    monkeypatch.setattr(stored_plan, "differences", lambda a, b: ["peak_time"])  # as if the two assemblies drifted
+    with caplog.at_level(logging.WARNING, logger="nova"):
+        c = compile_(*tiny())
+    assert c.cache == "miss" and entry_files(cache_dir) == []
+    assert "does not rebuild from its stored offsets: it differs in ['peak_time']" in caplog.text
+
+
+# ----------------------------------------------------------------------------
+# the IR table: ops with regions
+
+
+@irdl_op_definition
+class Wrap(IRDLOperation):
+    """A test op holding a region of any number of blocks."""
+
+    name = "test.wrap"
+    inputs = var_operand_def()
+    outputs = var_result_def()
+    body = region_def()
+
+
+@irdl_op_definition
+class Give(IRDLOperation):
+    name = "test.give"
+    values = var_operand_def()
+    traits = traits_def(IsTerminator())
+
+
+def region_module():
+    """@train_step with a test.wrap whose region has two blocks with arguments, nova
+    ops with locations in two directories, and a nested test.wrap reading values
+    of the enclosing blocks."""
+    from xdsl.dialects import func
+    from xdsl.dialects.builtin import StringAttr, TensorType, f32
+    from xdsl.ir import Block, Region
+
+    from nova.ir import dialect as nv
+    from nova.ir.module import Slot, new_step
+
+    t = TensorType(f32, [2, 3])
+    module, fn = new_step([Slot("param", "w", t), Slot("batch", "x", t)])
+    w, x = fn.body.block.args
+
+    def add(a, b, where):
+        op = nv.AddOp.create(operands=[a, b], result_types=[t])
+        op.attributes["nova.loc"] = StringAttr(f"m (Net), node add, {where}:3: y = a + b")
+        return op
+
+    inner_block = Block(arg_types=[t])
+    (q,) = inner_block.args
+    first = Block(arg_types=[t, t])
+    a, b = first.args
+    s1 = add(a, b, "/src/one/net.py")
+    first.add_op(s1)
+    inner_block.add_ops([s2 := add(q, s1.results[0], "/src/two/layer.py"), Give.create(operands=[s2.results[0]])])
+    nested = Wrap.create(operands=[s1.results[0]], result_types=[t], regions=[Region(inner_block)])
+    first.add_ops([nested, Give.create(operands=[nested.results[0]])])
+    second = Block(arg_types=[t])
+    second.add_op(Give.create(operands=[second.args[0]]))
+    wrap = Wrap.create(operands=[w, x], result_types=[t], regions=[Region([first, second])])
+    after = add(wrap.results[0], x, "/src/one/net.py")
+    fn.body.block.add_ops([wrap, after, func.ReturnOp(after.results[0])])
+    fn.function_type = func.FunctionType.from_lists([t, t], [t])
+    fn.res_attrs = ArrayAttr([Slot("loss", "loss", t).attrs()])
+    return module
+
+
+def test_ops_with_regions_round_trip_through_the_table():
+    from nova.ir.module import context
+
+    module = region_module()
+    ctx = context()
+    ctx.load_op(Wrap)
+    ctx.load_op(Give)
+    module.verify()
+    text = print_module(module)
+    digest, dirs = cache.ir_digest(module)
+    assert dirs == ["/src/one", "/src/two"]  # nested locations too, in order of first appearance
+    table = json.loads(json.dumps(cache.encode(module, dirs)))
+    assert "/src/" not in json.dumps(table) and "<nova-dir-1>/layer.py" in json.dumps(table)
+    back = cache.decode(table, dirs, ctx)
+    back.verify()
+    assert print_module(back) == text
+    moved = print_module(cache.decode(table, ["/elsewhere", "/src/two"], ctx))
+    assert moved == text.replace("/src/one/", "/elsewhere/")
+    assert cache.ir_digest(back) == (digest, dirs)
+    wrap = list(back.body.block.first_op.body.block.ops)[0]
+    (first, second) = wrap.body.blocks
+    assert [len(b.args) for b in wrap.body.blocks] == [2, 1] and first.args[0].uses  # block arguments are used
+    nested = list(first.ops)[1]
+    assert isinstance(nested, Wrap) and list(nested.body.block.ops)[0].operands[1] is list(first.ops)[0].results[0]
+    with pytest.raises(ValueError, match="unknown op 'test.wrap'"):
+        cache.decode(table, dirs)  # Nova's own context does not know the test op
+
+
+def test_a_region_table_with_a_bad_index_does_not_read_back():
+    from nova.ir.module import context
+
+    module = region_module()
+    ctx = context()
+    ctx.load_op(Wrap)
+    ctx.load_op(Give)
+    table = cache.encode(module, [])
+    table["ops"][0][6][0][0][0] = [-1, 0]  # a negative type index (would count from the end)
+    with pytest.raises(ValueError, match="an index -1"):
+        cache.decode(table, [], ctx)
+
+
+def test_a_fused_step_caches_and_hits(cache_dir, monkeypatch):
+    """nova.fused groups (a region of one block with arguments, ending in
+    nova.yield) through the whole cache: stored, read back, the same IR and plan."""
+    from nova.transforms.fuse import fuse
+
+    names = [n for n, _ in pipeline.STAGES]
+    if "fuse" not in names:  # until the pipeline runs the stage itself
+        stages = list(pipeline.STAGES)
+        stages.insert(names.index("configure"), ("fuse", lambda c: fuse(c.module)))
+        monkeypatch.setattr(pipeline, "STAGES", stages)
+    cold = compile_(*tiny())
+    text = print_module(cold.module)
+    assert cold.cache == "miss" and '"nova.fused"' in text and '"nova.yield"' in text
+    warm = compile_(*tiny())
+    assert warm.cache == "hit" and print_module(warm.module) == text
+    assert plan_summary(warm.memory) == plan_summary(cold.memory)
