@@ -18,6 +18,8 @@ stage), and the IR after each stage is kept as text for ``explain()``.
               dropped), CSE and DCE
   remat       recompute cheap elementwise values in the backward instead of keeping
               them from the forward; with memory_budget, more until the plan fits
+  fuse        elementwise ops grouped into nova.fused ops (one kernel each):
+              vertical chains, horizontal neighbours, scalars recomputed inside
   configure   the Analytic Configurator's #nova.lowering_config on every kernel
               (only for a GPU target; the reference executor needs none)
   plan_memory liveness over the whole step, one static arena with an offset per
@@ -118,6 +120,12 @@ def _remat(c: Compilation) -> None:
     c.remat = remat(c.module, c.memory_budget)
 
 
+def _fuse(c: Compilation) -> None:
+    from nova.transforms.fuse import fuse
+
+    fuse(c.module)
+
+
 def _configure(c: Compilation) -> None:
     if c.device is None:
         return
@@ -156,15 +164,17 @@ STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
     ("precision", _precision),
     ("simplify", _simplify),
     ("remat", _remat),
+    ("fuse", _fuse),
     ("configure", _configure),
     ("plan_memory", _plan_memory),
 ]
 
 
-def run(c: Compilation, dump: bool = False) -> Compilation:
+def run(c: Compilation, dump: bool | Callable[[str, ModuleOp], str] = False) -> Compilation:
     """Runs every stage in order. ``dump`` keeps each stage's IR text (printing
     a GPT's IR five times costs about as much as compiling it, so only
-    ``explain()`` asks for it).
+    ``explain()`` asks for it): True for ``print_module``'s generic form, or a
+    function of (stage name, module) giving the text to keep (explain's short form).
 
     The step cache (``nova.runtime.cache``; ``NOVA_STEP_CACHE=0`` turns it off):
     after its ``AFTER`` stage the IR is hashed with the options, and on a hit the
@@ -186,7 +196,7 @@ def run(c: Compilation, dump: bool = False) -> Compilation:
             c.module.verify()
         c.times[name] = time.perf_counter() - t0
         if dump:
-            c.stages[name] = print_module(c.module)
+            c.stages[name] = dump(name, c.module) if callable(dump) else print_module(c.module)
         if name == step_cache.AFTER and SETTINGS.step_cache and not dump:
             t0 = time.perf_counter()
             looked = step_cache.lookup(c, names)

@@ -67,9 +67,25 @@ def _swaps_last_two(v) -> bool:
     return r >= 2 and perm[-2:] == (r - 1, r - 2)
 
 
+def configure_fused(op: nv.FusedOp, device: DeviceSpec) -> LoweringConfig:
+    """A fused elementwise group: the elementwise model over its iteration shape,
+    its streams every input of more than one element and every output (0-d inputs
+    are one load per thread, no stream), sized by the widest of them (the registers
+    a loaded value takes)."""
+    if op.props()["kind"] != "elementwise":
+        raise NoScheduleError(f"the configure stage has no schedule rule for {op.name} of kind {op.props()['kind']!r}")
+    streams = [v for v in op.operands if numel(shape_of(v.type)) > 1] + list(op.results)
+    dts = [_SIZE_ALIKE.get(d, d) for d in (to_torch_dtype(elem_of(v.type)) for v in streams)]
+    dt = max(dts, key=lambda d: d.itemsize)
+    # configure_elementwise counts the inputs besides its one output
+    return cf.configure_elementwise(numel(op.iteration_shape()), dt, max(1, len(streams) - 1), device)
+
+
 def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringConfig | None:
     if isinstance(op, LAYOUT_OPS):
         return None
+    if isinstance(op, nv.FusedOp):
+        return configure_fused(op, device)
     dt = to_torch_dtype(elem_of(op.results[0].type)) if op.results else None
     if isinstance(op, nv.MatmulOp):
         a, b = shape_of(op.operands[0].type), shape_of(op.operands[1].type)

@@ -17,7 +17,10 @@ category elementwise fuses without new code here.
                is not a kernel of its own: each consumer group recomputes it from
                its scalar leaves (a cone of at most ``SCALAR_CONE`` ops), unless
                something other than an elementwise op reads it (the return, a
-               reduction): then it is computed where it is, and read.
+               reduction), or it reads a param / state argument that the step
+               updates (Adam's step + 1: a recompute would read the old value after
+               the new one is written over it): then it is computed where it is,
+               and read.
   not fused    an add that is the only use of a matmul result, adding a bias over
                rows (``plan_memory.bias_epilogue``): the backend runs it in the
                matmul's epilogue. Ops reading their own flat index (arange,
@@ -31,7 +34,10 @@ one of its members, and a merge is taken only where that position lies after
 every outside value the merged group reads and before every outside op that
 reads its results (the ops outside groups keep their positions), so the block
 in placement order is a valid order by construction; the ops are then sorted
-into it. Inner ops keep their attributes (``nova.loc``, ``nova.remat``).
+into it. A group holding the new value of a param / state is never placed
+before that op's own position: it stays after the reads of the old value, so
+plan_memory can still write it in place. Inner ops keep their attributes
+(``nova.loc``, ``nova.remat``).
 """
 
 from __future__ import annotations
@@ -45,9 +51,9 @@ from xdsl.ir import Block, Operation, Region, SSAValue
 from xdsl.passes import ModulePass
 
 from nova.ir import dialect as nv
-from nova.ir.module import step_func
+from nova.ir.module import arg_slots, result_slots, return_op, step_func
 from nova.ir.types import elem_of, numel, shape_of, tensor
-from nova.transforms.plan_memory import bias_epilogue
+from nova.transforms.plan_memory import UPDATED_ROLES, bias_epilogue
 
 # A recomputed scalar runs once per thread of every program of each consumer
 # kernel (0-d values in Triton are not per element): 16 ops (a pow is some 40
@@ -118,6 +124,13 @@ class _Grouping:
             self.inputs[op] = ins
             for w in ins:
                 self.users.setdefault(w, []).append(op)
+        # ops writing the new value of an updated argument: never moved earlier, so that
+        # they stay after the reads of the old value (which lets plan_memory write in place)
+        self.late: set[Operation] = set()
+        fn = block.parent_op()
+        for slot, v in zip(result_slots(fn), return_op(fn).operands, strict=True):
+            if slot.role in UPDATED_ROLES and isinstance(v.owner, Operation):
+                self.late.add(v.owner)
         self.node: dict[Operation, Node] = {}
         for op in self.ops:
             if op in self.virtual:
@@ -129,12 +142,28 @@ class _Grouping:
     def _is_virtual(self, v: SSAValue) -> bool:
         return isinstance(v.owner, Operation) and v.owner in self.virtual
 
+    def _updated_args(self) -> set[SSAValue]:
+        """Arguments that a param / state result writes a new value into."""
+        fn = self.block.parent_op()
+        args = {(s.role, s.name): a for s, a in zip(arg_slots(fn), self.block.args, strict=True)}
+        out = set()
+        for slot, v in zip(result_slots(fn), return_op(fn).operands, strict=True):
+            a = args.get((slot.role, slot.name))
+            if slot.role in UPDATED_ROLES and a is not None and v is not a:
+                out.add(a)
+        return out
+
     def _find_virtual(self) -> None:
         cone: dict[Operation, set[Operation]] = {}
+        updated = self._updated_args()
         for op in self.ops:
             if not fusible(op) or op.FLAT_INDEX or not _scalar(op.results[0]):
                 continue
             if not all(_scalar(v) for v in op.operands):
+                continue
+            if any(v in updated for v in op.operands):
+                # (Adam's step + 1) a recompute elsewhere would read the old value after the
+                # new one may be written over it: computed once, here, and read
                 continue
             if not all(fusible(u.operation) for u in op.results[0].uses):
                 continue  # the return or a non-elementwise op reads it: computed where it is
@@ -199,6 +228,7 @@ class _Grouping:
         merging = {id(n) for n in nodes}
         members = sorted((m for n in nodes for m in n.members), key=self.pos.__getitem__)
         latest, earliest = self._window(members, merging)
+        latest = max([latest, *(self.pos[m] - 1 for m in members if m in self.late)])
         for m in reversed(members):
             p = self.pos[m]
             if latest < p < earliest:
@@ -398,15 +428,20 @@ def fuse(module: ModuleOp) -> list[nv.FusedOp]:
     return made
 
 
-def summary(module: ModuleOp) -> list[str]:
-    """One line per nova.fused op, for ``explain()``: its ops, inputs and outputs."""
-    lines = []
-    for op in step_func(module).body.block.ops:
-        if isinstance(op, nv.FusedOp):
-            names = [o.name.removeprefix("nova.") for o in op.inner_ops()]
-            shape = "x".join(map(str, op.iteration_shape())) or "scalar"
-            lines.append(f"fused {op.props()['kind']} [{shape}]: {len(names)} ops ({' '.join(names)}), "
-                         f"{len(op.operands)} inputs, {len(op.results)} outputs")  # fmt: skip
+def report(module: ModuleOp, top: int = 10) -> list[str]:
+    """The groups in a few lines, for ``explain()``: how many, how many ops they
+    hold, and the ``top`` largest (their ops, inputs and outputs)."""
+    groups = [op for op in step_func(module).body.block.ops if isinstance(op, nv.FusedOp)]
+    if not groups:
+        return ["fuse: no groups"]
+    inner = sum(len(g.inner_ops()) for g in groups)
+    lines = [f"fuse: {len(groups)} groups (one kernel each) holding {inner} elementwise ops "
+             "(scalars recomputed in each group count in each)"]
+    for g in sorted(groups, key=lambda g: -len(g.inner_ops()))[:top]:
+        names = [o.name.removeprefix("nova.") for o in g.inner_ops()]
+        shape = "x".join(map(str, g.iteration_shape())) or "scalar"
+        lines.append(f"  [{shape}] {len(names)} ops, {len(g.operands)} inputs, {len(g.results)} outputs: "
+                     + " ".join(names))
     return lines
 
 

@@ -298,9 +298,19 @@ class _Planner:
             if p.kind == "view":
                 self.last[p.root] = max(self.last[p.root], self.last[v])
 
-    def _step_reads_only_same_index(self, t: int, arg: SSAValue) -> bool:
+    def _step_reads_only_same_index(self, t: int, arg: SSAValue, new: SSAValue) -> bool:
+        """Whether step ``t`` may write ``new`` over ``arg`` while reading it: a
+        same-index op, or a fused elementwise kernel (every lane loads all its
+        input elements before it stores; ``new`` has the iteration shape, so an
+        ``arg`` of its type is read at the flat index), reading ``arg`` itself
+        only, never through a view (a broadcast or transpose reads other lanes'
+        elements)."""
         st = self.steps[t - 1]
-        if not isinstance(st.op, SAME_INDEX) or len(st.outputs) != 1 or st.outputs[0].type != arg.type:
+        if isinstance(st.op, nv.FusedOp):
+            same_index = st.op.props()["kind"] == "elementwise" and new in st.outputs
+        else:
+            same_index = isinstance(st.op, SAME_INDEX) and len(st.outputs) == 1
+        if not same_index or new.type != arg.type:
             return False
         return all(v is arg for v in st.inputs if self.root(v) is arg)
 
@@ -335,7 +345,7 @@ class _Planner:
                 reason = "its value is also the new value of another argument"
             elif nbytes(root) != nbytes(arg):
                 reason = "its value has another size than the argument"
-            elif self.last[arg] > t or (self.last[arg] == t and not self._step_reads_only_same_index(t, arg)):
+            elif self.last[arg] > t or (self.last[arg] == t and not self._step_reads_only_same_index(t, arg, root)):
                 reason = (f"the old value is still read after the new one is written at step {t}: "
                           f"{self._describe(self.last[arg])}")
             else:

@@ -62,8 +62,8 @@ is recomputed from the pre-GELU value, that value's late reads include the
 clone, and its narrower source (the bf16 matmul output) then serves both.
 Budget: then, one choice at a time, the one that frees the most bytes at t*
 per byte the recompute reads and writes (elementwise kernels are
-bandwidth-bound), until the predicted peak (``plan_memory``'s full plan,
-``peak_bytes``) fits; if no choice is left, ``MemoryBudgetError`` names the
+bandwidth-bound), until the predicted peak (``plan_memory``'s full plan of the
+IR as the next stage, fuse, groups it: ``peak_bytes``) fits; if no choice is left, ``MemoryBudgetError`` names the
 budget and the smallest peak reached.
 
 Results: the list of ``Choice`` (``remat()`` returns it, the pipeline keeps it as
@@ -448,7 +448,13 @@ def _default_rounds(fn, live: _Live, chosen: list[Choice]) -> _Live:
 
 
 def _peak(module: ModuleOp) -> int:
-    return pm.plan_memory(module.clone()).peak_bytes
+    """The predicted peak of the step the later stages make of this IR: the fuse
+    stage's groups (fewer intermediates, a few moved) planned, as the final plan is."""
+    from nova.transforms.fuse import fuse
+
+    fused = module.clone()
+    fuse(fused)
+    return pm.plan_memory(fused).peak_bytes
 
 
 def remat(module: ModuleOp, budget: int | None = None) -> list[Choice]:

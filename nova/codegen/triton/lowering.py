@@ -17,7 +17,9 @@ Contract of ``launch(inputs, outs=None) -> outputs``:
     results into them and returns those same tensors. An output may be one of
     the inputs itself only for the same-index elementwise ops
     (``nova.transforms.plan_memory.SAME_INDEX``: element i is read before it
-    is written). Without ``outs`` the results are new tensors.
+    is written) and a fused elementwise kernel over a dense input of the
+    output's type (``nova/codegen/triton/fused.py``). Without ``outs`` the
+    results are new tensors.
   * Scratch (split-K partials, per-program partial sums, a logits chunk) is
     allocated inside ``launch``; ``Kernel.scratch_bytes`` says how much at
     most, so the memory plan can predict the step's peak. A lowering with large
