@@ -539,8 +539,8 @@ def ir_digest(module: ModuleOp) -> tuple[str, list[str]]:
     directories of its locations in order of first appearance."""
     dirs: list[str] = []
     table = encode(module, dirs, fixed=False)
-    text = json.dumps(table, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest(), dirs
+    text = json.dumps(table, separators=(",", ":"))  # ASCII: any string encodes
+    return hashlib.sha256(text.encode("ascii")).hexdigest(), dirs
 
 
 def lookup(c, stages: list[str]) -> Lookup | str:
