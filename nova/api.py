@@ -114,6 +114,7 @@ class _GatherPlan:
     seeds: list[int]
     state: list[tuple[int, torch.Tensor, str, str]]  # (argument, param, state name, key)
     guard: list[tuple[int, str]]  # (argument, guard name): the step's device-side memory of failures
+    by_param: list[tuple[torch.Tensor, list[tuple[int, str, str]]]] | None = None  # state, one lookup per param
 
     @staticmethod
     def of(prog: "Program") -> "_GatherPlan":
@@ -139,6 +140,10 @@ class _GatherPlan:
                 g.guard.append((i, s.name))
             else:
                 raise AssertionError(f"unknown argument role {s.role}")
+        groups: dict[int, tuple] = {}
+        for i, p, name, key in g.state:
+            groups.setdefault(id(p), (p, []))[1].append((i, name, key))
+        g.by_param = list(groups.values())
         return g
 
 
@@ -334,6 +339,8 @@ class CompiledStep:
 
     def _program(self, batch: tuple) -> Program:
         key = self._key(batch)
+        if key is self._last_key and self._last is not None:
+            return self._last  # the same key object as last call (the fingerprint held): no hashing of it
         prog = self._programs.get(key)
         if prog is not None:
             self._programs.move_to_end(key)
@@ -567,24 +574,30 @@ class CompiledStep:
         fresh: dict[str, torch.Tensor] = {}
         moved: dict[str, torch.Tensor] = {}
         seen = prog.seen_state
-        for i, p, name, key in g.state:
-            entry = state.get(p)
-            v = entry.get(key) if entry is not None else None
-            if v is not None and seen.get(i) is v:
-                args[i] = v
-            elif v is not None:
-                s = prog.args[i]
-                t = _checked_state(name.split("::")[0], key, v, p, to_torch_dtype(elem_of(s.type)), shape_of(s.type))
-                if t.data_ptr() != v.data_ptr():
-                    moved[name] = t
+        for p, items in g.by_param:
+            entry = state.get(p)  # Tensor.__hash__ is a Python call: once per parameter
+            for i, name, key in items:
+                v = entry.get(key) if entry is not None else None
+                if v is not None and seen.get(i) is v:
+                    args[i] = v
                 else:
-                    seen[i] = v
-                args[i] = t
-            else:
-                t = torch.zeros((), dtype=_step_dtype(), device=p.device) if key == "step" else torch.zeros_like(p)
-                fresh[name] = t
-                args[i] = t
+                    self._bind_state(prog, args, fresh, moved, i, p, name, key, v)
         return args, fresh, moved
+
+    def _bind_state(self, prog: Program, args: list, fresh: dict, moved: dict, i: int, p: torch.Tensor, name: str,
+                    key: str, v) -> None:  # fmt: skip
+        """A state argument not seen last call: checked, moved to the device, or created."""
+        if v is None:
+            t = torch.zeros((), dtype=_step_dtype(), device=p.device) if key == "step" else torch.zeros_like(p)
+            fresh[name] = t
+        else:
+            s = prog.args[i]
+            t = _checked_state(name.split("::")[0], key, v, p, to_torch_dtype(elem_of(s.type)), shape_of(s.type))
+            if t.data_ptr() != v.data_ptr():
+                moved[name] = t
+            else:
+                prog.seen_state[i] = v
+        args[i] = t
 
     def _gather(self, prog: Program, batch: tuple):
         """The reference executor's arguments: ``(args, fresh, {})``, ``fresh`` the
