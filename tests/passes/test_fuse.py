@@ -300,3 +300,33 @@ def test_the_report_names_each_group():
         "fuse: 1 groups (one kernel each) holding 2 elementwise ops (scalars recomputed in each group count in each)",
         "  [4x8] 2 ops, 1 inputs, 1 outputs: exp neg",
     ]
+
+
+def test_scalars_only_the_return_reads_run_last_together(monkeypatch):
+    """Adam's step counters: each update recomputes step + 1 from the old counter, and
+    the counters' new values are written last (TAIL_OUTPUTS to a kernel), after every
+    read of the old ones, so every counter and param is written in place."""
+    from nova.transforms.plan_memory import plan_memory
+
+    monkeypatch.setattr(fz, "TAIL_OUTPUTS", 2)
+    slots = [Slot("hyper", "ok", tensor([], f32))]
+    for k in range(3):
+        slots += [Slot("param", f"p{k}", tensor([16], f32)), Slot("state", f"p{k}::step", tensor([], f32))]
+    module, fn, b = _step(*slots)
+    ok, *args = fn.body.block.args
+    results = []
+    for k in range(3):
+        p, step = args[2 * k], args[2 * k + 1]
+        new_step = b.add(step, b.scalar(1.0, step))
+        gate = b.one(nv.GtOp, [ok, b.scalar(0.0, ok)])  # as the guard gates every result
+        step_out = b.where(gate, new_step, step)  # written before the update reads step + 1
+        results += [("param", f"p{k}", b.where(gate, b.sub(p, b.div(p, new_step)), p)),
+                    ("state", f"p{k}::step", step_out)]  # fmt: skip
+    set_results(fn, results)
+    ops = _fused(module)
+    assert [o.name for o in ops] == ["nova.fused"] * 5
+    params, tails = ops[:3], ops[3:]
+    assert all(g.iteration_shape() == (16,) and "nova.add" in _inner(g) for g in params)  # step + 1 inside
+    assert [len(g.results) for g in tails] == [2, 1] and all(g.iteration_shape() == () for g in tails)
+    plan = plan_memory(module)
+    assert {ip.how for ip in plan.inplace} == {"inplace"}
