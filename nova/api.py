@@ -690,37 +690,106 @@ class CompiledStep:
         return writes
 
     # --- introspection -----------------------------------------------------
-    def explain(self, plots: str | os.PathLike | None = None) -> str:
-        """The last-used program's memory plan (``//`` comment lines: the predicted
-        peak, the arena, the largest live set and where it occurs, the ten largest
-        buffers), then its MLIR text after each pipeline stage (compiled again with
-        dumping on: the stages rewrite the IR in place). ``plots``: a directory that
-        receives ``memory_timeline.png`` (live bytes over the step, the arena's size).
-        Reads the last step's deferred status first (``check()``: it may raise)."""
+    def explain(self, plots: str | os.PathLike | None = None, ir: bool = False,
+                ir_dir: str | os.PathLike | None = None, measure: bool = False, top: int = 10) -> str:  # fmt: skip
+        """A readable summary of the last-used program, as ``//`` lines: the program
+        and how it runs; the pipeline's stages with the ops of ``@train_step`` after
+        each (and the kernels, once configured); the fusion groups; every kernel's
+        bytes, FLOPs, roofline bound and predicted time (``nova.schedule.cost``), the
+        ``top`` most expensive of them, with the measured time beside the predicted
+        one after ``profile()`` (``measure=True`` profiles first: CUDA only); the
+        memory plan and the remat choices.
+
+        The stages run again with every stage's IR kept in the short form of
+        ``nova.ir.pretty`` (each source location once, at the top): ``ir=True``
+        appends it after ``// ===== after stage: NAME =====`` headers, ``ir_dir``
+        writes it to ``NN-STAGE.mlir`` files there. ``plots``: a directory that
+        receives ``memory_timeline.png`` and, on the Triton backend, ``roofline.png``
+        (every kernel on the device's roofline). Reads the last step's deferred
+        status first (``check()``: it may raise)."""
+        from nova import explain as ex
+        from nova.transforms import remat
+        from nova.transforms.plan_memory import plot_timeline, report
+
         if self._last is None:
             raise RuntimeError("explain() needs one call of the step first (the batch shapes select the program)")
+        if measure:
+            self.profile()
         with self._lock:
             self._settle("explain()")
-        last = self._last.compilation
+        prog = self._last
+        last = prog.compilation
         c = pipeline.Compilation(self.model, last.batch, self.optimizer, self.precision, last.step_dtype)
         c.device = last.device
         c.skip_nonfinite = last.skip_nonfinite
         c.memory_budget = last.memory_budget
         with self._lock, _COMPILE_LOCK:
-            pipeline.run(c, dump=True)
-        from nova.transforms import remat
-        from nova.transforms.plan_memory import plot_timeline, report
-
+            stats = ex.run_stages(c)
         # the launch scratch is known from the lowered kernels of the program that ran
         c.memory.scratch_bytes, c.memory.scratch_what = last.memory.scratch_bytes, last.memory.scratch_what
-        lines = ["memory plan:", *report(c.memory), *remat.report(c.remat), f"runs as: {self.mode}"]
+        kernels = measured = None
+        if last.device is not None:
+            from nova.schedule.cost import kernel_costs
+
+            kernels = kernel_costs(prog.fn, last.device, self.precision, last.memory.placements)
+            profiled = getattr(self, "_profile", None)
+            if profiled is not None and profiled[0] is prog:
+                measured = profiled[1].by_index()
+        batch = ", ".join(f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in last.batch)
+        head = [f"program: {type(self.model).__name__}, batch {batch}, precision {self.precision}, backend "
+                f"{self.backend}" + (f", scheduled for {last.device.name}" if last.device is not None else "")
+                + f"; runs as: {self.mode}"]  # fmt: skip
+        memory = [*report(c.memory), *remat.report(c.remat)]
         if plots is not None:
             path = Path(plots) / "memory_timeline.png"
             path.parent.mkdir(parents=True, exist_ok=True)
             plot_timeline(c.memory, path)
-            lines.append(f"memory timeline: {path}")
-        head = "".join(f"// {line}\n" for line in lines)
-        return head + "\n".join(f"// ===== after stage: {name} =====\n{text}" for name, text in c.stages.items())
+            memory.append(f"memory timeline: {path}")
+            if kernels is not None:
+                ex.plot_roofline(kernels, last.device, Path(plots) / "roofline.png", measured)
+                memory.append(f"roofline: {Path(plots) / 'roofline.png'}")
+        text = ex.summary(head, stats, last.module, kernels, last.device, measured, memory, top)
+        if ir_dir is not None:
+            paths = ex.write_ir(c.stages, ir_dir)
+            text += f"// the IR of every stage: {len(paths)} files in {ir_dir} ({paths[0].name} ... {paths[-1].name})\n"
+        if ir:
+            text += ex.stage_text(c.stages)
+        return text
+
+    def profile(self, *batch: torch.Tensor, repeat: int = 3, clock=None):
+        """Measures every kernel of a step with CUDA events, beside the cost model's
+        prediction (``nova.runtime.profile``; ``explain()`` shows it afterwards).
+        With ``batch``, ``step(*batch)`` runs first (a real training step, as any
+        call); then the launch list that call bound is run ``repeat`` times, one pair
+        of events around each launch, the device kept ahead of the host, and every
+        parameter, optimizer-state and guard tensor is put back as it was: profiling
+        itself changes nothing. Returns a ``nova.runtime.profile.Measured`` (median
+        seconds per launch). Needs the Triton backend on a CUDA device (``clock``:
+        a stand-in for the device's events, for tests); anywhere else it raises
+        ``MeasureError`` before running anything."""
+        from nova.runtime.profile import MeasureError, measure
+        from nova.schedule.cost import kernel_costs
+
+        device = next(self.model.parameters()).device
+        if clock is None and (self.backend != "triton" or device.type != "cuda"):
+            raise MeasureError(
+                f"profile() times the Triton backend's kernels with CUDA events; this step runs on the {self.backend} "
+                f"backend on {device}" + (" (Triton's interpreter on the CPU)" if self.backend == "triton" else "")
+                + ": measuring needs a CUDA device, and nothing was run or measured")  # fmt: skip
+        if batch:
+            self(*batch)
+        if self._last is None:
+            raise RuntimeError("profile() needs one call of the step first (or a batch: profile(*batch))")
+        with self._lock:
+            self._settle("profile()")
+            prog = self._last
+            if prog.executable is None:
+                raise MeasureError(f"profile(): the last-used program has no executable (backend {self.backend})")
+            c = prog.compilation
+            kernels = kernel_costs(prog.fn, c.device, self.precision, c.memory.placements)
+            result = measure(prog.executable, kernels, c.device.mem_bandwidth, clock, repeat)
+        self._profile = (prog, result)
+        return result
 
     def kernel_sources(self) -> dict[str, str]:
         """The generated Triton source of every kernel of the last-used program."""
