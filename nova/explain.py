@@ -210,8 +210,8 @@ def plot_roofline(kernels: list[KernelCost], device, path, measured: dict[int, f
                  else f"{kind}: {zero} without FLOPs, on the floor")
         ax.scatter([k.intensity for k in ks], [k.flops / k.predicted_s for k in ks], s=size, facecolors="none",
                    edgecolors=colour, lw=0.8, label=label + (" predicted" if ks else ""))
-        if measured:
-            m = [(k, measured[k.index]) for k in ks if measured.get(k.index)]
+        m = [(k, measured[k.index]) for k in ks if measured.get(k.index)] if measured else []
+        if m:
             ax.scatter([k.intensity for k, _ in m], [k.flops / t for k, t in m], s=12, color=colour,
                        label=f"{kind} measured")
         if zero:
