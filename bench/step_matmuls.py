@@ -1,0 +1,300 @@
+"""Every matmul launch of a compiled training step, as the Triton backend makes it.
+
+``step_matmuls(module, precision)`` walks the final IR of a step (after
+``plan_memory``) the way ``nova.backends.triton`` lowers it, with meta tensors in
+place of the arena: a step argument or an op's result is a contiguous tensor of its
+type (the executable binds every buffer as a contiguous arena view), a layout op
+(transpose, broadcast, slice, reshape) is the same strided view the backend makes
+(``nova.backends.triton._view``). So each launch's operands have exactly the
+shapes, strides and storage offsets the step gives ``nova.codegen.triton.matmul``:
+
+* ``nova.matmul`` (with the bias of its epilogue add when the backend fuses one,
+  ``plan_memory.bias_epilogue``): the config the configure stage wrote, and the
+  arguments it called ``configure_matmul`` with (its row/col layouts: "col" when the
+  operand is a transpose of the last two dims, whatever the strides below it);
+* the fused LM head (``nova.linear_cross_entropy[_backward]``, ``linear_ce.py``):
+  per chunk of ``chunk`` token rows, the logits h[r0:r1] @ w^T (forward, and again in
+  the backward) with the op's config, then dh[r0:r1] = d @ w and dw (+)= d^T @ h[r0:r1]
+  (fp32 output), which the launcher configures from the operands' strides.
+
+Equal launches are counted (``count`` per step). ``python bench/step_matmuls.py``
+regenerates ``bench/gpt2_matmul_shapes.json`` (GPT-2 124M, AdamW, batch 8 and 32,
+bf16 and tf32, compiled for the H200 with the step cache off; ~20 s a compile on
+the development CPU): ``nova bench matmul --shapes gpt2`` reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+SHAPES_JSON = Path(__file__).resolve().parent / "gpt2_matmul_shapes.json"
+GPT2 = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+BATCHES = (8, 32)
+PRECISIONS = ("bf16", "tf32")
+REGENERATE = "python bench/step_matmuls.py"  # writes SHAPES_JSON
+
+
+def _meta(t) -> torch.Tensor:
+    from nova.ir.types import elem_of, shape_of, to_torch_dtype
+
+    return torch.empty(shape_of(t), dtype=to_torch_dtype(elem_of(t)), device="meta")
+
+
+def _operand(t: torch.Tensor) -> dict:
+    return {"shape": list(t.shape), "strides": list(t.stride()), "offset": t.storage_offset()}
+
+
+def _dname(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _launch(source, a, b, out_dtype, bias, precision_arg, cfg, cfg_args, extra=None) -> dict:
+    """One launch record: the operands as ``matmul`` gets them, and how its config is made."""
+    from nova.codegen.triton import matmul as mm
+
+    batched = a.dim() == 3 or b.dim() == 3
+    batch = max(a.shape[0] if a.dim() == 3 else 1, b.shape[0] if b.dim() == 3 else 1)
+    row = {
+        "source": source,
+        "M": a.shape[-2], "N": b.shape[-1], "K": a.shape[-1], "batch": batch, "batched": batched,
+        "dtype": _dname(a.dtype), "out_dtype": _dname(out_dtype), "bias": bias,
+        "a": _operand(a), "b": _operand(b),
+        "layouts": [mm.layout(a), mm.layout(b)],  # what the strides are (matmul.layout)
+        "precision": precision_arg,  # the precision the launch passes to matmul
+        "configure": cfg_args,  # configure_matmul's arguments (the configure stage's or the launcher's)
+        "config": cfg.to_dict() if cfg is not None else None,
+    }  # fmt: skip
+    row.update(extra or {})
+    return row
+
+
+def configure_args(M, N, K, batch, dtype, out_dtype, path, a_layout, b_layout, has_bias=False) -> dict:
+    return {"M": M, "N": N, "K": K, "batch": batch, "dtype": dtype, "out_dtype": out_dtype, "precision": path,
+            "a_layout": a_layout, "b_layout": b_layout, "has_bias": has_bias}
+
+
+def configured(args: dict, device=None):
+    """``configure_matmul`` called with a record's ``configure`` arguments (the H200 by default)."""
+    from nova.schedule import configurator as cf
+    from nova.schedule.devices import DEVICES
+
+    return cf.configure_matmul(
+        args["M"], args["N"], args["K"], args["batch"], args["dtype"], args["dtype"], args["out_dtype"],
+        args["precision"], args["a_layout"], args["b_layout"], args["has_bias"], device or DEVICES["H200"],
+    )  # fmt: skip
+
+
+def step_matmuls(module, precision: str, device=None) -> list[dict]:
+    """Every matmul launch of the step in launch order (see the module docstring);
+    ``device`` (a DeviceSpec, default the H200) configures the LM head's launch-time
+    matmuls as the launcher would."""
+    from xdsl.dialects import func
+
+    from nova.backends.triton import VIEW_OPS, _view, config_of
+    from nova.codegen.triton import matmul as mm
+    from nova.ir import dialect as nv
+    from nova.ir.module import step_func
+    from nova.ir.types import elem_of, numel, shape_of, to_torch_dtype
+    from nova.schedule.configurator import STEP_MATMUL_PRECISION
+    from nova.schedule.devices import DEVICES
+    from nova.transforms.configure import _swaps_last_two
+    from nova.transforms.plan_memory import bias_epilogue
+
+    spec = device or DEVICES["H200"]
+    prec = STEP_MATMUL_PRECISION[precision]
+    fn = step_func(module)
+    env = {a: _meta(a.type) for a in fn.body.block.args}
+    out: list[dict] = []
+
+    def path_of(dt: torch.dtype) -> str:
+        return "bf16" if dt.itemsize == 2 else prec
+
+    for op in fn.body.block.ops:
+        if isinstance(op, func.ReturnOp):
+            break
+        if isinstance(op, VIEW_OPS):
+            env[op.results[0]] = _view(op, lambda t: t.contiguous())([env[v] for v in op.operands])[0]
+            continue
+        for r in op.results:
+            env[r] = _meta(r.type)
+        if isinstance(op, nv.MatmulOp):
+            a, b = env[op.operands[0]], env[op.operands[1]]
+            res = shape_of(op.results[0].type)
+            batch = res[:-2]
+            if batch:  # _matmul_run's flat3
+                def flat3(t):
+                    if t.dim() == 2:
+                        return t
+                    t = t.expand(*batch, *t.shape[-2:])
+                    try:
+                        return t.view(-1, *t.shape[-2:])
+                    except RuntimeError:
+                        return t.contiguous().view(-1, *t.shape[-2:])
+
+                a, b = flat3(a), flat3(b)
+            in_dt = to_torch_dtype(elem_of(op.operands[0].type))
+            out_dt = to_torch_dtype(elem_of(op.results[0].type))
+            args = configure_args(
+                res[-2], res[-1], shape_of(op.operands[0].type)[-1], numel(batch), _dname(in_dt), _dname(out_dt),
+                path_of(in_dt), "col" if _swaps_last_two(op.operands[0]) else "row",
+                "col" if _swaps_last_two(op.operands[1]) else "row",
+            )  # fmt: skip
+            out.append(_launch("nova.matmul", a, b, out_dt, bias_epilogue(op) is not None, prec, config_of(op), args))
+        elif isinstance(op, (nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp)):
+            backward = isinstance(op, nv.LinearCrossEntropyBackwardOp)
+            g_in = 1 if backward else 0
+            h, w = env[op.operands[g_in]], env[op.operands[g_in + 1]]
+            N, D = h.shape
+            V = w.shape[0]
+            head = h.dtype
+            chunk = min(op.props()["chunk"], max(N, 1))
+            cfg = config_of(op)
+            # the configure stage's call for the op (configure.py): a full chunk's logits, w read transposed
+            op_args = configure_args(min(op.props()["chunk"], max(N, 1)), V, D, 1, _dname(head), _dname(head),
+                                     path_of(head), "row", "col")  # fmt: skip
+            name = op.name
+            buf = torch.empty((chunk, V), dtype=head, device="meta")
+            dh = torch.empty((N, D), dtype=head, device="meta")
+            acc = torch.empty((V, D), dtype=torch.float32, device="meta")  # dw's f32 accumulator (or partial)
+
+            def at_launch(src, a, b, o, extra):
+                # matmul(cfg=None): the launcher's configure call from the operands' strides
+                args = configure_args(a.shape[-2], b.shape[-1], a.shape[-1], 1, _dname(a.dtype), _dname(o.dtype),
+                                      path_of(a.dtype), mm.layout(a), mm.layout(b))  # fmt: skip
+                return _launch(src, a, b, o.dtype, False, prec, configured(args, spec), args, extra)
+
+            for r0 in range(0, N, chunk):
+                r1 = min(N, r0 + chunk)
+                z = buf[: r1 - r0]
+                extra = {"chunk_rows": r1 - r0}
+                out.append(_launch(f"{name}:logits", h[r0:r1], w.t(), head, False, prec, cfg, op_args, extra))
+                if backward:
+                    out.append(at_launch(f"{name}:dh", z, w, dh[r0:r1], extra))
+                    out.append(at_launch(f"{name}:dw", z.t(), h[r0:r1], acc, extra))
+    return out
+
+
+def _key(row: dict) -> str:
+    """Launches differ where they may compile or run differently: not in the chunk's
+    row offset into h, only in whether each base is 16-byte aligned (TMA's condition)."""
+    skip = ("count", "chunk_rows", "a", "b")
+    elt = torch.empty((), dtype=getattr(torch, row["dtype"])).element_size()
+    ops = {x: dict(row[x], offset=row[x]["offset"] * elt % 16 == 0) for x in ("a", "b")}
+    return json.dumps({**{k: v for k, v in row.items() if k not in skip}, **ops}, sort_keys=True)
+
+
+def signature(row: dict) -> str:
+    """What makes two launches the same benchmark (wherever in which step they occur)."""
+    return _key({k: v for k, v in row.items() if k != "source"})
+
+
+def strided(spec: dict, dtype: torch.dtype, device, fill=True) -> torch.Tensor:
+    """A tensor with a record's operand shape, strides and storage offset, over fresh
+    storage just large enough (random normal values unless ``fill`` is false)."""
+    extent = spec["offset"] + 1 + sum((n - 1) * st for n, st in zip(spec["shape"], spec["strides"]) if n)
+    make = torch.randn if fill and device != "meta" else torch.empty
+    return make(extent, dtype=dtype, device=device).as_strided(spec["shape"], spec["strides"], spec["offset"])
+
+
+def precompile_launch_specs(specs: list[tuple]) -> list[tuple]:
+    """``matmul.precompile`` of (key, config dict, launch record, precision) on meta
+    tensors with the launch's strides and offsets (picklable in and out, for worker
+    processes): (key, max shared memory in bytes or None, error or None)."""
+    from nova.codegen.triton import matmul as mm
+    from nova.schedule.config import LoweringConfig
+
+    done = []
+    for key, cfg_dict, launch, precision in specs:
+        dtype = getattr(torch, launch["dtype"])
+        a, b = strided(launch["a"], dtype, "meta"), strided(launch["b"], dtype, "meta")
+        bias = torch.empty(launch["N"], dtype=dtype, device="meta") if launch["bias"] else None
+        try:
+            kernels = mm.precompile(a, b, bias, cfg=LoweringConfig.from_dict(cfg_dict), precision=precision,
+                                    out_dtype=getattr(torch, launch["out_dtype"]))  # fmt: skip
+            done.append((key, max((k.metadata.shared for k in kernels), default=0), None))
+        except Exception as e:  # reported to the caller: a config the compiler rejects
+            done.append((key, None, f"{type(e).__name__}: {str(e)[:300]}"))
+    return done
+
+
+def distinct(launches: list[dict]) -> list[dict]:
+    """Equal launches merged, with ``count`` (per step), in first-launch order."""
+    seen: dict[str, dict] = {}
+    for row in launches:
+        k = _key(row)
+        if k in seen:
+            seen[k]["count"] += 1
+        else:
+            seen[k] = dict(row, count=1)
+    return list(seen.values())
+
+
+def compile_step(model_config: dict, batch: int, precision: str, device=None):
+    """pipeline.run of the model's AdamW step (step cache off) for ``device`` (a
+    DeviceSpec, default the H200); returns the Compilation."""
+    from nova import pipeline
+    from nova.models import GPT, GPTConfig
+    from nova.schedule.devices import DEVICES
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(**model_config)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size))
+    c = pipeline.Compilation(model, (x, x), opt, precision, torch.float32)
+    c.device = device or DEVICES["H200"]
+    saved = pipeline.SETTINGS  # the step cache off for this compile (NOVA_STEP_CACHE=0)
+    pipeline.SETTINGS = dataclasses.replace(saved, step_cache=False)
+    try:
+        return pipeline.run(c)
+    finally:
+        pipeline.SETTINGS = saved
+
+
+def extract(model_config: dict, batch: int, precision: str) -> dict:
+    t0 = time.perf_counter()
+    c = compile_step(model_config, batch, precision)
+    launches = step_matmuls(c.module, precision, c.device)
+    return {
+        "batch": batch, "precision": precision, "tokens": batch * model_config["block_size"],
+        "launches": len(launches), "compile_seconds": round(time.perf_counter() - t0, 1),
+        "shapes": distinct(launches),
+    }  # fmt: skip
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=SHAPES_JSON)
+    ap.add_argument("--batch", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--precisions", default=",".join(PRECISIONS))
+    ap.add_argument("--layers", type=int, default=GPT2["n_layer"])
+    opts = ap.parse_args(argv)
+    os.environ["NOVA_STEP_CACHE"] = "0"
+    model = dict(GPT2, n_layer=opts.layers)
+    steps = []
+    for p in opts.precisions.split(","):
+        for b in (int(x) for x in opts.batch.split(",")):
+            steps.append(extract(model, b, p))
+            print(f"{p} batch {b}: {steps[-1]['launches']} matmul launches, {len(steps[-1]['shapes'])} distinct "
+                  f"({steps[-1]['compile_seconds']} s)", flush=True)  # fmt: skip
+    doc = {"model": "GPT-2 124M" if model == GPT2 else "GPT", "config": model, "optimizer": "AdamW",
+           "device": "H200", "regenerate": REGENERATE, "steps": steps}
+    opts.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {opts.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
