@@ -2,6 +2,7 @@
 
     python scripts/warm_compile.py --device cuda [--batch 8] [--out DIR]
     python scripts/warm_compile.py --device cpu  [--backend triton|reference] [--layers 12] [--no-step]
+    python scripts/warm_compile.py --device cpu --layers 1 --vocab 256 --batch 1 --seq 32   (a step that runs)
 
 Process 1 (this one) compiles the step into an empty cache directory (``NOVA_CACHE_DIR``
 and ``TRITON_CACHE_DIR`` under a fresh temporary directory unless ``--cache-dir``;
@@ -56,6 +57,7 @@ def options(argv=None) -> argparse.Namespace:
                    help="triton (on the CPU: the Triton interpreter, kernels scheduled for the H200) or reference")
     p.add_argument("--precision", default="bf16")
     p.add_argument("--layers", type=int, default=12, help="GPT-2 124M has 12")
+    p.add_argument("--vocab", type=int, default=50304, help="GPT-2's (padded); smaller to run a step on the CPU")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--no-step", action="store_true", help="compile without running a step (see the docstring)")
@@ -107,7 +109,7 @@ def build(o, device):
     from nova.models import GPT, GPTConfig
 
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=o.layers, n_head=12, n_embd=768)
+    cfg = GPTConfig(vocab_size=o.vocab, block_size=1024, n_layer=o.layers, n_head=12, n_embd=768)
     with torch.device(device):
         model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, weight_decay=0.1, fused=device.type == "cuda")
@@ -242,7 +244,7 @@ def main(argv=None) -> int:
     result = {
         "what": "GPT-2 step compiled in a second process with the step cache on disk",
         "options": {k: v for k, v in vars(o).items() if k not in ("phase",)},
-        "model": f"GPT(vocab 50304, block 1024, {o.layers} layers, 12 heads, 768 wide), AdamW",
+        "model": f"GPT(vocab {o.vocab}, block 1024, {o.layers} layers, 12 heads, 768 wide), AdamW",
         "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name() if o.device == "cuda" else "cpu",
         "cpu_threads": torch.get_num_threads(),
