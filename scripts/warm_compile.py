@@ -2,7 +2,8 @@
 
     python scripts/warm_compile.py --device cuda [--batch 8] [--out DIR]
     python scripts/warm_compile.py --device cpu  [--backend triton|reference] [--layers 12] [--no-step]
-    python scripts/warm_compile.py --device cpu --layers 1 --vocab 256 --batch 1 --seq 32   (a step that runs)
+    python scripts/warm_compile.py --device cpu --backend reference --layers 1 --vocab 256 --batch 1 --seq 32
+        (a small model whose step the reference executor runs in seconds)
 
 Process 1 (this one) compiles the step into an empty cache directory (``NOVA_CACHE_DIR``
 and ``TRITON_CACHE_DIR`` under a fresh temporary directory unless ``--cache-dir``;
@@ -14,8 +15,9 @@ with ``--phase warm``, the same cache directories), which times, from its own st
   compile         ``nova.compile(...)`` itself (it binds; programs compile at the first call)
   first call      the first ``step(*batch)``, broken down into the pipeline's stages
                   (capture, fold, fuse_loss, autodiff: ``Compilation.times``), the step
-                  cache (``cache.*``: printing and hashing the IR, reading the entry,
-                  decoding and verifying the IR, restoring the memory plan), the Triton
+                  cache (``cache.lookup/*``: hashing the IR for the key, reading the entry,
+                  decoding and verifying the IR, restoring the kept fields: the remat
+                  choices and the memory plan), the Triton
                   backend's lowering (``TritonProgram``: kernel sources generated and
                   loaded from the kernel-source cache), the executable's construction,
                   and the first run of the launch list (binding the arena, every
@@ -25,11 +27,13 @@ with ``--phase warm``, the same cache directories), which times, from its own st
 
 and the second and third calls (the graph capture, then a steady step) for comparison.
 ``--no-step`` (CPU: the reference executor or the Triton interpreter would take minutes
-for one GPT-2 step) compiles the program as the first call would (``step._program``)
+for one GPT-2 step; the interpreter, for one step at 768 wide at all) compiles the program as the first call would (``step._program``)
 without running it, in both processes; the first-run phase is then absent.
 
-The result is one JSON object on stdout (and ``--out DIR/warm_compile_<device>_<backend>_b<batch>_l<layers>.json``): the
-options, process 1's cold compile, process 2's phases, and where the cache lives.
+The result is one JSON object on stdout (and, with ``--out DIR``,
+``DIR/warm_compile_<device>_<backend>_b<batch>_l<layers>.json``): the options, process
+1's cold compile and process 2's phases (``target_cpu_s``: its CPU time over the same
+span, a check on the wall time when other work shares the machine).
 ``--profile FILE`` writes a cProfile of process 2's compile + first call.
 """
 
