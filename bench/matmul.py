@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import dataclasses
+import hashlib
 import json
 import math
 import multiprocessing
@@ -418,6 +419,8 @@ def _shapes(opts) -> list[tuple[int, int, int]]:
 def run(opts, checkpoint=None, log=print) -> dict:
     """Measure every shape of this part; ``checkpoint(doc)`` gets the results so far
     after each shape (a run killed by a time limit still leaves them behind)."""
+    if getattr(opts, "shapes", "grid") == "gpt2":
+        return run_gpt2(opts, checkpoint, log)
     from nova.codegen.triton import matmul as mm
 
     device = torch.device("cpu" if opts.dry_run else "cuda")
@@ -508,6 +511,7 @@ def _document(rows, opts, device, seconds, complete=True) -> dict:
             "search_seconds": opts.search_seconds, "time_limit": opts.time_limit, "seconds": seconds,
             "complete": complete, "keep_search": getattr(opts, "keep_search", False),
             "tf32_variants": list(getattr(opts, "tf32_variants", ())),
+            "shapes": getattr(opts, "shapes", "grid"),
         },
         "shapes": rows,
         "summary": summarize(rows),
@@ -659,8 +663,9 @@ def _write_text(path: Path, text: str) -> None:
 def write(doc, out_dir: Path, stem: str) -> list[Path]:
     paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md", out_dir / f"{stem}.png"]
     _write_text(paths[0], json.dumps(doc, indent=1))
-    _write_text(paths[1], markdown(doc))
-    chart(doc, paths[2])
+    gpt2 = doc["settings"].get("shapes") == "gpt2"
+    _write_text(paths[1], (markdown_gpt2 if gpt2 else markdown)(doc))
+    (chart_gpt2 if gpt2 else chart)(doc, paths[2])
     return paths
 
 
@@ -682,7 +687,7 @@ def merge(files: list[Path]) -> dict:
     for d in docs:
         for r in d["shapes"]:
             r = dict(r, commit=r.get("commit", d["git"]["commit"]))
-            key = (r["precision"], r["M"], r["N"], r["K"])
+            key = (r["precision"], r["M"], r["N"], r["K"], r.get("id"))  # id: a GPT-2 step launch
             if key not in rows or _search_rank(r) >= _search_rank(rows[key]):
                 rows[key] = r
     doc = dict(docs[0])
@@ -693,7 +698,375 @@ def merge(files: list[Path]) -> dict:
     if len(commits) > 1:
         doc["git"] = dict(doc["git"], commit="mixed:" + ",".join(sorted(commits)))
     doc["summary"] = summarize(doc["shapes"])
+    if doc["settings"].get("shapes") == "gpt2":
+        doc["steps"] = step_totals(doc["shapes"])
     return doc
+
+
+# --------------------------------------------------------------------------- GPT-2 step shapes (--shapes gpt2)
+
+# --dry-run --shapes gpt2: a GPT small enough for the interpreter, compiled live (the extraction runs too)
+DRY_GPT = dict(vocab_size=32, block_size=8, n_layer=1, n_head=1, n_embd=16)
+
+
+def _step_matmuls():
+    """bench/step_matmuls.py as the top-level module ``step_matmuls`` (bench/ on
+    sys.path), so compile workers, which get this process's sys.path, import it too."""
+    bench_dir = str(Path(__file__).resolve().parent)
+    if bench_dir not in sys.path:
+        sys.path.insert(0, bench_dir)
+    import step_matmuls
+
+    return step_matmuls
+
+
+def gpt2_steps(opts, log=print) -> list[dict]:
+    """The steps (precision, batch) asked for, each with its distinct launches."""
+    sm = _step_matmuls()
+    if opts.dry_run:
+        steps = []
+        for p in opts.precisions:
+            for b in opts.batch:
+                steps.append(sm.extract(DRY_GPT, b, p))
+                log(f"compiled the dry-run GPT ({p}, batch {b}): {steps[-1]['launches']} matmul launches")
+        return steps
+    path = opts.shapes_file or sm.SHAPES_JSON
+    doc = json.loads(Path(path).read_text())
+    steps = [s for s in doc["steps"] if s["precision"] in opts.precisions and s["batch"] in opts.batch]
+    missing = {(p, b) for p in opts.precisions for b in opts.batch} - {(s["precision"], s["batch"]) for s in steps}
+    if missing:
+        raise UsageError(f"{path} has no step for {sorted(missing)}: regenerate it with "
+                         f"`{sm.REGENERATE} --batch ... --precisions ...`")
+    return steps
+
+
+def gpt2_launches(steps) -> list[dict]:
+    """One entry per distinct launch over all steps: {"launch", "uses": [{precision,
+    batch, source, count}]}, in first-use order (the LM head's chunk launches are
+    the same at every batch size, so they are measured once)."""
+    sm = _step_matmuls()
+    unique: dict[str, dict] = {}
+    for s in steps:
+        for r in s["shapes"]:
+            e = unique.setdefault(sm.signature(r), {"launch": r, "uses": []})
+            e["uses"].append({"precision": s["precision"], "batch": s["batch"], "source": r["source"], "count": r["count"]})
+    return list(unique.values())
+
+
+class StepShapeBench(ShapeBench):
+    """One GPT-2 step launch: operands with the step's shapes, strides and offsets
+    (a transposed weight is a transposed view, a chunk of h a row slice), the step's
+    output dtype and bias; cuBLAS gets the same views."""
+
+    def __init__(self, launch, precision, device, timer):
+        sm = _step_matmuls()
+        self.launch, self.timer, self.precision = launch, timer, precision
+        self.M, self.N, self.K = launch["M"], launch["N"], launch["K"]
+        self.dtype = getattr(torch, launch["dtype"])
+        self.out_dtype = getattr(torch, launch["out_dtype"])
+        self.nova_precision = launch["precision"]
+        batch = launch["batch"]
+        shape = (batch, self.M, self.N) if launch["batched"] else (self.M, self.N)
+
+        def extent(spec):
+            return spec["offset"] + 1 + sum((n - 1) * st for n, st in zip(spec["shape"], spec["strides"]) if n)
+
+        set_bytes = (extent(launch["a"]) + extent(launch["b"])) * self.dtype.itemsize
+        set_bytes += batch * self.M * self.N * self.out_dtype.itemsize
+        if device.type == "cuda":
+            l2 = torch.cuda.get_device_properties(device).L2_cache_size
+            self.n_sets = max(1, min(MAX_INPUT_SETS, math.ceil(2 * l2 / set_bytes)))
+            self.l2_warm = self.n_sets * set_bytes <= l2
+        else:
+            self.n_sets, self.l2_warm = 2, True
+        self.A = [sm.strided(launch["a"], self.dtype, device) for _ in range(self.n_sets)]
+        self.B = [sm.strided(launch["b"], self.dtype, device) for _ in range(self.n_sets)]
+        self.bias = [torch.randn(self.N, device=device, dtype=self.dtype) for _ in range(self.n_sets)] if launch["bias"] else None
+        self.C = [torch.empty(shape, device=device, dtype=self.out_dtype) for _ in range(self.n_sets)]
+        self.ref = self.A[0].double() @ self.B[0].double()
+        if self.bias is not None:
+            self.ref += self.bias[0].double()
+        peak = 3e14 if precision == "tf32" else 6e14  # optimistic rate: only sizes the graphs
+        self.est_ms = max(2.0 * batch * self.M * self.N * self.K / peak * 1e3, 2e-3)
+        self.cublas_note = None
+
+    def nova_launcher(self, cfg, precision=None):
+        from nova.codegen.triton.matmul import matmul
+
+        prec = precision or self.nova_precision
+        bias = self.bias
+        return lambda i: matmul(self.A[i], self.B[i], bias=bias[i] if bias else None, cfg=cfg, precision=prec, out=self.C[i])
+
+    def cublas_launcher(self):
+        A, B, C, bias = self.A, self.B, self.C, self.bias
+        if self.out_dtype != self.dtype:  # the LM head's fp32 weight gradient of 16-bit operands
+            try:
+                torch.mm(A[0], B[0], out_dtype=self.out_dtype)
+                return lambda i: torch.mm(A[i], B[i], out_dtype=self.out_dtype)
+            except (TypeError, RuntimeError) as e:  # no mm(out_dtype=) here: the operands' dtype out
+                self.cublas_note = f"out dtype {self.dtype} (torch.mm(out_dtype=) failed: {str(e)[:80]})"
+                return lambda i: torch.matmul(A[i], B[i])
+        if bias is not None:
+            return lambda i: torch.addmm(bias[i], A[i], B[i], out=C[i])
+        return lambda i: torch.matmul(A[i], B[i], out=C[i])
+
+    def error(self, launch) -> float:
+        out = launch(0)
+        return _rel_err(out if out is not None else self.C[0], self.ref)
+
+
+def _strides_class(spec: dict, elt: int) -> tuple:
+    """What Triton specialises an operand's binary on: unit strides, 16-byte divisibility."""
+    return tuple((st == 1, st * elt % 16 == 0) for st in spec["strides"]) + (spec["offset"] * elt % 16 == 0,)
+
+
+def _launch_binary_key(cfg, launch):
+    elt = torch.empty((), dtype=getattr(torch, launch["dtype"])).element_size()
+    return (_binary_key(cfg, launch["M"], launch["N"], launch["K"]), launch["dtype"], launch["out_dtype"], launch["bias"],
+            launch["precision"], _strides_class(launch["a"], elt), _strides_class(launch["b"], elt))
+
+
+def compile_ahead_launches(jobs, workers, log):
+    """compile_ahead for step launches: [(config, launch)] compiled on meta tensors with
+    the launch's strides (bench/step_matmuls.py: precompile_launch_specs)."""
+    if not jobs:
+        return {}
+    sm = _step_matmuls()
+    limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    specs = [(i, cfg.to_dict(), launch, launch["precision"]) for i, (cfg, launch) in enumerate(jobs)]
+    chunks = [specs[i :: workers * 2] for i in range(workers * 2) if specs[i :: workers * 2]]
+    t0 = time.perf_counter()
+    status: dict = {}
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        for result in pool.map(sm.precompile_launch_specs, chunks):
+            for index, smem, err in result:
+                cfg, launch = jobs[index]
+                if err is None and smem > limit:
+                    err = f"needs {smem} B of shared memory, the device has {limit}"
+                status[_launch_binary_key(cfg, launch)] = err
+    failed = sum(e is not None for e in status.values())
+    log(f"  compiled {len(jobs)} kernels in {time.perf_counter() - t0:.1f} s on {workers} processes ({failed} rejected)")
+    return status
+
+
+def _variant(cfg, launch) -> dict:
+    """Which kernel the template runs for this config on these operands: TMA
+    descriptors or pointer loads (the launcher's _tma_plan on the step's strides),
+    the split count the launcher makes, the staged operands."""
+    from nova.codegen.triton import matmul as mm
+
+    sm = _step_matmuls()
+    dtype = getattr(torch, launch["dtype"])
+    a, b = sm.strided(launch["a"], dtype, "meta"), sm.strided(launch["b"], dtype, "meta")
+    a3, b3 = (a if a.dim() == 3 else a[None]), (b if b.dim() == 3 else b[None])
+    tokens = cfg.instruction.split("+")
+    staged = [x for x in ("a", "b") if f"stage_{x}" in tokens]
+    if staged and dtype == torch.float32:  # the staged copies are dense K-major: TMA reads those
+        a3 = torch.empty(a3.shape, dtype=dtype, device="meta") if "a" in staged else a3
+        b3 = torch.empty((b3.shape[0], b3.shape[2], b3.shape[1]), dtype=dtype, device="meta").transpose(1, 2) if "b" in staged else b3
+    return {"tma": mm._tma_plan(cfg, a3, b3) is not None, "splits": mm.split_k_plan(launch["K"], cfg)[1], "staged": staged}
+
+
+def run_gpt2(opts, checkpoint=None, log=print) -> dict:
+    """--shapes gpt2: every distinct matmul launch of the asked-for steps, measured as
+    the grid's shapes are (nova's config from the configurator with the configure
+    stage's arguments, cuBLAS on the same views, the template's search), then the
+    per-step totals (time x count)."""
+    from nova.codegen.triton import matmul as mm
+
+    sm = _step_matmuls()
+    device = torch.device("cpu" if opts.dry_run else "cuda")
+    timer = WallTimer() if opts.dry_run else GpuTimer()
+    spec = mm.device_spec(device)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else spec.num_sms
+    started = time.perf_counter()
+    deadline = started + opts.time_limit
+    steps = gpt2_steps(opts, log)
+    entries = gpt2_launches(steps)
+    i, n = opts.part
+    entries = entries[i - 1 :: n]
+    sm.configured(entries[0]["launch"]["configure"], spec) if entries else None  # imports, not timed
+    rows = []
+    for precision in opts.precisions:
+        mine = [e for e in entries if e["uses"][0]["precision"] == precision]
+        space = (dry_space if opts.dry_run else search_space)(precision)
+        log(f"{precision}: {len(mine)} distinct launches of GPT-2 steps at batch {','.join(map(str, opts.batch))}, "
+            f"search space {len(space)} configs, budget {opts.search_budget}")
+        plans = []
+        for e in mine:
+            L = e["launch"]
+            t0 = time.perf_counter()
+            nova_cfg = sm.configured(L["configure"], spec)
+            cfg_ms = (time.perf_counter() - t0) * 1e3
+            plans.append((e, nova_cfg, cfg_ms, candidates(space, L["M"], L["N"], L["K"], opts.search_budget, num_sms)))
+        if device.type == "cuda":
+            jobs, seen = [], set()
+            for e, nova_cfg, _, cands in plans:
+                for cfg in [nova_cfg, *cands]:
+                    key = _launch_binary_key(cfg, e["launch"])
+                    if key not in seen:
+                        seen.add(key)
+                        jobs.append((cfg, e["launch"]))
+            status = compile_ahead_launches(jobs, opts.workers, log)
+            plans = [(e, nova_cfg, cfg_ms, [c for c in cands if status.get(_launch_binary_key(c, e["launch"])) is None])
+                     for e, nova_cfg, cfg_ms, cands in plans]
+        for e, nova_cfg, cfg_ms, cands in plans:
+            L = e["launch"]
+            sb = StepShapeBench(L, precision, device, timer)
+            row = bench_shape(sb, nova_cfg, cfg_ms, cands, opts.search_seconds, deadline, log,
+                              keep_search=opts.keep_search)
+            batch = L["batch"]
+            for fig in (row["nova"], row["cublas"], row["search"]["best"]):
+                if fig and fig.get("ms") and batch > 1:
+                    fig["tflops"] *= batch
+            row.update(
+                id=hashlib.sha1(sm.signature(L).encode()).hexdigest()[:12],  # the same in every part
+                source=L["source"], uses=e["uses"], batch=batch, dtype=L["dtype"], out_dtype=L["out_dtype"],
+                bias=L["bias"], a=L["a"], b=L["b"], layouts=L["layouts"],
+                configure_layouts=[L["configure"]["a_layout"], L["configure"]["b_layout"]],
+                config_as_in_step=L["config"] == nova_cfg.to_dict(),
+                variant=_variant(nova_cfg, L),
+                best_variant=_variant(LoweringConfig.from_dict(row["search"]["best"]["config"]), L) if row["search"]["best"] else None,
+                cublas_note=sb.cublas_note,
+            )
+            rows.append(row)
+            del sb
+            if checkpoint is not None:
+                doc = _document(rows, opts, device, time.perf_counter() - started, complete=False)
+                doc["steps"] = step_totals(rows)
+                checkpoint(doc)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    log(f"done in {time.perf_counter() - started:.0f} s")
+    doc = _document(rows, opts, device, time.perf_counter() - started)
+    doc["benchmark"] = "matmul --shapes gpt2"
+    doc["steps"] = step_totals(rows)
+    return doc
+
+
+def step_totals(rows) -> list[dict]:
+    """Per step (precision, batch): the sum over its launches of count x time, for
+    Nova's configs, cuBLAS and the template's best (the faster of the searched best and
+    Nova's own config: the template can run either), with the launches measured."""
+    steps: dict[tuple, dict] = {}
+    for r in rows:
+        for u in r["uses"]:
+            s = steps.setdefault((u["precision"], u["batch"]), {
+                "precision": u["precision"], "batch": u["batch"], "launches": 0, "distinct": 0,
+                "nova_ms": 0.0, "cublas_ms": 0.0, "best_ms": 0.0, "missing": 0, "by_source": {}})
+            nova, cublas = r["nova"]["ms"], r["cublas"]["ms"]
+            best = min(x for x in (nova, (r["search"]["best"] or {}).get("ms")) if x) if nova or r["search"]["best"] else None
+            s["launches"] += u["count"]
+            s["distinct"] += 1
+            if nova is None or cublas is None or best is None:
+                s["missing"] += u["count"]
+                continue
+            s["nova_ms"] += u["count"] * nova
+            s["cublas_ms"] += u["count"] * cublas
+            s["best_ms"] += u["count"] * best
+            kind = u["source"].split(":")[-1] if ":" in u["source"] else "layers"
+            k = s["by_source"].setdefault(kind, {"launches": 0, "nova_ms": 0.0, "cublas_ms": 0.0, "best_ms": 0.0})
+            k["launches"] += u["count"]
+            k["nova_ms"] += u["count"] * nova
+            k["cublas_ms"] += u["count"] * cublas
+            k["best_ms"] += u["count"] * best
+    out = []
+    for key in sorted(steps, key=lambda k: (PRECISIONS.index(k[0]) if k[0] in PRECISIONS else 9, k[1])):
+        s = steps[key]
+        s["nova_vs_cublas"] = s["cublas_ms"] / s["nova_ms"] if s["nova_ms"] else None
+        s["nova_vs_best"] = s["best_ms"] / s["nova_ms"] if s["nova_ms"] else None
+        s["best_vs_cublas"] = s["cublas_ms"] / s["best_ms"] if s["best_ms"] else None
+        out.append(s)
+    return out
+
+
+def _uses_text(r) -> str:
+    return "; ".join(f"{u['precision']} b{u['batch']} {u['source'].removeprefix('nova.')} x{u['count']}" for u in r["uses"])
+
+
+def markdown_gpt2(doc) -> str:
+    s = doc["settings"]
+    lines = [
+        "# nova bench matmul --shapes gpt2",
+        "",
+        f"{doc['device']} | torch {doc['torch']} | triton {doc['triton']} | commit {doc['git']['commit'][:12]}"
+        + (" (dirty)" if doc["git"].get("dirty") else "")
+        + f" | search budget {s['search_budget']} | {doc['created']}",
+        "",
+        "Every distinct matmul launch of the GPT-2 124M AdamW step (layer matmuls forward and backward, the fused "
+        "LM head's chunk matmuls), with the operand layouts the step gives it. Step totals: sum of count x time "
+        "(best: the faster of the searched best and Nova's config).",
+        "",
+        "| step | launches | Nova ms | cuBLAS ms | best ms | Nova/cuBLAS | Nova/best | best/cuBLAS | not measured |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t in doc.get("steps", []):
+        lines.append(
+            f"| {t['precision']} b{t['batch']} | {t['launches']} | {_fmt(t['nova_ms'], '.3f')} | {_fmt(t['cublas_ms'], '.3f')} "
+            f"| {_fmt(t['best_ms'], '.3f')} | {_fmt(t['nova_vs_cublas'], '.3f')} | {_fmt(t['nova_vs_best'], '.3f')} "
+            f"| {_fmt(t['best_vs_cublas'], '.3f')} | {t['missing']} |"
+        )
+    lines += ["", "Per kind of launch (ms per step, Nova / cuBLAS / best):", ""]
+    for t in doc.get("steps", []):
+        parts = [f"{k} ({v['launches']}): {_fmt(v['nova_ms'], '.3f')} / {_fmt(v['cublas_ms'], '.3f')} / "
+                 f"{_fmt(v['best_ms'], '.3f')}" for k, v in sorted(t["by_source"].items())]
+        lines.append(f"* {t['precision']} b{t['batch']}: " + "; ".join(parts))
+    lines += [
+        "",
+        "| prec | source | M | N | K | layouts (step / configure) | out | Nova ms | cuBLAS ms | best ms | Nova/cuBLAS "
+        "| Nova/best | Nova config | kernel | best config | uses (count per step) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["shapes"]:
+        best = r["search"]["best"]
+        v = r.get("variant") or {}
+        kernel = ("tma" if v.get("tma") else "pointer") + (f" sk{v['splits']}" if v.get("splits", 1) > 1 else "")
+        kernel += "".join(f" stage_{x}" for x in v.get("staged", []))
+        lines.append(
+            f"| {r['precision']} | {r['source'].removeprefix('nova.')} | {r['M']} | {r['N']} | {r['K']} "
+            f"| {'/'.join(r['layouts'])} ({'/'.join(r['configure_layouts'])}) | {r['out_dtype']} "
+            f"| {_fmt(r['nova']['ms'], '.4f')} | {_fmt(r['cublas']['ms'], '.4f')} | {_fmt(best['ms'] if best else None, '.4f')} "
+            f"| {_fmt(r['nova_vs_cublas'], '.2f')} | {_fmt(r['nova_vs_best'], '.2f')} "
+            f"| {describe(LoweringConfig.from_dict(r['nova']['config']))} | {kernel} "
+            f"| {describe(LoweringConfig.from_dict(best['config'])) if best else '-'} | {_uses_text(r)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def chart_gpt2(doc, path: Path) -> None:
+    """Per step: each distinct launch's count x time, Nova / cuBLAS / best, as stacked bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = doc.get("steps") or []
+    fig, axes = plt.subplots(1, max(1, len(steps)), figsize=(4.5 * max(1, len(steps)), 6), squeeze=False)
+    for ax, t in zip(axes[0], steps):
+        parts = []
+        for r in doc["shapes"]:
+            for u in r["uses"]:
+                if (u["precision"], u["batch"]) == (t["precision"], t["batch"]) and r["nova"]["ms"] and r["cublas"]["ms"]:
+                    best = min(x for x in (r["nova"]["ms"], (r["search"]["best"] or {}).get("ms")) if x)
+                    label = f"{u['source'].removeprefix('nova.')} {r['M']}x{r['N']}x{r['K']}"
+                    parts.append((label, u["count"] * r["nova"]["ms"], u["count"] * r["cublas"]["ms"], u["count"] * best))
+        parts.sort(key=lambda p: -p[1])
+        bottoms = [0.0, 0.0, 0.0]
+        cmap = plt.get_cmap("tab20")
+        for j, (label, *ms) in enumerate(parts):
+            ax.bar(range(3), ms, bottom=bottoms, color=cmap(j % 20), label=label if j < 12 else None)
+            bottoms = [b + m for b, m in zip(bottoms, ms)]
+        ax.set_xticks(range(3))
+        ax.set_xticklabels(["Nova", "cuBLAS", "best"])
+        ax.set_ylabel("ms per step (count x time)")
+        ax.set_title(f"{t['precision']} batch {t['batch']}: Nova/cuBLAS {_fmt(t['nova_vs_cublas'], '.2f')}, "
+                     f"Nova/best {_fmt(t['nova_vs_best'], '.2f')}", fontsize=9)
+        ax.legend(fontsize=6, loc="upper right")
+    fig.suptitle(f"nova bench matmul --shapes gpt2 on {doc['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # --------------------------------------------------------------------------- command line
@@ -715,6 +1088,16 @@ def _precisions(text: str) -> tuple[str, ...]:
     if bad or not ps:
         raise argparse.ArgumentTypeError(f"--precisions: choose from {','.join(PRECISIONS)}, got {text!r}")
     return ps
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        bs = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch wants a list of integers, got {text!r}") from None
+    if not bs or min(bs) < 1:
+        raise argparse.ArgumentTypeError(f"--batch wants positive integers, got {text!r}")
+    return bs
 
 
 def _variants(text: str) -> tuple[str, ...]:
@@ -745,14 +1128,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="for tf32 shapes also time nova's config with these fp32 operand treatments "
                    "(row nova_<variant>; default none; choices tf32 (the tensor core truncates), tf32x3; "
                    "both on the register path only: a staged config rounds, and records an error here)")
+    p.add_argument("--shapes", choices=("grid", "gpt2"), default="grid",
+                   help="grid: the 64 M x N x K shapes (default); gpt2: every distinct matmul launch of the GPT-2 "
+                   "124M AdamW step with the layouts the step gives it (bench/gpt2_matmul_shapes.json, "
+                   "regenerated by python bench/step_matmuls.py; --dry-run: a tiny GPT compiled live), with "
+                   "per-step totals (time x count); writes matmul_gpt2.*")
+    p.add_argument("--batch", type=_batches, default=(8, 32), metavar="LIST",
+                   help="with --shapes gpt2: the step batch sizes (default 8,32; --dry-run: the tiny GPT's)")
+    p.add_argument("--shapes-file", type=Path, default=None, metavar="JSON",
+                   help="with --shapes gpt2: the extracted launches (default bench/gpt2_matmul_shapes.json)")
     p.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)), help="compile processes")
 
 
 def run_args(opts, log=print) -> list[Path]:
     if opts.merge is not None:
         out_dir = opts.out or REPO / "bench" / "results"
-        files = opts.merge or sorted(out_dir.glob("matmul_part*.json"))
-        paths = write(merge(files), out_dir, "matmul")
+        base = "matmul_gpt2" if getattr(opts, "shapes", "grid") == "gpt2" else "matmul"
+        files = opts.merge or sorted(out_dir.glob(f"{base}_part*.json"))
+        paths = write(merge(files), out_dir, base)
         log(f"merged {len(files)} files into " + ", ".join(map(str, paths)))
         return paths
     if opts.dry_run:
@@ -768,7 +1161,8 @@ def run_args(opts, log=print) -> list[Path]:
             raise UsageError("nova bench matmul needs a CUDA device (or --dry-run)")
         out_dir = opts.out or REPO / "bench" / "results"
     i, n = opts.part
-    stem = "matmul" if n == 1 else f"matmul_part{i}of{n}"
+    base = "matmul_gpt2" if getattr(opts, "shapes", "grid") == "gpt2" else "matmul"
+    stem = base if n == 1 else f"{base}_part{i}of{n}"
     doc = run(opts, lambda d: _write_text(out_dir / f"{stem}.json", json.dumps(d, indent=1)), log)
     paths = write(doc, out_dir, stem)
     log("wrote " + ", ".join(map(str, paths)))
