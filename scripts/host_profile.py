@@ -30,9 +30,14 @@ def main() -> None:
     step = nova.compile(model, opt, precision="bf16", cuda_graph=opts.graph)
     x = torch.randint(0, 50304, (opts.batch, 1024), device="cuda")
     y = torch.randint(0, 50304, (opts.batch, 1024), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     for _ in range(3):
         step(x, y)
     torch.cuda.synchronize()
+    peak, predicted = torch.cuda.max_memory_allocated() / 2**30, step.memory_plan.peak_bytes / 2**30
+    print(f"peak allocated {peak:.3f} GiB, the plan's predicted peak {predicted:.3f} GiB "
+          f"({(predicted - peak) / peak:+.1%}; the model and AdamW's state included)")
     walls = []
     prof = cProfile.Profile()
     for _ in range(opts.calls):
