@@ -400,6 +400,12 @@ def plan_matmul(
         s = min(S // tiles, k_steps // 2, int(math.sqrt(tau / c)))
     elif 0 < tail <= 0.5 and k_steps >= 4:
         s = 2
+    elif tiles < S and k_steps >= 4:
+        # one wave, more than half full (S/2 < tiles < S): the S - tiles idle SMs can only
+        # get work from split K; the split with the least model time, >= 2 K-steps each
+        # (e.g. a weight gradient 768 x 3072 x 32768: 72 tiles of 128x256 keep 60 of 132
+        # SMs idle, T(7) = 0.66 T(1))
+        s = min(range(2, k_steps // 2 + 1), key=model_time)
     else:
         s = 1
     split = 1
