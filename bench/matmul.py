@@ -28,6 +28,15 @@ Point TRITON_CACHE_DIR at a persistent directory to reuse them across parts.
 --dry-run exercises all of this on the CPU: two tiny shapes through the Triton
 interpreter with three configs, torch CPU matmul in place of cuBLAS, wall-clock
 timing; the numbers are meaningless, the outputs are complete.
+
+--shapes gpt2 [--batch 8,32] measures instead every distinct matmul launch of the
+GPT-2 124M AdamW step (the layer matmuls forward and backward, the fused LM head's
+chunk matmuls) with the operands as the step has them: the shapes, strides, offsets,
+output dtype and bias that bench/step_matmuls.py read off the compiled step
+(bench/gpt2_matmul_shapes.json; with --dry-run, a tiny GPT compiled live). Nova's
+config is the configurator's answer to the configure stage's arguments, cuBLAS runs
+on the same views, the search is the one above; per step, the count-weighted totals.
+Writes matmul_gpt2.json/.md/.png (docs/configurator.md, "GPT-2 step shapes").
 """
 
 from __future__ import annotations
