@@ -272,12 +272,16 @@ class _Grouping:
             if len(n.members) == 1 and all(not c.operands for c in cone):
                 continue
             out.append(Group(n.members, cone))
-        for k in range(0, len(self.tail), TAIL_OUTPUTS):
-            members = self.tail[k:k + TAIL_OUTPUTS]
-            cone = self.cone_of(members)
-            if len(members) == 1 and all(not c.operands for c in cone):
-                continue
-            out.append(Group(members, cone, tail=True))
+        by_shape: dict[tuple[int, ...], list[Operation]] = {}  # () and [1] are two iteration shapes
+        for op in self.tail:
+            by_shape.setdefault(shape_of(op.results[0].type), []).append(op)
+        for ops in by_shape.values():
+            for k in range(0, len(ops), TAIL_OUTPUTS):
+                members = ops[k:k + TAIL_OUTPUTS]
+                cone = self.cone_of(members)
+                if len(members) == 1 and all(not c.operands for c in cone):
+                    continue
+                out.append(Group(members, cone, tail=True))
         return out
 
 
@@ -330,9 +334,9 @@ def _sinkable(op: Operation) -> Operation | None:
     view = uses[0].operation
     shape = shape_of(op.results[0].type)
     for v in op.operands:
-        if shape_of(v.type) == ():
-            continue
         if shape_of(v.type) != shape:
+            if shape_of(v.type) == ():
+                continue  # broadcast to any shape: read as it is
             return None
         if isinstance(view, nv.ReshapeOp) and isinstance(v.owner, nv.NovaOp) and v.owner.CATEGORY == "layout":
             return None  # a reshape of a strided view may need a copy
@@ -371,8 +375,9 @@ def sink_views(block: Block) -> int:
             if view is None:
                 continue
             operands = []
+            shape = shape_of(op.results[0].type)
             for v in op.operands:
-                if shape_of(v.type) == ():
+                if shape_of(v.type) != shape:  # a 0-d operand (_sinkable)
                     operands.append(v)
                     continue
                 lay = _relayout(view, v)

@@ -330,3 +330,23 @@ def test_scalars_only_the_return_reads_run_last_together(monkeypatch):
     assert [len(g.results) for g in tails] == [2, 1] and all(g.iteration_shape() == () for g in tails)
     plan = plan_memory(module)
     assert {ip.how for ip in plan.inplace} == {"inplace"}
+
+
+def test_last_scalars_of_two_shapes_are_two_groups():
+    module, fn, b = _step(Slot("hyper", "lr", tensor([], f64)), Slot("param", "w", tensor([1], f64)))
+    lr, w = fn.body.block.args
+    set_results(fn, [("loss", "a", b.neg(b.mul(lr, lr))), ("loss", "b", b.neg(b.mul(w, w))),
+                     ("loss", "c", b.neg(b.add(lr, lr)))])  # fmt: skip
+    ops = _fused(module)
+    assert [(o.iteration_shape(), len(o.results)) for o in ops] == [((), 2), ((1,), 1)]
+
+
+def test_a_view_of_a_scalar_sinks_with_its_operands():
+    module, fn, b = _step(Slot("param", "x", tensor([], f64)), Slot("param", "y", tensor([1, 1], f64)))
+    x, y = fn.body.block.args
+    r = b.reshape(b.neg(b.mul(x, x)), [1, 1])  # a 0-d op whose operands are 0-d too: they move with it
+    set_results(fn, [("loss", "r", b.add(r, y))])
+    ops = _fused(module)
+    (op,) = [o for o in ops if isinstance(o, nv.FusedOp)]
+    assert op.iteration_shape() == (1, 1) and _inner(op) == ["nova.mul", "nova.neg", "nova.add"]
+    assert all(isinstance(o, nv.ReshapeOp) and o.operands[0] is x for o in ops if o is not op)
