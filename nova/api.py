@@ -36,6 +36,7 @@ results, and the host reads them
 
 from __future__ import annotations
 
+import operator
 import os
 import signal
 import threading
@@ -155,6 +156,10 @@ class _Key(NamedTuple):
     buffers: tuple  # (name, id, dtype, shape, device) per buffer name
     optimizer: tuple  # the optimizer's structure (CompiledStep._spec_key)
     training: bool
+
+
+_PARAMETERS_OF, _MODULES_OF, _BUFFERS_OF = (operator.attrgetter(a) for a in ("_parameters", "_modules", "_buffers"))
+_DATA_PTR, _REQUIRES_GRAD = torch.Tensor.data_ptr, operator.attrgetter("requires_grad")
 
 
 def _tensor_sig(name: str, t: torch.Tensor) -> tuple:
@@ -322,9 +327,11 @@ class CompiledStep:
             mods = list(m.modules())
             self._walk = (_REGISTRATIONS[0], mods, [p for _, p in m.named_parameters(remove_duplicate=False)])
         _, mods, plist = self._walk
+        # map() over C callables: no Python frame per module or parameter (this runs every call)
         fast = (_REGISTRATIONS[0], tuple((tuple(t.shape), t.dtype) for t in batch), m.training, self._spec_key(),
-                tuple(len(x._parameters) + 1000 * len(x._modules) + 10**6 * len(x._buffers) for x in mods),
-                tuple(p.data_ptr() for p in plist), tuple(p.requires_grad for p in plist))  # fmt: skip
+                tuple(map(len, map(_PARAMETERS_OF, mods))), tuple(map(len, map(_MODULES_OF, mods))),
+                tuple(map(len, map(_BUFFERS_OF, mods))), tuple(map(_DATA_PTR, plist)),
+                tuple(map(_REQUIRES_GRAD, plist)))  # fmt: skip
         if self._fast is not None and self._fast[0] == fast:
             return self._fast[1]
         key = self._full_key(batch)
@@ -384,7 +391,7 @@ class CompiledStep:
         # the structure of the optimizer (not its values) selects the program
         out = []
         for group in self.optimizer.param_groups:
-            out.append(tuple(id(p) for p in group["params"]))
+            out.append(tuple(map(id, group["params"])))
             out.append(tuple(sorted((k, v) for k, v in group.items() if k in _STRUCTURAL)))
             out.append(group.get("momentum", 0) != 0)
         return tuple(out)

@@ -63,7 +63,7 @@ def main() -> None:
     print(f"host ms per call (no profiler): median {statistics.median(walls):.3f}, min {min(walls):.3f}")
     for name, times in phases.items():
         if times:
-            print(f"  {name:40s} median {statistics.median(times) * 1e3:8.1f} us  ({len(times)} calls)")
+            print(f"  {name:40s} median {statistics.median(times) * 1e6:8.1f} us  ({len(times)} calls)")
 
 
 def _timed_phases() -> dict[str, list[float]]:

@@ -123,7 +123,7 @@ class Executable:
     def bind(self, ext: Sequence[torch.Tensor]) -> None:
         """Binds the launch list to ``ext`` (one tensor per argument; only the
         param / state / buffer entries are read). Cheap when nothing changed."""
-        ptrs = [ext[i].data_ptr() for i in self.external]  # ~0.2 us each
+        ptrs = list(map(_DATA_PTR, map(ext.__getitem__, self.external)))  # C-level iteration: this runs every call
         if self.bound is not None and ptrs == self.bound:
             return
         if self.arena is None:
@@ -262,6 +262,9 @@ class Executable:
         if self.graph is not None:
             return "graph"
         return "launch list" + (f" (capture failed: {self.graph_failed})" if self.graph_failed else "")
+
+
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
