@@ -43,6 +43,8 @@ from nova.log import get_logger
 from nova.transforms.plan_memory import EXTERNAL_ROLES, TORCH_BLOCK, UPDATED_ROLES, MemoryPlan, _align
 
 _LOG = get_logger(__name__)
+_DATA_PTR = torch.Tensor.data_ptr
+SCALAR_ROWS = 16  # host rows of hyper-parameters and seeds in flight (see Executable._write_scalars)
 
 
 @dataclass
@@ -94,6 +96,11 @@ class Executable:
         # hyper-parameters (f64) then seeds (i64), 8 bytes each: one H2D copy per call
         n = len(self.hyper_args) + len(self.seed_args)
         self.scalars = torch.zeros(max(n, 1), dtype=torch.float64, device=self.device)
+        # the host side: SCALAR_ROWS pinned rows used in turn, each free again once the
+        # event recorded after its copy has completed (the copy reads it asynchronously)
+        self._rows: torch.Tensor | None = None
+        self._row_events: list = [None] * SCALAR_ROWS
+        self._row = 0
         self.want_graph = cuda_graph and self.device.type == "cuda"
         self.graph_failed: str | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -232,15 +239,22 @@ class Executable:
         self.runs += 1
 
     def _write_scalars(self, hyper: Sequence[float], seeds: Sequence[int]) -> None:
-        pin = self.device.type == "cuda"
-        host = torch.empty(self.scalars.numel(), dtype=torch.float64, pin_memory=pin)
+        cuda = self.device.type == "cuda"
+        if self._rows is None:
+            self._rows = torch.zeros((SCALAR_ROWS, self.scalars.numel()), dtype=torch.float64, pin_memory=cuda)
+        k, self._row = self._row, (self._row + 1) % SCALAR_ROWS
+        if self._row_events[k] is not None:
+            self._row_events[k].synchronize()  # only when the host is SCALAR_ROWS steps ahead of the device
+        host = self._rows[k].numpy()  # a view of the pinned row: plain stores, no tensors made per call
         nh = len(hyper)
-        if nh:
-            host[:nh] = torch.tensor(hyper, dtype=torch.float64)
+        host[:nh] = hyper
         if seeds:
-            host.view(torch.int64)[nh:nh + len(seeds)] = torch.tensor(seeds, dtype=torch.int64)
-        # pinned memory from torch's caching host allocator is not reused before this copy ends
-        self.scalars.copy_(host, non_blocking=pin)
+            host.view("int64")[nh:nh + len(seeds)] = seeds
+        self.scalars.copy_(self._rows[k], non_blocking=cuda)
+        if cuda:
+            event = self._row_events[k] or torch.cuda.Event()
+            event.record()
+            self._row_events[k] = event
 
     def _capture(self) -> None:
         graph = torch.cuda.CUDAGraph()
@@ -264,7 +278,6 @@ class Executable:
         return "launch list" + (f" (capture failed: {self.graph_failed})" if self.graph_failed else "")
 
 
-_DATA_PTR = torch.Tensor.data_ptr
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
