@@ -1051,7 +1051,7 @@ def chart_gpt2(doc, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     steps = doc.get("steps") or []
-    fig, axes = plt.subplots(1, max(1, len(steps)), figsize=(4.5 * max(1, len(steps)), 6), squeeze=False)
+    fig, axes = plt.subplots(1, max(1, len(steps)), figsize=(max(7.0, 4.5 * len(steps)), 6), squeeze=False)
     for ax, t in zip(axes[0], steps):
         parts = []
         for r in doc["shapes"]:
@@ -1072,7 +1072,7 @@ def chart_gpt2(doc, path: Path) -> None:
         ax.set_title(f"{t['precision']} batch {t['batch']}: Nova/cuBLAS {_fmt(t['nova_vs_cublas'], '.2f')}, "
                      f"Nova/best {_fmt(t['nova_vs_best'], '.2f')}", fontsize=9)
         ax.legend(fontsize=6, loc="upper right")
-    fig.suptitle(f"nova bench matmul --shapes gpt2 on {doc['device']}")
+    fig.suptitle(f"nova bench matmul --shapes gpt2 on {doc['device']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

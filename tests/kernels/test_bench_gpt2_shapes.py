@@ -98,7 +98,7 @@ def test_cached_gpt2_list_is_what_the_pipeline_extracts():
             out[key] = per
         return out
 
-    assert table(fresh, 2) == table(steps[("bf16", 8)], 12)
+    assert table(fresh, 2) == table(steps[("bf16", 8)], 12), f"the step's launches changed: run {sm.REGENERATE}"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU path")
