@@ -156,8 +156,8 @@ class _CpuClock:
         pass
 
 
-def test_profile_with_an_injected_clock_measures_every_launch_and_changes_nothing(gpt):
-    step, batch = gpt
+def test_profile_with_an_injected_clock_measures_every_launch_and_changes_nothing():
+    step, batch = _gpt_step()  # its own step: the others must see no profile
     params = [p.detach().clone() for p in step.model.parameters()]
     state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in step.optimizer.state.items()}
     clock = _CpuClock()
