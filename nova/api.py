@@ -470,7 +470,10 @@ class CompiledStep:
 
     def _defer(self, prog: Program, exe, batch: tuple, stored: list[tuple]) -> None:
         """Queues the step just launched: a copy of the guard to a host row, then an
-        event, both enqueued after the step (neither waits)."""
+        event, both enqueued after the step (neither waits). A program without a
+        guard (nothing to check: no ids, no targets, no skip_nonfinite) cannot fail."""
+        if not prog.gather.guard:
+            return
         if len(self._pending) >= PENDING_STEPS:
             self._settle_one(self._pending[0], "the next call")  # backpressure: the oldest row is needed
         row = self._guard_host[self._guard_row]

@@ -130,3 +130,33 @@ def test_an_lr_scheduler_sees_a_stepped_optimizer(recwarn):
     sched.step()
     assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
     assert opt.param_groups[0]["lr"] == 0.05
+
+
+def test_a_learning_rate_changed_every_call_reaches_every_step():
+    """Hyper-parameters go through a ring of host rows (executable.SCALAR_ROWS):
+    more calls than rows, each with its own learning rate, equal the reference."""
+    from nova.runtime.executable import SCALAR_ROWS
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    ref = copy.deepcopy(model)
+
+    class Loss(torch.nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, y):
+            return torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+
+    opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = nova.compile(Loss(model), opt, backend="triton")
+    oracle = nova.compile(Loss(ref), opt_ref, backend="reference")
+    g = torch.Generator().manual_seed(5)
+    for k in range(SCALAR_ROWS + 3):
+        for o in (opt, opt_ref):
+            o.param_groups[0]["lr"] = 0.01 * (k + 1)
+        x, y = torch.randn(5, 4, generator=g), torch.randn(5, generator=g)
+        step(x, y)
+        oracle(x, y)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
