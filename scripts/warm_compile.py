@@ -34,7 +34,7 @@ The result is one JSON object on stdout (and, with ``--out DIR``,
 ``DIR/warm_compile_<device>_<backend>_b<batch>_l<layers>.json``): the options, process
 1's cold compile and process 2's phases (``target_cpu_s``: its CPU time over the same
 span, a check on the wall time when other work shares the machine).
-``--profile FILE`` writes a cProfile of process 2's compile + first call.
+``--profile FILE`` writes a cProfile of process 2's compile + first call (in CPU seconds).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def one_process(o) -> dict:
     if o.profile and o.phase == "warm":
         import cProfile
 
-        profile = cProfile.Profile()
+        profile = cProfile.Profile(time.process_time)  # CPU seconds: other work may share the machine
         profile.enable()
     c0 = time.process_time()
     t0 = time.perf_counter()

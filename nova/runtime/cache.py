@@ -26,9 +26,10 @@ to this process's directories when an entry is read: a hit reports the same
 locations a cold compile would.
 
 An entry is JSON and nothing in it is executed or unpickled: the final IR (as
-a table of ops over its distinct attributes in MLIR syntax: ``encode``; ops with
-regions, nested blocks and block arguments included) and the kept fields are
-checked against its SHA-256, the IR is read back by xDSL's parser and verified
+a table of ops over its distinct attributes: ``encode``; the common builtin kinds
+as JSON rows rebuilt directly, the rest in MLIR syntax; ops with regions, nested
+blocks and block arguments included) and the kept fields are checked against its
+SHA-256, the IR is rebuilt (the MLIR text read by xDSL's parser) and verified
 (once: the pipeline does not verify a hit again). Writes are atomic (a temporary
 file in the same directory, fsync, ``os.replace``), so two processes compiling
 the same key at once both succeed and leave one whole entry. A corrupt or
@@ -68,7 +69,8 @@ from xdsl.dialects.builtin import ModuleOp
 from nova.atomic import atomic_write
 from nova.log import get_logger
 
-FORMAT = 2  # the entry layout; an entry of another format is rebuilt (2: the memory plan's offsets kept)
+FORMAT = 3  # the entry layout; an entry of another format is rebuilt (2: the memory plan's offsets kept;
+# 3: the common attribute kinds as JSON rows)
 AFTER = "autodiff"  # the stage whose IR is hashed; every later stage is cached
 
 log = get_logger("nova.runtime.cache")
@@ -211,11 +213,16 @@ class NotStorable(Exception):
 # The final IR is stored as a table, not as one MLIR text: xDSL's parser reads a
 # GPT-2 step's 1.3 MB of generic text in 4 s (15 s with the configurator's
 # lowering configs), longer than the stages it would replace. The table keeps
-# each distinct attribute and type once, as MLIR text that one xDSL parse reads
-# back (an array attribute of them); ops are rebuilt from their names, operand
-# numbers and table indices, and the module is verified. Nothing is executed.
+# each distinct attribute and type once: the common builtin kinds (strings,
+# integers, integer arrays such as nova.offset, arrays, dictionaries such as the
+# arguments' nova.storage / nova.offset, tensor and function types) as JSON rows
+# built directly as xDSL attributes (``_plain_attr``; parsing their text was half
+# of a GPT-2 hit's decode), the rest as MLIR text that one xDSL parse reads back
+# (an array attribute of them); ops are rebuilt from their names, operand numbers
+# and table indices, and the module is verified. Nothing is executed.
 #
-#   attrs  [MLIR text of each distinct attribute / type]
+#   attrs  [a JSON row (a list) or the MLIR text (a string) of each distinct
+#          attribute / type; a row's parts are earlier entries]
 #   func   [properties {name: i}, attributes {name: i}, [argument type i]]
 #   module attributes {name: i}
 #   ops    [[name, [operand value], [result type i], {property: i}, {attribute: i}, loc(, regions)]]
@@ -240,6 +247,91 @@ def _printer_text(attr) -> str:
     return out.getvalue()
 
 
+_BUILTIN = None
+
+
+def _builtin():
+    """The builtin attribute classes the table writes as JSON rows (imported once)."""
+    global _BUILTIN
+    if _BUILTIN is None:
+        from xdsl.dialects import builtin as b
+
+        _BUILTIN = b
+    return _BUILTIN
+
+
+def _plain_attr(a, aid) -> list | None:
+    """``a`` as a JSON row of the attribute table (``aid``: the index of a part,
+    entered first), or None where it is written as MLIR text. Only exact builtin
+    classes (a subclass prints differently) of the common kinds:
+
+      ["s", text]                      StringAttr
+      ["i", value, type]               IntegerAttr of an integer or index type
+      ["d", element type, [value]]     DenseArrayBase of an integer type (nova.offset)
+      ["a", [attr]]                    ArrayAttr
+      ["m", {name: attr}]              DictionaryAttr (in order: the printed IR keeps it)
+      ["t", [dim], element type]       TensorType without an encoding
+      ["f", [input], [output]]         FunctionType
+
+    (``type``, ``attr``, ...: indices of earlier rows)."""
+    b = _builtin()
+    k = type(a)
+    if k is b.StringAttr:
+        return ["s", a.data]
+    if k is b.IntegerAttr and type(a.type) in (b.IntegerType, b.IndexType):
+        return ["i", a.value.data, aid(a.type)]
+    if k is b.DenseArrayBase and type(a.elt_type) is b.IntegerType:
+        return ["d", aid(a.elt_type), list(a.iter_values())]
+    if k is b.ArrayAttr:
+        return ["a", [aid(x) for x in a.data]]
+    if k is b.DictionaryAttr:
+        return ["m", {n: aid(x) for n, x in a.data.items()}]
+    if k is b.TensorType and type(a.encoding) is b.NoneAttr:
+        return ["t", [d.data for d in a.shape.data], aid(a.element_type)]
+    if k is b.FunctionType:
+        return ["f", [aid(x) for x in a.inputs.data], [aid(x) for x in a.outputs.data]]
+    return None
+
+
+def _rebuild_attr(row: list, attrs: list):
+    """The attribute of a JSON row (``_plain_attr``); ``attrs``: the rows before it,
+    rebuilt. Raises ``ValueError`` for a malformed row."""
+    b = _builtin()
+
+    def part(i):
+        if type(i) is not int or not 0 <= i < len(attrs):  # only earlier rows: no cycles
+            raise ValueError(f"an attribute row refers to {i!r} (row {len(attrs)})")
+        return attrs[i]
+
+    def ints(xs) -> list:
+        if not isinstance(xs, list) or not all(type(x) is int for x in xs):
+            raise ValueError(f"an attribute row of kind {tag!r} without a list of integers")
+        return xs
+
+    def typed(x, *classes):
+        if type(x) not in classes:
+            raise ValueError(f"an attribute row of kind {tag!r} with a {type(x).__name__} part")
+        return x
+
+    tag = row[0] if row else None
+    n = {"s": 2, "i": 3, "d": 3, "a": 2, "m": 2, "t": 3, "f": 3}.get(tag)
+    if n is None or len(row) != n:
+        raise ValueError(f"an attribute row {str(row)[:60]}")
+    if tag == "s":
+        return b.StringAttr(typed(row[1], str))
+    if tag == "i":
+        return b.IntegerAttr(typed(row[1], int), typed(part(row[2]), b.IntegerType, b.IndexType))
+    if tag == "d":
+        return b.DenseArrayBase.from_list(typed(part(row[1]), b.IntegerType), ints(row[2]))
+    if tag == "a":
+        return b.ArrayAttr([part(i) for i in typed(row[1], list)])
+    if tag == "m":
+        return b.DictionaryAttr({typed(k, str): part(i) for k, i in typed(row[1], dict).items()})
+    if tag == "t":
+        return b.TensorType(part(row[2]), ints(row[1]))
+    return b.FunctionType.from_lists([part(i) for i in typed(row[1], list)], [part(i) for i in typed(row[2], list)])
+
+
 def encode(module: ModuleOp, dirs: list[str], fixed: bool = True) -> dict:
     """The table of ``module`` (a module holding only @train_step with one block;
     ops may hold regions, nested to any depth, but no successors); raises
@@ -254,7 +346,7 @@ def encode(module: ModuleOp, dirs: list[str], fixed: bool = True) -> dict:
         raise ValueError("the module is not one func.func with one block")
     fn = ops[0]
     index: dict = {}
-    texts: list[str] = []
+    texts: list = []
 
     def aid(a) -> int:
         try:
@@ -263,8 +355,9 @@ def encode(module: ModuleOp, dirs: list[str], fixed: bool = True) -> dict:
             i, a = None, _printer_text(a)
             i = index.get(a)
         if i is None:
+            row = a if isinstance(a, str) else _plain_attr(a, aid)  # its parts get lower indices
             i = index[a] = len(texts)
-            texts.append(a if isinstance(a, str) else _printer_text(a))
+            texts.append(row if row is not None else _printer_text(a))
         return i
 
     def named(d) -> dict:
@@ -325,13 +418,17 @@ def decode(ir: dict, dirs: list[str], ctx=None) -> ModuleOp:
     from nova.ir.module import context
 
     ctx = ctx if ctx is not None else context()
-    texts = ir["attrs"]
-    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-        raise ValueError("the attribute table is not a list of strings")
+    rows = ir["attrs"]
+    if not isinstance(rows, list) or not all(isinstance(t, (str, list)) for t in rows):
+        raise ValueError("the attribute table is not a list of strings and rows")
+    texts = [t for t in rows if isinstance(t, str)]
     table = Parser(ctx, "[" + ", ".join(texts) + "]").parse_attribute() if texts else ArrayAttr([])
     if not isinstance(table, ArrayAttr) or len(table.data) != len(texts):
         raise ValueError("the attribute table does not read back entry by entry")
-    attrs = table.data
+    parsed = iter(table.data)
+    attrs: list = []
+    for row in rows:
+        attrs.append(next(parsed) if isinstance(row, str) else _rebuild_attr(row, attrs))
     classes: dict = {}
 
     def named(d: dict) -> dict:

@@ -306,6 +306,29 @@ def _break_verification(ir: dict) -> None:
     raise AssertionError("no nova.add")
 
 
+def _offset_row(ir: dict) -> list:
+    """The JSON row of an op's nova.offset (an integer array: ["d", element type, values])."""
+    for op in ir["ops"]:
+        i = op[4].get("nova.offset")
+        if i is not None and ir["attrs"][i][0] == "d":
+            return ir["attrs"][i]
+    raise AssertionError("no nova.offset row")
+
+
+def _tamper_offset(ir: dict) -> None:
+    row = _offset_row(ir)
+    row[2][0] += 512  # still aligned: only the stored plan can tell
+
+
+def _malform_row(ir: dict) -> None:
+    _offset_row(ir)[2] = ["0"]  # not a list of integers
+
+
+def _forward_row(ir: dict) -> None:
+    row = _offset_row(ir)
+    row[1] = len(ir["attrs"])  # an element type of no earlier row
+
+
 def _foreign(entry: dict, path: Path) -> bytes:
     model, opt, batch = tiny()
     other = compile_(model, opt, batch, precision="bf16")  # writes another key's entry
@@ -334,6 +357,12 @@ CORRUPTIONS = {
     "bad kept field": (lambda raw, e, p: json.dumps(_edit_ir({**e, "fields": {**e["fields"], "remat": [{"x": 1}]}}, lambda ir: None)).encode(),
                        "the kept field 'remat' does not read back"),  # fmt: skip
     "fails verification": (lambda raw, e, p: json.dumps(_edit_ir(e, _break_verification)).encode(), "fails verification"),
+    "tampered attribute": (lambda raw, e, p: json.dumps(_edit_ir(e, lambda ir: _tamper_offset(ir), fix_checksum=False)).encode(),
+                           "checksum mismatch"),  # fmt: skip
+    "malformed attribute row": (lambda raw, e, p: json.dumps(_edit_ir(e, _malform_row)).encode(), "does not read back"),
+    "later attribute row": (lambda raw, e, p: json.dumps(_edit_ir(e, _forward_row)).encode(), "does not read back"),
+    "offset off the plan": (lambda raw, e, p: json.dumps(_edit_ir(e, _tamper_offset)).encode(),
+                            "the kept field 'plan_memory' does not read back"),  # fmt: skip
 }
 
 
@@ -624,6 +653,30 @@ def test_ops_with_regions_round_trip_through_the_table():
     assert isinstance(nested, Wrap) and list(nested.body.block.ops)[0].operands[1] is list(first.ops)[0].results[0]
     with pytest.raises(ValueError, match="unknown op 'test.wrap'"):
         cache.decode(table, dirs)  # Nova's own context does not know the test op
+
+
+@pytest.mark.parametrize("target", ["reference", "h200"])
+def test_the_common_attribute_kinds_are_json_rows_and_read_back_equal(target):
+    model, opt, batch = tiny()
+    c = compile_(model, opt, batch, precision="bf16", device=DEVICES["H200"] if target == "h200" else None)
+    dirs: list[str] = []
+    table = json.loads(json.dumps(cache.encode(c.module, dirs, fixed=False)))
+    rows = table["attrs"]
+    kinds = {r[0] for r in rows if isinstance(r, list)}
+    assert {"s", "i", "d", "a", "m", "t", "f"} <= kinds, kinds
+    texts = [r for r in rows if isinstance(r, str)]
+    assert len(texts) < len(rows) // 5 and not any(t.startswith(("[", "{", "array<", "tensor<", '"')) for t in texts)
+    fn = c.module.body.block.first_op
+    arg_attrs = rows[table["func"][1]["arg_attrs"] if "arg_attrs" in table["func"][1] else table["func"][0]["arg_attrs"]]
+    assert arg_attrs[0] == "a" and all(rows[i][0] == "m" for i in arg_attrs[1])  # nova.storage / nova.offset: rows
+    back = cache.decode(table, dirs)
+    back.verify()
+    assert print_module(back) == print_module(c.module)
+    assert back.body.block.first_op.arg_attrs == fn.arg_attrs and back.attributes == c.module.attributes
+    for a, b in zip(c.module.walk(), back.walk(), strict=True):
+        assert a.attributes == b.attributes and a.properties == b.properties
+        assert [r.type for r in a.results] == [r.type for r in b.results]
+    assert cache.ir_digest(back) == cache.ir_digest(c.module)
 
 
 def test_a_region_table_with_a_bad_index_does_not_read_back():
