@@ -38,11 +38,19 @@ _LOG = get_logger(__name__)
 VIEW_OPS = (nv.TransposeOp, nv.BroadcastToOp, nv.SliceOp, nv.ReshapeOp)
 
 
+_CONFIGS: dict = {}  # #nova.lowering_config attribute -> its LoweringConfig (frozen; many ops share one)
+
+
 def config_of(op: Operation) -> LoweringConfig | None:
     attr = op.attributes.get("nova.lowering_config")
     if attr is None:
         return None
-    return LoweringConfig.from_dict({k: nv.prop_value(v) for k, v in attr.config.data.items()})
+    cfg = _CONFIGS.get(attr)  # keyed by the attribute's value (xDSL attributes are immutable, compared by value)
+    if cfg is None:
+        if len(_CONFIGS) > 4096:
+            _CONFIGS.clear()
+        cfg = _CONFIGS[attr] = LoweringConfig.from_dict({k: nv.prop_value(v) for k, v in attr.config.data.items()})
+    return cfg
 
 
 @dataclass
