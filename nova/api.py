@@ -476,7 +476,8 @@ class CompiledStep:
             return
         if len(self._pending) >= PENDING_STEPS:
             # backpressure: the oldest row is needed (this call ran, gated: it wrote nothing if that one failed)
-            self._settle_one(self._pending[0], f"call {self._calls}, {PENDING_STEPS} steps after it, which wrote nothing either")
+            where = f"call {self._calls}, {PENDING_STEPS} steps after it, which wrote nothing either"
+            self._settle_one(self._pending[0], where)
         row = self._guard_host[self._guard_row]
         self._guard_row = (self._guard_row + 1) % PENDING_STEPS
         event = None
