@@ -278,8 +278,6 @@ class Executable:
         return "launch list" + (f" (capture failed: {self.graph_failed})" if self.graph_failed else "")
 
 
-
-
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
             and a.dtype == b.dtype)  # fmt: skip
