@@ -17,9 +17,8 @@ from xdsl.dialects.builtin import ArrayAttr, DenseArrayBase, DictionaryAttr, Int
 from xdsl.ir import Operation, SSAValue
 
 from nova.ir import dialect as nv
-from nova.ir.module import arg_slots, result_slots, return_op, step_func
-from nova.transforms.plan_memory import (ALIGNMENT, UPDATED_ROLES, Buffer, MemoryPlan, _align, _loc, _Planner,
-                                         _torch_bytes, live_profile, nbytes)  # fmt: skip
+from nova.ir.module import step_func
+from nova.transforms.plan_memory import ALIGNMENT, Buffer, MemoryPlan, _Planner, assemble, planned_buffers
 
 
 class StoredPlanError(ValueError):
@@ -52,21 +51,11 @@ def plan_from_offsets(module: ModuleOp, scratch: dict[Operation, int] | None, st
     no two buffers live at the same time sharing a byte; and the IR's annotations
     must say the same. Raises ``StoredPlanError``.
 
-    The assembly of the ``MemoryPlan`` below is ``plan_memory``'s, with
-    ``assign_offsets`` and ``annotate`` left out (tests/runtime/test_cache.py
-    compares the two plans field by field)."""
+    The buffers and the assembly of the ``MemoryPlan`` are ``plan_memory``'s own
+    (``planned_buffers``, ``assemble``), with ``assign_offsets`` and ``annotate``
+    left out (tests/runtime/test_cache.py compares the two plans field by field)."""
     fn = step_func(module)
-    p = _Planner(fn)
-    p.storage()
-    p.liveness()
-    inplace = p.results()
-    bufs = p.arena_buffers()
-    scratch_steps = []
-    for t, st in enumerate(p.steps, 1):
-        n = (scratch or {}).get(st.op, 0)
-        if n:
-            scratch_steps.append((st.op, len(bufs)))
-            bufs.append(Buffer(st.op.results[0], -1, _align(n), t, t, f"{st.op.name} scratch", _loc(st.op)))
+    p, inplace, bufs, scratch_steps = planned_buffers(fn, scratch)
     if not isinstance(stored, list) or len(stored) != len(bufs):
         raise StoredPlanError(f"{len(stored) if isinstance(stored, list) else 'no'} stored buffers, the IR has {len(bufs)}")
     number = _numbers(fn)
@@ -82,38 +71,7 @@ def plan_from_offsets(module: ModuleOp, scratch: dict[Operation, int] | None, st
         offsets.append(s[2])
     bufs = [Buffer(b.value, o, b.size, b.start, b.end, b.what, b.loc) for b, o in zip(bufs, offsets, strict=True)]
     check_disjoint(bufs)
-    scratch_at = {op: (bufs[i].offset, bufs[i].size) for op, i in scratch_steps}
-    scratch_bufs = {i for _, i in scratch_steps}
-    for i, b in enumerate(bufs):
-        if i not in scratch_bufs:
-            p.place[b.value].offset = b.offset
-    live, peak_time = live_profile(bufs, p.end_time)
-    peak_op = p.steps[peak_time - 1].op if 1 <= peak_time <= len(p.steps) else None
-    external = {"params": 0, "state": 0, "buffers": 0, "inputs": 0, "outputs": 0, "constants": 0}
-    for a, s in zip(p.block.args, arg_slots(fn), strict=True):
-        key = {"param": "params", "state": "state", "buffer": "buffers"}.get(s.role, "inputs")
-        external[key] += _torch_bytes(nbytes(a))
-    for s, v in zip(result_slots(fn), return_op(fn).operands, strict=True):
-        if s.role not in UPDATED_ROLES:
-            external["outputs"] += _torch_bytes(nbytes(v))
-    n_const = sum(1 for q in p.place.values() if q.kind == "const")
-    external["constants"] = _torch_bytes(n_const * ALIGNMENT)
-    plan = MemoryPlan(
-        alignment=ALIGNMENT,
-        arena_bytes=max((b.offset + b.size for b in bufs), default=0),
-        sum_bytes=sum(b.size for b in bufs),
-        lower_bound_bytes=live[peak_time] if live else 0,
-        peak_time=peak_time,
-        peak_what=peak_op.name if peak_op is not None else ("entry" if peak_time == 0 else "return"),
-        peak_loc=_loc(peak_op),
-        external=external,
-        buffers=bufs,
-        inplace=inplace,
-        live_bytes=live,
-        steps=[st.op.name for st in p.steps],
-        placements=p.place,
-        scratch_at=scratch_at,
-    )
+    plan = assemble(fn, p, inplace, bufs, scratch_steps)
     _check_annotations(module, p, plan)
     return plan
 

@@ -448,6 +448,17 @@ def plan_memory(module: ModuleOp, scratch: dict[Operation, int] | None = None) -
     ``scratch``: bytes of arena scratch a launch takes (the backend's ``arena_scratch``
     rules), planned as a buffer live only during that launch (``MemoryPlan.scratch_at``)."""
     fn = step_func(module)
+    p, inplace, bufs, scratch_steps = planned_buffers(fn, scratch)
+    offsets = assign_offsets([b.size for b in bufs], [b.start for b in bufs], [b.end for b in bufs])
+    bufs = [Buffer(b.value, o, b.size, b.start, b.end, b.what, b.loc) for b, o in zip(bufs, offsets, strict=True)]
+    plan = assemble(fn, p, inplace, bufs, scratch_steps)
+    annotate(module, p, plan)
+    return plan
+
+
+def planned_buffers(fn, scratch: dict[Operation, int] | None):
+    """The planner run up to placement: ``(planner, in-place results, buffers without
+    offsets, [(op, buffer index)] of the launch scratch buffers)``."""
     p = _Planner(fn)
     p.storage()
     p.liveness()
@@ -459,8 +470,12 @@ def plan_memory(module: ModuleOp, scratch: dict[Operation, int] | None = None) -
         if n:
             scratch_steps.append((st.op, len(bufs)))
             bufs.append(Buffer(st.op.results[0], -1, _align(n), t, t, f"{st.op.name} scratch", _loc(st.op)))
-    offsets = assign_offsets([b.size for b in bufs], [b.start for b in bufs], [b.end for b in bufs])
-    bufs = [Buffer(b.value, o, b.size, b.start, b.end, b.what, b.loc) for b, o in zip(bufs, offsets, strict=True)]
+    return p, inplace, bufs, scratch_steps
+
+
+def assemble(fn, p: "_Planner", inplace: list, bufs: list[Buffer], scratch_steps: list) -> MemoryPlan:
+    """The ``MemoryPlan`` of placed ``bufs`` (their offsets set): the values' offsets
+    recorded in the planner, the live profile, the external bytes."""
     scratch_at = {op: (bufs[i].offset, bufs[i].size) for op, i in scratch_steps}
     scratch_bufs = {i for _, i in scratch_steps}
     for i, b in enumerate(bufs):
@@ -477,7 +492,7 @@ def plan_memory(module: ModuleOp, scratch: dict[Operation, int] | None = None) -
             external["outputs"] += _torch_bytes(nbytes(v))
     n_const = sum(1 for q in p.place.values() if q.kind == "const")
     external["constants"] = _torch_bytes(n_const * ALIGNMENT)
-    plan = MemoryPlan(
+    return MemoryPlan(
         alignment=ALIGNMENT,
         arena_bytes=max((b.offset + b.size for b in bufs), default=0),
         sum_bytes=sum(b.size for b in bufs),
@@ -493,8 +508,6 @@ def plan_memory(module: ModuleOp, scratch: dict[Operation, int] | None = None) -
         placements=p.place,
         scratch_at=scratch_at,
     )
-    annotate(module, p, plan)
-    return plan
 
 
 def _i64s(values) -> DenseArrayBase:
