@@ -238,6 +238,16 @@ class _Pending:
     stored: list[tuple]  # the ("store", param, key, tensor) writes that created optimizer-state entries
     guard: torch.Tensor | None = None  # the executable's: [failed, skipped] after the step, a host copy
     event: object | None = None  # recorded after that copy (None: the copy is complete already)
+    batch: tuple = ()  # the caller's batch tensors of an executable step (they replace the batch slots in args)
+
+    def step_args(self) -> list[torch.Tensor]:
+        """The step's arguments, the caller's own batch tensors in the batch positions."""
+        if not self.batch:
+            return self.args
+        args = list(self.args)
+        for i, k in self.prog.gather.batch:
+            args[i] = self.batch[k]
+        return args
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()  # cudaEventQuery: never waits
@@ -487,10 +497,9 @@ class CompiledStep:
             event.record()
         else:
             row.copy_(self._guard)
-        args = list(exe.arguments)
-        for i, k in prog.gather.batch:  # the batch slots are overwritten by the next call: the caller's own
-            args[i] = batch[k]
-        self._pending.append(_Pending(self._calls, {}, prog, args, stored, row, event))
+        # the arguments as bound (bind makes a new list when it binds again) and the caller's batch:
+        # the error path alone puts them together (the batch slots are overwritten by the next call)
+        self._pending.append(_Pending(self._calls, {}, prog, exe.arguments, stored, row, event, batch))
 
     def _poll(self) -> None:
         """Reads the guard of every step that has finished, oldest first, without
@@ -526,7 +535,7 @@ class CompiledStep:
                         "optimizer state unchanged; %d step(s) skipped so far)", p.call, self._skipped)  # fmt: skip
 
     def _raise_bad_ids(self, p: _Pending, bad: int, deferred_to: str | None, later: list[int] = ()) -> None:
-        details = describe_bad_ids(p.prog.fn, p.args) or [
+        details = describe_bad_ids(p.prog.fn, p.step_args()) or [
             f"{bad} id(s) out of range (not found again in the step's inputs: were they changed since?)"]
         when = f" (reported at {deferred_to}: the Triton backend checks ids on the device without waiting)"
         also = ""
