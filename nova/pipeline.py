@@ -14,6 +14,8 @@ stage), and the IR after each stage is kept as text for ``explain()``.
   guard       device-side checks (ids in range; with skip_nonfinite a finite loss
               and gradients) gate every param/state update; "status" results
   precision   the bf16 / tf32 policy
+  concat      sums of zero-pads (split's backward) as nova.cat; a cat of widened
+              casts or of reshapes becomes a cast or reshape of a cat (fewer bytes)
   simplify    cast canonicalization (casts above layout ops, exact round trips
               dropped), CSE and DCE
   remat       recompute cheap elementwise values in the backward instead of keeping
@@ -110,6 +112,12 @@ def _precision(c: Compilation) -> None:
     PrecisionPass(c.precision).apply(context(), c.module)
 
 
+def _concat(c: Compilation) -> None:
+    from nova.transforms.concat import concat
+
+    concat(c.module)
+
+
 def _simplify(c: Compilation) -> None:
     Simplify().apply(context(), c.module)
 
@@ -162,6 +170,7 @@ STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
     ("optimizer", _optimizer),
     ("guard", _guard),
     ("precision", _precision),
+    ("concat", _concat),
     ("simplify", _simplify),
     ("remat", _remat),
     ("fuse", _fuse),

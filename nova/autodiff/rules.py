@@ -284,6 +284,17 @@ def _pad(b, op, cts):
     return [b.one(nv.SliceOp, [cts[0]], props)]
 
 
+@defvjp(nv.CatOp)
+def _cat(b, op, cts):
+    d = op.props()["dim"]
+    out, start = [], 0
+    for x in op.operands:
+        n = _shape(x)[d]
+        out.append(b.one(nv.SliceOp, [cts[0]], {"dim": d, "start": start, "end": start + n, "step": 1}))
+        start += n
+    return out
+
+
 def _keepdim_shape(op: Operation) -> list[int]:
     dims = op.props()["dims"]
     return [1 if i in dims else s for i, s in enumerate(_shape(op.operands[0]))]

@@ -142,6 +142,11 @@ def _pad(op, xs):
     return [out]
 
 
+@impl(nv.CatOp)
+def _cat(op, xs):
+    return [torch.cat(xs, dim=op.props()["dim"])]
+
+
 @impl(nv.ReduceSumOp)
 def _sum(op, xs):
     p = op.props()

@@ -614,6 +614,38 @@ class PadOp(NovaOp):
         return [tensor(shape, elem_of(x))]
 
 
+@irdl_op_definition
+class CatOp(NovaOp):
+    """torch.cat: the inputs one after another along ``dim`` (normalized); every
+    other dim equal. Each output element is one input element, unchanged (a zero
+    keeps its sign, as eager's cat does; a sum of zero-pads would make -0.0 +0.0)."""
+
+    name = "nova.cat"
+    inputs = var_operand_def(TensorType)
+    dim = prop_def(IntProp)
+    result = result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("dim",)
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        if not in_types:
+            raise VerifyException(f"{cls.name}: needs at least one input")
+        _same_elem(cls.name, *in_types)
+        first = list(shape_of(in_types[0]))
+        d = props["dim"]
+        if not 0 <= d < len(first):
+            raise VerifyException(f"{cls.name}: dim {d} out of range for rank {len(first)}")
+        total = 0
+        for t in in_types:
+            s = list(shape_of(t))
+            if len(s) != len(first) or s[:d] + s[d + 1:] != first[:d] + first[d + 1:]:
+                raise VerifyException(f"{cls.name}: {s} and {first} differ outside dim {d}")
+            total += s[d]
+        first[d] = total
+        return [tensor(first, elem_of(in_types[0]))]
+
+
 # ----------------------------------------------------------------------------
 # reductions
 
@@ -1268,7 +1300,7 @@ NOVA_OPS: list[type[NovaOp]] = [
     EqOp, NeOp, LtOp, LeOp, GtOp, GeOp, WhereOp,
     NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, TanhOp, SigmoidOp, ReluOp, CosOp, SinOp, AbsOp,
     GeluOp, GeluBackwardOp, CastOp, FullOp, ArangeOp, DropoutMaskOp, StopGradientOp,
-    ReshapeOp, TransposeOp, BroadcastToOp, SliceOp, PadOp,
+    ReshapeOp, TransposeOp, BroadcastToOp, SliceOp, PadOp, CatOp,
     ReduceSumOp, ReduceMaxOp, CumsumOp, MatmulOp,
     SoftmaxOp, LogSoftmaxOp, SoftmaxBackwardOp, LogSoftmaxBackwardOp,
     LayerNormOp, LayerNormBackwardOp, EmbeddingOp, EmbeddingBackwardOp,

@@ -140,7 +140,7 @@ def _contraction_path(dtype: torch.dtype, precision: str) -> str:
 # places them on the roofline; it never decides their time (bytes do).
 
 # pure data movement or integer work: no floating-point arithmetic
-_NO_FLOPS = (nv.CastOp, nv.FullOp, nv.ArangeOp, nv.DropoutMaskOp, nv.PadOp, nv.EmbeddingOp)
+_NO_FLOPS = (nv.CastOp, nv.FullOp, nv.ArangeOp, nv.DropoutMaskOp, nv.PadOp, nv.CatOp, nv.EmbeddingOp)
 _ELEMENTWISE_FLOPS = {nv.GeluOp: 8, nv.GeluBackwardOp: 12, nv.SigmoidOp: 3, nv.WhereOp: 1}
 # per input element of the row, by the configure stage's reduction kind
 _ROW_FLOPS = {"sum": 1, "max": 1, "softmax": 5, "log_softmax": 5, "layernorm": 8, "cross_entropy": 5}
@@ -358,10 +358,10 @@ def check_cost(op, ins, outs, cfg, precision) -> Cost:
     return Cost("check", io_bytes(ins, outs), n, _float_path(ins), launches)
 
 
-@rule(*VIEW_OPS, nv.PadOp)
+@rule(*VIEW_OPS, nv.PadOp, nv.CatOp)
 def copy_cost(op, ins, outs, cfg, precision) -> Cost:
-    """A pad, or a layout op whose strides allow no view: one copy kernel (the
-    operand read once, the result written once)."""
+    """A pad, a cat, or a layout op whose strides allow no view: one copy kernel
+    (each operand read once, the result written once)."""
     return Cost("copy", io_bytes(ins, outs), 0, "fp32")
 
 

@@ -37,7 +37,8 @@ ROWWISE = {
     nv.CumsumOp: "sum",
 }  # fmt: skip
 # ops scheduled by the elementwise model (one stream in, one out per element):
-# arithmetic, compares, activations, casts, generators, pad, and the embedding
+# arithmetic, compares, activations, casts, generators, pad, cat (an input per
+# piece, each element read from one of them), and the embedding
 # gather / scatter (``block`` is their row-segment width), and the guard's counts
 # (one stream in, one number out: ``block`` is elements per program; scheduled by
 # their input's dtype, since their one i64 result is no stream)
@@ -46,7 +47,7 @@ ELEMENTWISE = (
     nv.EqOp, nv.NeOp, nv.LtOp, nv.LeOp, nv.GtOp, nv.GeOp, nv.WhereOp,
     nv.NegOp, nv.ExpOp, nv.LogOp, nv.SqrtOp, nv.RsqrtOp, nv.TanhOp, nv.SigmoidOp, nv.ReluOp,
     nv.CosOp, nv.SinOp, nv.AbsOp, nv.GeluOp, nv.GeluBackwardOp,
-    nv.CastOp, nv.FullOp, nv.ArangeOp, nv.DropoutMaskOp, nv.PadOp, nv.EmbeddingOp, nv.EmbeddingBackwardOp,
+    nv.CastOp, nv.FullOp, nv.ArangeOp, nv.DropoutMaskOp, nv.PadOp, nv.CatOp, nv.EmbeddingOp, nv.EmbeddingBackwardOp,
     *nv.CHECK_OPS,
 )  # fmt: skip
 # the integer and mask dtypes, for models that need only the element size: the

@@ -162,6 +162,8 @@ def _cases() -> list[Case]:
         Case("slice-step1", nv.SliceOp, [P(2, 6, 3)], {"dim": 1, "start": 2, "end": 5, "step": 1}),
         Case("pad-step2", nv.PadOp, [P(3, 3)], {"dim": 1, "start": 1, "step": 2, "size": 8}, fd=True),
         Case("pad-step1", nv.PadOp, [P(3, 2)], {"dim": 0, "start": 1, "step": 1, "size": 5}),
+        Case("cat", nv.CatOp, [P(2, 3), P(2, 1), P(2, 4)], {"dim": 1}, fd=True),
+        Case("cat-dim0", nv.CatOp, [P(1, 3), P(2, 3)], {"dim": 0}),
         Case("reduce_sum", nv.ReduceSumOp, [P(2, 3, 4)], {"dims": (0, 2), "keepdim": False}),
         Case("reduce_sum-keepdim", nv.ReduceSumOp, [P(2, 3, 4)], {"dims": (1,), "keepdim": True}),
         Case("reduce_sum-all", nv.ReduceSumOp, [P(2, 3)], {"dims": (0, 1), "keepdim": False}),

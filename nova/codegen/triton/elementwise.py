@@ -1,7 +1,7 @@
 """Elementwise lowerings: one generator for every op that maps output elements to
 input elements one by one (arithmetic, compares, where, activations, casts,
 constants, dropout masks, and the data-movement ops broadcast_to / transpose /
-reshape / slice / pad as materializing copies).
+reshape / slice / pad / cat as materializing copies).
 
 ``pointwise_source`` writes one N-D kernel over the output's index space: a
 program owns BLOCK consecutive flat output indices, turns them into a
@@ -798,10 +798,34 @@ def lower_pad(op, cfg: LoweringConfig | None = None) -> Kernel:
     return kernel_of(pw, cfg)
 
 
+@lowers(nv.CatOp)
+def lower_cat(op, cfg: LoweringConfig | None = None) -> Kernel:
+    """One kernel over the output: each element reads the one input whose window
+    along dim holds it (masked loads of the others fetch nothing), through that
+    input's own strides (a transposed or sliced view is read in place), and
+    stores it unchanged: no zero-filled pads, no sum (which would turn -0.0 into
+    +0.0), one pass over the bytes."""
+    ins, out_shape, out_dtype = _types(op)
+    d = op.props()["dim"]
+    operands, start = [], 0
+    for shape, dtype in ins:
+        n = shape[d]
+        mask = f"(i{d} >= {start}) & (i{d} < {start + n})" if len(ins) > 1 else ""
+        operands.append(Operand(shape, dtype, load="raw", index=((d, f"i{d} - {start}"),) if start else (), mask=mask))
+        start += n
+    # every lane lies in exactly one window: the last input is the default, the others
+    # replace it where their window is (m<k>: the masks of the loads; a masked-off
+    # lane of a load reads 0, never used)
+    lines = [f"y = x{len(ins) - 1}"] + [f"y = tl.where(m{k}, x{k}, y)" for k in range(len(ins) - 2, -1, -1)]
+    name = f"nova_cat_{shape_name(out_shape)}_d{d}_{len(ins)}_{_short(out_dtype)}"
+    pw = pointwise(name, out_shape, operands, "\n".join(lines), tag(out_dtype), out_dtype, cfg)
+    return kernel_of(pw, cfg)
+
+
 __all__ = [
     "Expr", "EXPRESSIONS", "expression", "expression_of", "lower_expression", "merge_helpers", "scalar_const",
     "Operand", "Pointwise", "pointwise", "pointwise_source", "copy_kernel", "cast_kernel", "copy_pointwise",
     "cast_pointwise", "UnsupportedError", "result_tensor", "only_out",
     "lower_elementwise", "lower_cast", "lower_full", "lower_arange", "lower_dropout_mask", "lower_broadcast_to",
-    "lower_transpose", "lower_slice", "lower_reshape", "lower_pad",
+    "lower_transpose", "lower_slice", "lower_reshape", "lower_pad", "lower_cat",
 ]  # fmt: skip
