@@ -54,6 +54,7 @@ from nova.errors import BatchError, CaptureError
 from nova.ir.module import arg_slots, result_slots, step_func
 from nova.ir.types import elem_of, shape_of, to_torch_dtype
 from nova.log import get_logger
+from nova.runtime import distributed
 from nova.transforms.guard import BAD_IDS, FAILED, GUARD, NONFINITE, SKIPPED, describe_bad_ids
 from nova.transforms.optimizer import hyper_values
 from nova.transforms.precision import PRECISIONS
@@ -260,7 +261,7 @@ class _Pending:
 class CompiledStep:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: str = "fp32",
                  backend: str = "auto", skip_nonfinite: bool = False, cuda_graph: bool = True,
-                 memory_budget: int | str | None = None):  # fmt: skip
+                 memory_budget: int | str | None = None, data_parallel=None):  # fmt: skip
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if backend not in BACKENDS:
@@ -297,6 +298,7 @@ class CompiledStep:
         self.skip_nonfinite = bool(skip_nonfinite)
         self.cuda_graph = bool(cuda_graph)
         self.memory_budget = parse_bytes(memory_budget, "memory_budget")
+        self.data_parallel = distributed.configure(data_parallel, model)  # None, or checked across the ranks
         self._calls = 0  # steps run
         self._skipped = 0  # steps the guard kept from writing because of a non-finite loss or gradient
         self._pending: deque[_Pending] = deque()  # executable steps whose guard is unread, oldest first
@@ -368,6 +370,7 @@ class CompiledStep:
                 c.device = self._device_spec()
                 c.skip_nonfinite = self.skip_nonfinite
                 c.memory_budget = self.memory_budget
+                c.data_parallel = self.data_parallel
                 prog = Program(pipeline.run(c))
                 if self.backend == "triton":
                     from nova.backends.triton import TritonProgram
@@ -609,7 +612,7 @@ class CompiledStep:
                     key: str, v) -> None:  # fmt: skip
         """A state argument not seen last call: checked, moved to the device, or created."""
         if v is None:
-            t = torch.zeros((), dtype=_step_dtype(), device=p.device) if key == "step" else torch.zeros_like(p)
+            t = torch.zeros((), dtype=_step_dtype(), device=p.device) if key == "step" else distributed.fresh_state(p, prog.args[i].type)
             fresh[name] = t
         else:
             s = prog.args[i]
@@ -655,7 +658,7 @@ class CompiledStep:
                 if v is not None:
                     args.append(_checked_state(pname, key, v, p, to_torch_dtype(elem_of(s.type)), shape_of(s.type)))
                 else:
-                    t = torch.zeros((), dtype=_step_dtype(), device=device) if key == "step" else torch.zeros_like(p)
+                    t = torch.zeros((), dtype=_step_dtype(), device=device) if key == "step" else distributed.fresh_state(p, s.type)
                     fresh[s.name] = t
                     args.append(t)
             elif s.role == GUARD:
@@ -744,6 +747,7 @@ class CompiledStep:
         c.device = last.device
         c.skip_nonfinite = last.skip_nonfinite
         c.memory_budget = last.memory_budget
+        c.data_parallel = self.data_parallel
         with self._lock, _COMPILE_LOCK:
             stats = ex.run_stages(c)
         # the launch scratch is known from the lowered kernels of the program that ran
@@ -760,7 +764,7 @@ class CompiledStep:
         head = [f"program: {type(self.model).__name__}, batch {batch}, precision {self.precision}, backend "
                 f"{self.backend}" + (f", scheduled for {last.device.name}" if last.device is not None else "")
                 + f"; runs as: {self.mode}"]  # fmt: skip
-        memory = [*report(c.memory), *remat.report(c.remat)]
+        memory = [*report(c.memory), *remat.report(c.remat), *distributed.report(c)]
         if plots is not None:
             path = Path(plots) / "memory_timeline.png"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -811,6 +815,24 @@ class CompiledStep:
             result = measure(prog.executable, kernels, c.device.mem_bandwidth, clock, repeat)
         self._profile = (prog, result)
         return result
+
+    # --- data parallelism (nova.runtime.distributed) -----------------------
+    def full_optimizer_state(self) -> dict:
+        """``optimizer.state_dict()`` in PyTorch's layout; under zero1 the shards of
+        every rank gathered (a collective: every rank calls it)."""
+        with self._lock:
+            self._settle("full_optimizer_state()")
+            return distributed.full_optimizer_state(self.optimizer, self.data_parallel)
+
+    def load_full_optimizer_state(self, state_dict: dict) -> None:
+        """Loads a state dict in PyTorch's layout (under zero1 each rank keeps its shard)."""
+        with self._lock:
+            self._settle("load_full_optimizer_state()")
+            distributed.load_full_optimizer_state(self.optimizer, self.data_parallel, state_dict)
+
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean over the ranks of each rank's ``loss`` (a collective)."""
+        return distributed.global_loss(loss)
 
     def kernel_sources(self) -> dict[str, str]:
         """The generated Triton source of every kernel of the last-used program."""
@@ -917,7 +939,7 @@ def parse_bytes(value: int | str | None, what: str) -> int | None:
 
 def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: str = "fp32",
             backend: str = "auto", skip_nonfinite: bool = False, cuda_graph: bool = True,
-            memory_budget: int | str | None = None) -> CompiledStep:  # fmt: skip
+            memory_budget: int | str | None = None, data_parallel=None) -> CompiledStep:  # fmt: skip
     """Compiles ``model``'s forward + loss, its gradient and ``optimizer``'s
     update into one step. ``step(*batch)`` runs it and returns the loss.
     ``skip_nonfinite``: a step whose loss or a gradient is NaN or inf writes
@@ -926,5 +948,8 @@ def compile(model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision:
     from its second call (False: launch its kernels one by one; same results).
     ``memory_budget`` (bytes, or a size like ``"12GiB"``): the remat stage
     recomputes more of the forward in the backward until the plan's predicted
-    peak fits, or compiling raises naming the smallest peak it can reach."""
-    return CompiledStep(model, optimizer, precision, backend, skip_nonfinite, cuda_graph, memory_budget)
+    peak fits, or compiling raises naming the smallest peak it can reach.
+    ``data_parallel`` (ddp, zero1 or a ``nova.DataParallel``): one rank of a
+    torch.distributed job, gradients averaged over the ranks (``docs/distributed.md``)."""
+    return CompiledStep(model, optimizer, precision, backend, skip_nonfinite, cuda_graph, memory_budget,
+                        data_parallel)

@@ -13,6 +13,10 @@ stage), and the IR after each stage is kept as text for ``explain()``.
   optimizer   append the parameter and state update (Adam, AdamW, SGD)
   guard       device-side checks (ids in range; with skip_nonfinite a finite loss
               and gradients) gate every param/state update; "status" results
+  distribute  data_parallel only: gradient buckets all-reduced (ddp) or reduce-
+              scattered with the update on shards and the params all-gathered
+              (zero1), each right after its last gradient; the guard's counts
+              summed over the ranks
   precision   the bf16 / tf32 policy
   concat      sums of zero-pads (split's backward) as nova.cat; a cat of widened
               casts or of reshapes becomes a cast or reshape of a cat (fewer bytes)
@@ -108,6 +112,12 @@ def _guard(c: Compilation) -> None:
     guard(c.module, c.skip_nonfinite, c.grads)
 
 
+def _distribute(c: Compilation) -> None:
+    from nova.transforms.distribute import stage
+
+    stage(c)  # data_parallel: the collectives (nova/transforms/distribute.py); nothing without it
+
+
 def _precision(c: Compilation) -> None:
     PrecisionPass(c.precision).apply(context(), c.module)
 
@@ -169,6 +179,7 @@ STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
     ("autodiff", _autodiff),
     ("optimizer", _optimizer),
     ("guard", _guard),
+    ("distribute", _distribute),
     ("precision", _precision),
     ("concat", _concat),
     ("simplify", _simplify),

@@ -512,3 +512,15 @@ def _linear_cross_entropy_bwd(op, xs):
     if dbias is not None:
         outs.append(dbias.to(bias.dtype))
     return outs
+
+
+# ----------------------------------------------------------------------------
+# collectives (the distribute stage): through torch.distributed's default process
+# group, gloo on the CPU (nova.runtime.distributed holds the bucket layouts)
+
+
+@impl(nv.AllReduceOp, nv.ReduceScatterOp, nv.AllGatherOp, nv.LocalShardOp)
+def _collective(op, xs):
+    from nova.runtime import distributed
+
+    return distributed.run(op, xs)

@@ -1323,11 +1323,133 @@ class LoweringConfigAttr(ParametrizedAttribute):
     config: DictionaryAttr
 
 
+# ----------------------------------------------------------------------------
+# collectives: data parallelism across the ranks of torch.distributed's default
+# process group (the distribute stage, nova.transforms.distribute). Not pure: every
+# rank must issue the same collectives in the same order, so no pass may drop,
+# merge or reorder one; fusion leaves category "collective" alone (it groups only
+# elementwise ops). The executors run them through torch.distributed
+# (nova.runtime.distributed): gloo on CPUs, NCCL on GPUs.
+
+CATEGORIES["collective"] = ("communication across the ranks of the default process group (all-reduce, "
+                            "reduce-scatter, all-gather) and the rank's own shard of a value: never fused")  # fmt: skip
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _CollectiveOp(NovaOp):
+    """Operands of one element type, treated as one flat bucket in operand order."""
+
+    CATEGORY: ClassVar = "collective"
+    inputs = var_operand_def(TensorType)
+    outputs = var_result_def(TensorType)
+    world_size = prop_def(IntProp)
+    bucket = prop_def(IntProp)  # the bucket's index in issue order (explain, the runtime's names)
+    PROPS: ClassVar = ("world_size", "bucket")
+
+    @classmethod
+    def _check(cls, in_types, props) -> None:
+        if not in_types:
+            raise VerifyException(f"{cls.name}: needs at least one operand")
+        _same_elem(cls.name, *in_types)
+        if props["world_size"] < 1:
+            raise VerifyException(f"{cls.name}: world_size must be >= 1, got {props['world_size']}")
+        if props.get("average") and not is_float(in_types[0]):
+            raise VerifyException(f"{cls.name}: average needs floating-point operands, got {in_types[0]}")
+
+
+@irdl_op_definition
+class AllReduceOp(_CollectiveOp):
+    """The sum over ranks of each operand (same types out). ``average``: each
+    operand is multiplied by 1/world_size (in its own type) before the sum, as
+    DistributedDataParallel's reducer does by default (``mul_out(bucket_view,
+    grad, 1/div_factor)`` while copying into the bucket), so the result is the
+    rank-mean with DDP's rounding."""
+
+    name = "nova.all_reduce"
+    average = prop_def(BoolProp)
+    PROPS: ClassVar = ("world_size", "bucket", "average")
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        cls._check(in_types, props)
+        return list(in_types)
+
+
+@irdl_op_definition
+class ReduceScatterOp(_CollectiveOp):
+    """The rank's shard of the sum over ranks (``average`` as all_reduce's). Each
+    operand of n elements is flattened, zero-padded to world_size * ceil(n /
+    world_size) and split into world_size equal shards; result i is this rank's
+    shard of operand i, 1-D of ceil(n / world_size) elements."""
+
+    name = "nova.reduce_scatter"
+    average = prop_def(BoolProp)
+    PROPS: ClassVar = ("world_size", "bucket", "average")
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        cls._check(in_types, props)
+        w = props["world_size"]
+        return [tensor([_ceil_div(numel(shape_of(t)), w)], elem_of(t)) for t in in_types]
+
+
+@irdl_op_definition
+class AllGatherOp(_CollectiveOp):
+    """The inverse of the sharding: operand i is this rank's 1-D shard of a value of
+    ``numels[i]`` elements (ceil(numels[i] / world_size) of them); result i is the
+    whole value, 1-D, every rank's shard in rank order, the padding dropped."""
+
+    name = "nova.all_gather"
+    numels = prop_def(DenseArrayBase)
+    PROPS: ClassVar = ("world_size", "bucket", "numels")
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        cls._check(in_types, props)
+        w, numels = props["world_size"], props["numels"]
+        if len(numels) != len(in_types):
+            raise VerifyException(f"{cls.name}: {len(numels)} numels for {len(in_types)} operands")
+        out = []
+        for t, n in zip(in_types, numels, strict=True):
+            if shape_of(t) != (_ceil_div(n, w),):
+                raise VerifyException(f"{cls.name}: a shard of {n} elements over {w} ranks is "
+                                      f"[{_ceil_div(n, w)}], got {shape_of(t)}")  # fmt: skip
+            out.append(tensor([n], elem_of(t)))
+        return out
+
+
+@irdl_op_definition
+class LocalShardOp(NovaOp):
+    """This rank's shard of ``input`` (flattened, zero-padded, split as
+    reduce_scatter splits it): 1-D of ceil(n / world_size) elements. No
+    communication, but its value depends on the rank, known only at run time."""
+
+    name = "nova.local_shard"
+    CATEGORY: ClassVar = "collective"
+    input = operand_def(TensorType)
+    world_size = prop_def(IntProp)
+    result = result_def(TensorType)
+    PROPS: ClassVar = ("world_size",)
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        (x,) = in_types
+        if props["world_size"] < 1:
+            raise VerifyException(f"{cls.name}: world_size must be >= 1, got {props['world_size']}")
+        return [tensor([_ceil_div(numel(shape_of(x)), props["world_size"])], elem_of(x))]
+
+
+COLLECTIVE_OPS: tuple[type[NovaOp], ...] = (AllReduceOp, ReduceScatterOp, AllGatherOp, LocalShardOp)
+
+
 # the fuse stage's structure: not ops of a step before fusion (no VJP rule, no lowering of their own kind)
 STRUCTURAL_OPS: tuple[type[IRDLOperation], ...] = (FusedOp, YieldOp)
 
-Nova = Dialect("nova", [*NOVA_OPS, *STRUCTURAL_OPS], [LoweringConfigAttr])
+Nova = Dialect("nova", [*NOVA_OPS, *STRUCTURAL_OPS, *COLLECTIVE_OPS], [LoweringConfigAttr])
 
 OP_BY_NAME: dict[str, type[NovaOp]] = {op.name: op for op in NOVA_OPS}
 
-__all__ = [op.__name__ for op in (*NOVA_OPS, *STRUCTURAL_OPS)] + ["CHECK_OPS", "CATEGORIES", "STRUCTURAL_OPS", "Nova", "NovaOp", "OP_BY_NAME", "prop_value", "make_prop"]
+__all__ = [op.__name__ for op in (*NOVA_OPS, *STRUCTURAL_OPS, *COLLECTIVE_OPS)] + ["CHECK_OPS", "COLLECTIVE_OPS", "CATEGORIES", "STRUCTURAL_OPS", "Nova", "NovaOp", "OP_BY_NAME", "prop_value", "make_prop"]

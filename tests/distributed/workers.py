@@ -1,0 +1,164 @@
+"""What each spawned rank of the data-parallel tests runs (imported by name in the
+children: torch.multiprocessing's spawn passes the parent's sys.path on)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def init(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    # a FileStore in the test's own tmp dir: no port to collide on
+    store = dist.FileStore(os.path.join(tmp, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=_timeout())
+
+
+def _timeout():
+    import datetime
+
+    return datetime.timedelta(seconds=120)
+
+
+def build(model: str, dtype: torch.dtype, frozen: bool):
+    from nova.models import GPT, MLPLM, MLPLMConfig, gpt_tiny
+
+    torch.manual_seed(0)
+    if model == "mlp":
+        m = MLPLM(MLPLMConfig(vocab_size=37, block_size=8, n_layer=2, n_embd=12, hidden=20))
+    else:
+        m = GPT(gpt_tiny(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=16))  # tied wte / lm_head
+    m = m.to(dtype)
+    if frozen:
+        # a frozen weight in the middle of the backward, and a frozen bias
+        names = dict(m.named_parameters())
+        for n in list(names)[2:4]:
+            names[n].requires_grad_(False)
+    return m
+
+
+def batch(step: int, rank: int, vocab: int, block: int, n: int = 3):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, vocab, (n, block), generator=g)
+    y = torch.randint(0, vocab, (n, block), generator=g)
+    return x, y
+
+
+def flat(params) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).double() for p in params])
+
+
+def train(rank: int, world: int, tmp: str, cases: list[dict]) -> None:
+    """Per case: Nova with data_parallel against DistributedDataParallel on the same
+    per-rank batches; writes the worst differences to tmp/result-<rank>.json."""
+    out = {}
+    try:
+        init(rank, world, tmp)
+        import nova
+        from nova.runtime.distributed import DataParallel
+
+        for case in cases:
+            dtype = getattr(torch, case["dtype"])
+            saved = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)  # torch.optim's step dtype follows it
+            try:
+                out[case["name"]] = _one(rank, world, case, dtype, nova, DataParallel)
+            finally:
+                torch.set_default_dtype(saved)
+    except Exception:  # noqa: BLE001  (reported to the parent, which fails the test)
+        out["error"] = traceback.format_exc()
+    Path(tmp, f"result-{rank}.json").write_text(json.dumps(out))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _one(rank, world, case, dtype, nova, DataParallel) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = build(case["model"], dtype, case.get("frozen", False))
+    if rank == 1 and case.get("perturb"):
+        with torch.no_grad():  # DDP and Nova both start from rank 0's values
+            for p in model.parameters():
+                p.add_(1.0)
+    ref_model = copy.deepcopy(model)
+    ddp = DDP(ref_model)
+    opt_kind = case.get("optimizer", "adamw")
+
+    def make_opt(params):
+        params = [p for p in params if p.requires_grad]
+        if opt_kind == "sgd":
+            return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+    opt, ref_opt = make_opt(model.parameters()), make_opt(ddp.parameters())
+    dp = DataParallel(case["mode"], bucket_bytes=case.get("bucket_bytes"))
+    step = nova.compile(model, opt, backend=case.get("backend", "reference"), data_parallel=dp,
+                        skip_nonfinite=case.get("skip_nonfinite", False))
+    vocab, block = (37, 8) if case["model"] == "mlp" else (29, 8)
+    worst = {"loss": 0.0, "param": 0.0}
+    skipped = 0
+    for s in range(case.get("steps", 20)):
+        x, y = batch(s, rank, vocab, block)
+        bad = case.get("bad_step") == s and rank == 1
+        if bad and case.get("bad") == "ids":
+            x = x.clone()
+            x[0, 0] = vocab + 5
+        if bad and case.get("bad") == "nonfinite":
+            y = y.clone()
+            y[:] = -100  # every target ignored: a mean over no rows is NaN
+        if case.get("bad_step") == s:
+            try:
+                loss = step(x, y)
+            except IndexError:
+                skipped += 1
+                continue
+            if case.get("bad") == "nonfinite":
+                skipped = step.skipped_steps
+            continue  # DDP takes no step either
+        loss = step(x, y)
+        ref_opt.zero_grad(set_to_none=True)
+        ref_loss = ddp(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        worst["loss"] = max(worst["loss"], abs(float(loss) - float(ref_loss)))
+        d = (flat(model.parameters()) - flat(ref_model.parameters())).abs().max().item()
+        worst["param"] = max(worst["param"], d)
+    mine = flat(model.parameters())
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    worst["ranks_identical"] = all(torch.equal(every[0], e) for e in every)
+    worst["skipped"] = skipped
+    if case["mode"] == "zero1" or case.get("compare_state"):
+        full = step.full_optimizer_state()
+        ref = ref_opt.state_dict()
+        sd = 0.0
+        assert full["state"].keys() == ref["state"].keys(), (sorted(full["state"]), sorted(ref["state"]))
+        for i, entry in ref["state"].items():
+            assert full["state"][i].keys() == entry.keys(), (i, full["state"][i].keys(), entry.keys())
+            for k, v in entry.items():
+                got = full["state"][i][k]
+                assert tuple(got.shape) == tuple(v.shape), (i, k, got.shape, v.shape)
+                sd = max(sd, (got.double() - v.double()).abs().max().item())
+        worst["state"] = sd
+        if case["mode"] == "zero1":
+            # the per-rank state is 1/W of it (plus the padding to a multiple of W)
+            local = sum(v.numel() for e in opt.state.values() for k, v in e.items() if k != "step")
+            whole = sum(v.numel() for e in ref["state"].values() for k, v in e.items() if k != "step")
+            worst["state_fraction"] = local / whole
+            # a round trip: load the gathered state back, one more step on both
+            step.load_full_optimizer_state(full)
+            x, y = batch(99, rank, vocab, block)
+            loss = step(x, y)
+            ref_opt.zero_grad(set_to_none=True)
+            ref_loss = ddp(x, y)
+            ref_loss.backward()
+            ref_opt.step()
+            worst["after_load"] = (flat(model.parameters()) - flat(ref_model.parameters())).abs().max().item()
+    worst["buckets"] = len(step._last.compilation.distributed.buckets)
+    return worst
