@@ -179,6 +179,7 @@ def key_inputs(c, ir_sha256: str, spec, stages: list[str]) -> dict:
         # options other stages read (getattr: a Compilation without them has the default)
         "skip_nonfinite": _plain(getattr(c, "skip_nonfinite", False)),
         "memory_budget": _plain(getattr(c, "memory_budget", None)),
+        "data_parallel": _plain(getattr(c, "data_parallel", None)),  # the distribute stage (mode, ranks, buckets)
         "stages": list(stages),
         **_versions(),
         "nova_source_sha256": source_digest(),
