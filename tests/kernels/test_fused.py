@@ -194,3 +194,31 @@ def test_an_unknown_kind_is_refused():
     g.properties["kind"] = nv.make_prop("reduction")
     with pytest.raises(fk.UnsupportedError, match="kind 'reduction'"):
         fk.lower_fused(g)
+
+
+def _one_group(loc: str, elem=f32, shape=(4, 3)) -> nv.FusedOp:
+    module, fn, b = _step(Slot("param", "x", tensor(list(shape), elem)))
+    b.location = loc
+    x = fn.body.block.args[0]
+    set_results(fn, [("loss", "y", b.mul(b.neg(b.one(nv.ExpOp, [x])), x))])
+    fuse(module)
+    (g,) = [o for o in fn.body.block.ops if isinstance(o, nv.FusedOp)]
+    return g
+
+
+def test_groups_of_one_structure_are_generated_once():
+    """Two groups that differ only in where they are (their ops' nova.loc, their
+    results' place in the arena) get one Kernel; a different dtype, shape or config
+    is another structure, another kernel (fused.structure / lowered_once)."""
+    a, b = _one_group("layer 0, node exp"), _one_group("layer 1, node exp")
+    b.attributes["nova.offset"] = nv.make_prop([256])
+    assert fk.structure(a, None) == fk.structure(b, None)
+    ka = fk.lower_fused(a)
+    assert fk.lower_fused(b) is ka
+    for other, cfg in [(_one_group("x", elem=bf16), None), (_one_group("x", shape=(4, 5)), None),
+                       (a, LoweringConfig("elementwise", block=32, num_warps=1))]:  # fmt: skip
+        assert fk.structure(other, cfg) != fk.structure(a, None)
+        assert fk.lower_fused(other, cfg) is not ka
+    x = torch.rand(4, 3, dtype=torch.float32)
+    for g in (a, b):  # the shared kernel computes each group's values
+        assert torch.equal(fk.lower_fused(g).launch([x])[0], _unfused(g, [x])[0])

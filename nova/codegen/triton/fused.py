@@ -27,6 +27,7 @@ parameter and state update; ``plan_memory`` allows exactly that).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 from nova.codegen.triton.elementwise import (
@@ -74,7 +75,65 @@ def fused_body(op: nv.FusedOp) -> tuple[list[Operand], str, list[tuple[str, str,
     return operands, "\n".join(lines), stores, merge_helpers(helpers)
 
 
+# attributes that say where an op is (its source line) and where its results live in
+# the arena (the memory plan's), not what it computes: no kernel reads them
+WHERE = ("nova.loc", "nova.storage", "nova.offset")
+
+
+def structure(op: nv.FusedOp, cfg: LoweringConfig | None) -> tuple | None:
+    """Everything of ``op`` its kernel is made from, as a hashable value (None: an
+    inner op holds regions, not keyed): the group's kind and other properties and
+    attributes, its block arguments' types, and each inner op's name, operands (by
+    position: block arguments, then inner results in order), result types,
+    properties and attributes (every one but ``WHERE``'s), and ``cfg``. Two groups
+    of the same structure (one per GPT layer) get the same source; ``lowered_once``
+    generates it once."""
+    from nova.codegen.triton.source import interpreting
+
+    def what(attrs) -> tuple:
+        return tuple((k, v) for k, v in attrs.items() if k not in WHERE)
+
+    block = op.body.block
+    number = {a: i for i, a in enumerate(block.args)}
+    parts: list = [interpreting(), cfg, tuple(op.properties.items()), what(op.attributes),
+                   tuple(a.type for a in block.args), tuple(r.type for r in op.results)]  # fmt: skip
+    for inner in block.ops:
+        if inner.regions:
+            return None
+        parts.append((inner.name, tuple(number[v] for v in inner.operands), tuple(r.type for r in inner.results),
+                      tuple(inner.properties.items()), what(inner.attributes)))  # fmt: skip
+        for r in inner.results:
+            number[r] = len(number)
+    return tuple(parts)
+
+
+_ONCE_LIMIT = 4096  # structures kept per process (a GPT-2 step has 21 distinct of 270 groups); bounds a long-lived one
+
+
+def lowered_once(lower):
+    """``lower`` (a ``nova.fused`` lowering) run once per distinct ``structure``: a
+    group of a structure lowered before gets that Kernel (its launch holds no state
+    of the op), so 12 layers' identical groups are generated and loaded once."""
+    kernels: dict = {}
+
+    @functools.wraps(lower)
+    def once(op: nv.FusedOp, cfg: LoweringConfig | None = None) -> Kernel:
+        key = structure(op, cfg)
+        if key is None:
+            return lower(op, cfg)
+        kernel = kernels.get(key)
+        if kernel is None:
+            if len(kernels) >= _ONCE_LIMIT:
+                kernels.clear()
+            kernel = kernels[key] = lower(op, cfg)
+        return kernel
+
+    once.cache = kernels  # structure -> Kernel, to inspect
+    return once
+
+
 @lowers(nv.FusedOp)
+@lowered_once
 def lower_fused(op: nv.FusedOp, cfg: LoweringConfig | None = None) -> Kernel:
     """``launch(inputs, outs=None)``: one output per result (``outs`` may hold an
     input of the iteration shape itself: see the module docstring)."""
