@@ -20,6 +20,16 @@ def init(rank: int, world: int, tmp: str) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=_timeout())
 
 
+def _finish() -> None:
+    """No rank tears its process group down while another may still be in a
+    collective with it (gloo aborts the process then)."""
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
 def _timeout():
     import datetime
 
@@ -74,8 +84,7 @@ def train(rank: int, world: int, tmp: str, cases: list[dict]) -> None:
     except Exception:  # noqa: BLE001  (reported to the parent, which fails the test)
         out["error"] = traceback.format_exc()
     Path(tmp, f"result-{rank}.json").write_text(json.dumps(out))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    _finish()
 
 
 def _one(rank, world, case, dtype, nova, DataParallel) -> dict:
@@ -94,7 +103,7 @@ def _one(rank, world, case, dtype, nova, DataParallel) -> dict:
         params = [p for p in params if p.requires_grad]
         if opt_kind == "sgd":
             return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
-        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)  # an ulp of a tiny gradient can flip an Adam step: +-lr
 
     opt, ref_opt = make_opt(model.parameters()), make_opt(ddp.parameters())
     dp = DataParallel(case["mode"], bucket_bytes=case.get("bucket_bytes"))
@@ -126,7 +135,7 @@ def _one(rank, world, case, dtype, nova, DataParallel) -> dict:
         ref_loss = ddp(x, y)
         ref_loss.backward()
         ref_opt.step()
-        worst["loss"] = max(worst["loss"], abs(float(loss) - float(ref_loss)))
+        worst["loss"] = max(worst["loss"], abs(float(loss) - float(ref_loss.detach())))
         d = (flat(model.parameters()) - flat(ref_model.parameters())).abs().max().item()
         worst["param"] = max(worst["param"], d)
     mine = flat(model.parameters())
@@ -160,5 +169,27 @@ def _one(rank, world, case, dtype, nova, DataParallel) -> dict:
             ref_loss.backward()
             ref_opt.step()
             worst["after_load"] = (flat(model.parameters()) - flat(ref_model.parameters())).abs().max().item()
-    worst["buckets"] = len(step._last.compilation.distributed.buckets)
+    plan = step._last.compilation.distributed
+    worst["buckets"] = [[b.nbytes, len(b.names)] for b in plan.buckets]
+    worst["explain"] = step.explain() if case.get("explain") else ""
     return worst
+
+
+def differs(rank: int, world: int, tmp: str) -> None:
+    """Rank 1 compiles another model: every rank must refuse it at compile time."""
+    out = {}
+    try:
+        init(rank, world, tmp)
+        import nova
+
+        model = build("mlp", torch.float32, frozen=rank == 1)  # rank 1: two frozen parameters
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            nova.compile(model, opt, backend="reference", data_parallel="ddp")
+            out["error"] = "compiled"
+        except Exception as e:  # noqa: BLE001
+            out["raised"] = f"{type(e).__name__}: {e}"
+    except Exception:  # noqa: BLE001
+        out["error"] = traceback.format_exc()
+    Path(tmp, f"result-{rank}.json").write_text(json.dumps(out))
+    _finish()
