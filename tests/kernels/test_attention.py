@@ -77,6 +77,39 @@ def test_attention_unequal_lengths_padded_head_dim(device, causal):
         forward_and_backward(q, k, v, causal, 24**-0.5, SMALL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_outputs_written_in_the_layout_the_next_op_reads(device, dtype):
+    """o and dq, dk, dv stored through their strides into [B, T, H, D] memory (the
+    layout whose [B, T, C] reshape is a view) are bit for bit the contiguous
+    launch's; lse must stay contiguous, and an overlapping out is refused."""
+    fwd, bwd = lowerings()
+    q, k, v = qkv(2, 3, 21, 21, 16, dtype, device)
+    props = {"causal": True, "scale": 0.25}
+    op = build(nv.AttentionOp, [q, k, v], props)
+    kernel = fwd(op, SMALL)
+    o, lse = kernel.launch([q, k, v])
+
+    def bthd():  # a [B, H, T, D] view of [B, T, H, D] memory
+        return torch.full((2, 21, 3, 16), 7.0, dtype=dtype, device=device).transpose(1, 2)
+
+    o2 = bthd()
+    assert not o2.is_contiguous()
+    got = kernel.launch([q, k, v], [o2, torch.empty_like(lse)])
+    assert got[0] is o2 and torch.equal(o2, o) and torch.equal(got[1], lse)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel.launch([q, k, v], [o2, torch.empty(2, 21, 3, device=device).transpose(1, 2)])
+    with pytest.raises(ValueError, match="dense"):
+        kernel.launch([q, k, v], [torch.zeros((), dtype=dtype, device=device).expand(o.shape), lse])
+    g = rand(*q.shape, dtype=dtype, device=device, gen=torch.Generator().manual_seed(3))
+    ins = [g, q, k, v, o, lse]
+    bop = build(nv.AttentionBackwardOp, ins, props)
+    bkernel = bwd(bop, SMALL)
+    grads = bkernel.launch(ins)
+    outs = [bthd() for _ in range(3)]
+    assert all(a is b for a, b in zip(bkernel.launch(ins, outs), outs, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(outs, grads, strict=True))
+
+
 def test_attention_default_plan_and_f64(device):
     """No config: tiles from the default table, capped to the sequence; f64 data
     takes the f64 dot with f64 statistics (lse is f64)."""

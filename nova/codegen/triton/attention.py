@@ -35,6 +35,11 @@ Design choices, and why:
   policy is "tf32"; f64 operands use an f64 dot with f64 accumulation.
 * ``launch(inputs, outs)`` writes into ``outs`` when given; the forward needs no
   scratch, the backward exactly its delta [B*H, Tq] (``Kernel.scratch_bytes``).
+  The forward's o and the backward's dq, dk, dv are stored through their own four
+  strides, so an ``out`` may be any dense permutation of [B, H, T, D] (the
+  [B, T, H, D] layout that the output projection's [B, T, C] reshape reads as a
+  view); lse and the gradients' rounding are as before (bf16 dq, dk, dv are the
+  fp32 accumulators rounded once to bf16, as eager's SDPA backward returns them).
 """
 
 from __future__ import annotations
@@ -325,8 +330,8 @@ for n0 in range({lo}, {hi}, BLOCK_N):
         key_loop(True) if (g.causal or tk % g.bn) else "",
         _ind(f"""
             out = {out}
-            o_base = o_ptr + pid_bh.to(tl.int64) * {tq * g.d}
-            {g.store(f"o_base + offs_m[:, None] * {g.d} + offs_d[None, :]", f"out.to({g.ty})", g.mask(m_ok, g.d_ok("row")))}
+            o_base = {g.head_base('o')}
+            {g.store("o_base + offs_m[:, None] * sot + offs_d[None, :] * sod", f"out.to({g.ty})", g.mask(m_ok, g.d_ok("row")))}
             {g.store(f"lse_ptr + pid_bh.to(tl.int64) * {tq} + offs_m", lse, None if tq % g.bm == 0 else f"offs_m < {tq}")}
         """, 0),
     ])
@@ -334,6 +339,7 @@ for n0 in range({lo}, {hi}, BLOCK_N):
     if g.bias:
         params[3:3] = ["z_ptr"]
         params += _BIAS_STRIDES
+    params += _strides("o")
     return g.header("attention forward") + _kernel("attention_fwd", params, body)
 
 
@@ -415,9 +421,10 @@ for m0 in range({lo}, {hi}, BLOCK_M):
         query_loop(True) if g.causal else "",
         query_loop(False),
         _ind(f"""
-            out_off = pid_bh.to(tl.int64) * {tk * g.d} + offs_n[:, None] * {g.d} + offs_d[None, :]
-            {g.store("dk_ptr + out_off", f"(dk * {g.scale!r}).to({g.ty})", kv_mask)}
-            {g.store("dv_ptr + out_off", f"dv.to({g.ty})", kv_mask)}
+            dk_base = {g.head_base('dk')}
+            dv_base = {g.head_base('dv')}
+            {g.store("dk_base + offs_n[:, None] * sdkt + offs_d[None, :] * sdkd", f"(dk * {g.scale!r}).to({g.ty})", kv_mask)}
+            {g.store("dv_base + offs_n[:, None] * sdvt + offs_d[None, :] * sdvd", f"dv.to({g.ty})", kv_mask)}
         """, 0),
     ])
 
@@ -466,8 +473,8 @@ for n0 in range({lo}, {hi}, BLOCK_N):
         key_loop(False),
         key_loop(True) if (g.causal or tk % g.bn) else "",
         _ind(f"""
-            out_off = pid_bh.to(tl.int64) * {tq * g.d} + offs_m[:, None] * {g.d} + offs_d[None, :]
-            {g.store("dq_ptr + out_off", f"(dq * {g.scale!r}).to({g.ty})", q_mask)}
+            dq_base = {g.head_base('dq')}
+            {g.store("dq_base + offs_m[:, None] * sdqt + offs_d[None, :] * sdqd", f"(dq * {g.scale!r}).to({g.ty})", q_mask)}
         """, 0),
     ])
 
@@ -484,13 +491,14 @@ for n0 in range({lo}, {hi}, BLOCK_N):
         + _kernel(
             "attention_bwd_dkdv",
             ["q_ptr", "k_ptr", "v_ptr", *z, "do_ptr", "lse_ptr", "delta_ptr", "dk_ptr", "dv_ptr",
-             *_strides("q"), *_strides("k"), *_strides("v"), *_strides("do"), *lse_strides],
+             *_strides("q"), *_strides("k"), *_strides("v"), *_strides("do"), *lse_strides, *_strides("dk"),
+             *_strides("dv")],
             dkdv_body,
         )
         + _kernel(
             "attention_bwd_dq",
             ["q_ptr", "k_ptr", "v_ptr", *z, "do_ptr", "lse_ptr", "delta_ptr", "dq_ptr",
-             *_strides("q"), *_strides("k"), *_strides("v"), *_strides("do"), *lse_strides],
+             *_strides("q"), *_strides("k"), *_strides("v"), *_strides("do"), *lse_strides, *_strides("dq")],
             dq_body,
         )
     )
@@ -546,6 +554,34 @@ def _strides4(t: torch.Tensor) -> list[int]:
     return list(t.stride())
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """``t`` covers its elements once each, in some order of its dims (a permuted
+    view of a contiguous tensor, e.g. [B, H, T, D] of a [B, T, H, D] buffer)."""
+    expect = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def _results(name: str, specs, outs, device, strided: tuple[int, ...]) -> list[torch.Tensor]:
+    """``rowwise.results``, except that the ``strided`` outputs (o; dq, dk, dv) may
+    be any dense permutation (their kernels store through four strides): the
+    layout the next op reads, e.g. [B, T, H, D] memory whose [B, T, C] reshape is a
+    view. The others (lse) must be contiguous."""
+    if outs is None:
+        return results(name, specs, outs, device)
+    if len(outs) != len(specs):
+        raise ValueError(f"{name}: expected {len(specs)} outputs, got {len(outs)}")
+    for i, (t, (shape, dtype)) in enumerate(zip(outs, specs)):
+        layout_ok = t.is_contiguous() or (i in strided and _dense(t))
+        if tuple(t.shape) != shape or t.dtype != dtype or not layout_ok:
+            raise ValueError(f"{name}: output {i} is {tuple(t.shape)} {t.dtype} with strides {tuple(t.stride())}, the "
+                             f"op needs a {'dense' if i in strided else 'contiguous'} {shape} {dtype}")  # fmt: skip
+    return list(outs)
+
+
 def _name(kind: str, g: _Gen) -> str:
     return f"nova_attention_{kind}_{g.b}x{g.h}x{g.tq}x{g.tk}x{g.d}{'_causal' if g.causal else ''}{'_bias' if g.bias else ''}"
 
@@ -574,13 +610,13 @@ def lower_attention(op, cfg: LoweringConfig | None = None, *, precision: str = "
         _check_inputs(name, op, inputs)
         q, k, v, *bias = inputs
         z, z_strides = _bias_args(g, bias)
-        out, lse = results(name, specs, outs, q.device)
+        out, lse = _results(name, specs, outs, q.device, strided=(0,))
         if out.numel() == 0:
             return [out, lse]
         if g.tk == 0:  # softmax over no keys: the reference's 0 / 0
             return [out.fill_(float("nan")), lse.fill_(float("-inf"))]
-        _check_spans(name, max(g.bm, g.bn, g.bd), q, k, v, *z)
-        kernel[grid](q, k, v, *z, out, lse, *_strides4(q), *_strides4(k), *_strides4(v), *z_strides,
+        _check_spans(name, max(g.bm, g.bn, g.bd), q, k, v, *z, out)
+        kernel[grid](q, k, v, *z, out, lse, *_strides4(q), *_strides4(k), *_strides4(v), *z_strides, *_strides4(out),
                      num_warps=warps, num_stages=stages)
         return [out, lse]
 
@@ -610,16 +646,16 @@ def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision
         do, q, k, v, o, lse, *bias = inputs
         z, z_strides = _bias_args(g, bias)
         dev = q.device
-        dq, dk, dv = results(name, specs, outs, dev)
+        dq, dk, dv = _results(name, specs, outs, dev, strided=(0, 1, 2))
         if empty:
             return [dq.zero_(), dk.zero_(), dv.zero_()]
-        _check_spans(name, 256, do, q, k, v, o, *z)
+        _check_spans(name, 256, do, q, k, v, o, *z, dq, dk, dv)
         delta = torch.empty((bh, g.tq), dtype=stat, device=dev)
         delta_k[(math.ceil(g.tq / _delta_rows(g.bd)), bh)](do, o, delta, *_strides4(do), *_strides4(o), num_warps=4)
         common = [*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do), *lse.stride(), *z_strides]
-        dkdv_k[(math.ceil(g.tk / g_kv.bn), bh)](q, k, v, *z, do, lse, delta, dk, dv, *common,
-                                                 num_warps=kv_warps, num_stages=kv_stages)
-        dq_k[(math.ceil(g.tq / g_q.bm), bh)](q, k, v, *z, do, lse, delta, dq, *common,
+        dkdv_k[(math.ceil(g.tk / g_kv.bn), bh)](q, k, v, *z, do, lse, delta, dk, dv, *common, *_strides4(dk),
+                                                 *_strides4(dv), num_warps=kv_warps, num_stages=kv_stages)
+        dq_k[(math.ceil(g.tq / g_q.bm), bh)](q, k, v, *z, do, lse, delta, dq, *common, *_strides4(dq),
                                               num_warps=q_warps, num_stages=q_stages)
         return [dq, dk, dv]
 
