@@ -45,16 +45,16 @@ annotations agreeing) before anything binds to them; the best-fit placement and
 the annotation, most of the stage's time, do not run again. A stage after
 autodiff that sets another Compilation field must add its restore there, and an
 option a stage reads must be added to ``key_inputs``. The cyclic garbage
-collector is paused while an entry is read or made (``_gc_paused``).
+collector is paused while an entry is read or made (``nova.runtime.collector``:
+decoding a GPT-2 step makes ~100k objects, and the full collections they would
+trigger walk every object of the process).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import functools
-import gc
 import hashlib
 import json
 import re
@@ -68,6 +68,7 @@ from xdsl.dialects.builtin import ModuleOp
 
 from nova.atomic import atomic_write
 from nova.log import get_logger
+from nova.runtime.collector import paused
 
 FORMAT = 3  # the entry layout; an entry of another format is rebuilt (2: the memory plan's offsets kept;
 # 3: the common attribute kinds as JSON rows)
@@ -545,22 +546,6 @@ class _Timer:
         self.t0 = now
 
 
-@contextlib.contextmanager
-def _gc_paused():
-    """The cyclic garbage collector off while an entry is read or made: decoding a GPT-2
-    step makes ~100k objects, and the full collections they trigger walk every
-    object of the process (torch's and xDSL's too), which made a 0.3 s decode take
-    up to 1 s. Nothing read here is garbage; the collector runs again afterwards
-    (as it was: off stays off)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else ""
@@ -664,7 +649,7 @@ def lookup(c, stages: list[str]) -> Lookup | str:
     looked = Lookup(key, entry_path(key), inputs, dirs, spec)
     t.lap("key")
     try:
-        with _gc_paused():
+        with paused():
             found = load(looked.path, key, inputs, dirs, c.times)
             t = _Timer(c.times)
             if found is not None:
@@ -710,7 +695,7 @@ def save(c, looked: Lookup) -> None:
     """Stores the final IR under the key; a failure is logged, never raised (the
     compile itself succeeded)."""
     try:
-        with _gc_paused():
+        with paused():
             ir = encode(c.module, looked.dirs)
             fields = {name: keep(c, looked.dirs) for name, (keep, _) in KEPT.items() if name in looked.inputs["stages"]}
     except (ValueError, NotStorable) as e:
