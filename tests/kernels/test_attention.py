@@ -81,7 +81,8 @@ def test_attention_unequal_lengths_padded_head_dim(device, causal):
 def test_outputs_written_in_the_layout_the_next_op_reads(device, dtype):
     """o and dq, dk, dv stored through their strides into [B, T, H, D] memory (the
     layout whose [B, T, C] reshape is a view) are bit for bit the contiguous
-    launch's; lse must stay contiguous, and an overlapping out is refused."""
+    launch's, and so are the gradients written into their windows of a cat's
+    buffer; lse must stay contiguous, and an overlapping out is refused."""
     fwd, bwd = lowerings()
     q, k, v = qkv(2, 3, 21, 21, 16, dtype, device)
     props = {"causal": True, "scale": 0.25}
@@ -98,7 +99,7 @@ def test_outputs_written_in_the_layout_the_next_op_reads(device, dtype):
     assert got[0] is o2 and torch.equal(o2, o) and torch.equal(got[1], lse)
     with pytest.raises(ValueError, match="contiguous"):
         kernel.launch([q, k, v], [o2, torch.empty(2, 21, 3, device=device).transpose(1, 2)])
-    with pytest.raises(ValueError, match="dense"):
+    with pytest.raises(ValueError, match="non-overlapping"):
         kernel.launch([q, k, v], [torch.zeros((), dtype=dtype, device=device).expand(o.shape), lse])
     g = rand(*q.shape, dtype=dtype, device=device, gen=torch.Generator().manual_seed(3))
     ins = [g, q, k, v, o, lse]
@@ -108,6 +109,11 @@ def test_outputs_written_in_the_layout_the_next_op_reads(device, dtype):
     outs = [bthd() for _ in range(3)]
     assert all(a is b for a, b in zip(bkernel.launch(ins, outs), outs, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(outs, grads, strict=True))
+    # each gradient straight into its window of the split backward's cat buffer [B, T, 3H, D]
+    cat = torch.full((2, 21, 9, 16), 7.0, dtype=dtype, device=device)
+    windows = [cat[:, :, 3 * i:3 * i + 3].transpose(1, 2) for i in range(3)]
+    bkernel.launch(ins, windows)
+    assert torch.equal(cat, torch.cat([d.transpose(1, 2) for d in grads], 2))
 
 
 def test_attention_default_plan_and_f64(device):

@@ -36,9 +36,9 @@ Design choices, and why:
 * ``launch(inputs, outs)`` writes into ``outs`` when given; the forward needs no
   scratch, the backward exactly its delta [B*H, Tq] (``Kernel.scratch_bytes``).
   The forward's o and the backward's dq, dk, dv are stored through their own four
-  strides, so an ``out`` may be any dense permutation of [B, H, T, D] (the
+  strides, so an ``out`` may be any non-overlapping view of [B, H, T, D] (the
   [B, T, H, D] layout that the output projection's [B, T, C] reshape reads as a
-  view); lse and the gradients' rounding are as before (bf16 dq, dk, dv are the
+  view, or a gradient's window of the split backward's cat buffer); lse and the gradients' rounding are as before (bf16 dq, dk, dv are the
   fp32 accumulators rounded once to bf16, as eager's SDPA backward returns them).
 """
 
@@ -554,20 +554,22 @@ def _strides4(t: torch.Tensor) -> list[int]:
     return list(t.stride())
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """``t`` covers its elements once each, in some order of its dims (a permuted
-    view of a contiguous tensor, e.g. [B, H, T, D] of a [B, T, H, D] buffer)."""
-    expect = 1
+def _disjoint(t: torch.Tensor) -> bool:
+    """No two elements of ``t`` share an address: ordered by stride, each dim steps
+    past the whole extent of the dims below it (a permuted view of a contiguous
+    tensor, e.g. [B, H, T, D] of a [B, T, H, D] buffer, or a window of a larger one,
+    e.g. one gradient's slot in a cat's buffer)."""
+    extent = 1
     for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
-        if stride != expect:
+        if stride < extent:
             return False
-        expect *= size
+        extent = stride * size
     return True
 
 
 def _results(name: str, specs, outs, device, strided: tuple[int, ...]) -> list[torch.Tensor]:
     """``rowwise.results``, except that the ``strided`` outputs (o; dq, dk, dv) may
-    be any dense permutation (their kernels store through four strides): the
+    be any layout without overlap (their kernels store through four strides): the
     layout the next op reads, e.g. [B, T, H, D] memory whose [B, T, C] reshape is a
     view. The others (lse) must be contiguous."""
     if outs is None:
@@ -575,10 +577,10 @@ def _results(name: str, specs, outs, device, strided: tuple[int, ...]) -> list[t
     if len(outs) != len(specs):
         raise ValueError(f"{name}: expected {len(specs)} outputs, got {len(outs)}")
     for i, (t, (shape, dtype)) in enumerate(zip(outs, specs)):
-        layout_ok = t.is_contiguous() or (i in strided and _dense(t))
+        layout_ok = t.is_contiguous() or (i in strided and _disjoint(t))
         if tuple(t.shape) != shape or t.dtype != dtype or not layout_ok:
             raise ValueError(f"{name}: output {i} is {tuple(t.shape)} {t.dtype} with strides {tuple(t.stride())}, the "
-                             f"op needs a {'dense' if i in strided else 'contiguous'} {shape} {dtype}")  # fmt: skip
+                             f"op needs a {'non-overlapping' if i in strided else 'contiguous'} {shape} {dtype}")  # fmt: skip
     return list(outs)
 
 
