@@ -159,6 +159,8 @@ class TritonProgram:
                 continue
             if isinstance(op, VIEW_OPS):
                 self.steps.append(Step(op, tuple(op.operands), tuple(op.results), _view(op, self.copy), is_view=True))
+            elif isinstance(op, nv.COLLECTIVE_OPS):  # torch.distributed, wired below
+                self.steps.append(Step(op, tuple(op.operands), tuple(op.results), None))
             elif isinstance(op, nv.MatmulOp):
                 add = bias_epilogue(op)
                 if add is not None:
@@ -180,6 +182,11 @@ class TritonProgram:
                 kernel = fn_lower(op, config_of(op), **kwargs)
                 self.steps.append(Step(op, tuple(op.operands), tuple(op.results), self._launcher(kernel), kernel,
                                        scratch=kernel.scratch_bytes))
+
+        if any(isinstance(st.op, nv.COLLECTIVE_OPS) for st in self.steps):
+            from nova.runtime.distributed import wire
+
+            wire(self.steps, fn)  # issued in place, finished before the first launch reading them
 
     def scratch(self, planned: dict) -> tuple[int, str]:
         """The largest scratch one launch allocates outside the arena (``planned``:

@@ -177,79 +177,152 @@ def _padded_rows(x: torch.Tensor, w: int) -> torch.Tensor:
     return flat.view(w, k)
 
 
-def all_reduce(op, xs: list[torch.Tensor], outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+def _issue(op, xs: list[torch.Tensor]):
+    """Starts ``op``'s communication (async: gloo's thread, NCCL's stream, which
+    waits for the current stream first) and returns ``(work, finish)``:
+    ``finish(outs)`` (after ``work.wait()``) writes or returns the results. The
+    operands are read here, into a new flat buffer, so they are free once this returns."""
+    from nova.ir import dialect as nv
+
     dist, w = _dist(), _world(op)
-    flat = torch.cat([x.reshape(-1) for x in xs])
-    if op.props()["average"]:
-        _scale(flat, w)
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    return _split(flat, xs, outs)
+    if isinstance(op, nv.LocalShardOp):
+        row = _padded_rows(xs[0], w)[rank()]
+        return None, lambda outs: _put([row], outs)
+    props = op.props()
+    if isinstance(op, nv.AllReduceOp):
+        flat = torch.cat([x.reshape(-1) for x in xs])
+        if props["average"]:
+            _scale(flat, w)
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
+        return work, lambda outs: _split(flat, xs, outs)
+    if isinstance(op, nv.ReduceScatterOp):
+        rows = torch.cat([_padded_rows(x, w) for x in xs], dim=1)  # [W, K]: row r is rank r's shard of every operand
+        if props["average"]:
+            _scale(rows, w)
+        mine = rows.new_empty(rows.shape[1])
+        if dist.get_backend() == "gloo":  # gloo has the list form only
+            work = dist.reduce_scatter(mine, list(rows.unbind(0)), op=dist.ReduceOp.SUM, async_op=True)
+        else:
+            work = dist.reduce_scatter_tensor(mine, rows.reshape(-1), op=dist.ReduceOp.SUM, async_op=True)
+        ks = [_ceil_div(x.numel(), w) for x in xs]
+        return work, lambda outs: _split(mine, [mine.new_empty(k) for k in ks], outs)
+    if isinstance(op, nv.AllGatherOp):
+        mine = torch.cat([x.reshape(-1) for x in xs])
+        every = mine.new_empty(w * mine.numel())
+        work = dist.all_gather_into_tensor(every, mine, async_op=True)
+
+        def finish(outs):
+            rows, at, whole = every.view(w, mine.numel()), 0, []
+            for x, n in zip(xs, props["numels"], strict=True):
+                whole.append(rows[:, at:at + x.numel()].reshape(-1)[:n])
+                at += x.numel()
+            return _put(whole, outs)
+
+        return work, finish
+    raise NotImplementedError(f"nova.runtime.distributed has no implementation of {op.name}")
+
+
+def _put(values: list[torch.Tensor], outs) -> list[torch.Tensor]:
+    if outs is None:
+        return [v.clone() for v in values]
+    for o, v in zip(outs, values, strict=True):
+        # the memory plan may place a result in the tensor of another shape it becomes
+        # (zero1's gathered [n] in its parameter, in place): same elements, dense
+        (o if o.shape == v.shape else o.view(v.shape)).copy_(v)
+    return outs
 
 
 def _split(flat: torch.Tensor, like: list[torch.Tensor], outs) -> list[torch.Tensor]:
     parts, at = [], 0
-    for i, x in enumerate(like):
-        piece = flat[at:at + x.numel()].view(x.shape)
+    for x in like:
+        parts.append(flat[at:at + x.numel()].view(x.shape))
         at += x.numel()
-        if outs is not None:
-            outs[i].copy_(piece)
-            parts.append(outs[i])
-        else:
-            parts.append(piece)
-    return parts
-
-
-def reduce_scatter(op, xs: list[torch.Tensor], outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    dist, w = _dist(), _world(op)
-    rows = torch.cat([_padded_rows(x, w) for x in xs], dim=1)  # [W, K]: row r is rank r's shard of every operand
-    if op.props()["average"]:
-        _scale(rows, w)
-    mine = rows.new_empty(rows.shape[1])
-    if dist.get_backend() == "gloo":
-        dist.reduce_scatter(mine, list(rows.unbind(0)), op=dist.ReduceOp.SUM)  # gloo: the list form
-    else:
-        dist.reduce_scatter_tensor(mine, rows.reshape(-1), op=dist.ReduceOp.SUM)
-    ks = [_ceil_div(x.numel(), w) for x in xs]
-    return _split(mine, [mine.new_empty(k) for k in ks], outs)
-
-
-def all_gather(op, xs: list[torch.Tensor], outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    dist, w = _dist(), _world(op)
-    mine = torch.cat([x.reshape(-1) for x in xs])
-    every = mine.new_empty(w * mine.numel())
-    dist.all_gather_into_tensor(every, mine)
-    rows = every.view(w, mine.numel())
-    results, at = [], 0
-    for i, (x, n) in enumerate(zip(xs, op.props()["numels"], strict=True)):
-        k = x.numel()
-        whole = rows[:, at:at + k].reshape(-1)[:n]
-        at += k
-        if outs is not None:
-            outs[i].copy_(whole)
-            results.append(outs[i])
-        else:
-            results.append(whole.clone())
-    return results
-
-
-def local_shard(op, xs: list[torch.Tensor], outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    w = _world(op)
-    row = _padded_rows(xs[0], w)[rank()]
-    if outs is not None:
-        outs[0].copy_(row)
-        return outs
-    return [row.clone()]
+    return parts if outs is None else _put(parts, outs)
 
 
 def run(op, xs: list[torch.Tensor], outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Runs one collective op of the IR (``outs``: write into these, the executable's)."""
+    """Runs one collective op of the IR to completion (``outs``: write into these)."""
+    work, finish = _issue(op, xs)
+    if work is not None:
+        work.wait()
+    return finish(outs)
+
+
+class Deferred:
+    """The executable's form of a collective whose every reader is a later launch:
+    ``issue(xs, outs)`` starts it and returns at once (the backward's next kernels
+    run meanwhile: on a GPU, NCCL's own stream; on a CPU, gloo's thread), and the
+    first launch that reads a result calls ``finish()`` first (on a GPU
+    ``work.wait()`` is a wait of the current stream on NCCL's, no host block, then
+    the unpacking copies). Under CUDA graph capture the same calls are recorded
+    once, and the replay repeats them on the device."""
+
+    def __init__(self, op):
+        self.op = op
+        self.pending = None  # (work, finish, outs) of the issued, unfinished collective
+
+    def issue(self, xs: list[torch.Tensor], outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.pending is not None:
+            raise AssertionError(f"{self.op.name} (bucket {self.op.props().get('bucket')}) issued again before its "
+                                 "results were read")  # fmt: skip
+        work, finish = _issue(self.op, xs)
+        self.pending = (work, finish, outs)
+        return outs
+
+    def finish(self) -> None:
+        if self.pending is None:
+            return
+        work, finish, outs = self.pending
+        self.pending = None
+        if work is not None:
+            work.wait()
+        finish(outs)
+
+
+def wire(steps, fn) -> None:
+    """Turns the Triton program's collective steps into launches: a collective
+    whose results are read (directly or through views) only by later launches is
+    ``Deferred`` (issued at its place, finished before its first reader); one whose
+    results the step returns (the guard's counts, zero1's gathered parameters:
+    the executable copies those out after the list) completes where it stands."""
     from nova.ir import dialect as nv
 
-    impl = {nv.AllReduceOp: all_reduce, nv.ReduceScatterOp: reduce_scatter, nv.AllGatherOp: all_gather,
-            nv.LocalShardOp: local_shard}.get(type(op))  # fmt: skip
-    if impl is None:
-        raise NotImplementedError(f"nova.runtime.distributed has no implementation of {op.name}")
-    return impl(op, xs, outs)
+    ret = fn.body.block.last_op
+    first_reader: dict = {}
+    view_of: dict = {}  # a view step's output -> the collective whose result it views
+    owner: dict = {}
+    for i, st in enumerate(steps):
+        if isinstance(st.op, nv.COLLECTIVE_OPS):
+            for r in st.outputs:
+                owner[r] = st.op
+            continue
+        sources = {owner.get(v) or view_of.get(v) for v in st.inputs} - {None}
+        if st.is_view:
+            if sources:
+                view_of[st.outputs[0]] = sources.pop()
+            continue
+        for src in sources:
+            first_reader.setdefault(src, i)
+    returned = {owner.get(v) or view_of.get(v) for v in ret.operands} - {None}
+    deferred: dict = {}
+    for st in steps:
+        if isinstance(st.op, nv.COLLECTIVE_OPS):
+            if st.op in first_reader and st.op not in returned:
+                d = deferred[st.op] = Deferred(st.op)
+                st.run = d.issue
+            else:
+                st.run = (lambda op: lambda xs, outs=None: run(op, xs, outs))(st.op)
+    for src, i in first_reader.items():
+        if src in deferred:
+            steps[i].run = _after_finish(deferred[src].finish, steps[i].run)
+
+
+def _after_finish(finish, run):
+    def launch(*args, **kwargs):
+        finish()
+        return run(*args, **kwargs)
+
+    return launch
 
 
 # --- the loss and the optimizer state ----------------------------------------

@@ -83,7 +83,7 @@ def configure_fused(op: nv.FusedOp, device: DeviceSpec) -> LoweringConfig:
 
 
 def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringConfig | None:
-    if isinstance(op, LAYOUT_OPS):
+    if isinstance(op, LAYOUT_OPS) or op.CATEGORY == "collective":  # no kernel: torch.distributed runs it
         return None
     if isinstance(op, nv.FusedOp):
         return configure_fused(op, device)

@@ -393,3 +393,18 @@ def stage(c) -> None:
     link = link_for(c.device, backend, dp.link)
     c.distributed = distribute(c.module, dp.mode, dp.world_size, c.grads or {}, c.spec, dp.bucket_bytes, link,
                                c.device, c.precision)  # fmt: skip
+
+
+def _register_cost_rule() -> None:
+    """The cost model's rule for the collective ops (``nova.schedule.cost.RULES``,
+    registered beside this stage, which is what creates them): the local traffic
+    of packing and unpacking a bucket; the link's time is this stage's model
+    (``Plan.report``), not a kernel's."""
+    from nova.schedule import cost
+
+    @cost.rule(*nv.COLLECTIVE_OPS)
+    def collective_cost(op, ins, outs, cfg, precision) -> cost.Cost:
+        return cost.Cost("collective", cost.io_bytes(ins, outs), 0, "fp32")
+
+
+_register_cost_rule()

@@ -127,3 +127,19 @@ def test_data_parallel_needs_a_process_group():
         nova.compile(model, opt, backend="reference", data_parallel="ddp")
     with pytest.raises(ValueError, match="data_parallel must be one of"):
         nova.compile(model, opt, backend="reference", data_parallel="fsdp")
+
+
+TRITON_CASES = [
+    # the executable's path under TRITON_INTERPRET=1: collectives as launches (deferred to their first reader)
+    _case("mlp", "ddp", "float32", backend="triton", steps=4, bucket_bytes=700),
+    _case("mlp", "zero1", "float32", backend="triton", steps=4, bucket_bytes=700, bad_step=1, bad="nonfinite",
+          skip_nonfinite=True),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path; GPUs run tests/gpu")
+def test_the_triton_executable_issues_the_collectives(tmp_path):
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    results = spawn(workers.train, tmp_path, TRITON_CASES)
+    _check(results, TRITON_CASES)
+    assert [r[TRITON_CASES[1]["name"]]["skipped"] for r in results] == [1, 1]
