@@ -6,7 +6,7 @@
 
 from nova.errors import AutodiffError, BatchError, CaptureError, NovaError, UnsupportedError
 
-__all__ = ["compile", "CompiledStep", "verify", "VerifyReport", "NovaError", "UnsupportedError", "AutodiffError", "CaptureError", "BatchError"]
+__all__ = ["compile", "CompiledStep", "DataParallel", "verify", "VerifyReport", "NovaError", "UnsupportedError", "AutodiffError", "CaptureError", "BatchError"]
 __version__ = "0.1.0"
 
 
@@ -16,6 +16,10 @@ def __getattr__(name):
         from nova import api
 
         return getattr(api, name)
+    if name == "DataParallel":  # data_parallel=nova.DataParallel("zero1", bucket_bytes=...)
+        from nova.runtime.distributed import DataParallel
+
+        return DataParallel
     if name in ("verify", "VerifyReport"):
         from nova import verification
 

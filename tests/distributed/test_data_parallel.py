@@ -21,10 +21,10 @@ WORLD = 2
 TOL = {"float64": 1e-10, "float32": 1e-4}
 
 
-def spawn(fn, tmp_path, *args) -> list[dict]:
+def spawn(fn, tmp_path, *args, world: int = WORLD) -> list[dict]:
     """Runs ``fn(rank, WORLD, tmp, *args)`` in WORLD fresh processes (a FileStore in
     ``tmp_path``: no ports), joins them with a timeout, returns each rank's result."""
-    ctx = mp.start_processes(fn, args=(WORLD, str(tmp_path), *args), nprocs=WORLD, join=False, start_method="spawn")
+    ctx = mp.start_processes(fn, args=(world, str(tmp_path), *args), nprocs=world, join=False, start_method="spawn")
     try:
         deadline = 300  # seconds for the whole job: a hung collective fails the test instead of CI
         import time
@@ -39,7 +39,7 @@ def spawn(fn, tmp_path, *args) -> list[dict]:
                 p.kill()
                 p.join(5)
     out = []
-    for r in range(WORLD):
+    for r in range(world):
         result = json.loads((tmp_path / f"result-{r}.json").read_text())
         assert "error" not in result, f"rank {r}:\n{result['error']}"
         out.append(result)
@@ -143,3 +143,11 @@ def test_the_triton_executable_issues_the_collectives(tmp_path):
     results = spawn(workers.train, tmp_path, TRITON_CASES)
     _check(results, TRITON_CASES)
     assert [r[TRITON_CASES[1]["name"]]["skipped"] for r in results] == [1, 1]
+
+
+def test_the_average_is_ddps_bit_for_bit_with_3_ranks(tmp_path):
+    """DDP's reducer multiplies each gradient by 1/W, then sums (not a sum divided
+    by W, nor grad / W): with 3 ranks the three differ in the last bit, and only
+    the first is DDP's, in float64 and float32."""
+    for r in spawn(workers.ddp_average, tmp_path, world=3):
+        assert r == {"torch.float64": [True, True], "torch.float32": [True, True]}, r

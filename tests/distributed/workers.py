@@ -195,3 +195,38 @@ def differs(rank: int, world: int, tmp: str) -> None:
         out["error"] = traceback.format_exc()
     Path(tmp, f"result-{rank}.json").write_text(json.dumps(out))
     _finish()
+
+
+def ddp_average(rank: int, world: int, tmp: str) -> None:
+    """nova.all_reduce(average) of one bucket against DistributedDataParallel's
+    gradients of the same bucket layout, bit for bit (gloo's ring sums a buffer in
+    chunks, so with 3 ranks the layout decides the order of the sum)."""
+    out = {}
+    try:
+        init(rank, world, tmp)
+        from xdsl.dialects.builtin import f32, f64
+
+        from nova.ir import dialect as nv
+        from nova.ir.builder import OpBuilder
+        from nova.ir.module import Slot, new_step
+        from nova.ir.types import tensor
+        from nova.runtime import distributed
+
+        for dtype, elem in ((torch.float64, f64), (torch.float32, f32)):
+            torch.manual_seed(0)
+            m = torch.nn.Linear(50, 40).to(dtype)
+            local = copy.deepcopy(m)
+            ddp = torch.nn.parallel.DistributedDataParallel(m)
+            torch.manual_seed(rank + 1)
+            x = torch.randn(7, 50, dtype=dtype)
+            ddp(x).square().sum().backward()
+            local(x).square().sum().backward()
+            _, fn = new_step([Slot("param", "w", tensor([40, 50], elem)), Slot("param", "b", tensor([40], elem))])
+            op = OpBuilder(fn.body.block).create(nv.AllReduceOp, list(fn.body.block.args),
+                                                 {"world_size": world, "bucket": 0, "average": True})
+            got = distributed.run(op, [local.weight.grad, local.bias.grad])
+            out[str(dtype)] = [torch.equal(got[0], m.weight.grad), torch.equal(got[1], m.bias.grad)]
+    except Exception:  # noqa: BLE001
+        out["error"] = traceback.format_exc()
+    Path(tmp, f"result-{rank}.json").write_text(json.dumps(out))
+    _finish()
