@@ -708,3 +708,126 @@ def test_a_fused_step_caches_and_hits(cache_dir, monkeypatch):
     warm = compile_(*tiny())
     assert warm.cache == "hit" and print_module(warm.module) == text
     assert plan_summary(warm.memory) == plan_summary(cold.memory)
+
+
+# ----------------------------------------------------------------------------
+# verifying a decoded module: cache.verify agrees with xDSL's module.verify()
+
+
+@pytest.fixture(scope="module")
+def fused_table():
+    """The table of a tiny GPT step for the H200 (fused groups, lowering configs, a plan)."""
+    model, opt, batch = tiny()
+    c = compile_(model, opt, batch, precision="bf16", device=DEVICES["H200"])
+    dirs: list[str] = []
+    table = cache.encode(c.module, dirs, fixed=False)
+    assert any(op[0] == "nova.fused" for op in table["ops"])
+    return json.dumps(table), dirs
+
+
+def _rows(ir: dict, name: str) -> list:
+    def walk(rows):
+        for row in rows:
+            yield row
+            for region in row[6] if len(row) == 7 else []:
+                for _, inner in region:
+                    yield from walk(inner)
+
+    return [r for r in walk(ir["ops"]) if r[0] == name]
+
+
+def _last_add_wrong_type(ir):
+    ir["attrs"].append("tensor<3x5xf32>")
+    _rows(ir, "nova.add")[-1][2] = [len(ir["attrs"]) - 1]  # the class was verified before: not by this op
+
+
+def _inner_reads_outside(ir):
+    group = _rows(ir, "nova.fused")[-1]
+    group[6][0][0][1][0][1][0] = 0  # its first inner op reads the step's first argument
+
+
+def _no_yield(ir):
+    group = _rows(ir, "nova.fused")[5]
+    group[6][0][0][1].pop()
+
+
+def _property_of_another_kind(ir):
+    ir["attrs"].append(["s", "elementwise"])
+    _rows(ir, "nova.transpose")[-1][3]["perm"] = len(ir["attrs"]) - 1
+
+
+def _wrong_fused_result(ir):
+    ir["attrs"].append("tensor<7xf32>")
+    _rows(ir, "nova.fused")[-1][2][0] = len(ir["attrs"]) - 1  # not what its nova.yield gives
+
+
+@pytest.mark.parametrize("edit", [None, _last_add_wrong_type, _inner_reads_outside, _no_yield,
+                                  _property_of_another_kind, _wrong_fused_result])  # fmt: skip
+def test_verify_fails_where_xdsl_fails_with_the_same_error(fused_table, edit):
+    text, dirs = fused_table
+    ir = json.loads(text)
+    if edit is not None:
+        edit(ir)
+    module = cache.decode(ir, dirs)
+    try:
+        module.verify()
+    except Exception as e:  # noqa: BLE001
+        want = (type(e), str(e))
+    else:
+        want = None
+    assert (want is None) == (edit is None), want
+    if want is None:
+        cache.verify(module)
+        return
+    with pytest.raises(want[0]) as got:
+        cache.verify(module)
+    assert str(got.value) == want[1]
+
+
+def test_ops_of_equal_inputs_run_their_verifier_once(monkeypatch):
+    """A local verifier (NovaOp's type inference) runs once per distinct (class,
+    operand types, result types, properties); every op still gets its structural checks."""
+    from xdsl.dialects import func
+    from xdsl.dialects.builtin import TensorType, f32
+
+    from nova.ir import dialect as nv
+    from nova.ir.module import Slot, new_step
+
+    t = TensorType(f32, [2, 3])
+    module, fn = new_step([Slot("param", "w", t)])
+    (w,) = fn.body.block.args
+    v = w
+    for _ in range(5):
+        op = nv.AddOp.create(operands=[v, w], result_types=[t])
+        fn.body.block.add_op(op)
+        v = op.results[0]
+    fn.body.block.add_op(func.ReturnOp(v))
+    fn.function_type = func.FunctionType.from_lists([t], [t])
+    fn.res_attrs = ArrayAttr([Slot("loss", "loss", t).attrs()])
+    module.verify()
+    calls = []
+    infer = nv.AddOp.infer.__func__
+    monkeypatch.setattr(nv.AddOp, "infer", classmethod(lambda cls, *a: calls.append(1) or infer(cls, *a)))
+    cache.verify(module)
+    assert len(calls) == 1
+    module.verify()
+    assert len(calls) == 6
+
+
+class Checked(IRDLOperation):
+    name = "test.checked"
+    values = var_operand_def()
+
+    def verify_(self):
+        pass
+
+
+def test_only_verifiers_that_read_the_op_alone_are_shared():
+    from xdsl.dialects import builtin, func
+
+    from nova.ir import dialect as nv
+
+    Checked_ = irdl_op_definition(Checked)
+    assert cache._local_verifier(nv.AddOp) and cache._local_verifier(nv.MatmulOp)
+    for cls in (nv.FusedOp, nv.YieldOp, func.ReturnOp, func.FuncOp, builtin.ModuleOp, Checked_, Give):
+        assert not cache._local_verifier(cls), cls.name
