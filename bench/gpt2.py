@@ -33,6 +33,16 @@ losses are recomputed without the cap, and the document says so).
 --dry-run: a tiny GPT on the CPU, eager and Nova's reference backend (torch.compile
 only if named in --engines: its CPU compile takes ~20 s), wall-clock timing; the
 numbers are no claims, the outputs are complete.
+
+--nproc N: data parallelism over N processes, launched through torchrun
+(``torch.distributed.run --standalone``: a free port, one host; under torchrun
+already, the ranks come from its environment, so multi-node launches work too).
+Each rank trains on its own batches (the generator seeded with seed + 1 + 1000 *
+rank), eager and torch.compile inside DistributedDataParallel (defaults: 25 MB
+buckets), Nova with ``data_parallel=--data-parallel`` (ddp or zero1); NCCL on
+GPUs (one per rank, cuda:LOCAL_RANK), gloo for --dry-run. tok/s counts every
+rank's tokens (N * batch * seq per step), the losses and peaks are rank 0's, and
+rank 0 writes the results.
 """
 
 from __future__ import annotations
@@ -73,6 +83,7 @@ PRESETS = {"124m": (12, 12, 768), "355m": (24, 16, 1024)}
 DRY = dict(layers=2, heads=4, width=64, vocab=256, seq=32, batch=2, steps=3, warmup=1)
 DEFAULTS = dict(vocab=50304, seq=1024, batch=8, steps=20, warmup=3)
 ADAMW = dict(lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+DIST = {"world": 1, "rank": 0}  # --nproc: this process's place in the job (set by _init_distributed)
 GIB = 2**30
 _OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 
@@ -99,6 +110,7 @@ def resolve(opts) -> dict:
     label = preset or f"l{cfg['layers']}w{cfg['width']}h{cfg['heads']}"
     if cfg["vocab"] != DEFAULTS["vocab"]:
         label += f"_v{cfg['vocab']}"
+    cfg.update(nproc=DIST["world"], data_parallel=getattr(opts, "data_parallel", "ddp") if DIST["world"] > 1 else None)
     cfg.update(model=label, precision=opts.precision, cap_gib=opts.cap_gib, seed=opts.seed,
                engines=list(opts.engines or (("eager", "nova") if opts.dry_run else ENGINES)))
     return cfg
@@ -112,6 +124,8 @@ def result_stem(cfg: dict, dry_run: bool) -> str:
         stem += f"_cap{cfg['cap_gib']:g}"
     if list(cfg["engines"]) != list(ENGINES) and not dry_run:
         stem += "_" + "-".join(SHORT[e] for e in cfg["engines"])
+    if cfg.get("nproc", 1) > 1:
+        stem += f"_np{cfg['nproc']}_{cfg['data_parallel']}"
     return stem
 
 
@@ -132,7 +146,7 @@ class Batches:
         self.gen = torch.Generator(device=device)
 
     def reset(self) -> None:
-        self.gen.manual_seed(self.cfg["seed"] + 1)
+        self.gen.manual_seed(self.cfg["seed"] + 1 + 1000 * DIST["rank"])  # each rank its own batches
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
@@ -154,9 +168,15 @@ def build(engine: str, cfg: dict, state: dict, device: torch.device, dry_run: bo
     model.load_state_dict(state)  # copies into the existing (tied) parameters
     opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=device.type == "cuda")
     if engine == "nova":
-        step = nova.compile(model, opt, precision=cfg["precision"], backend="reference" if dry_run else "triton")
+        step = nova.compile(model, opt, precision=cfg["precision"], backend="reference" if dry_run else "triton",
+                            data_parallel=cfg.get("data_parallel"))
         return model, opt, step
-    fwd = torch.compile(model) if engine == "torch.compile" else model
+    fwd = model
+    if DIST["world"] > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        fwd = DistributedDataParallel(model, device_ids=[_index(device)] if device.type == "cuda" else None)
+    fwd = torch.compile(fwd) if engine == "torch.compile" else fwd
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg["precision"] == "bf16" else nullcontext())
 
     def step(x, y):
@@ -296,7 +316,8 @@ def measure(engine: str, cfg: dict, state: dict, device: torch.device, batches: 
             torch._dynamo.reset()
         _free(device)
     if row["error"] is None:
-        row["tok_s"] = cfg["batch"] * cfg["seq"] / (statistics.median(row["step_ms"]) / 1e3)
+        # every rank's tokens: the ranks step together
+        row["tok_s"] = DIST["world"] * cfg["batch"] * cfg["seq"] / (statistics.median(row["step_ms"]) / 1e3)
         row["step_ms_median"] = statistics.median(row["step_ms"])
         if engine != "eager":
             row["compile_s"] = row["first_step_s"]
@@ -367,6 +388,8 @@ def compare(rows: list[dict], reference: list[float] | None, warmup: int) -> Non
 def run(opts, log=print) -> dict:
     cfg = resolve(opts)
     device = torch.device("cpu" if opts.dry_run else "cuda")
+    if DIST["world"] > 1 and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     started = time.perf_counter()
     torch.manual_seed(cfg["seed"])
     state = {k: v.clone() for k, v in GPT(gpt_config(cfg)).state_dict().items()}  # on the CPU, shared by all
@@ -527,16 +550,67 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh-caches", action=argparse.BooleanOptionalAction, default=True,
                    help="put Nova's, Triton's and Inductor's on-disk caches in an empty temp dir for the run, so "
                    "compile_s is cold (default on; --no-fresh-caches keeps the environment's)")
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="data parallelism over N ranks through torchrun: eager / torch.compile in DDP, Nova with "
+                   "--data-parallel (default 1: one process)")
+    p.add_argument("--data-parallel", choices=("ddp", "zero1"), default="ddp",
+                   help="Nova's data_parallel mode with --nproc > 1 (default ddp)")
     p.add_argument("--dry-run", action="store_true",
                    help="a tiny GPT on the CPU: eager and Nova's reference backend, wall-clock timing, no claims")
+
+
+def _argv(opts) -> list[str]:
+    """The options again as command-line arguments (for the ranks torchrun starts)."""
+    out = []
+    for key in ("model", "layers", "width", "heads", "vocab", "seq", "batch", "precision", "steps", "warmup",
+                "cap_gib", "seed", "data_parallel"):  # not --nproc: torchrun's parser takes it for its own
+        v = getattr(opts, key)
+        if v is not None:
+            out += [f"--{key.replace('_', '-')}", str(v)]
+    if opts.engines:
+        out += ["--engines", ",".join(opts.engines)]
+    out.append("--fresh-caches" if opts.fresh_caches else "--no-fresh-caches")
+    return out + (["--dry-run"] if opts.dry_run else [])
+
+
+def _launch(opts, out_dir: Path) -> list[Path]:
+    """--nproc N outside torchrun: this benchmark again under torchrun, N ranks on this host."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={opts.nproc}",
+           str(Path(__file__).resolve()), *_argv(opts), "--out", str(out_dir)]
+    done = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
+    if done.returncode != 0:
+        raise RunFailed(f"torchrun of {opts.nproc} ranks failed (exit status {done.returncode}): {' '.join(cmd)}")
+    return sorted(out_dir.glob(f"*_np{opts.nproc}_*"))
+
+
+def _init_distributed(opts) -> None:
+    """Under torchrun (WORLD_SIZE set): the process group, this rank's device."""
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    if not opts.dry_run:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo" if opts.dry_run else "nccl")
+    DIST.update(world=world, rank=dist.get_rank())
 
 
 def run_args(opts, log=print) -> list[Path]:
     if not opts.dry_run and not torch.cuda.is_available():
         raise UsageError("nova bench gpt2 needs a CUDA device (or --dry-run)")
     out_dir = opts.out or (Path(tempfile.mkdtemp(prefix="nova-bench-gpt2-")) if opts.dry_run else REPO / "bench" / "results")
+    if opts.nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {opts.nproc}")
+    if opts.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch(opts, out_dir)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank torchrun started (ours, or the user's)
+        _init_distributed(opts)
+        if DIST["rank"] != 0:
+            log = lambda s: None  # noqa: E731  (rank 0 speaks and writes)
     with fresh_caches(opts.fresh_caches) as caches:
         doc = run(opts, log)
+    if DIST["rank"] != 0:
+        return []
     doc["config"]["caches"] = "fresh, empty for this run" if caches else "the environment's (not emptied)"
     paths = write(doc, out_dir, result_stem(doc["config"], opts.dry_run))
     log(summary(doc))
