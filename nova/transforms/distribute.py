@@ -70,9 +70,10 @@ LINKS: dict[str, Link] = {
     # gives 900 GB/s bidirectional per GPU (NVIDIA datasheet), nccl-tests report ~360-480 GB/s of all-reduce bus
     # bandwidth on 2-8 H100s; the small-message latency of NCCL's ring/LL protocols is ~10-20 us
     "nccl-nvlink-h200": Link("nccl-nvlink-h200", 15e-6, 360e9, "datasheet + nccl-tests on H100; to be measured on the H200 pair"),
-    # gloo over loopback TCP on one host: ~100 us per collective and ~2 GB/s, rough figures of the CPU CI
-    # machines (not a target to optimise for: it sizes buckets of the CPU tests only)
-    "gloo-loopback": Link("gloo-loopback", 100e-6, 2e9, "rough CPU figures, unmeasured"),
+    # gloo over loopback TCP on one host: scripts/measure_link.py --gloo gave 190 us at 8 B with 2 ranks on the
+    # 2-core development machine; ~2 GB/s is a rough guess of loopback TCP throughput
+    # (not a target to optimise for: it sizes the CPU runs' buckets only)
+    "gloo-loopback": Link("gloo-loopback", 200e-6, 2e9, "alpha measured once on the 2-core dev box, beta unmeasured"),
 }
 
 # bucket caps the model chooses among: powers of two from 64 KiB (below that the latency
