@@ -522,7 +522,8 @@ def _local_verifier(cls) -> bool:
     return all(type(t).verify is OpTrait.verify for t in op_def.traits)
 
 
-_LOCAL: dict[type, bool] = {}  # op class -> _local_verifier(class)
+_LOCAL: dict[type, dict | None] = {}  # op class -> its declared attributes if _local_verifier(class), else None
+_UNSEEN = object()
 
 
 def verify(module: ModuleOp) -> None:
@@ -537,9 +538,10 @@ def verify(module: ModuleOp) -> None:
     properties and declared attributes (by identity: the module holds them all,
     and a decoded entry shares one object per distinct attribute), with no regions
     or successors. Its verifier reads nothing else, so a later op with the same
-    inputs would get the same outcome: pass. The walk is xDSL's order (nested
-    regions before the op), so the first op that fails is the one ``module.verify()``
-    reports, with the same error."""
+    inputs would get the same outcome: pass. The walk is xDSL's order (an op's
+    regions before its own verifier), so the error raised is the one
+    ``module.verify()`` raises (where an op with regions fails both its own
+    structural checks and inside its regions, the inner error comes first here)."""
     from xdsl.ir import ErasedSSAValue
     from xdsl.traits import NoTerminator
     from xdsl.utils.exceptions import VerifyException
@@ -548,11 +550,10 @@ def verify(module: ModuleOp) -> None:
 
     def one(op) -> None:
         cls = type(op)
-        local = _LOCAL.get(cls)
-        if local is None:
-            local = _LOCAL[cls] = _local_verifier(cls)
-        if local and not op.regions and not op.successors and op.next_op is not None:
-            declared = cls.get_irdl_definition().attributes
+        declared = _LOCAL.get(cls, _UNSEEN)
+        if declared is _UNSEEN:
+            declared = _LOCAL[cls] = cls.get_irdl_definition().attributes if _local_verifier(cls) else None
+        if declared is not None and not op.regions and not op.successors and op.next_op is not None:
             key = (cls, tuple(id(v.type) for v in op.operands), tuple(id(r.type) for r in op.results),
                    tuple((k, id(v)) for k, v in op.properties.items()),
                    tuple((k, id(v)) for k, v in op.attributes.items() if k in declared))  # fmt: skip
