@@ -98,7 +98,7 @@ class Executable:
         self.scalars = torch.zeros(max(n, 1), dtype=torch.float64, device=self.device)
         # the host side: SCALAR_ROWS pinned rows used in turn, each free again once the
         # event recorded after its copy has completed (the copy reads it asynchronously)
-        self._rows: torch.Tensor | None = None
+        self._rows: list[tuple[torch.Tensor, object]] | None = None  # (pinned row, its numpy view)
         self._row_events: list = [None] * SCALAR_ROWS
         self._row = 0
         self.want_graph = cuda_graph and self.device.type == "cuda"
@@ -214,9 +214,13 @@ class Executable:
         Returns the persistent result tensors (param / state results are the bound
         tensors themselves, updated in place; the rest are overwritten by the next step)."""
         self.bind(args)
-        batch = [args[i] for i in self.batch_args]
-        hyper = [args[i] for i in self.hyper_args]
-        seeds = [args[i] for i in self.seed_args]
+        return self.launch([args[i] for i in self.batch_args], [args[i] for i in self.hyper_args],
+                           [args[i] for i in self.seed_args])  # fmt: skip
+
+    def launch(self, batch: Sequence[torch.Tensor], hyper: Sequence[float], seeds: Sequence[int]) -> list[torch.Tensor]:
+        """``run`` after its ``bind``: the batch into its slots, the scalars, then the
+        graph (or the list). The caller (``run``, or a step whose steady state holds:
+        ``nova.runtime.steady``) knows the list is bound to the tensors it updates."""
         for slot, x in zip(self.inputs, batch, strict=True):
             slot.copy_(x)
         if self.hyper_args or self.seed_args:
@@ -241,16 +245,18 @@ class Executable:
     def _write_scalars(self, hyper: Sequence[float], seeds: Sequence[int]) -> None:
         cuda = self.device.type == "cuda"
         if self._rows is None:
-            self._rows = torch.zeros((SCALAR_ROWS, self.scalars.numel()), dtype=torch.float64, pin_memory=cuda)
+            rows = torch.zeros((SCALAR_ROWS, self.scalars.numel()), dtype=torch.float64, pin_memory=cuda)
+            # views made once: the per-call writes are plain numpy stores into pinned memory
+            self._rows = [(r, r.numpy()) for r in rows.unbind()]
         k, self._row = self._row, (self._row + 1) % SCALAR_ROWS
         if self._row_events[k] is not None:
             self._row_events[k].synchronize()  # only when the host is SCALAR_ROWS steps ahead of the device
-        host = self._rows[k].numpy()  # a view of the pinned row: plain stores, no tensors made per call
+        row, host = self._rows[k]
         nh = len(hyper)
         host[:nh] = hyper
         if seeds:
             host.view("int64")[nh:nh + len(seeds)] = seeds
-        self.scalars.copy_(self._rows[k], non_blocking=cuda)
+        self.scalars.copy_(row, non_blocking=cuda)
         if cuda:
             event = self._row_events[k] or torch.cuda.Event()
             event.record()

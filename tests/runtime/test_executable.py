@@ -160,3 +160,29 @@ def test_a_learning_rate_changed_every_call_reaches_every_step():
         oracle(x, y)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_parameter_given_new_storage_with_data_is_bound_again():
+    # p.data = ... keeps the Parameter object (its id, so the program key) and moves its storage:
+    # the step must update the new storage, as eager's optimizer.step() would
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    step = nova.compile(model, opt, backend="triton")
+    oracle = nova.compile(ref, opt_ref, backend="reference")
+    batches = _batches(5)
+    for x, y in batches[:3]:  # the third call replays (the fast path)
+        step(x, y)
+        oracle(x, y)
+    p, q = model.transformer.h[0].mlp.c_fc.weight, ref.transformer.h[0].mlp.c_fc.weight
+    with torch.no_grad():
+        p.data = p.data * 0.5  # new storage, new values
+        q.data = q.data * 0.5
+    before = p.detach().clone()
+    for x, y in batches[3:]:
+        step(x, y)
+        oracle(x, y)
+    assert not torch.equal(p, before), "the step did not update the parameter's new storage"
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=n)

@@ -1,0 +1,141 @@
+"""The steady state of a compiled step: what the fast path of a call checks.
+
+A training loop calls its step again and again with new batch contents and, at
+most, new hyper-parameter values (an LR scheduler). Everything else a program
+was built from stays as it was. So after a call that ran an executable,
+``CompiledStep`` records a ``Steady`` snapshot of everything that call's full
+path read (the program key, the gather of the arguments, the executable's
+binding); the next call compares it, and when it holds, replays at once: the
+batch into its slots, the scalars in one copy, the graph. Any difference sends
+the call down the full path, which records a new snapshot.
+
+The comparisons are C-level loops (``map`` over builtin callables and list
+equality on ints: no Python frame per element), because this runs every call
+and a GPT-2 step has 148 parameters, 444 state tensors and 150 modules; the
+data pointers are compared in one call of torch's C++ check where the build has
+it (CUDA builds: ``torch._C._tensors_data_ptrs_at_indices_equal``, what
+Inductor's CUDA graph trees check their static inputs with), else by ``map``:
+
+  batch          the count, and each tensor's class, shape, dtype and device
+  registrations  torch's global module / parameter / buffer registration hooks
+                 (``nova.api._REGISTRATIONS``): anything assigned to a module
+  structure      the sizes of every module's ``_parameters``, ``_modules`` and
+                 ``_buffers``: something deleted
+  training       every module's ``training`` flag (``model.eval()``, or one
+                 submodule's)
+  tensors        every parameter's and buffer's ``data_ptr`` (``p.data = ...``
+                 keeps the object and moves its storage) and every parameter's
+                 ``requires_grad`` (freezing)
+  optimizer      the structure of ``param_groups`` (``CompiledStep._spec_key``);
+                 the ``state`` mapping itself (``load_state_dict`` makes a new
+                 one), the identity of each parameter's state dict, and the
+                 ``data_ptr`` of every value in them, in order: an entry added or
+                 removed, replaced by another tensor (``state[p][k] = t``, a
+                 ``.to(device)``) or given other storage (``t.data = ...``).
+                 (An entry replaced by another view of the very same memory, of
+                 the same place, is not a change: the executable's writes land
+                 in it all the same.)
+
+Identities are compared by ``id`` on objects the snapshot holds a reference to,
+so an id cannot be reused by a new object while the snapshot lives.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+
+import torch
+
+_DATA_PTR = torch.Tensor.data_ptr
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_TRAINING = operator.attrgetter("training")
+_DICT_VALUES = dict.values
+_CHAIN = itertools.chain.from_iterable
+
+
+_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def _ptrs_equal(tensors: list, ptrs: list[int], indices: list[int]) -> bool:
+    if _PTRS_EQUAL is not None:
+        return _PTRS_EQUAL(tensors, ptrs, indices)
+    return list(map(_DATA_PTR, tensors)) == ptrs
+
+
+class Steady:
+    """A snapshot taken after a full call of ``step`` that ran ``prog``'s executable
+    (``of``), and its check (``holds``)."""
+
+    __slots__ = ("prog", "exe", "batch", "registrations", "mods", "dicts", "lens", "training", "watch", "ptrs",
+                 "params", "grads", "spec", "state", "entries", "entry_ids", "indices", "hyper_names",
+                 "hyper_base", "seeds")  # fmt: skip
+
+    @classmethod
+    def of(cls, step, prog, batch: tuple, registrations: int) -> Steady | None:
+        """The snapshot, or None where the executable is not bound to exactly the
+        optimizer's current state tensors (the next call takes the full path)."""
+        exe, model, opt = prog.executable, step.model, step.optimizer
+        g = prog.gather
+        state = opt.state
+        for i, p, _name, key in g.state:  # the executable holds these tensors (or aliases of them)
+            v = (state.get(p) or {}).get(key)
+            if not isinstance(v, torch.Tensor) or _DATA_PTR(v) != _DATA_PTR(exe.arguments[i]):
+                return None
+        entries = list(state.values())
+        if not all(isinstance(v, torch.Tensor) for e in entries for v in e.values()):
+            return None  # a state value that is not a tensor: no pointer to compare, the full path checks it
+        s = cls.__new__(cls)
+        s.prog, s.exe = prog, exe
+        s.batch = [(type(t), t.shape, t.dtype, t.device) for t in batch]
+        s.registrations = registrations
+        s.mods = list(model.modules())
+        s.dicts = [m._parameters for m in s.mods] + [m._modules for m in s.mods] + [m._buffers for m in s.mods]
+        s.lens = list(map(len, s.dicts))
+        s.training = list(map(_TRAINING, s.mods))
+        s.params = [p for _, p in model.named_parameters(remove_duplicate=False)]
+        buffers = [b for _, b in model.named_buffers(remove_duplicate=False)]
+        s.watch = s.params + buffers  # then the state values, in order (holds)
+        s.ptrs = list(map(_DATA_PTR, s.watch + list(_CHAIN(map(_DICT_VALUES, entries)))))
+        s.indices = list(range(len(s.ptrs)))
+        s.grads = list(map(_REQUIRES_GRAD, s.params))
+        s.spec = step._spec_key()
+        s.state = state
+        s.entries = entries
+        s.entry_ids = list(map(id, entries))
+        # the hyper-parameters in the executable's order: read each call, except the
+        # SGD momentum buffers' "fresh" flags, fixed while the state is (it holds)
+        s.hyper_names, s.hyper_base = [], []
+        fresh = {i: p for i, p in g.momentum_fresh}
+        for j, i in enumerate(exe.hyper_args):
+            if i in fresh:
+                s.hyper_base.append(0.0 if "momentum_buffer" in state.get(fresh[i], {}) else 1.0)
+            else:
+                s.hyper_base.append(0.0)
+                s.hyper_names.append((j, prog.args[i].name))
+        s.seeds = len(exe.seed_args)
+        return s
+
+    def holds(self, step, batch: tuple, registrations: int) -> bool:
+        """Whether nothing the snapshot recorded has changed (see the module docstring)."""
+        if len(batch) != len(self.batch):
+            return False
+        for t, (cls, shape, dtype, device) in zip(batch, self.batch):
+            if type(t) is not cls or t.shape != shape or t.dtype is not dtype or t.device != device:
+                return False
+        opt = step.optimizer
+        return (registrations == self.registrations
+                and list(map(len, self.dicts)) == self.lens
+                and list(map(_TRAINING, self.mods)) == self.training
+                and list(map(_REQUIRES_GRAD, self.params)) == self.grads
+                and opt.state is self.state
+                and list(map(id, self.state.values())) == self.entry_ids
+                and _ptrs_equal(self.watch + list(_CHAIN(map(_DICT_VALUES, self.entries))), self.ptrs, self.indices)
+                and step._spec_key() == self.spec)  # fmt: skip
+
+    def hyper(self, values: dict[str, float]) -> list[float]:
+        """The executable's hyper-parameter list, from ``hyper_values``' dict."""
+        out = list(self.hyper_base)
+        for j, name in self.hyper_names:
+            out[j] = values[name]
+        return out
