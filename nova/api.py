@@ -160,11 +160,12 @@ class _Key(NamedTuple):
     params: tuple  # (name, id, dtype, shape, device, requires_grad) per parameter name
     buffers: tuple  # (name, id, dtype, shape, device) per buffer name
     optimizer: tuple  # the optimizer's structure (CompiledStep._spec_key)
-    training: bool
+    training: tuple  # (module name, training) per module: model.eval(), or one submodule's
 
 
 _PARAMETERS_OF, _MODULES_OF, _BUFFERS_OF = (operator.attrgetter(a) for a in ("_parameters", "_modules", "_buffers"))
 _DATA_PTR, _REQUIRES_GRAD = torch.Tensor.data_ptr, operator.attrgetter("requires_grad")
+_TRAINING = operator.attrgetter("training")
 
 
 def _tensor_sig(name: str, t: torch.Tensor) -> tuple:
@@ -198,7 +199,9 @@ def _why(old: _Key | None, new: _Key) -> str:
     if old.optimizer != new.optimizer:
         reasons.append("optimizer structure changed (param groups or structural options)")
     if old.training != new.training:
-        reasons.append(f"{'train' if new.training else 'eval'} mode")
+        flipped = [f"{n or '(the model)'} {'train' if t else 'eval'}" for (n, t), (_, u) in zip(new.training, old.training)
+                   if t != u] if len(old.training) == len(new.training) else []  # fmt: skip
+        reasons.append(f"train/eval mode changed: {', '.join(flipped) or 'modules added or removed'}")
     return "; ".join(reasons) or "evicted from the program cache earlier"
 
 
@@ -351,7 +354,8 @@ class CompiledStep:
             self._walk = (_REGISTRATIONS[0], mods, [p for _, p in m.named_parameters(remove_duplicate=False)])
         _, mods, plist = self._walk
         # map() over C callables: no Python frame per module or parameter (this runs every call)
-        fast = (_REGISTRATIONS[0], tuple((tuple(t.shape), t.dtype) for t in batch), m.training, self._spec_key(),
+        fast = (_REGISTRATIONS[0], tuple((tuple(t.shape), t.dtype) for t in batch), tuple(map(_TRAINING, mods)),
+                self._spec_key(),
                 tuple(map(len, map(_PARAMETERS_OF, mods))), tuple(map(len, map(_MODULES_OF, mods))),
                 tuple(map(len, map(_BUFFERS_OF, mods))), tuple(map(_DATA_PTR, plist)),
                 tuple(map(_REQUIRES_GRAD, plist)))  # fmt: skip
@@ -365,7 +369,8 @@ class CompiledStep:
         m = self.model
         params = tuple((*_tensor_sig(n, p), p.requires_grad) for n, p in m.named_parameters(remove_duplicate=False))
         buffers = tuple(_tensor_sig(n, b) for n, b in m.named_buffers(remove_duplicate=False))
-        return _Key(tuple((tuple(t.shape), t.dtype) for t in batch), params, buffers, self._spec_key(), m.training)
+        training = tuple((n, sub.training) for n, sub in m.named_modules(remove_duplicate=False))
+        return _Key(tuple((tuple(t.shape), t.dtype) for t in batch), params, buffers, self._spec_key(), training)
 
     def _program(self, batch: tuple) -> Program:
         key = self._key(batch)

@@ -98,3 +98,16 @@ def test_a_deleted_submodule_is_seen(monkeypatch):
     assert step._steady is not None
     del model.transformer.h[0].mlp.c_proj.bias  # no registration hook runs for a deletion
     assert not step._steady.holds(step, b[2], api._REGISTRATIONS[0])
+
+
+def test_one_submodule_in_eval_mode_selects_another_program(caplog):
+    # a submodule's forward may read its own .training (dropout): the program key holds every module's flag
+    (model, opt, step), _ = _pair()
+    b = _batches(3)
+    step(*b[0])
+    step(*b[1])
+    model.transformer.h[0].eval()
+    with caplog.at_level("INFO", logger="nova.api"):
+        step(*b[2])
+    assert step.num_programs == 2
+    assert "transformer.h.0 eval" in caplog.text
