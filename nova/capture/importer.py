@@ -112,8 +112,7 @@ _DECOMPOSE_ROUNDS = 4  # a decomposition's output rarely needs more than two fur
 def capture(model: torch.nn.Module, batch: tuple) -> Captured:
     """The model's forward + loss as @train_step. The garbage collector is paused
     meanwhile (``nova.runtime.collector``): torch.export's graphs and fake tensors
-    would start a full collection of the whole process (0.35 s on CI), and leave
-    ~20 MB of garbage for the next young collection instead."""
+    would start a full collection of the whole process (0.35 s on CI)."""
     with paused():
         return _capture(model, batch)
 

@@ -34,6 +34,40 @@ def test_paused_turns_the_collector_off_and_back_on(collector_on):
     assert gc.isenabled()
 
 
+class _Node:
+    pass
+
+
+def test_what_is_made_inside_moves_to_the_old_generation_and_its_garbage_is_still_collected(collector_on):
+    import weakref
+
+    with paused():
+        kept = _Node()
+        a, b = _Node(), _Node()
+        a.b, b.a = b, a  # a cycle: garbage once the names are gone
+        gone = weakref.ref(a)
+        del a, b
+    assert any(o is kept for o in gc.get_objects(generation=2))
+    assert not any(o is kept for o in gc.get_objects(generation=0))
+    assert gone() is not None  # not walked by a young collection: it waits for a full one
+    gc.collect()
+    assert gone() is None and gc.get_freeze_count() == 0
+
+
+def test_objects_the_process_froze_stay_frozen(collector_on):
+    frozen = _Node()
+    gc.freeze()
+    try:
+        count = gc.get_freeze_count()
+        with paused():
+            made = _Node()
+        assert gc.get_freeze_count() == count  # nothing unfrozen, nothing of ours frozen
+        listed = gc.get_objects()  # the generations, not the frozen objects
+        assert not any(o is frozen for o in listed) and any(o is made for o in listed)
+    finally:
+        gc.unfreeze()
+
+
 def test_paused_leaves_a_disabled_collector_disabled(collector_on):
     gc.disable()
     with paused():
