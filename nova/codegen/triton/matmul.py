@@ -1,4 +1,4 @@
-"""Matmul template: C[b] = A[b] @ B[b] (+ bias over rows), as generated Triton source.
+"""Matmul template: C[b] = A[b] @ B[b] (+ bias over rows, or an epilogue), as generated Triton source.
 
 ``matmul_source`` writes the text of one kernel specialised to a ``LoweringConfig``
 (tile sizes, group-M swizzle, split-K, persistence) and to the operation (dtypes,
@@ -42,6 +42,19 @@ Design choices, and why:
   16-byte aligned base and strides; when either operand does not qualify, the
   pointer kernel runs instead (logged once), which takes any strides. C is always stored through
   pointers (any strides, masked edges).
+* An ``Epilogue`` (the fuse stage's output fusion, composed by
+  ``nova.codegen.triton.fused.epilogue_of`` from the same per-op expressions the
+  fused elementwise kernels use) replaces the store: its body reads the fp32
+  accumulator tile ``acc`` and its extra operands, each loaded at the tile's
+  offsets through its own strides (a bias row, a saved pre-activation, a
+  residual: any shape that broadcasts to the iteration shape), and it writes one
+  or more contiguous outputs in their final dtypes. The iteration shape is static
+  in the text (its last dim is N, its leading dims hold batch x M rows), so the
+  row index of the tile is split into the leading dims' indices once per tile,
+  not per element. Split-K runs it in the reduction kernel, on the summed tile.
+  Epilogue kernels launch with ``enable_fp_fusion=False``, as the fused
+  elementwise kernels do: every op rounds as written (the K loop has no fp32
+  multiply-add to contract: the dot accumulates in the tensor cores either way).
 * C may be a given ``out`` (a view into the step's arena beside the operands: only
   overlapping bytes are refused). What a launch allocates besides C (the split-K
   partials, the staged tf32 copies) is bounded by ``scratch_bytes``, for the memory
@@ -56,6 +69,7 @@ import textwrap
 from dataclasses import dataclass
 import torch
 
+from nova.codegen.triton.elementwise import Operand, convert, storage_view, tag
 from nova.codegen.triton.source import interpreting, kernel_source, load_kernel
 from nova.log import get_logger, once
 from nova.schedule.config import LoweringConfig
@@ -116,6 +130,106 @@ def _check_config(cfg: LoweringConfig) -> None:
 
 
 @dataclass(frozen=True)
+class Epilogue:
+    """What a matmul kernel does with its fp32 accumulator instead of storing it.
+
+    ``shape``: the iteration shape (static; its last dim is N, the product of the
+    others batch x M: the tile's rows). ``operands``: the extra inputs, operand k
+    loaded (in its stored type, bools as 0/1 bytes) into ``ex<k>`` at the tile's
+    elements, through its own strides (shape right-aligned against ``shape``, as
+    pointwise operands are). ``body``: statements reading ``acc`` (the fp32 tile,
+    or the summed split-K partials) and the ``ex<k>`` (and ``offs``, the flat index
+    of ``shape``, where ``flat_index``), assigning the stored variables; ``stores``:
+    (variable, register type, dtype) per output, each written contiguously, of
+    shape ``out_shapes[j]`` (the iteration shape, or the matmul's result shape:
+    the same elements in the same order). ``helpers``: functions the body calls."""
+
+    shape: tuple[int, ...]
+    operands: tuple[Operand, ...]
+    body: str
+    stores: tuple[tuple[str, str, torch.dtype], ...]
+    out_shapes: tuple[tuple[int, ...], ...]
+    helpers: str = ""
+    flat_index: bool = False
+
+    def check(self, N: int, rows: int) -> None:
+        shape = self.shape
+        if not shape or shape[-1] != N or _prod(shape[:-1]) != rows:
+            raise ValueError(f"matmul: epilogue iteration shape {shape} does not hold a [{rows}, {N}] result "
+                             "(its last dim must be N, its others batch x M)")
+        for s in self.out_shapes:
+            if _prod(s) != rows * N or not s or s[-1] != N:
+                raise ValueError(f"matmul: epilogue output shape {s} does not hold a [{rows}, {N}] result")
+
+
+def _prod(dims) -> int:
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
+
+
+def _epilogue_params(ep: Epilogue) -> tuple[list[str], list[str]]:
+    """(pointer parameters, stride parameters) of an epilogue: ``e<k>`` per operand,
+    ``o<j>`` per output, then ``es<k>_<d>`` per moving dim of each operand."""
+    rank = len(ep.shape)
+    ptrs = [f"e{k}" for k in range(len(ep.operands))] + [f"o{j}" for j in range(len(ep.stores))]
+    strides = [f"es{k}_{kd}" for k, op in enumerate(ep.operands) for kd, _, _ in op.terms(rank)]
+    return ptrs, strides
+
+
+def epilogue_lines(ep: Epilogue, two_d: bool, masked: bool) -> list[str]:
+    """The epilogue's statements. ``two_d``: in the main kernel, over the
+    [BLOCK_M, BLOCK_N] tile (``e_rows`` [BLOCK_M], ``offs_n`` and ``mask_m`` /
+    ``mask_n`` are defined); else in the split-K reduction, over a flat block of
+    the result (``offs``, ``mask``). ``masked``: ragged edges (EVEN is false)."""
+    rank = len(ep.shape)
+    last = rank - 1
+    lines = ["e_cols = offs_n" if two_d else f"e_cols = offs % {ep.shape[-1]}"]
+    if not two_d:
+        lines.append(f"e_rows = offs // {ep.shape[-1]}")
+    lead = sorted({d for op in ep.operands for _, d, _ in op.terms(rank) if d < last})
+    if lead:  # the leading dims' indices of each row, once per row
+        lines.append("e_rem = e_rows")
+        for d in range(last - 1, lead[0] - 1, -1):
+            if d == lead[0] and _prod(ep.shape[:d]) == 1:  # the outermost dim that moves: no modulo
+                lines.append(f"e_i{d} = e_rem")
+            else:
+                lines += [f"e_i{d} = e_rem % {ep.shape[d]}", f"e_rem = e_rem // {ep.shape[d]}"]
+    if ep.flat_index:
+        lines.append(f"offs = e_rows[:, None] * {ep.shape[-1]} + e_cols[None, :]" if two_d else "")
+
+    def index(d: int) -> str:
+        name = "e_cols" if d == last else f"e_i{d}"
+        if not two_d:
+            return name
+        return f"{name}[None, :]" if d == last else f"{name}[:, None]"
+
+    def mask_of(dims: set[int]) -> str:
+        if not masked:
+            return ""
+        if not two_d:
+            return ", mask=mask"
+        parts = (["mask_m[:, None]"] if any(d < last for d in dims) else []) + (["mask_n[None, :]"] if last in dims else [])
+        return ", mask=" + " & ".join(parts)
+
+    for k, op in enumerate(ep.operands):
+        terms = op.terms(rank)
+        if not terms:
+            lines.append(f"ex{k} = tl.load(e{k})")  # one element for every lane
+            continue
+        off = " + ".join(f"{index(d)} * es{k}_{kd}" for kd, d, _ in terms)
+        lines.append(f"ex{k} = tl.load(e{k} + {off}{mask_of({d for _, d, _ in terms})})")
+    lines += [ln for ln in ep.body.strip("\n").splitlines()]
+    out = "e_rows[:, None] * " + str(ep.shape[-1]) + " + e_cols[None, :]" if two_d else "offs"
+    lines.append(f"e_out = {out}")
+    full = mask_of({0, last}) if rank > 1 else mask_of({last})
+    for j, (var, vtag, dtype) in enumerate(ep.stores):
+        lines.append(f"tl.store(o{j} + e_out, {convert(var, vtag, tag(dtype))}{full})")
+    return [ln for ln in lines if ln]
+
+
+@dataclass(frozen=True)
 class TmaLayout:
     """How the TMA variant addresses A and B: ``row`` = the last dim is contiguous
     (A: K, B: N), ``col`` = the second-to-last is (the tile is loaded transposed
@@ -140,14 +254,20 @@ def matmul_source(
     tma: TmaLayout | None = None,
     prerounded: tuple[str, ...] = (),
     name: str = "matmul_kernel",
+    epilogue: Epilogue | None = None,
 ) -> str:
     """Triton source for one matmul kernel (plus the split-K reduction when
     ``cfg.split_k > 1``, named ``<name>_reduce``). With ``tma`` the operand tiles are
     fetched through host-built tensor descriptors (Hopper TMA; out-of-bounds boxes
     read as zeros, so the loads need no masks); otherwise through pointers.
     ``prerounded`` names the operands ("a", "b") a staging pass already rounded to
-    tf32: ``tf32-rn`` rounds only the others in the kernel."""
+    tf32: ``tf32-rn`` rounds only the others in the kernel. ``epilogue`` replaces C's
+    store (in the reduction kernel when split): its operands and outputs are
+    pointer arguments after A, B (and C, the partials, when split), their strides
+    after every other stride."""
     _check_config(cfg)
+    if epilogue is not None and has_bias:
+        raise ValueError("matmul: a bias and an epilogue (the epilogue holds the bias add)")
     if precision not in PRECISIONS:
         raise ValueError(f"matmul: precision must be one of {PRECISIONS}, got {precision!r}")
     in_name, out_name = _dtype_name(in_dtype), _dtype_name(out_dtype)
@@ -169,9 +289,14 @@ def matmul_source(
         dot = "tl.dot(a, b, acc)"
 
     idx = ".to(tl.int64)" if index_64 else ""
-    params = ["a_desc", "b_desc", "c_ptr"] if tma else ["a_ptr", "b_ptr", "c_ptr"]
+    fused = epilogue is not None and not split  # this kernel runs the epilogue
+    params = ["a_desc", "b_desc"] if tma else ["a_ptr", "b_ptr"]
+    if not fused:
+        params.append("c_ptr")
     if has_bias and not split:
         params.append("bias_ptr")
+    ep_ptrs, ep_strides = _epilogue_params(epilogue) if fused else ([], [])
+    params += ep_ptrs
     params += ["M", "N", "K"]
     if split:
         params += ["K_SPLIT", "SPLITS"]
@@ -179,13 +304,16 @@ def matmul_source(
         params.append("BATCH")
     if not tma:
         params += ["stride_am", "stride_ak", "stride_bk", "stride_bn"]
-    params += ["stride_cm", "stride_cn"]
+    if not fused:
+        params += ["stride_cm", "stride_cn"]
     if batched:
-        params += ["stride_cb"] if tma else ["stride_ab", "stride_bb", "stride_cb"]
+        params += [] if tma else ["stride_ab", "stride_bb"]
+        params += [] if fused else ["stride_cb"]
     if split:
         params.append("stride_cs")
     if has_bias and not split:
         params.append("stride_bias")
+    params += ep_strides
     if persistent:
         params.append("NUM_PROGS")
     params.append("EVEN: tl.constexpr")
@@ -243,6 +371,21 @@ def matmul_source(
             "\n        acc += bias.to(tl.float32)[None, :]"
         )
     store_ty = "tl.float32" if split else _TL_DTYPE[out_name]
+    if fused:
+        rows = ("pid_b.to(tl.int64) * M + offs_m" if index_64 else "pid_b * M + offs_m") if batched else "offs_m"
+        ep = ["e_rows = " + rows, "if EVEN:"]
+        ep += ["    " + ln for ln in epilogue_lines(epilogue, True, False)]
+        ep += ["else:"] + ["    " + ln for ln in epilogue_lines(epilogue, True, True)]
+        store = "\n".join("        " + ln for ln in ep) + "\n"
+    else:
+        store = f"""\
+        c_ptrs = {c_base} + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        c = acc.to({store_ty})
+        if EVEN:
+            tl.store(c_ptrs, c)
+        else:
+            tl.store(c_ptrs, c, mask=mask_m[:, None] & mask_n[None, :])
+"""
 
     body = f"""\
         {decode}
@@ -262,13 +405,7 @@ def matmul_source(
         for k in range(0, k_len, BLOCK_K):
 {loads}{cast}
             acc = {dot}{advance}{bias}
-        c_ptrs = {c_base} + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        c = acc.to({store_ty})
-        if EVEN:
-            tl.store(c_ptrs, c)
-        else:
-            tl.store(c_ptrs, c, mask=mask_m[:, None] & mask_n[None, :])
-"""
+{store}"""
     if persistent:
         total = "tiles" + (" * SPLITS" if split else "") + (" * BATCH" if batched else "")
         loop = f"    total = {total}\n    for work in range(tl.program_id(0), total, NUM_PROGS):\n"
@@ -294,6 +431,7 @@ def matmul_source(
 persistent {'yes' if persistent else 'no'}
         # in {in_name}, out {out_name}, precision {precision}, bias {'yes' if has_bias else 'no'}, \
 batched {'yes' if batched else 'no'}, index {'int64' if index_64 else 'int32'}
+        # epilogue {_describe(epilogue)}
         # operands {'through tensor descriptors (TMA): ' + repr(tma) if tma else 'through pointers'}\
 {', staged (tf32-rounded, K-major): ' + ' '.join(prerounded) if prerounded else ''}
         import triton
@@ -304,10 +442,18 @@ batched {'yes' if batched else 'no'}, index {'int64' if index_64 else 'int32'}
         BLOCK_K = tl.constexpr({cfg.block_k})
         GROUP_M = tl.constexpr({cfg.group_m})
         """)
-    text = header + "\n\n" + kernel
+    helpers = epilogue.helpers.strip("\n") + "\n\n\n" if epilogue is not None and epilogue.helpers else ""
+    text = header + "\n\n" + helpers + kernel
     if split:
-        text += "\n\n" + _reduce_source(name + "_reduce", has_bias, _TL_DTYPE[out_name])
+        text += "\n\n" + _reduce_source(name + "_reduce", has_bias, _TL_DTYPE[out_name], epilogue)
     return text
+
+
+def _describe(ep: Epilogue | None) -> str:
+    if ep is None:
+        return "none (C stored)"
+    return (f"over {list(ep.shape)}: {len(ep.operands)} operands, "
+            f"outputs {', '.join(str(d).removeprefix('torch.') for _, _, d in ep.stores)}")
 
 
 def _tma_load(desc: str, k_contiguous: bool, batched: bool, offset: str, size: str, k_last: bool) -> str:
@@ -323,9 +469,25 @@ def _tma_load(desc: str, k_contiguous: bool, batched: bool, offset: str, size: s
     return text if k_contiguous == k_last else f"tl.trans({text})"
 
 
-def _reduce_source(name: str, has_bias: bool, out_ty: str) -> str:
+def _reduce_source(name: str, has_bias: bool, out_ty: str, epilogue: Epilogue | None = None) -> str:
     """Second split-K pass: sum the partials in split order (deterministic), add the
-    bias, cast, store through C's strides. The workspace is contiguous [S, B, M, N]."""
+    bias, cast, store through C's strides (or run the epilogue on the sum). The
+    workspace is contiguous [S, B, M, N]."""
+    if epilogue is not None:
+        ptrs, strides = _epilogue_params(epilogue)
+        lines = "\n".join("    " + ln for ln in epilogue_lines(epilogue, False, True))
+        return f"""\
+@triton.jit(do_not_specialize=["SPLITS"])
+def {name}(
+    ws_ptr, {", ".join(ptrs)}, M, N, TOTAL, SPLITS, stride_ws, {"".join(st + ", " for st in strides)}
+):
+    offs = tl.program_id(0).to(tl.int64) * {REDUCE_BLOCK} + tl.arange(0, {REDUCE_BLOCK})
+    mask = offs < TOTAL
+    acc = tl.zeros(({REDUCE_BLOCK},), dtype=tl.float32)
+    for s in range(0, SPLITS):
+        acc += tl.load(ws_ptr + s * stride_ws + offs, mask=mask, other=0.0)
+{lines}
+"""
     bias_param = "bias_ptr, stride_bias, " if has_bias else ""
     bias = (
         "\n    acc += tl.load(bias_ptr + n * stride_bias, mask=mask, other=0.0).to(tl.float32)" if has_bias else ""
@@ -443,6 +605,7 @@ def matmul_kernels(
     interpreted: bool = False,  # part of the key: @triton.jit builds a different object
     tma: TmaLayout | None = None,
     prerounded: tuple[str, ...] = (),
+    epilogue: Epilogue | None = None,
 ) -> MatmulKernels:
     # num_warps / num_stages / the split count are launch-time: keep them out of the text
     key_cfg = LoweringConfig(
@@ -464,6 +627,7 @@ def matmul_kernels(
         index_64=index_64,
         tma=tma,
         prerounded=prerounded,
+        epilogue=epilogue,
     )
     main, path = load_kernel(src, "matmul_kernel")
     reduce = load_kernel(src, "matmul_kernel_reduce")[0] if cfg.split_k > 1 else None
@@ -722,6 +886,32 @@ def matmul(
     return _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup=False, record=record)
 
 
+def matmul_epilogue(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    epilogue: Epilogue,
+    inputs: list[torch.Tensor],
+    out_dtype: torch.dtype,
+    cfg: LoweringConfig | None = None,
+    precision: str | None = None,
+    outs: list[torch.Tensor] | None = None,
+    *,
+    num_programs: int | None = None,
+    record: dict[str, str] | None = None,
+) -> list[torch.Tensor]:
+    """``a @ b`` (as ``matmul``, its fp32 accumulator then rounded as a C of
+    ``out_dtype`` would be only where the epilogue says so) with ``epilogue``
+    applied to the accumulator instead of storing C: ``inputs`` are its operands
+    (any strides), ``outs`` its outputs (contiguous, one per store; new tensors
+    when None). An output may be an input itself (same storage, the iteration
+    shape, contiguous: each element is read by the lane that writes it, before it
+    writes it); it may not overlap ``a`` or ``b`` or another output. ``out_dtype``
+    is the matmul's result dtype (what the configurator plans the tile for).
+    Returns the outputs."""
+    return _run(a, b, None, cfg, precision, None, out_dtype, num_programs, warmup=False, record=record,
+                epilogue=(epilogue, list(inputs), outs))
+
+
 def precompile(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -755,13 +945,50 @@ def precompile_specs(specs: list[tuple]) -> list[tuple]:
     return done
 
 
-def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, record=None):
+def _epilogue_tensors(ep: Epilogue, inputs, outs, a, b, batch, M, N):
+    """The checked operands and outputs of an epilogue launch (outputs made when None)."""
+    ep.check(N, batch * M)
+    if len(inputs) != len(ep.operands):
+        raise ValueError(f"matmul: the epilogue takes {len(ep.operands)} operands, got {len(inputs)}")
+    for k, (x, op) in enumerate(zip(inputs, ep.operands)):
+        if tuple(x.shape) != tuple(op.shape) or x.dtype != op.dtype or x.device != a.device:
+            raise ValueError(f"matmul: epilogue operand {k} is {tuple(x.shape)} {x.dtype} on {x.device}, expected "
+                             f"{tuple(op.shape)} {op.dtype} on {a.device}")
+    if outs is None:
+        outs = [torch.empty(s, dtype=d, device=a.device) for s, (_, _, d) in zip(ep.out_shapes, ep.stores)]
+    if len(outs) != len(ep.stores):
+        raise ValueError(f"matmul: the epilogue writes {len(ep.stores)} outputs, got {len(outs)}")
+    for j, (o, s, (_, _, d)) in enumerate(zip(outs, ep.out_shapes, ep.stores)):
+        if tuple(o.shape) != tuple(s) or o.dtype != d or not o.is_contiguous() or o.device != a.device:
+            raise ValueError(f"matmul: epilogue output {j} is {tuple(o.shape)} {o.dtype} with strides "
+                             f"{tuple(o.stride())} on {o.device}, expected a contiguous {tuple(s)} {d} on {a.device}")
+        if a.device.type == "meta":
+            continue
+        others = [a, b, *outs[:j]]
+        if any(_overlaps(o, t) for t in others):
+            raise ValueError(f"matmul: epilogue output {j} overlaps an operand or another output")
+        for x in inputs:  # in place only element for element: the same bytes, read at the same index
+            if _overlaps(o, x) and not (x.data_ptr() == o.data_ptr() and x.is_contiguous()
+                                        and tuple(x.shape) == tuple(ep.shape) and x.dtype == o.dtype):
+                raise ValueError(f"matmul: epilogue output {j} overlaps an operand it does not replace element "
+                                 "for element")
+    return outs
+
+
+def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, record=None, epilogue=None):
     batched, batch, M, N, K, shape, in_name, out_name, out_dtype, precision = _validate(
         a, b, bias, out, out_dtype, precision, allow_meta=warmup
     )
+    ep, ep_inputs, ep_outs = epilogue if epilogue is not None else (None, [], [])
+    if ep is not None:
+        ep_outs = _epilogue_tensors(ep, ep_inputs, ep_outs, a, b, batch, M, N)
+        if K == 0 or M * N * batch == 0:
+            raise ValueError(f"matmul: an epilogue needs a non-empty contraction, got M={M} N={N} K={K} "
+                             f"batch={batch}")
+        out = torch.empty((1, 0, 0), dtype=out_dtype, device=a.device)  # C is never written
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=a.device)
-    if out.numel() == 0 or K == 0:
+    if ep is None and (out.numel() == 0 or K == 0):
         if warmup:
             return []
         if K == 0 and out.numel():  # empty contraction: the sum over nothing, plus the bias
@@ -779,6 +1006,10 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     _check_config(cfg)
     if in_name != "float32":
         precision = "bf16"  # 16-bit operands: nothing to round; one kernel for every spelling
+    if ep is not None and precision == "ieee":
+        raise ValueError("matmul: no epilogue on the fp32 FMA path (precision 'ieee'): its dot needs floating-point "
+                         "contraction (llvm.fmuladd) and an epilogue must round each op as written; the fuse stage "
+                         "gives such a matmul no epilogue (fuse.fma_products)")
 
     a3 = a if a.dim() == 3 else a.unsqueeze(0)
     b3 = b if b.dim() == 3 else b.unsqueeze(0)
@@ -802,11 +1033,15 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
              K, cfg.block_k, cfg.split_k)
         cfg = dataclasses.replace(cfg, split_k=1)
     margin = max(cfg.block_m, cfg.block_n, cfg.block_k)
-    spans = (_span(a3[0], margin), _span(b3[0], margin), _span(c3[0], margin), (M + margin) * (N + margin))
+    c_span = _span(c3[0], margin) if ep is None else 0
+    spans = [_span(a3[0], margin), _span(b3[0], margin), c_span, (M + margin) * (N + margin)]
+    if ep is not None:  # the epilogue's flat offsets run over every batch's rows
+        spans += [(batch * M + margin) * (N + margin)] + [_span(x, margin) for x in ep_inputs]
     index_64 = max(spans) > _INT32_MAX
     tma = _tma_plan(cfg, a3, b3)
     kern = matmul_kernels(
-        cfg, bias is not None, precision, out_name, in_name, batched, index_64, interpreting(), tma and tma[0], staged
+        cfg, bias is not None, precision, out_name, in_name, batched, index_64, interpreting(), tma and tma[0], staged,
+        ep,
     )
 
     if record is not None and kern.path not in record:  # once per kernel: this runs every step
@@ -815,14 +1050,22 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     total = tiles * splits * batch
 
+    fused = ep is not None and not split
+    rank = len(ep.shape) if ep is not None else 0
+    ep_ptrs = [storage_view(x) for x in (*ep_inputs, *ep_outs)]
+    ep_strides = [x.stride(kd) for op, x in zip(ep.operands, ep_inputs) for kd, _, _ in op.terms(rank)] if ep else []
     if split:
         ws = torch.empty((splits, batch, M, N), dtype=torch.float32, device=a.device)
         dst, dst_strides = ws, (N, 1)
     else:
         dst, dst_strides = c3, (c3.stride(1), c3.stride(2))
-    args = [*tma[1], dst] if tma else [a3, b3, dst]
+    args = list(tma[1]) if tma else [a3, b3]
+    if not fused:
+        args.append(dst)
     if bias is not None and not split:
         args.append(bias)
+    if fused:
+        args += ep_ptrs
     args += [M, N, K]
     if split:
         args += [k_split, splits]
@@ -830,15 +1073,19 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
         args.append(batch)
     if not tma:
         args += [a3.stride(1), a3.stride(2), b3.stride(1), b3.stride(2)]
-    args += dst_strides
+    if not fused:
+        args += dst_strides
     if batched:
         if not tma:
             args += [a3.stride(0) if a3.shape[0] > 1 else 0, b3.stride(0) if b3.shape[0] > 1 else 0]
-        args.append(M * N if split else c3.stride(0))
+        if not fused:
+            args.append(M * N if split else c3.stride(0))
     if split:
         args.append(batch * M * N)
     if bias is not None and not split:
         args.append(bias.stride(0))
+    if fused:
+        args += ep_strides
     if cfg.persistent:
         nprog = min(total, num_programs or _num_sms(a.device))
         args.append(nprog)
@@ -846,6 +1093,8 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     else:
         grid = (total,)
     options = dict(EVEN=even, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if fused:
+        options["enable_fp_fusion"] = False  # each epilogue op rounds as written (the module docstring)
     if warmup:
         compiled = [kern.main.warmup(*args, grid=grid, **options)]
     else:
@@ -853,20 +1102,27 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
 
     if split:
         n_out = batch * M * N
-        rargs = [ws, c3]
-        if bias is not None:
-            rargs += [bias, bias.stride(0)]
-        rargs += [M, N, n_out, splits, n_out, c3.stride(0), c3.stride(1), c3.stride(2)]
         rgrid = (cdiv(n_out, REDUCE_BLOCK),)
-        if warmup:
-            compiled.append(kern.reduce.warmup(*rargs, grid=rgrid, num_warps=4))
+        if ep is not None:
+            rargs = [ws, *ep_ptrs, M, N, n_out, splits, n_out, *ep_strides]
+            roptions = dict(num_warps=4, enable_fp_fusion=False)
         else:
-            kern.reduce[rgrid](*rargs, num_warps=4)
-    return compiled if warmup else out
+            rargs = [ws, c3]
+            if bias is not None:
+                rargs += [bias, bias.stride(0)]
+            rargs += [M, N, n_out, splits, n_out, c3.stride(0), c3.stride(1), c3.stride(2)]
+            roptions = dict(num_warps=4)
+        if warmup:
+            compiled.append(kern.reduce.warmup(*rargs, grid=rgrid, **roptions))
+        else:
+            kern.reduce[rgrid](*rargs, **roptions)
+    if warmup:
+        return compiled
+    return ep_outs if ep is not None else out
 
 
 __all__ = [
     "matmul", "precompile", "precompile_specs", "matmul_source", "matmul_kernels", "configure", "device_spec", "layout",
     "split_k_plan", "scratch_bytes", "PRECISIONS", "MatmulKernels", "TmaLayout", "round_to_tf32", "TF32_RN",
-    "stage_source", "stage_tf32",
+    "stage_source", "stage_tf32", "Epilogue", "matmul_epilogue", "epilogue_lines",
 ]
