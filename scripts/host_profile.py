@@ -73,10 +73,15 @@ def _timed_phases() -> dict[str, list[float]]:
     from nova.runtime import executable
 
     phases: dict[str, list[float]] = {}
-    targets = [(api.CompiledStep, n) for n in ("_poll", "_check_batch", "_program", "_bound_args",
-                                                "_prepare_write_back", "_defer")]
-    targets += [(executable.Executable, n) for n in ("bind", "_write_scalars")]
-    targets += [(torch.cuda.CUDAGraph, "replay"), (torch.Tensor, "copy_"), (torch.Tensor, "clone")]
+    from nova.runtime.steady import Steady
+
+    # the fast path (a call whose steady state holds: _replay) and the full one (_call)
+    targets = [(api.CompiledStep, n) for n in ("_poll", "_replay", "_call", "_check_batch", "_program", "_bound_args",
+                                                "_prepare_write_back", "_defer")]  # fmt: skip
+    targets += [(Steady, "holds"), (Steady, "hyper"), (api.CompiledStep, "_spec_key")]
+    targets += [(executable.Executable, n) for n in ("launch", "bind", "_write_scalars")]
+    targets += [(torch.cuda.CUDAGraph, "replay"), (torch.Tensor, "copy_"), (torch.Tensor, "clone"),
+                (torch.cuda.Event, "record"), (torch.cuda.Event, "query"), (torch, "_foreach_copy_")]  # fmt: skip
     for cls, name in targets:
         fn = getattr(cls, name)
         times = phases.setdefault(f"{cls.__name__}.{name}", [])

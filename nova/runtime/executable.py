@@ -221,8 +221,9 @@ class Executable:
         """``run`` after its ``bind``: the batch into its slots, the scalars, then the
         graph (or the list). The caller (``run``, or a step whose steady state holds:
         ``nova.runtime.steady``) knows the list is bound to the tensors it updates."""
-        for slot, x in zip(self.inputs, batch, strict=True):
-            slot.copy_(x)
+        if len(batch) != len(self.inputs):
+            raise ValueError(f"the step takes {len(self.inputs)} batch tensors, got {len(batch)}")
+        torch._foreach_copy_(self.inputs, batch)  # one dispatch (on CUDA one multi-tensor kernel), not one per tensor
         if self.hyper_args or self.seed_args:
             self._write_scalars(hyper, seeds)
         if self.graph is not None:

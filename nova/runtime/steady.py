@@ -19,8 +19,9 @@ Inductor's CUDA graph trees check their static inputs with), else by ``map``:
   batch          the count, and each tensor's class, shape, dtype and device
   registrations  torch's global module / parameter / buffer registration hooks
                  (``nova.api._REGISTRATIONS``): anything assigned to a module
-  structure      the sizes of every module's ``_parameters``, ``_modules`` and
-                 ``_buffers``: something deleted
+  structure      the sizes of every module's non-empty ``_parameters``,
+                 ``_modules`` and ``_buffers``: something deleted (an entry
+                 added to an empty one goes through a registration hook)
   training       every module's ``training`` flag (``model.eval()``, or one
                  submodule's)
   tensors        every parameter's and buffer's ``data_ptr`` (``p.data = ...``
@@ -90,7 +91,7 @@ class Steady:
         s.batch = [(type(t), t.shape, t.dtype, t.device) for t in batch]
         s.registrations = registrations
         s.mods = list(model.modules())
-        s.dicts = [m._parameters for m in s.mods] + [m._modules for m in s.mods] + [m._buffers for m in s.mods]
+        s.dicts = [d for m in s.mods for d in (m._parameters, m._modules, m._buffers) if d]
         s.lens = list(map(len, s.dicts))
         s.training = list(map(_TRAINING, s.mods))
         s.params = [p for _, p in model.named_parameters(remove_duplicate=False)]
