@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True)
     opts = ap.parse_args()
+    _calibrate()
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = GPT(GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768))
@@ -64,6 +65,23 @@ def main() -> None:
     for name, times in phases.items():
         if times:
             print(f"  {name:40s} median {statistics.median(times) * 1e6:8.1f} us  ({len(times)} calls)")
+
+
+def _calibrate() -> None:
+    """This host's speed at what a call does (C-level loops over objects, small torch
+    calls on CPU tensors), to compare machines: the same lines on another host
+    say how much of a difference in call time is the host's own."""
+    import timeit
+
+    objs = [torch.zeros(1) for _ in range(600)]
+    ptr = torch.Tensor.data_ptr
+    a, b = torch.zeros(4), torch.zeros(4)
+    for what, fn, n in (("list(map(id, 600 tensors))", lambda: list(map(id, objs)), 2000),
+                        ("list(map(data_ptr, 600 tensors))", lambda: list(map(ptr, objs)), 2000),
+                        ("sum(range(10000))", lambda: sum(range(10000)), 2000),
+                        ("cpu copy_ of 4 floats", lambda: b.copy_(a), 20000)):  # fmt: skip
+        us = min(timeit.repeat(fn, number=n, repeat=3)) / n * 1e6
+        print(f"calibration: {what:34s} {us:8.2f} us")
 
 
 def _timed_phases() -> dict[str, list[float]]:
