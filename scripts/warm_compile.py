@@ -21,7 +21,10 @@ with ``--phase warm``, the same cache directories), which times, from its own st
                   backend's lowering (``TritonProgram``: kernel sources generated and
                   loaded from the kernel-source cache), the executable's construction,
                   and the first run of the launch list (binding the arena, every
-                  kernel's Triton JIT load from its cache, the step itself), synchronised
+                  kernel's Triton JIT load from its cache, the step itself), synchronised;
+                  on CUDA with its parts ``first_run/triton_compile`` (Triton's compile() of
+                  each kernel: a load from its disk cache; ``calls`` counts them) and
+                  ``first_run/triton_key`` (Triton hashing its own compiler, once a process)
   target_s        compile + first call: the warm compile (issue 8: under 5 s on the H200
                   for GPT-2 124M bf16)
 
@@ -82,6 +85,7 @@ class Phases:
 
     def __init__(self, device):
         self.t: dict[str, float] = {}
+        self.n: dict[str, int] = {}  # calls timed, by phase
         self.device = device
 
     def wrap(self, owner, attr: str, name: str, sync: bool = False, first_only: bool = True) -> None:
@@ -98,6 +102,7 @@ class Phases:
                 if sync:
                     phases.sync()
                 phases.t[name] = phases.t.get(name, 0.0) + time.perf_counter() - t0
+                phases.n[name] = phases.n.get(name, 0) + 1
 
         setattr(owner, attr, timed)
 
@@ -185,6 +190,15 @@ def one_process(o) -> dict:
 
         phases.wrap(triton_backend, "TritonProgram", "lowering")  # the kernels' sources, generated and loaded
         phases.wrap(executable, "Executable", "executable")
+        if o.device == "cuda":
+            # parts of the first run: Triton's compile() of each kernel at its first launch (a
+            # load from Triton's disk cache on a warm one; JITFunction binds it when it builds its
+            # binder, at the first launch), and the hash of Triton's own compiler it computes once
+            import triton.compiler
+            import triton.runtime.cache
+
+            phases.wrap(triton.compiler, "compile", "first_run/triton_compile", first_only=False)
+            phases.wrap(triton.runtime.cache, "triton_key", "first_run/triton_key")
 
     model, opt, batch = build(o, device)
     phases.sync()
@@ -226,6 +240,7 @@ def one_process(o) -> dict:
     out["cache"] = caches[0] if caches else None
     out["stages"] = {k: round(v, 4) for k, v in stage_times.items()}
     out["phases"] = {k: round(v, 4) for k, v in phases.t.items()}
+    out["calls"] = dict(phases.n)
     accounted = phases.t.get("pipeline", 0.0) + phases.t.get("lowering", 0.0) + phases.t.get("executable", 0.0)
     if "first_run" in phases.t:
         accounted += phases.t["first_run"]
