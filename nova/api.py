@@ -263,11 +263,15 @@ class _Pending:
         return args
 
     def ready(self) -> bool:
-        return self.event is None or self.event.query()  # cudaEventQuery: never waits
+        if self.event is None or self.event.query():  # cudaEventQuery: never waits
+            self.event = None  # complete: nothing to wait for
+            return True
+        return False
 
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
+            self.event = None
 
 
 class CompiledStep:
@@ -315,7 +319,8 @@ class CompiledStep:
         self._skipped = 0  # steps the guard kept from writing because of a non-finite loss or gradient
         self._pending: deque[_Pending] = deque()  # executable steps whose guard is unread, oldest first
         self._guard: torch.Tensor | None = None  # [failed, skipped] on the device (guard.py), updated in place
-        self._guard_host: torch.Tensor | None = None  # PENDING_STEPS host rows its copies land in (pinned)
+        self._guard_host: list[torch.Tensor] | None = None  # PENDING_STEPS host rows its copies land in (pinned)
+        self._guard_cuda = False
         self._guard_row = 0
         self._guard_events: list = [None] * PENDING_STEPS  # one per host row, recorded after its copy
         self._steady: Steady | None = None  # what the last full call read (the fast path's check)
@@ -519,7 +524,7 @@ class CompiledStep:
         ``device``, zero until a step fails or is skipped (one copy reads both)."""
         if self._guard is None or self._guard.device != device:
             self._guard = torch.zeros(2, dtype=torch.int64, device=device)
-            pin = device.type == "cuda"
+            self._guard_cuda = pin = device.type == "cuda"
             self._guard_host = list(torch.zeros((PENDING_STEPS, 2), dtype=torch.int64, pin_memory=pin).unbind())
             self._guard_row = 0
             self._guard_events = [None] * PENDING_STEPS
@@ -539,7 +544,7 @@ class CompiledStep:
         row = self._guard_host[k]
         self._guard_row = (k + 1) % PENDING_STEPS
         event = None
-        if self._guard.device.type == "cuda":
+        if self._guard_cuda:
             row.copy_(self._guard, non_blocking=True)
             # the row's event is free again: the step that used this row 16 steps ago has been read
             event = self._guard_events[k] or torch.cuda.Event()
