@@ -10,8 +10,8 @@ shapes, strides and storage offsets the step gives ``nova.codegen.triton.matmul`
 
 * ``nova.matmul`` (with the bias of its epilogue add when the backend fuses one,
   ``plan_memory.bias_epilogue``): the config the configure stage wrote, and the
-  arguments it called ``configure_matmul`` with (its row/col layouts: "col" when the
-  operand is a transpose of the last two dims, whatever the strides below it);
+  arguments it called ``configure_matmul`` with (its layouts: ``configure._layout``,
+  the view chain above the operand replayed, so they equal the strides' ``layouts``);
 * the fused LM head (``nova.linear_cross_entropy[_backward]``, ``linear_ce.py``):
   per chunk of ``chunk`` token rows, the logits h[r0:r1] @ w^T (forward, and again in
   the backward) with the op's config, then dh[r0:r1] = d @ w and dw (+)= d^T @ h[r0:r1]
@@ -109,7 +109,7 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
     from nova.ir.types import elem_of, numel, shape_of, to_torch_dtype
     from nova.schedule.configurator import STEP_MATMUL_PRECISION
     from nova.schedule.devices import DEVICES
-    from nova.transforms.configure import _swaps_last_two
+    from nova.transforms.configure import _layout
     from nova.transforms.plan_memory import bias_epilogue
 
     spec = device or DEVICES["H200"]
@@ -148,8 +148,7 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
             out_dt = to_torch_dtype(elem_of(op.results[0].type))
             args = configure_args(
                 res[-2], res[-1], shape_of(op.operands[0].type)[-1], numel(batch), _dname(in_dt), _dname(out_dt),
-                path_of(in_dt), "col" if _swaps_last_two(op.operands[0]) else "row",
-                "col" if _swaps_last_two(op.operands[1]) else "row",
+                path_of(in_dt), _layout(op.operands[0]), _layout(op.operands[1]),
             )  # fmt: skip
             out.append(_launch("nova.matmul", a, b, out_dt, bias_epilogue(op) is not None, prec, config_of(op), args))
         elif isinstance(op, (nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp)):

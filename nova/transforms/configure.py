@@ -59,13 +59,38 @@ class NoScheduleError(NotImplementedError):
     """An op the configure stage has no schedule rule for (the message names it)."""
 
 
-def _swaps_last_two(v) -> bool:
-    op = v.owner
-    if not isinstance(op, nv.TransposeOp):
-        return False
-    perm = op.props()["perm"]
-    r = len(perm)
-    return r >= 2 and perm[-2:] == (r - 1, r - 2)
+def _layout(v) -> str:
+    """How the kernel will read ``v``: "row" (last dim contiguous), "col" (the
+    second-to-last is) or "strided", as ``nova.codegen.triton.matmul.layout`` says of
+    the tensor the backend hands it. The backend binds every op result and step
+    argument as a contiguous arena view and turns each layout op into the strided
+    view ``nova.backends.triton._view`` makes (a reshape the strides cannot view is
+    copied, i.e. contiguous again); so the chain of layout ops above ``v`` is replayed
+    here on a contiguous meta tensor of its source's shape. A transpose of a transpose
+    of the last two dims is therefore "row" (the input gradient's ``W``), not "col"."""
+    chain = []
+    while isinstance(v.owner, LAYOUT_OPS):
+        chain.append(v.owner)
+        v = v.owner.operands[0]
+    t = torch.empty(shape_of(v.type), device="meta")
+    for op in reversed(chain):
+        p, out = op.props(), shape_of(op.results[0].type)
+        if isinstance(op, nv.TransposeOp):
+            t = t.permute(p["perm"])
+        elif isinstance(op, nv.BroadcastToOp):
+            t = t.expand(out)
+        elif isinstance(op, nv.SliceOp):
+            idx = [slice(None)] * t.dim()
+            idx[p["dim"]] = slice(p["start"], p["end"], p["step"])
+            t = t[tuple(idx)]
+        else:
+            try:
+                t = t.view(out)
+            except RuntimeError:  # the backend copies it first
+                t = t.contiguous().view(out)
+    if t.dim() < 2 or t.stride(-1) == 1:
+        return "row"
+    return "col" if t.stride(-2) == 1 else "strided"
 
 
 def configure_fused(op: nv.FusedOp, device: DeviceSpec) -> LoweringConfig:
@@ -95,8 +120,7 @@ def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringC
         path = "bf16" if in_dt.itemsize == 2 else cf.STEP_MATMUL_PRECISION[precision]
         return cf.configure_matmul(
             a[-2], b[-1], a[-1], numel(out[:-2]), in_dt, in_dt, dt, path,
-            "col" if _swaps_last_two(op.operands[0]) else "row",
-            "col" if _swaps_last_two(op.operands[1]) else "row", False, device,
+            _layout(op.operands[0]), _layout(op.operands[1]), False, device,
         )  # fmt: skip
     if isinstance(op, (nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp)):
         # the fused LM head's dominant kernel: one chunk's logits h[chunk] @ w^T (w [V, D] read transposed);
