@@ -8,10 +8,14 @@ type (the executable binds every buffer as a contiguous arena view), a layout op
 (``nova.backends.triton._view``). So each launch's operands have exactly the
 shapes, strides and storage offsets the step gives ``nova.codegen.triton.matmul``:
 
-* ``nova.matmul`` (with the bias of its epilogue add when the backend fuses one,
-  ``plan_memory.bias_epilogue``): the config the configure stage wrote, and the
-  arguments it called ``configure_matmul`` with (its layouts: ``configure._layout``,
-  the view chain above the operand replayed, so they equal the strides' ``layouts``);
+* ``nova.matmul``, alone or heading a ``nova.fused "contraction"`` group (the fuse
+  stage's epilogue: ``epilogue`` is true, the launch's template applies the group's
+  other ops to the accumulator instead of storing C; a bias is one of them, so
+  ``bias`` is false; which ops depends on remat's choices, which vary with the
+  depth, so the record says only whether): the config the configure stage wrote,
+  and the arguments it called ``configure_matmul`` with (its layouts:
+  ``configure._layout``, the view chain above the operand replayed, so they equal
+  the strides' ``layouts``);
 * the fused LM head (``nova.linear_cross_entropy[_backward]``, ``linear_ce.py``):
   per chunk of ``chunk`` token rows, the logits h[r0:r1] @ w^T (forward, and again in
   the backward) with the op's config, then dh[r0:r1] = d @ w and dw (+)= d^T @ h[r0:r1]
@@ -60,7 +64,7 @@ def _dname(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _launch(source, a, b, out_dtype, bias, precision_arg, cfg, cfg_args, extra=None) -> dict:
+def _launch(source, a, b, out_dtype, bias, precision_arg, cfg, cfg_args, extra=None, epilogue=False) -> dict:
     """One launch record: the operands as ``matmul`` gets them, and how its config is made."""
     from nova.codegen.triton import matmul as mm
 
@@ -69,7 +73,7 @@ def _launch(source, a, b, out_dtype, bias, precision_arg, cfg, cfg_args, extra=N
     row = {
         "source": source,
         "M": a.shape[-2], "N": b.shape[-1], "K": a.shape[-1], "batch": batch, "batched": batched,
-        "dtype": _dname(a.dtype), "out_dtype": _dname(out_dtype), "bias": bias,
+        "dtype": _dname(a.dtype), "out_dtype": _dname(out_dtype), "bias": bias, "epilogue": epilogue,
         "a": _operand(a), "b": _operand(b),
         "layouts": [mm.layout(a), mm.layout(b)],  # what the strides are (matmul.layout)
         "precision": precision_arg,  # the precision the launch passes to matmul
@@ -110,7 +114,6 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
     from nova.schedule.configurator import STEP_MATMUL_PRECISION
     from nova.schedule.devices import DEVICES
     from nova.transforms.configure import _layout
-    from nova.transforms.plan_memory import bias_epilogue
 
     spec = device or DEVICES["H200"]
     prec = STEP_MATMUL_PRECISION[precision]
@@ -129,7 +132,14 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
             continue
         for r in op.results:
             env[r] = _meta(r.type)
+        group = None
+        if isinstance(op, nv.FusedOp) and isinstance(op.contraction(), nv.MatmulOp):
+            group, op = op, op.contraction()
+            args_of = dict(zip(group.body.block.args, group.operands, strict=True))
+            for v in op.operands:
+                env[v] = env[args_of[v]]
         if isinstance(op, nv.MatmulOp):
+            lhs, rhs = (args_of[v] for v in op.operands) if group else op.operands  # what the layouts look at
             a, b = env[op.operands[0]], env[op.operands[1]]
             res = shape_of(op.results[0].type)
             batch = res[:-2]
@@ -148,9 +158,10 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
             out_dt = to_torch_dtype(elem_of(op.results[0].type))
             args = configure_args(
                 res[-2], res[-1], shape_of(op.operands[0].type)[-1], numel(batch), _dname(in_dt), _dname(out_dt),
-                path_of(in_dt), _layout(op.operands[0]), _layout(op.operands[1]),
+                path_of(in_dt), _layout(lhs), _layout(rhs),
             )  # fmt: skip
-            out.append(_launch("nova.matmul", a, b, out_dt, bias_epilogue(op) is not None, prec, config_of(op), args))
+            out.append(_launch("nova.matmul", a, b, out_dt, False, prec, config_of(group or op), args,
+                               epilogue=group is not None))  # fmt: skip
         elif isinstance(op, (nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp)):
             backward = isinstance(op, nv.LinearCrossEntropyBackwardOp)
             g_in = 1 if backward else 0

@@ -25,7 +25,8 @@ stage), and the IR after each stage is kept as text for ``explain()``.
   remat       recompute cheap elementwise values in the backward instead of keeping
               them from the forward; with memory_budget, more until the plan fits
   fuse        elementwise ops grouped into nova.fused ops (one kernel each):
-              vertical chains, horizontal neighbours, scalars recomputed inside
+              vertical chains, horizontal neighbours, scalars recomputed inside,
+              and a matmul with the elementwise ops on its result (its epilogue)
   configure   the Analytic Configurator's #nova.lowering_config on every kernel
               (only for a GPU target; the reference executor needs none)
   plan_memory liveness over the whole step, one static arena with an offset per

@@ -3,8 +3,10 @@
 At compile time every op becomes one step of a launch plan:
   * layout ops (transpose, broadcast_to, slice, and reshape where the data
     allows) become zero-copy strided views: no kernel, no bytes moved;
-  * a matmul whose only use adds a row-broadcast bias becomes one kernel with
-    the bias in its epilogue (the natural group);
+  * a matmul becomes one template launch (``nova.codegen.triton.matmul``); a
+    ``nova.fused "contraction"`` group (the fuse stage's output fusion: a matmul
+    and its epilogue) one launch of the same template with the group's epilogue
+    (``fused.epilogue_of``) applied to the accumulator;
   * every other op is lowered through the registry in
     ``nova.codegen.triton.lowering`` with the ``#nova.lowering_config`` the
     configure stage wrote on it.
@@ -31,7 +33,6 @@ from nova.ir.types import elem_of, shape_of, to_torch_dtype
 from nova.log import get_logger, once
 from nova.schedule.config import LoweringConfig
 from nova.schedule.configurator import STEP_MATMUL_PRECISION
-from nova.transforms.plan_memory import bias_epilogue  # one rule, so the memory plan sees the same kernels
 
 _LOG = get_logger(__name__)
 
@@ -90,9 +91,12 @@ def _view(op: Operation, copy: Callable[[torch.Tensor], torch.Tensor]):
     return reshape
 
 
-def _matmul_run(op: Operation, precision: str, with_bias: bool, copy: Callable[[torch.Tensor], torch.Tensor],
-                used: dict[str, str]):
-    cfg = config_of(op)
+def _matmul_run(op: Operation, precision: str, copy: Callable[[torch.Tensor], torch.Tensor], used: dict[str, str],
+                group: nv.FusedOp | None = None):
+    """The launch of ``op`` (a nova.matmul), or of ``group``'s epilogue around it
+    (``op`` its contraction; the launch then takes the group's operands and
+    writes its results)."""
+    cfg = config_of(group if group is not None else op)
     out_shape = shape_of(op.results[0].type)
     out_dtype = to_torch_dtype(elem_of(op.results[0].type))
     batch = out_shape[:-2]
@@ -111,15 +115,30 @@ def _matmul_run(op: Operation, precision: str, with_bias: bool, copy: Callable[[
                  op.name, tuple(t.shape), tuple(t.stride()))
             return copy(t).view(-1, *t.shape[-2:])
 
+    if group is not None:
+        from nova.codegen.triton.fused import epilogue_of
+
+        ep, picked = epilogue_of(group)
+        args = group.body.block.args
+        ia, ib = (args.index(v) for v in op.operands)  # which group operands the matmul reads
+
+        def run_group(xs: list[torch.Tensor], outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+            a, b = xs[ia], xs[ib]
+            if batch:
+                a, b = flat3(a), flat3(b)
+            return mm.matmul_epilogue(a, b, ep, [xs[k] for k in picked], out_dtype, cfg=cfg, precision=prec,
+                                      outs=outs, record=used)  # fmt: skip
+
+        return run_group
+
     def run(xs: list[torch.Tensor], outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         a, b = xs[0], xs[1]
-        bias = xs[2] if with_bias else None
         if batch:
             a, b = flat3(a), flat3(b)
         out = None
         if outs is not None:
             out = outs[0].view(-1, *out_shape[-2:]) if batch else outs[0]
-        y = mm.matmul(a, b, bias=bias, cfg=cfg, precision=prec, out_dtype=out_dtype, record=used, out=out)
+        y = mm.matmul(a, b, cfg=cfg, precision=prec, out_dtype=out_dtype, record=used, out=out)
         return [y.view(out_shape)] if outs is None else outs
 
     return run
@@ -135,7 +154,7 @@ def planned_scratch(fn: func.FuncOp) -> dict[Operation, int]:
     return out
 
 
-def _matmul_scratch(op: Operation, precision: str) -> int:
+def _matmul_scratch(op: Operation, precision: str, cfg_op: Operation | None = None) -> int:
     a, b = shape_of(op.operands[0].type), shape_of(op.operands[1].type)
     out = shape_of(op.results[0].type)
     batch = 1
@@ -143,7 +162,7 @@ def _matmul_scratch(op: Operation, precision: str) -> int:
         batch *= d
     dtype = to_torch_dtype(elem_of(op.operands[0].type))
     return mm.scratch_bytes(out[-2], out[-1], a[-1], batch, dtype, to_torch_dtype(elem_of(op.operands[1].type)),
-                            to_torch_dtype(elem_of(op.results[0].type)), config_of(op),
+                            to_torch_dtype(elem_of(op.results[0].type)), config_of(cfg_op or op),
                             precision=STEP_MATMUL_PRECISION[precision])  # fmt: skip
 
 
@@ -153,28 +172,25 @@ class TritonProgram:
         self.precision = precision
         self.steps: list[Step] = []
         self._copy_kernels: dict[tuple, lw.Kernel] = {}
-        fused: set[Operation] = set()
         for op in fn.body.block.ops:
-            if isinstance(op, func.ReturnOp) or op in fused:
+            if isinstance(op, func.ReturnOp):
                 continue
             if isinstance(op, VIEW_OPS):
                 self.steps.append(Step(op, tuple(op.operands), tuple(op.results), _view(op, self.copy), is_view=True))
             elif isinstance(op, nv.COLLECTIVE_OPS):  # torch.distributed, wired below
                 self.steps.append(Step(op, tuple(op.operands), tuple(op.results), None))
             elif isinstance(op, nv.MatmulOp):
-                add = bias_epilogue(op)
-                if add is not None:
-                    fused.add(add)
-                    bias = add.operands[1] if add.operands[0] is op.results[0] else add.operands[0]
-                    used: dict[str, str] = {}
-                    run = _matmul_run(op, precision, True, self.copy, used)
-                    self.steps.append(Step(op, (*op.operands, bias), tuple(add.results), run, sources=used,
-                                           scratch=_matmul_scratch(op, precision)))
-                else:
-                    used = {}
-                    run = _matmul_run(op, precision, False, self.copy, used)
-                    self.steps.append(Step(op, tuple(op.operands), tuple(op.results), run, sources=used,
-                                           scratch=_matmul_scratch(op, precision)))
+                used: dict[str, str] = {}
+                run = _matmul_run(op, precision, self.copy, used)
+                self.steps.append(Step(op, tuple(op.operands), tuple(op.results), run, sources=used,
+                                       scratch=_matmul_scratch(op, precision)))
+            elif isinstance(op, nv.FusedOp) and op.contraction() is not None:
+                head, used = op.contraction(), {}
+                if not isinstance(head, nv.MatmulOp):
+                    raise elementwise.UnsupportedError(f"{op.name}: no Triton epilogue for {head.name}")
+                run = _matmul_run(head, precision, self.copy, used, group=op)
+                self.steps.append(Step(op, tuple(op.operands), tuple(op.results), run, sources=used,
+                                       scratch=_matmul_scratch(head, precision, op)))
             else:
                 fn_lower = lw.lowering_for(op)
                 takes_precision = (nv.AttentionOp, nv.AttentionBackwardOp, nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp)

@@ -29,7 +29,7 @@ from xdsl.dialects.builtin import (
     i1,
     i64,
 )
-from xdsl.ir import Attribute, Dialect, Operation
+from xdsl.ir import Attribute, BlockArgument, Dialect, Operation
 from xdsl.irdl import (
     IRDLOperation,
     ParametrizedAttribute,
@@ -116,6 +116,10 @@ class NovaOp(IRDLOperation):
     # an elementwise op whose value depends on its own flat index (arange, dropout_mask):
     # it is computed where its result lives, never recomputed inside another op's loop
     FLAT_INDEX: ClassVar[bool] = False
+    # a contraction whose kernel takes an epilogue: elementwise ops applied to its
+    # result tile before the store (the fuse stage's output fusion, nova.fused
+    # kind "contraction"); the Triton lowering of such a group is its template's
+    EPILOGUE: ClassVar[bool] = False
 
     @classmethod
     def complete(cls, props: dict) -> dict:
@@ -718,6 +722,7 @@ class MatmulOp(NovaOp):
 
     name = "nova.matmul"
     CATEGORY: ClassVar = "contraction"
+    EPILOGUE: ClassVar = True  # nova/codegen/triton/matmul.py applies it to the accumulator tile
     lhs = operand_def(TensorType)
     rhs = operand_def(TensorType)
     result = result_def(TensorType)
@@ -1226,7 +1231,7 @@ CATEGORIES: dict[str, str] = {
     "opaque": "anything else (gathers, scatters, pad): never fused",
     "fused": "a nova.fused group",
 }  # fmt: skip
-FUSED_KINDS = ("elementwise",)
+FUSED_KINDS = ("elementwise", "contraction")
 
 
 @irdl_op_definition
@@ -1239,7 +1244,15 @@ class FusedOp(NovaOp):
 
     ``kind`` "elementwise": every inner op is of category elementwise, and every
     inner result either has the iteration shape (the first result's shape) or has
-    one element (a scalar the group recomputes from scalar inputs)."""
+    one element (a scalar the group recomputes from scalar inputs).
+
+    ``kind`` "contraction" (output fusion: the contraction's epilogue): the first
+    inner op is a contraction whose kernel takes an epilogue (``EPILOGUE``), reading
+    block arguments only; then at most one reshape of its result that keeps the
+    last dim (the tile's rows relabelled: [B*T, N] as [B, T, N]); then elementwise
+    ops, each result of the iteration shape (the reshape's, else the
+    contraction's) or of one element. Results have the iteration shape, or are the
+    contraction's result (stored as it is)."""
 
     name = "nova.fused"
     CATEGORY: ClassVar = "fused"
@@ -1254,8 +1267,21 @@ class FusedOp(NovaOp):
         """The group's ops in order, without the yield."""
         return [o for o in self.body.block.ops if not isinstance(o, YieldOp)]
 
+    def contraction(self) -> Operation | None:
+        """The contraction of a "contraction" group (its first op), else None."""
+        return self.body.block.first_op if self.props()["kind"] == "contraction" else None
+
     def iteration_shape(self) -> tuple[int, ...]:
-        return shape_of(self.results[0].type)
+        """The shape the group's elementwise ops run over (a contraction group's
+        epilogue: its reshape's shape, else the contraction's result shape)."""
+        c = self.contraction()
+        if c is None:
+            return shape_of(self.results[0].type)
+        shape = shape_of(c.results[0].type)
+        for use in c.results[0].uses:
+            if isinstance(use.operation, ReshapeOp):
+                return shape_of(use.operation.results[0].type)
+        return shape
 
     def verify_(self) -> None:
         kind = self.props()["kind"]
@@ -1273,17 +1299,45 @@ class FusedOp(NovaOp):
                                   f"the results {[str(r.type) for r in self.results]}")
         if not self.results:
             raise VerifyException(f"{self.name}: a group without results")
+        ops = self.inner_ops()
+        contraction = self._verify_contraction(ops) if kind == "contraction" else None
         shape = self.iteration_shape()
-        for op in self.inner_ops():
-            if not isinstance(op, NovaOp) or op.CATEGORY != kind:
-                raise VerifyException(f"{self.name} ({kind}): holds {op.name}, which is not of category {kind}")
+        for op in ops:
+            if op is contraction or (contraction is not None and isinstance(op, ReshapeOp)):
+                continue
+            if not isinstance(op, NovaOp) or op.CATEGORY != "elementwise":
+                raise VerifyException(f"{self.name} ({kind}): holds {op.name}, which is not of category elementwise")
             for r in op.results:
                 if shape_of(r.type) != shape and numel(shape_of(r.type)) != 1:
                     raise VerifyException(f"{self.name}: {op.name} gives {shape_of(r.type)}, neither the iteration "
                                           f"shape {shape} nor one element")
-        for r in self.results:
-            if shape_of(r.type) != shape:
+        for v, r in zip(last.operands, self.results, strict=True):
+            if shape_of(r.type) != shape and (contraction is None or v is not contraction.results[0]):
                 raise VerifyException(f"{self.name}: result {r.type} does not have the iteration shape {shape}")
+
+    def _verify_contraction(self, ops: list[Operation]) -> Operation:
+        """The checks of a "contraction" group's head (see the class docstring)."""
+        head = ops[0] if ops else None
+        if not isinstance(head, NovaOp) or head.CATEGORY != "contraction" or not head.EPILOGUE:
+            raise VerifyException(f"{self.name} (contraction): the first op must be a contraction that takes an "
+                                  f"epilogue, got {head.name if head is not None else 'nothing'}")
+        if len(head.results) != 1 or any(not isinstance(v, BlockArgument) for v in head.operands):
+            raise VerifyException(f"{self.name} (contraction): {head.name} must read block arguments only and give "
+                                  "one result")
+        result = head.results[0]
+        reshapes = [op for op in ops[1:] if isinstance(op, ReshapeOp)]
+        if len(reshapes) > 1:
+            raise VerifyException(f"{self.name} (contraction): at most one reshape, got {len(reshapes)}")
+        for op in reshapes:
+            out, src = shape_of(op.results[0].type), shape_of(result.type)
+            if op.operands[0] is not result or not out or out[-1] != src[-1]:
+                raise VerifyException(f"{self.name} (contraction): a reshape must read {head.name}'s result and keep "
+                                      f"its last dim, got {src} -> {out}")
+        for op in ops[1:]:
+            if op not in reshapes and reshapes and result in op.operands:
+                raise VerifyException(f"{self.name} (contraction): {op.name} reads {head.name}'s result besides its "
+                                      "reshape")
+        return head
 
 
 @irdl_op_definition

@@ -4,8 +4,9 @@ time, from the same device numbers the Analytic Configurator decides with
 (``DeviceSpec.mem_bandwidth``, ``DeviceSpec.flops(path)``, ``LAUNCH_SECONDS``).
 
 A kernel is a step of the Triton backend's launch order (``plan_memory.launch_order``:
-a matmul with the bias add of its epilogue is one kernel, layout ops are views and
-launch nothing, a 0-d constant is computed once when the step is bound). For each:
+one per op, a ``nova.fused`` group, a matmul with its epilogue among them, is one
+kernel; layout ops are views and launch nothing, a 0-d constant is computed once
+when the step is bound). For each:
 
     memory_s  = bytes / BW                      (compulsory DRAM traffic)
     compute_s = flops / P(path)                 (the path's peak: bf16 / tf32 tensor
@@ -74,7 +75,7 @@ class KernelCost:
     memory_s: float
     compute_s: float
     launch_s: float
-    ops: int = 1  # nova ops inside it (a fused group's body, a matmul with its bias add: 2)
+    ops: int = 1  # nova ops inside it (a fused group's body, a matmul's epilogue with it)
 
     @property
     def predicted_s(self) -> float:
@@ -172,16 +173,16 @@ def rule(*op_classes):
 
 @rule(nv.MatmulOp)
 def matmul_cost(op, ins, outs, cfg, precision) -> Cost:
-    """C[batch, M, N] = A @ B (+ bias in the epilogue): FLOPs 2 M N K batch (+ M N
-    batch for the bias); bytes A, B (a 2-D operand broadcast over the batch read
-    once), the bias and C. Split-K writes and reads its f32 partials and launches
-    the reduction; tf32 staging reads and writes the staged operand (f32) and
-    launches its copy (the configurator's own terms)."""
+    """C[batch, M, N] = A @ B: FLOPs 2 M N K batch; bytes A, B (a 2-D operand
+    broadcast over the batch read once) and C (an epilogue's operands and outputs
+    instead of C: ``fused_cost``). Split-K writes and reads its f32 partials and
+    launches the reduction; tf32 staging reads and writes the staged operand (f32)
+    and launches its copy (the configurator's own terms)."""
     a, b = shape_of(op.operands[0].type), shape_of(op.operands[1].type)
     out = shape_of(op.results[0].type)
     M, K, N, batch = a[-2], a[-1], b[-1], numel(out[:-2])
     dtype = to_torch_dtype(elem_of(op.operands[0].type))
-    flops = 2 * M * N * K * batch + (M * N * batch if len(ins) > 2 else 0)
+    flops = 2 * M * N * K * batch
     nbytes, launches = io_bytes(ins, outs), 1
     if cfg is not None and cfg.split_k > 1:
         nbytes += 2 * cfg.split_k * M * N * batch * 4
@@ -323,10 +324,18 @@ def elementwise_cost(op, ins, outs, cfg, precision) -> Cost:
 def fused_cost(op, ins, outs, cfg, precision) -> Cost:
     """A nova.fused group is one kernel: its operands read once and its results
     written once (the intermediates stay in registers), FLOPs the sum of its body's
-    ops (scalars it recomputes count once per program, i.e. not at all here)."""
-    body = op.inner_ops()
+    ops (scalars it recomputes count once per program, i.e. not at all here). A
+    contraction group is its matmul (``matmul_cost``: FLOPs, path, split-K partials
+    and staging) with the group's operands and results for bytes and its epilogue's
+    FLOPs added: kind "matmul"."""
+    head = op.contraction()
+    body = [o for o in op.inner_ops() if o is not head and o.CATEGORY == "elementwise"]
     flops = sum(elementwise_flops(o) for o in body if numel(shape_of(o.results[0].type)) > 1)
-    return Cost("fused", io_bytes(ins, outs), flops, _float_path([*ins, *outs]))
+    if head is None:
+        return Cost("fused", io_bytes(ins, outs), flops, _float_path([*ins, *outs]))
+    alone = matmul_cost(head, tuple(head.operands), tuple(head.results), cfg, precision)
+    extra = alone.bytes - io_bytes(head.operands, head.results)  # the partials and the staged copies
+    return Cost("matmul", io_bytes(ins, outs) + extra, alone.flops + flops, alone.path, alone.launches)
 
 
 @rule(nv.EmbeddingOp)
@@ -401,7 +410,7 @@ def kernel_steps(fn, placements: dict | None = None) -> list:
     the memory plan's, says which layout ops the strides allow as views: without
     it every layout op is taken for one) and not the 0-d constants computed when
     the step is bound."""
-    steps, _ = launch_order(fn)
+    steps = launch_order(fn)
     out = []
     for st in steps:
         kinds = [placements[r].kind for r in st.outputs if r in placements] if placements else []
@@ -420,7 +429,7 @@ def kernel_costs(fn, device: DeviceSpec, precision: str, placements: dict | None
     for i, st in enumerate(kernel_steps(fn, placements)):
         c = cost_of(st.op, st.inputs, st.outputs, precision)
         loc = st.op.attributes.get("nova.loc")
-        n_ops = len(st.op.inner_ops()) if isinstance(st.op, nv.FusedOp) else 2 if len(st.inputs) > len(st.op.operands) else 1
+        n_ops = len(st.op.inner_ops()) if isinstance(st.op, nv.FusedOp) else 1
         out.append(KernelCost(
             index=i, op=st.op.name, kind=c.kind, shape=str(st.outputs[0].type) if st.outputs else "", ops=n_ops,
             loc=loc.data if loc is not None else None, config=schedule_summary(config_of(st.op)),

@@ -107,21 +107,37 @@ def configure_fused(op: nv.FusedOp, device: DeviceSpec) -> LoweringConfig:
     return cf.configure_elementwise(numel(op.iteration_shape()), dt, max(1, len(streams) - 1), device)
 
 
+def _configure_matmul(op: nv.MatmulOp, lhs, rhs, device: DeviceSpec, precision: str) -> LoweringConfig:
+    """A matmul's schedule; ``lhs`` / ``rhs`` are the values it reads (in a group:
+    the group's operands, whose producers say the layout). A matmul with an
+    epilogue gets the schedule it has without one: the tile, BLOCK_K and split are
+    what fix its summation order, so the fused kernel adds the same products in
+    the same order as the unfused one (bit-identical results), and the epilogue's
+    operand tiles are read once per output tile, as the separate kernel read them."""
+    a, b = shape_of(op.operands[0].type), shape_of(op.operands[1].type)
+    out = shape_of(op.results[0].type)
+    in_dt = to_torch_dtype(elem_of(op.operands[0].type))
+    dt = to_torch_dtype(elem_of(op.results[0].type))
+    path = "bf16" if in_dt.itemsize == 2 else cf.STEP_MATMUL_PRECISION[precision]
+    return cf.configure_matmul(
+        a[-2], b[-1], a[-1], numel(out[:-2]), in_dt, in_dt, dt, path,
+        _layout(lhs), _layout(rhs), False, device,
+    )  # fmt: skip
+
+
 def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringConfig | None:
     if isinstance(op, LAYOUT_OPS) or op.CATEGORY == "collective":  # no kernel: torch.distributed runs it
         return None
+    head = op.contraction() if isinstance(op, nv.FusedOp) else None
+    if isinstance(head, nv.MatmulOp):  # a matmul with its epilogue: the matmul's schedule
+        args = list(op.body.block.args)
+        lhs, rhs = (op.operands[args.index(v)] for v in head.operands)
+        return _configure_matmul(head, lhs, rhs, device, precision)
     if isinstance(op, nv.FusedOp):
         return configure_fused(op, device)
     dt = to_torch_dtype(elem_of(op.results[0].type)) if op.results else None
     if isinstance(op, nv.MatmulOp):
-        a, b = shape_of(op.operands[0].type), shape_of(op.operands[1].type)
-        out = shape_of(op.results[0].type)
-        in_dt = to_torch_dtype(elem_of(op.operands[0].type))
-        path = "bf16" if in_dt.itemsize == 2 else cf.STEP_MATMUL_PRECISION[precision]
-        return cf.configure_matmul(
-            a[-2], b[-1], a[-1], numel(out[:-2]), in_dt, in_dt, dt, path,
-            _layout(op.operands[0]), _layout(op.operands[1]), False, device,
-        )  # fmt: skip
+        return _configure_matmul(op, op.operands[0], op.operands[1], device, precision)
     if isinstance(op, (nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp)):
         # the fused LM head's dominant kernel: one chunk's logits h[chunk] @ w^T (w [V, D] read transposed);
         # the lowering's row kernels and its two gradient matmuls are sized at launch

@@ -1,8 +1,12 @@
 """The fuse stage: groups of elementwise ops become one ``nova.fused`` op each
-(one generated kernel in the Triton backend, ``nova/codegen/triton/fused.py``).
+(one generated kernel in the Triton backend, ``nova/codegen/triton/fused.py``),
+and a contraction with the elementwise ops that consume its result becomes one
+``nova.fused "contraction"`` op (its epilogue: one matmul kernel,
+``nova/codegen/triton/matmul.py``).
 
-Grouping reads only op categories (``NovaOp.CATEGORY``): an op added later with
-category elementwise fuses without new code here.
+Grouping reads only op categories (``NovaOp.CATEGORY``, and ``NovaOp.EPILOGUE``
+for the contractions whose kernel takes an epilogue): an op added later with
+category elementwise fuses without new code here, into loops and epilogues.
 
   vertical     an elementwise op joins the group of an elementwise producer of
                the same iteration shape (its result shape). Operands of another
@@ -21,11 +25,42 @@ category elementwise fuses without new code here.
                results only the return reads (Adam's new step counters, the
                guard's flags) run last, ``TAIL_OUTPUTS`` to a group, after every
                group that recomputes from the old values they are written over.
-  not fused    an add that is the only use of a matmul result, adding a bias over
-               rows (``plan_memory.bias_epilogue``): the backend runs it in the
-               matmul's epilogue. Ops reading their own flat index (arange,
-               dropout_mask) are grouped like any op of their shape, never
-               recomputed as scalars.
+  epilogue     (output fusion) an elementwise op reading the result of a
+               contraction that takes an epilogue (a matmul), with the result's
+               shape, joins the contraction's group, and the chain below it joins
+               by the vertical rule: the bias add over rows, GELU, its backward
+               (which reads the saved pre-activation: a second full tensor), a
+               residual add, casts, a scale, a dropout mask. The kernel computes
+               them on the fp32 accumulator tile before the store, reading the
+               other operands at the tile's offsets. One reshape of the result
+               that keeps its last dim ([B*T, N] read as [B, T, N], a relabelling
+               of the tile's rows) may sit in between. What stays outside: an op
+               of another shape (a broadcast to a larger result; a reduction such
+               as a bias gradient), a result read through any other view
+               (transpose, slice, broadcast_to, or a reshape that changes the last
+               dim: the tile's elements would land elsewhere), a second
+               contraction (one kernel has one accumulator). A horizontal partner
+               of an epilogue op (a reader of one of the epilogue's operands, e.g.
+               the remat stage's GELU recompute beside GELU's backward, both
+               reading the saved pre-activation) joins it like any group. A value
+               of the group read outside it (the pre-activation the backward
+               keeps, the matmul result itself) is one more output, stored from
+               the tile.
+  no prologue  a cast feeding a matmul operand stays its own kernel (or joins its
+               producer's group). In a training step such a cast's result (a
+               LayerNorm output or a weight in bf16) is read by two matmuls, the
+               forward one and the weight gradient's in the backward; reading the
+               f32 source in both instead keeps the f32 value alive until the
+               backward (twice the saved bytes: ~1.2 GiB more for GPT-2 at batch
+               32) and doubles the operand's shared memory per pipeline stage.
+               With TMA and wgmma the B operand is read from shared memory in its
+               MMA dtype, so an f32 tile would be converted through registers and
+               written back to shared memory (the slow register path the tf32
+               staging in matmul.py exists to avoid). The cast's cheaper home is
+               its producer: the f32 -> bf16 write in the LayerNorm's (or the
+               optimizer's) kernel.
+  not fused    ops reading their own flat index (arange, dropout_mask) are
+               grouped like any op of their shape, never recomputed as scalars.
   singletons   a group of one op stays that op (no wrapper), unless it recomputes
                scalars (then its wrapper saves their kernels).
 
@@ -36,8 +71,10 @@ reads its results (the ops outside groups keep their positions), so the block
 in placement order is a valid order by construction; the ops are then sorted
 into it. A group holding the new value of a param / state is never placed
 before that op's own position: it stays after the reads of the old value, so
-plan_memory can still write it in place. Inner ops keep their attributes
-(``nova.loc``, ``nova.remat``).
+plan_memory can still write it in place; nor is a group holding a recompute of
+the remat stage (``nova.remat``): it stays in the backward, where remat put it,
+instead of joining the forward group of its producer. Inner ops keep their
+attributes (``nova.loc``, ``nova.remat``).
 """
 
 from __future__ import annotations
@@ -46,14 +83,14 @@ from dataclasses import dataclass, field
 
 from xdsl.context import Context
 from xdsl.dialects import func
-from xdsl.dialects.builtin import ModuleOp, StringAttr
+from xdsl.dialects.builtin import ModuleOp, StringAttr, f32
 from xdsl.ir import Block, Operation, Region, SSAValue
 from xdsl.passes import ModulePass
 
 from nova.ir import dialect as nv
 from nova.ir.module import result_slots, return_op, step_func
 from nova.ir.types import elem_of, numel, shape_of, tensor
-from nova.transforms.plan_memory import UPDATED_ROLES, bias_epilogue
+from nova.transforms.plan_memory import UPDATED_ROLES
 
 # A recomputed scalar runs once per thread of every program of each consumer
 # kernel (0-d values in Triton are not per element): 16 ops (a pow is some 40
@@ -73,15 +110,38 @@ TAIL_OUTPUTS = 64
 
 
 def fusible(op: Operation) -> bool:
-    """An elementwise op that may be grouped (every op of that category but a
-    matmul's bias add, which rides in the matmul's epilogue)."""
-    if not isinstance(op, nv.NovaOp) or op.CATEGORY != "elementwise" or len(op.results) != 1:
+    """An elementwise op (one result) that may be grouped."""
+    return isinstance(op, nv.NovaOp) and op.CATEGORY == "elementwise" and len(op.results) == 1
+
+
+def epilogue_head(op: Operation) -> bool:
+    """A contraction whose kernel takes an epilogue (one result, nothing empty: an
+    epilogue runs on the tiles of a real contraction)."""
+    if not isinstance(op, nv.NovaOp) or op.CATEGORY != "contraction" or not op.EPILOGUE or len(op.results) != 1:
         return False
-    if isinstance(op, nv.AddOp):
-        for v in op.operands:
-            if isinstance(v.owner, nv.MatmulOp) and bias_epilogue(v.owner) is op:
-                return False
-    return True
+    return all(numel(shape_of(v.type)) > 0 for v in (*op.operands, *op.results))
+
+
+def fma_products(op: Operation, policy: str | None) -> bool:
+    """Whether ``op``'s products run on the FMA units under the step's precision
+    policy: f32 operands outside the tf32 policy (the matmul precision "ieee" of
+    ``configurator.STEP_MATMUL_PRECISION``; tf32 runs them on the tensor cores,
+    bf16 lowers every contraction to bf16 operands). Such a kernel is compiled with
+    floating-point contraction on (Triton's FMA dot is ``llvm.fmuladd``, which
+    becomes a separate multiply and add, another rounding, when contraction is
+    off), and an epilogue must be compiled with it off (each op rounds as the
+    unfused kernels do): so these contractions take no epilogue."""
+    return policy != "tf32" and any(elem_of(v.type) == f32 for v in op.operands)
+
+
+def relabels_rows(op: Operation) -> bool:
+    """A reshape of a contraction result that keeps the last dim: the epilogue
+    reads the tile's rows under the new leading dims (the row-major flat index of
+    an element does not change)."""
+    if not isinstance(op, nv.ReshapeOp) or not isinstance(op.operands[0].owner, Operation):
+        return False
+    src, out = shape_of(op.operands[0].type), shape_of(op.results[0].type)
+    return epilogue_head(op.operands[0].owner) and bool(out) and out[-1] == src[-1]
 
 
 def _scalar(v: SSAValue) -> bool:
@@ -95,7 +155,9 @@ class Node:
     members: list[Operation]
     pos: int
     shape: tuple[int, ...] | None  # the iteration shape (None: not an elementwise node)
-    fused: bool = True  # False for ops that are never grouped (opaque, contractions, the return)
+    fused: bool = True  # False for ops that are never grouped (opaque, layout, the return)
+    kind: str = "elementwise"  # "contraction": one member is a contraction, the others its epilogue
+    reshape: Operation | None = None  # the contraction's result relabelled (``relabels_rows``)
 
 
 @dataclass
@@ -105,10 +167,11 @@ class Group:
     members: list[Operation]
     cone: list[Operation] = field(default_factory=list)
     tail: bool = False  # placed last, just before the return
+    kind: str = "elementwise"
 
 
 class _Grouping:
-    def __init__(self, block: Block):
+    def __init__(self, block: Block, policy: str | None = None):
         self.block = block
         self.ops = list(block.ops)
         self.pos = {op: i for i, op in enumerate(self.ops)}
@@ -130,8 +193,10 @@ class _Grouping:
             for w in ins:
                 self.users.setdefault(w, []).append(op)
         # ops writing the new value of an updated argument: never moved earlier, so that
-        # they stay after the reads of the old value (which lets plan_memory write in place)
-        self.late: set[Operation] = set()
+        # they stay after the reads of the old value (which lets plan_memory write in place);
+        # nor the remat stage's recomputes (``nova.remat``): moved up into their forward
+        # producer's group, they would be computed early and kept, what remat undid
+        self.late: set[Operation] = {op for op in self.ops if "nova.remat" in op.attributes}
         fn = block.parent_op()
         for slot, v in zip(result_slots(fn), return_op(fn).operands, strict=True):
             if slot.role in UPDATED_ROLES and isinstance(v.owner, Operation):
@@ -144,6 +209,9 @@ class _Grouping:
         self.node: dict[Operation, Node] = {}
         for op in self.ops:
             if op in self.virtual:
+                continue
+            if epilogue_head(op) and not fma_products(op, policy):
+                self.node[op] = Node([op], self.pos[op], shape_of(op.results[0].type), kind="contraction")
                 continue
             ok = fusible(op) and op not in self.tail
             self.node[op] = Node([op], self.pos[op], shape_of(op.results[0].type) if ok else None, ok)
@@ -215,38 +283,71 @@ class _Grouping:
                         earliest = min(earliest, n.pos)
         return latest, earliest
 
-    def try_merge(self, nodes: list[Node]) -> Node | None:
-        """Merges ``nodes`` into one placed at the latest member position that keeps
-        every outside input before it and every outside reader after it; None (and
-        nothing changes) where no member position does."""
+    def try_merge(self, nodes: list[Node], reshape: Operation | None = None) -> Node | None:
+        """Merges ``nodes`` (of one iteration shape, the first's; at most one of
+        them a contraction's, and ``reshape`` its result's relabelling when it joins
+        now) into one placed at the latest member position that keeps every outside
+        input before it and every outside reader after it; None (and nothing
+        changes) where no member position does."""
         merging = {id(n) for n in nodes}
-        members = sorted((m for n in nodes for m in n.members), key=self.pos.__getitem__)
+        if reshape is not None:
+            merging.add(id(self.node[reshape]))
+        extra = [reshape] if reshape is not None else []
+        members = sorted([*(m for n in nodes for m in n.members), *extra], key=self.pos.__getitem__)
         latest, earliest = self._window(members, merging)
         latest = max([latest, *(self.pos[m] - 1 for m in members if m in self.late)])
+        heads = [n for n in nodes if n.kind == "contraction"]
+        inside = set(members)
+        head = next((m for n in heads for m in n.members if epilogue_head(m)), None)
+        if head is not None and any(v.owner in inside for v in head.operands):
+            return None  # the contraction would read its own epilogue
         for m in reversed(members):
             p = self.pos[m]
             if latest < p < earliest:
                 merged = Node(members, p, nodes[0].shape)
+                if heads:
+                    merged.kind = "contraction"
+                    merged.reshape = reshape or heads[0].reshape
                 for x in members:
                     self.node[x] = merged
                 return merged
         return None
 
+    def _producer(self, w: SSAValue, node: Node) -> tuple[Node, Operation | None] | None:
+        """The node ``node`` may merge with vertically through its input ``w`` (and
+        the reshape that joins with it), or None: an elementwise or contraction node
+        of ``node``'s iteration shape, at most one contraction between them (see the
+        module docstring for what stays outside an epilogue)."""
+        owner = w.owner
+        if not isinstance(owner, Operation):
+            return None
+        other, reshape = self.node[owner], None
+        if not other.fused and relabels_rows(owner):
+            head = self.node[owner.operands[0].owner]
+            if head.kind != "contraction" or head.reshape is not None or len(head.members) > 1:
+                return None  # its epilogue runs over the result's own shape already
+            other, reshape = head, owner
+            shape = shape_of(owner.results[0].type)
+        else:
+            shape = other.shape
+        if other is node or not other.fused or shape != node.shape:
+            return None
+        if other.kind == "contraction" and node.kind == "contraction":
+            return None  # one kernel, one accumulator
+        return other, reshape
+
     # --- the rules ---------------------------------------------------------
     def group(self) -> None:
         for op in self.ops:
             node = self.node.get(op)
-            if node is None or not node.fused:
-                continue
-            # vertical: producers of the same iteration shape
+            if node is None or not node.fused or node.kind == "contraction" and epilogue_head(op):
+                continue  # a contraction's operands are not its epilogue
+            # vertical: producers of the same iteration shape (a contraction's result among them)
             for w in self.inputs[op]:
-                owner = w.owner
-                if not isinstance(owner, Operation):
-                    continue
-                other = self.node[owner]
-                if other is node or not other.fused or other.shape != node.shape:
-                    continue
-                node = self.try_merge([node, other]) or node
+                found = self._producer(w, node)
+                if found is not None:
+                    other, reshape = found
+                    node = self.try_merge([node, other], reshape) or node
             # horizontal: earlier readers of one of its non-scalar inputs, close by
             for w in self.inputs[op]:
                 if _scalar(w):
@@ -257,6 +358,8 @@ class _Grouping:
                     other = self.node[u]
                     if other is node or not other.fused or other.shape != node.shape:
                         continue
+                    if other.kind == node.kind == "contraction" or (other.kind == "contraction" and epilogue_head(u)):
+                        continue  # two accumulators; or the matmul's operand, which is no tile of its epilogue
                     node = self.try_merge([node, other]) or node
 
     def groups(self) -> list[Group]:
@@ -268,6 +371,11 @@ class _Grouping:
                 continue
             seen.add(id(n))
             cone = self.cone_of(n.members)
+            if n.kind == "contraction":
+                if len(n.members) > 1:  # a contraction without an epilogue stays itself
+                    head = next(m for m in n.members if epilogue_head(m))
+                    out.append(Group([head, *(m for m in n.members if m is not head)], cone, kind="contraction"))
+                continue
             # a lone op reading only constants stays itself (0-d constants cost no kernel)
             if len(n.members) == 1 and all(not c.operands for c in cone):
                 continue
@@ -290,6 +398,9 @@ def _build(g: _Grouping, group: Group) -> nv.FusedOp:
     results are redirected to it."""
     inside = set(group.members) | set(group.cone)
     ops = sorted(inside, key=g.pos.__getitem__)  # block order: a scalar may read a member
+    if group.kind == "contraction":  # the contraction first (it reads outside values only)
+        ops.remove(group.members[0])
+        ops.insert(0, group.members[0])
     inputs: list[SSAValue] = []
     for op in ops:
         for v in op.operands:
@@ -308,7 +419,7 @@ def _build(g: _Grouping, group: Group) -> nv.FusedOp:
     block.add_op(nv.YieldOp.create(operands=[mapping[r] for r in outputs]))
     fused = nv.FusedOp.create(
         operands=inputs, result_types=[r.type for r in outputs],
-        properties={"kind": StringAttr("elementwise")}, regions=[Region(block)],
+        properties={"kind": StringAttr(group.kind)}, regions=[Region(block)],
     )  # fmt: skip
     for old, new in zip(outputs, fused.results, strict=True):
         for use in list(old.uses):
@@ -401,7 +512,8 @@ def fuse(module: ModuleOp) -> list[nv.FusedOp]:
     fn = step_func(module)
     block = fn.body.block
     sink_views(block)
-    g = _Grouping(block)
+    policy = module.attributes.get("nova.precision")
+    g = _Grouping(block, policy.data if isinstance(policy, StringAttr) else None)
     g.group()
     groups = g.groups()
     placed: dict[int, Operation] = {}  # position -> the op that goes there
@@ -446,8 +558,9 @@ def report(module: ModuleOp, top: int = 10) -> list[str]:
     if not groups:
         return ["fuse: no groups"]
     inner = sum(len(g.inner_ops()) for g in groups)
-    lines = [f"fuse: {len(groups)} groups (one kernel each) holding {inner} elementwise ops "
-             "(scalars recomputed in each group count in each)"]
+    epilogues = sum(1 for g in groups if g.contraction() is not None)
+    lines = [f"fuse: {len(groups)} groups (one kernel each; {epilogues} of them a contraction with its epilogue) "
+             f"holding {inner} ops (scalars recomputed in each group count in each)"]
     for g in sorted(groups, key=lambda g: -len(g.inner_ops()))[:top]:
         names = [o.name.removeprefix("nova.") for o in g.inner_ops()]
         shape = "x".join(map(str, g.iteration_shape())) or "scalar"

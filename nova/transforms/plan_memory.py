@@ -1,9 +1,10 @@
 """The plan_memory stage: liveness over the whole step, one static arena, in-place updates.
 
 The step is one straight-line block, run in the Triton backend's launch order
-(``nova.backends.triton``): layout ops are strided views and launch nothing, a
-matmul whose only use adds a row bias is one kernel with the add. The plan
-gives every value a storage (``docs/memory.md`` is the long version):
+(``nova.backends.triton``): one launch per op, layout ops are strided views and
+launch nothing, a ``nova.fused`` group (a matmul with its epilogue among them)
+is one kernel. The plan gives every value a storage (``docs/memory.md`` is the
+long version):
 
   arena     an intermediate: (offset, size) in one device arena, sizes rounded
             up to ``ALIGNMENT``; a buffer is reused once its value is dead
@@ -17,7 +18,6 @@ gives every value a storage (``docs/memory.md`` is the long version):
   output    a returned loss / grad: its own allocation outside the arena (the
             caller keeps it after the arena is reused)
   const     a 0-d ``nova.full``: a compile-time constant pool, no arena bytes
-  fused     a matmul result the bias add consumes inside the same kernel
   empty     a tensor of zero elements
 
 Times: 0 is the step's entry (the inputs are copied in), step ``i`` of the
@@ -161,41 +161,12 @@ class Step:
     outputs: tuple[SSAValue, ...]
 
 
-def bias_epilogue(op: Operation) -> Operation | None:
-    """The add that rides in this matmul's epilogue (its only use, adding an [N]
-    vector of the same dtype over rows): the Triton backend fuses exactly these."""
-    uses = list(op.results[0].uses)
-    if len(uses) != 1 or not isinstance(uses[0].operation, nv.AddOp):
-        return None
-    add = uses[0].operation
-    other = add.operands[1 - uses[0].index]
-    n = shape_of(op.results[0].type)[-1]
-    if shape_of(other.type) != (n,) or elem_of(other.type) != elem_of(op.results[0].type):
-        return None
-    if shape_of(add.results[0].type) != shape_of(op.results[0].type):
-        return None
-    return add
-
-
-def launch_order(fn) -> tuple[list[Step], set[SSAValue]]:
-    """The steps in the order the backend launches them, and the matmul results
-    that a fused bias add consumes in registers."""
-    steps: list[Step] = []
-    fused: set[SSAValue] = set()
-    absorbed: set[Operation] = set()
+def launch_order(fn) -> list[Step]:
+    """The steps in the order the backend launches them: one per op (what runs in
+    one kernel is one op by now: the fuse stage's groups, a matmul's epilogue
+    among them)."""
     ret = return_op(fn)
-    for op in fn.body.block.ops:
-        if op is ret or op in absorbed:
-            continue
-        add = bias_epilogue(op) if isinstance(op, nv.MatmulOp) else None
-        if add is not None:
-            absorbed.add(add)
-            fused.add(op.results[0])
-            bias = add.operands[1] if add.operands[0] is op.results[0] else add.operands[0]
-            steps.append(Step(op, (*op.operands, bias), tuple(add.results)))
-        else:
-            steps.append(Step(op, tuple(op.operands), tuple(op.results)))
-    return steps, fused
+    return [Step(op, tuple(op.operands), tuple(op.results)) for op in fn.body.block.ops if op is not ret]
 
 
 # ----------------------------------------------------------------------------
@@ -241,7 +212,7 @@ class _Planner:
     def __init__(self, fn):
         self.fn = fn
         self.block = fn.body.block
-        self.steps, self.fused = launch_order(fn)
+        self.steps = launch_order(fn)
         self.end_time = len(self.steps) + 1
         self.place: dict[SSAValue, Placement] = {}
         self.start: dict[SSAValue, int] = {}
@@ -276,10 +247,6 @@ class _Planner:
                     self.place[r] = Placement("const")
                 else:
                     self.place[r] = Placement("arena", size=_align(nbytes(r)))
-            for r in op.results:
-                if r in self.fused:
-                    self.place[r] = Placement("fused")
-                    self.start[r] = t
 
     def root(self, v: SSAValue) -> SSAValue:
         p = self.place[v]
@@ -300,14 +267,18 @@ class _Planner:
 
     def _step_reads_only_same_index(self, t: int, arg: SSAValue, new: SSAValue) -> bool:
         """Whether step ``t`` may write ``new`` over ``arg`` while reading it: a
-        same-index op, or a fused elementwise kernel (every lane loads all its
-        input elements before it stores; ``new`` has the iteration shape, so an
-        ``arg`` of its type is read at the flat index), reading ``arg`` itself
-        only, never through a view (a broadcast or transpose reads other lanes'
-        elements)."""
+        same-index op, or a fused kernel (every lane loads all its input elements
+        before it stores; ``new`` has the iteration shape, so an ``arg`` of its type
+        is read at the flat index; in a matmul's epilogue, at the tile's elements,
+        which only that tile writes; never an operand of the matmul itself, which
+        every tile of a row or column reads), reading ``arg`` itself only, never
+        through a view (a broadcast or transpose reads other lanes' elements)."""
         st = self.steps[t - 1]
         if isinstance(st.op, nv.FusedOp):
-            same_index = st.op.props()["kind"] == "elementwise" and new in st.outputs
+            head = st.op.contraction()
+            reads = head is not None and any(st.op.operands[st.op.body.block.args.index(v)] is arg
+                                             for v in head.operands)  # fmt: skip
+            same_index = new in st.outputs and not reads
         else:
             same_index = isinstance(st.op, SAME_INDEX) and len(st.outputs) == 1
         if not same_index or new.type != arg.type:

@@ -49,7 +49,8 @@ embedding. A leaf that is not live at T anyway is *extended*: it is kept until T
             and both bf16 projection outputs: 6 kernels, 13 bytes moved per byte).
 
 Which choices: the plan's liveness (``plan_memory._Planner``: the same storage,
-views, fused epilogues and in-place rules as the final plan) gives the bytes
+views and in-place rules as the final plan; before fusion, so every op is its
+own launch here, a matmul's epilogue ops too) gives the bytes
 live at every step and the step of the largest live set, t*. A choice helps
 when it frees ``v`` across t* (more than any leaf it extends to T). Default:
 every helping default choice (not touching another one applied in the same
@@ -145,8 +146,6 @@ class _Live:
         self.time: dict[Operation, int] = {}
         for t, st in enumerate(p.steps, 1):
             self.time[st.op] = t
-            if st.op.results and st.op.results[0] in p.fused:
-                self.time[pm.bias_epilogue(st.op)] = t
         self.reads: dict[SSAValue, list[int]] = {}
         for t, st in enumerate(p.steps, 1):
             if isinstance(st.op, pm.VIEW_OPS) and self.kind(st.op.results[0]) == "view":

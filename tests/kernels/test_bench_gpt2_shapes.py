@@ -58,7 +58,16 @@ def test_extracted_launches_are_the_launches_the_step_makes(monkeypatch, precisi
                       str(y.dtype).removeprefix("torch."), bias is not None, json.dumps(used.to_dict(), sort_keys=True)))
         return y
 
+    real_epilogue = mm.matmul_epilogue
+
+    def recording_epilogue(a, b, epilogue, inputs, out_dtype, cfg=None, precision=None, outs=None, **kw):
+        ys = real_epilogue(a, b, epilogue, inputs, out_dtype, cfg, precision, outs, **kw)
+        calls.append((_operand_key(a, a.data_ptr() % 16 == 0), _operand_key(b, b.data_ptr() % 16 == 0),
+                      str(out_dtype).removeprefix("torch."), False, json.dumps(cfg.to_dict(), sort_keys=True)))
+        return ys
+
     monkeypatch.setattr(mm, "matmul", recording)
+    monkeypatch.setattr(mm, "matmul_epilogue", recording_epilogue)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=32, block_size=10, n_layer=1, n_head=1, n_embd=16))
     step = nova.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), precision=precision, backend="triton")
@@ -66,6 +75,8 @@ def test_extracted_launches_are_the_launches_the_step_makes(monkeypatch, precisi
     step(x, x)
     launches = sm.step_matmuls(step._last.compilation.module, precision)
     assert len(launches) == len(calls) == 12 + 3 + 3 * 3  # 12 per layer; LM head: 3 chunks fwd, 3 x 3 bwd
+    # the forward's four linears take their bias (and GELU, residual) in the epilogue, so does GELU's backward
+    assert sum(bool(r["epilogue"]) for r in launches) >= 5
     assert Counter(_row_key(r) for r in launches) == Counter(calls)
     rows = [r["chunk_rows"] for r in launches if r["source"].endswith(":dw")]
     assert rows == [8, 8, 4]

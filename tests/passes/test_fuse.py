@@ -1,6 +1,6 @@
 """fuse: IR in, IR out, one test per grouping rule (vertical, views, horizontal,
-scalars recomputed inside, no cycle, the matmul's bias add left alone,
-singletons), each checked to verify, print and parse back, and to compute the
+scalars recomputed inside, no cycle, a matmul's epilogue and what stays out of
+it, singletons), each checked to verify, print and parse back, and to compute the
 same values bit for bit as the IR before it on the reference executor; then
 whole steps (the MLP LM and small GPTs) fused against unfused."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from xdsl.dialects.builtin import bf16, f32, f64
+from xdsl.dialects.builtin import StringAttr, bf16, f32, f64, i1, i64
 
 from nova import pipeline
 from nova.backends.reference import run_function
@@ -143,6 +143,7 @@ def test_a_long_scalar_chain_is_cut_into_kernels():
 
 
 def test_no_group_feeds_and_reads_an_outside_op():
+    # (f32 outside the tf32 policy: the matmul takes no epilogue, fuse.fma_products)
     module, fn, b = _step(Slot("param", "x", tensor([8, 8], f32)), Slot("param", "w", tensor([8, 8], f32)))
     x, w = fn.body.block.args
     a = b.one(nv.ExpOp, [x])
@@ -156,16 +157,216 @@ def test_no_group_feeds_and_reads_an_outside_op():
     assert _inner(ops[0]) == ["nova.exp", "nova.neg"]
 
 
-def test_the_bias_add_of_a_matmul_stays_in_its_epilogue():
+@pytest.mark.parametrize("policy", [None, "fp32", "bf16"])
+def test_an_f32_matmul_on_the_fma_units_takes_no_epilogue(policy):
+    """Outside the tf32 policy an f32 matmul runs on the FMA units, whose kernel
+    must contract (fuse.fma_products): its bias add and GELU are one elementwise group."""
     module, fn, b = _step(Slot("param", "x", tensor([4, 8], f32)), Slot("param", "w", tensor([8, 8], f32)),
                           Slot("param", "bias", tensor([8], f32)))  # fmt: skip
+    if policy is not None:
+        module.attributes["nova.precision"] = StringAttr(policy)
     x, w, bias = fn.body.block.args
     h = b.add(b.matmul(x, w), bias)
     y = b.cast(b.one(nv.GeluOp, [h], {"approximate": "tanh"}), bf16)
     set_results(fn, [("loss", "y", y)])
     ops = _fused(module)
-    assert [o.name for o in ops] == ["nova.matmul", "nova.add", "nova.fused"]
-    assert _inner(ops[2]) == ["nova.gelu", "nova.cast"]
+    assert [o.name for o in ops] == ["nova.matmul", "nova.fused"]
+    assert _inner(ops[1]) == ["nova.add", "nova.gelu", "nova.cast"]
+
+
+def test_the_fma_rule_follows_the_step_matmul_precision():
+    from nova.schedule.configurator import STEP_MATMUL_PRECISION
+
+    module, fn, b = _step(Slot("param", "x", tensor([4, 8], f32)), Slot("param", "w", tensor([8, 8], f32)))
+    m = b.matmul(*fn.body.block.args).owner
+    for policy, path in STEP_MATMUL_PRECISION.items():
+        assert fz.fma_products(m, policy) == (path == "ieee"), policy
+
+
+# ----------------------------------------------------------------------------
+# output fusion: a contraction with its epilogue
+
+
+def _linear(n_out=96, x_dtype=bf16, w_dtype=bf16):
+    """x [16, 32] @ w [32, n_out] read as [2, 8, n_out], plus a bias over rows, the
+    shape of a GPT linear layer's forward in bf16 (the matmul's result cast to f32)."""
+    module, fn, b = _step(Slot("param", "x", tensor([16, 32], x_dtype)), Slot("param", "w", tensor([32, n_out], w_dtype)),
+                          Slot("param", "bias", tensor([n_out], f32)), Slot("param", "res", tensor([2, 8, n_out], f32)))  # fmt: skip
+    x, w, bias, res = fn.body.block.args
+    mm = b.matmul(x, w)
+    pre = b.add(b.cast(b.reshape(mm, [2, 8, n_out]), f32), bias)
+    return module, fn, b, mm, pre, res
+
+
+def test_a_matmul_takes_its_bias_gelu_and_cast_and_yields_the_pre_activation_too():
+    """GPT's fc layer: bias add, GELU, bf16 cast in the matmul's epilogue, through
+    the reshape of its rows; the pre-activation (which the backward reads) and the
+    GELU output are both outputs, written from the tile."""
+    module, fn, b, mm, pre, _ = _linear()
+    out = b.cast(b.one(nv.GeluOp, [pre], {"approximate": "tanh"}), bf16)
+    set_results(fn, [("loss", "pre", pre), ("loss", "out", out)])
+    (op,) = _fused(module)
+    assert isinstance(op, nv.FusedOp) and op.props()["kind"] == "contraction"
+    assert _inner(op) == ["nova.matmul", "nova.reshape", "nova.cast", "nova.add", "nova.gelu", "nova.cast"]
+    assert op.iteration_shape() == (2, 8, 96) and isinstance(op.contraction(), nv.MatmulOp)
+    assert [str(r.type) for r in op.results] == ["tensor<2x8x96xf32>", "tensor<2x8x96xbf16>"]
+    assert list(op.operands) == list(fn.body.block.args[:3])  # x, w (the matmul's), the bias (the epilogue's)
+
+
+def test_a_residual_add_joins_and_reads_a_second_full_tensor():
+    module, fn, b, mm, pre, res = _linear(32)
+    set_results(fn, [("loss", "y", b.add(res, pre))])
+    (op,) = _fused(module)
+    assert _inner(op) == ["nova.matmul", "nova.reshape", "nova.cast", "nova.add", "nova.add"]
+    assert op.operands[3] is res and [str(r.type) for r in op.results] == ["tensor<2x8x32xf32>"]
+
+
+def test_gelu_backward_reads_the_saved_pre_activation_in_the_epilogue():
+    """The backward of the fc layer: dy @ w^T is the GELU's incoming gradient; GELU's
+    backward reads the saved pre-activation (a full f32 tensor) at the tile's
+    offsets, and its f32 result (the bias gradient's input) and bf16 cast are both
+    outputs."""
+    module, fn, b = _step(Slot("param", "dy", tensor([16, 32], bf16)), Slot("param", "w", tensor([128, 32], bf16)),
+                          Slot("param", "pre", tensor([2, 8, 128], f32)))  # fmt: skip
+    dy, w, pre = fn.body.block.args
+    g = b.cast(b.reshape(b.matmul(dy, b.transpose(w, [1, 0])), [2, 8, 128]), f32)
+    d = b.one(nv.GeluBackwardOp, [g, pre], {"approximate": "tanh"})
+    set_results(fn, [("loss", "bias_grad", b.reduce_sum(d, [0, 1])), ("loss", "d", b.cast(d, bf16))])
+    ops = _fused(module)
+    assert [o.name for o in ops] == ["nova.transpose", "nova.fused", "nova.reduce_sum"]
+    op = ops[1]
+    assert _inner(op) == ["nova.matmul", "nova.reshape", "nova.cast", "nova.gelu_backward", "nova.cast"]
+    assert len(op.results) == 2 and ops[2].operands[0] is op.results[0]  # the column sum reads the f32 output
+
+
+def test_a_matmul_result_read_outside_is_one_more_output():
+    """The matmul's own result is also kept (here returned, as remat keeps a bf16
+    matmul output to recompute from): it is written from the tile too."""
+    module, fn, b, mm, pre, _ = _linear()
+    set_results(fn, [("loss", "mm", mm), ("loss", "pre", pre)])
+    (op,) = _fused(module)
+    assert [str(r.type) for r in op.results] == ["tensor<16x96xbf16>", "tensor<2x8x96xf32>"]
+    assert op.body.block.last_op.operands[0] is op.contraction().results[0]
+
+
+def test_a_scale_a_2d_cast_and_a_dropout_mask_join_without_a_reshape():
+    """No reshape (the epilogue runs over the matmul's own shape): a cast to f32 (a
+    backward dx matmul feeding a LayerNorm backward), a 0-d scale, and a dropout
+    mask, which reads the flat index of the iteration shape."""
+    module, fn, b = _step(Slot("param", "x", tensor([16, 32], bf16)), Slot("param", "w", tensor([32, 24], bf16)),
+                          Slot("seed", "seed", tensor([], i64)))  # fmt: skip
+    x, w, seed = fn.body.block.args
+    y = b.scale(b.cast(b.matmul(x, w), f32), 0.5)
+    mask = b.one(nv.DropoutMaskOp, [seed], {"p": 0.1, "salt": 3}, tensor([16, 24], f32))
+    set_results(fn, [("loss", "y", b.mul(y, mask))])
+    (op,) = _fused(module)
+    assert op.iteration_shape() == (16, 24)
+    assert _inner(op) == ["nova.matmul", "nova.cast", "nova.full", "nova.mul", "nova.dropout_mask", "nova.mul"]
+
+
+def test_what_stays_outside_an_epilogue():
+    """A transpose between the matmul and its reader, a reshape that changes the last
+    dim, a broadcast to a larger shape, a reduction, a second matmul (one
+    accumulator per kernel: the add of both joins the first, the second's cast its
+    own epilogue) and a cast feeding the matmul (no operand prologue): each stays
+    outside; the ops that can join do."""
+    module, fn, b = _step(Slot("param", "x", tensor([16, 32], f32)), Slot("param", "w", tensor([32, 24], bf16)),
+                          Slot("param", "big", tensor([3, 16, 24], f32)))  # fmt: skip
+    x, w, big = fn.body.block.args
+    xb = b.cast(x, bf16)  # the operand's cast: its own kernel
+    m1 = b.matmul(xb, w)
+    t = b.neg(b.transpose(m1, [1, 0]))  # through a transpose: outside
+    r = b.neg(b.reshape(m1, [16, 2, 12]))  # the last dim changes: outside
+    m2 = b.matmul(xb, w)
+    both = b.add(b.cast(m1, f32), b.cast(m2, f32))  # joins m1's epilogue, reads m2's result
+    wide = b.add(both, big)  # [3, 16, 24]: another shape, outside
+    s = b.reduce_sum(both, [1])
+    set_results(fn, [("loss", "t", t), ("loss", "r", r), ("loss", "wide", wide), ("loss", "s", s)])
+    ops = _fused(module)
+    g1, g2 = [o for o in ops if isinstance(o, nv.FusedOp) and o.contraction() is not None]
+    # m1 with its cast, its result yielded for the views; the add cannot join it (it
+    # reads m2's cast, made after those views read m1): it joins m2's epilogue
+    assert _inner(g1) == ["nova.matmul", "nova.cast"] and len(g1.results) == 2
+    assert _inner(g2) == ["nova.matmul", "nova.cast", "nova.add"] and g1.results[1] in g2.operands
+    assert isinstance(xb.owner, nv.CastOp) and xb.owner in ops  # no prologue
+    assert sum(isinstance(o, (nv.TransposeOp, nv.ReshapeOp)) for o in ops) == 2  # both views stay views
+    assert any(isinstance(o, nv.ReduceSumOp) for o in ops)
+    wide_op = next(o for o in ops if o is not g2 and any(str(r.type) == "tensor<3x16x24xf32>" for r in o.results))
+    assert wide_op.name in ("nova.add", "nova.fused")
+
+
+def test_an_epilogue_never_feeds_its_own_matmul():
+    """exp(x) feeds the matmul and its epilogue's add: the add joins the matmul and
+    reads exp(x) from outside; exp stays with the other reader of x's group."""
+    module, fn, b = _step(Slot("param", "x", tensor([8, 8], bf16)), Slot("param", "w", tensor([8, 8], bf16)))
+    x, w = fn.body.block.args
+    a = b.one(nv.ExpOp, [x])
+    y = b.add(a, b.matmul(a, w))
+    set_results(fn, [("loss", "y", y)])
+    ops = _fused(module)
+    assert [o.name for o in ops] == ["nova.exp", "nova.fused"]
+    assert ops[1].contraction() is not None and ops[0].results[0] in ops[1].operands
+
+
+def test_a_batched_matmul_takes_a_scale_and_a_broadcast_mask():
+    """Manual attention's scores: q k^T [B, H, T, T] times a 0-d scale, masked by a
+    [T, T] condition broadcast over B and H: the mask is read at each row's (t, s)."""
+    module, fn, b = _step(Slot("param", "q", tensor([2, 2, 8, 16], bf16)), Slot("param", "k", tensor([2, 2, 8, 16], bf16)),
+                          Slot("param", "keep", tensor([8, 8], i1)))  # fmt: skip
+    q, k, keep = fn.body.block.args
+    s = b.scale(b.cast(b.matmul(q, b.transpose(k, [0, 1, 3, 2])), f32), 0.25)
+    y = b.where(keep, s, b.full(float("-inf"), [], f32))
+    set_results(fn, [("loss", "y", b.one(nv.SoftmaxOp, [y], {"dim": 3}))])
+    ops = _fused(module)
+    (g,) = [o for o in ops if isinstance(o, nv.FusedOp)]
+    assert g.contraction() is not None and g.iteration_shape() == (2, 2, 8, 8) and keep in g.operands
+    assert _inner(g)[-1] == "nova.where"
+
+
+def test_a_recompute_stays_in_the_backward_and_joins_the_epilogue_beside_it():
+    """The remat stage's GELU recompute (``nova.remat``) reads the saved pre-activation
+    late: it is not pulled up into the forward matmul's group (that would compute it
+    early and keep it), and it joins the backward matmul's epilogue, whose GELU
+    backward reads the same pre-activation (a horizontal partner)."""
+    module, fn, b = _step(Slot("param", "x", tensor([16, 32], f32)), Slot("param", "w", tensor([32, 64], f32)),
+                          Slot("param", "bias", tensor([64], f32)), Slot("param", "dy", tensor([16, 32], f32)))  # fmt: skip
+    module.attributes["nova.precision"] = StringAttr("tf32")
+    x, w, bias, dy = fn.body.block.args
+    pre = b.add(b.matmul(x, w), bias)
+    y = b.matmul(b.one(nv.GeluOp, [pre], {"approximate": "tanh"}), b.transpose(w, [1, 0]))  # the forward reader
+    dpre = b.matmul(dy, w)  # GELU's incoming gradient, in the backward
+    again = b.one(nv.GeluOp, [pre], {"approximate": "tanh"})
+    again.owner.attributes["nova.remat"] = StringAttr("default")
+    dgelu = b.one(nv.GeluBackwardOp, [dpre, pre], {"approximate": "tanh"})
+    set_results(fn, [("loss", "y", y), ("loss", "again", again), ("loss", "dgelu", dgelu)])
+    ops = _fused(module)
+    forward, backward = [o for o in ops if isinstance(o, nv.FusedOp) and o.contraction() is not None]
+    assert _inner(forward) == ["nova.matmul", "nova.add", "nova.gelu"]
+    assert all("nova.remat" not in o.attributes for o in forward.inner_ops())
+    assert _inner(backward) == ["nova.matmul", "nova.gelu", "nova.gelu_backward"]
+    assert "nova.remat" in backward.inner_ops()[1].attributes
+
+
+def test_the_contraction_group_verifies_its_structure():
+    module, fn, b, mm, pre, _ = _linear()
+    set_results(fn, [("loss", "pre", pre)])
+    (op,) = _fused(module)
+    text = print_module(module)
+    # the first op must be a contraction that takes an epilogue
+    bad = text.replace('"nova.matmul"', '"nova.add"', 1)
+    with pytest.raises(Exception):
+        parse_module(bad).verify()
+    # a reshape must keep the last dim
+    bad = text.replace("tensor<2x8x96xbf16>", "tensor<2x4x192xbf16>").replace(
+        "tensor<2x8x96xf32>", "tensor<2x4x192xf32>")
+    with pytest.raises(Exception, match="keep its last dim|do not|broadcast|shape"):
+        parse_module(bad).verify()
+    # an elementwise op may not be of another shape than the epilogue's
+    inner = OpBuilder(op.body.block, before=op.body.block.last_op)
+    other = inner.cast(op.contraction().results[0], f32)  # [16, 96], beside the [2, 8, 96] reshape
+    op.body.block.last_op.operands[0] = other
+    with pytest.raises(Exception):
+        module.verify()
 
 
 def test_a_group_of_one_op_stays_that_op():
@@ -299,7 +500,8 @@ def test_the_report_names_each_group():
     assert fz.report(module) == ["fuse: no groups"]
     _fused(module)
     assert fz.report(module) == [
-        "fuse: 1 groups (one kernel each) holding 2 elementwise ops (scalars recomputed in each group count in each)",
+        "fuse: 1 groups (one kernel each; 0 of them a contraction with its epilogue) holding 2 ops (scalars "
+        "recomputed in each group count in each)",
         "  [4x8] 2 ops, 1 inputs, 1 outputs: exp neg",
     ]
 

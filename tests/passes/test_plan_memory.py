@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from xdsl.dialects.builtin import f32
+from xdsl.dialects.builtin import bf16, f32
 
 from nova import pipeline
 from nova.backends.reference import run_function, run_ops
@@ -104,10 +104,8 @@ def run_in_arena(fn, plan: pm.MemoryPlan, args: list[torch.Tensor], arena: bool 
             env[a].copy_(t)
         else:
             env[a] = t
-    steps, _ = pm.launch_order(fn)
-    for st in steps:
-        ops = [st.op] if st.outputs == tuple(st.op.results) else [st.op, st.outputs[0].owner]
-        for op in ops:
+    for st in pm.launch_order(fn):
+        for op in [st.op]:
             run_ops([op], env, torch.device("cpu"))
             for r in op.results:
                 kind = _storage(r)[0]
@@ -126,7 +124,7 @@ def run_in_arena(fn, plan: pm.MemoryPlan, args: list[torch.Tensor], arena: bool 
 
 def replay_backend_schedule(fn) -> None:
     """Replays the Triton backend's own launch order (its VIEW_OPS, its view
-    function on meta tensors, its bias-epilogue rule) over the offsets in the
+    function on meta tensors, one launch per other op) over the offsets in the
     IR: each read must find the bytes of its value still there."""
     tr = pytest.importorskip("nova.backends.triton")
     plan_bytes = fn.parent_op().attributes["nova.memory_plan"].data["arena_bytes"].value.data
@@ -153,7 +151,6 @@ def replay_backend_schedule(fn) -> None:
     def read(v, at):
         r = _root(v)
         kind = _storage(r)[0]
-        assert kind != "fused", f"{at}: reads a fused matmul result"
         if kind in ("arena", "input"):
             assert all(owner[c] is r for c in chunks(r)), f"{at}: the bytes of {r.owner} were overwritten"
         elif kind == "external":
@@ -164,9 +161,8 @@ def replay_backend_schedule(fn) -> None:
     for a in fn.body.block.args:
         write(a)
     layouts = {}
-    fused = set()
     for op in fn.body.block.ops:
-        if op is return_op(fn) or op in fused:
+        if op is return_op(fn):
             continue
         if isinstance(op, tr.VIEW_OPS):
             copied = []
@@ -178,12 +174,6 @@ def replay_backend_schedule(fn) -> None:
                 write(op.results[0])
             continue
         inputs, outputs = list(op.operands), list(op.results)
-        if isinstance(op, nv.MatmulOp) and tr.bias_epilogue(op) is not None:
-            add = tr.bias_epilogue(op)
-            fused.add(add)
-            assert _storage(op.results[0])[0] == "fused"
-            inputs = [*op.operands, *(x for x in add.operands if x is not op.results[0])]
-            outputs = list(add.results)
         for v in inputs:
             read(v, op)
         # what this kernel writes must not be what it reads (unless an elementwise in-place update)
@@ -322,7 +312,7 @@ def test_views_share_their_source_and_extend_its_life():
     plan = _check(module, [torch.randn(8, 32)])
     assert [_storage(v)[0] for v in (t, s, r, bc)] == ["view"] * 4 and _storage(rt)[0] == "arena"
     (yb,) = [b_ for b_ in plan.buffers if b_.value is y]
-    steps, _ = pm.launch_order(fn)
+    steps = pm.launch_order(fn)
     last_reader = list(bc.uses)[0].operation  # the last op of the step to read y's bytes, through two views
     assert yb.end == [st.op for st in steps].index(last_reader) + 1
     assert _root(bc) is y and _root(s) is y
@@ -341,23 +331,42 @@ def test_offsets_are_aligned_and_tiny_values_take_one_granule():
     assert plan.external["constants"] == 512
 
 
-def test_a_matmul_with_its_bias_is_one_kernel_as_in_the_backend():
+def test_a_matmul_with_its_epilogue_is_one_kernel_as_in_the_backend():
+    """After the fuse stage a matmul's bias add is inside its nova.fused group: one
+    step of the launch order writes the add's result; the matmul's own result has
+    no buffer (it lives in registers)."""
+    from nova.transforms.fuse import fuse
+
     tr = pytest.importorskip("nova.backends.triton")
     assert pm.VIEW_OPS == tr.VIEW_OPS
-    module, fn, b = _step(Slot("batch", "x", tensor([4, 8], f32)), Slot("param", "w", tensor([8, 16], f32)),
+    module, fn, b = _step(Slot("batch", "x", tensor([4, 8], bf16)), Slot("param", "w", tensor([8, 16], bf16)),
                           Slot("param", "bias", tensor([16], f32)))
     x, w, bias = fn.body.block.args
-    mm = b.matmul(x, w)
-    y = b.add(mm, bias)
-    other = b.matmul(x, w)  # two uses: no epilogue
-    set_results(fn, [("loss", "loss", b.reduce_sum(b.add(b.mul(y, y), b.add(other, other)), [0, 1]))])
-    assert tr.bias_epilogue is pm.bias_epilogue  # the backend fuses by the plan's own rule
-    assert pm.bias_epilogue(mm.owner) is y.owner
-    assert pm.bias_epilogue(other.owner) is None
-    plan = _check(module, [torch.randn(4, 8), torch.randn(8, 16), torch.randn(16)])
-    assert _storage(mm)[0] == "fused" and _storage(y)[0] == "arena"
-    (yb,) = [b_ for b_ in plan.buffers if b_.value is y]
-    assert plan.steps[yb.start - 1] == "nova.matmul"  # written by the matmul's kernel
+    y = b.add(b.cast(b.matmul(x, w), f32), bias)
+    set_results(fn, [("loss", "loss", b.reduce_sum(b.mul(y, y), [0, 1]))])
+    (group,) = [op for op in fuse(module) if op.contraction() is not None]
+    plan = _check(module, [torch.randn(4, 8).bfloat16(), torch.randn(8, 16).bfloat16(), torch.randn(16)])
+    assert [st.op for st in pm.launch_order(fn)][0] is group and _storage(group.results[0])[0] == "arena"
+    assert plan.steps == ["nova.fused", "nova.reduce_sum"]  # y * y joined too: one buffer, the group's result
+    assert [b_.value for b_ in plan.buffers if b_.what.startswith("nova.fused")] == [group.results[0]]
+
+
+@pytest.mark.parametrize("over", ["epilogue operand", "matmul operand"])
+def test_an_epilogue_writes_over_its_own_operand_only_element_for_element(over):
+    """p - x @ w as a param's update: written in place over p, which the epilogue
+    reads at the tile's elements; a param that is the matmul's own operand (every
+    tile of its rows reads it) is never written over while the matmul runs."""
+    from nova.transforms.fuse import fuse
+
+    module, fn, b = _step(Slot("param", "p", tensor([8, 8], bf16)), Slot("param", "w", tensor([8, 8], bf16)))
+    p, w = fn.body.block.args
+    new = b.sub(p, b.matmul(p if over == "matmul operand" else w, w))
+    set_results(fn, [("param", "p", new)])
+    (group,) = fuse(module)
+    assert group.contraction() is not None
+    plan = _check(module, [torch.randn(8, 8).bfloat16(), torch.randn(8, 8).bfloat16()])
+    (ip,) = plan.inplace
+    assert ip.how == ("inplace" if over == "epilogue operand" else "copy")
 
 
 # ---------------------------------------------------------------------------

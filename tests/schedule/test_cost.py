@@ -52,16 +52,25 @@ def test_matmul_bytes_flops_and_roofline():
     assert k.bound == "launch"
 
 
-def test_matmul_bias_epilogue_and_split_k():
-    # a skinny-M, long-K fp32 matmul: the configurator splits K; the bias add rides in the epilogue
+def test_matmul_epilogue_and_split_k():
+    # a skinny-M, long-K tf32 matmul: the configurator splits K; the bias add rides in the
+    # epilogue (the fuse stage's nova.fused "contraction": one kernel of kind matmul)
+    from xdsl.dialects.builtin import StringAttr
+
+    from nova.transforms.fuse import fuse
+
     M, K, N = 128, 8192, 128
     module, fn, b = _step(Slot("batch", "a", tensor([M, K], f32)), Slot("param", "w", tensor([K, N], f32)),
                           Slot("param", "bias", tensor([N], f32)))  # fmt: skip
     a, w, bias = fn.body.block.args
     y = b.add(b.matmul(a, w), bias)
-    ks = _finish(module, fn, b.reduce_sum(y, [0, 1]), precision="tf32")
+    set_results(fn, [("loss", "loss", b.reduce_sum(y, [0, 1]))])
+    module.attributes["nova.precision"] = StringAttr("tf32")
+    fuse(module)
+    ks = _finish(module, fn, fn.body.block.last_op.operands[0], precision="tf32")
     k = ks[0]
     cfg = cost.config_of(fn.body.block.first_op)
+    assert k.op == "nova.fused" and k.kind == "matmul" and cfg.kind == "matmul"
     assert cfg.split_k > 1 and k.ops == 2 and len([x for x in ks if x.op == "nova.add"]) == 0
     assert k.path == "tf32"
     assert k.flops == 2 * M * N * K + M * N

@@ -1,4 +1,6 @@
-"""The lowering of ``nova.fused`` (kind elementwise): one kernel per group.
+"""The lowering of ``nova.fused`` (kind elementwise): one kernel per group; and
+the epilogue of a kind "contraction" group for the matmul template
+(``epilogue_of``: the same composition, starting from the accumulator).
 
 The kernel is ``elementwise.pointwise_source``'s loop over the group's iteration
 shape; its body is the composition, in block order, of the inner ops'
@@ -23,6 +25,16 @@ ops computed from them (the optimizer's bias corrections) run once per thread,
 not per element. Outputs are written contiguously at the flat index after every
 load, so an output may be an input of the iteration shape itself (the in-place
 parameter and state update; ``plan_memory`` allows exactly that).
+
+A matmul's epilogue keeps the same guarantees: the matmul's result enters as the
+unfused matmul kernel stores it (the fp32 accumulator converted to the matmul's
+dtype: a bf16 matmul's readers see bf16 values, then widen them), and the kernel
+is compiled without contraction. Where eager PyTorch differs: cuBLAS adds a
+linear's bias to the fp32 accumulator before its one rounding (autocast's
+``addmm``: bf16 result of acc + bf16(bias)), while Nova's bf16 policy (the
+precision stage) rounds the matmul to bf16 and adds the f32 bias to that, as
+Nova's unfused kernels do; both within one bf16 rounding of the exact value. The
+epilogue does not change which one Nova computes (the IR says where it rounds).
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from nova.codegen.triton.elementwise import (
     numel, pointwise_source, sanitize, shape_name, tag,
 )  # fmt: skip
 from nova.codegen.triton.lowering import Kernel, lowers
+from nova.codegen.triton.matmul import Epilogue
 from nova.ir import dialect as nv
 from nova.ir.types import elem_of, shape_of, to_torch_dtype
 from nova.schedule.config import LoweringConfig
@@ -42,6 +55,36 @@ from nova.schedule.config import LoweringConfig
 
 def _dtype(v):
     return to_torch_dtype(elem_of(v.type))
+
+
+def compose(ops, var: dict, prefix: str = "") -> tuple[list[str], list[str]]:
+    """(lines, helpers) computing ``ops`` in order, each from its expression;
+    ``var`` maps a value to (the variable holding its stored form, its stored
+    type) and receives every result: inner op n computes ``<prefix>y<n>`` and its
+    stored form ``<prefix>v<n>``. A reshape (in a contraction group, the tile's
+    rows relabelled) is its operand's variable."""
+    lines: list[str] = []
+    helpers: list[str] = []
+    for n, inner in enumerate(ops):
+        if isinstance(inner, nv.ReshapeOp):
+            var[inner.results[0]] = var[inner.operands[0]]
+            continue
+        e = expression_of(inner)
+        args = []
+        for j, v in enumerate(inner.operands):
+            name, stored = var[v]
+            want = Operand((), _dtype(v), load=e.loads[j]).loaded_tag()
+            if want == stored:
+                args.append(name)
+            else:  # as the unfused kernel would load it
+                lines.append(f"{prefix}a{n}_{j} = {convert(name, stored, want)}")
+                args.append(f"{prefix}a{n}_{j}")
+        lines += e.code(args, f"{prefix}y{n}").splitlines()
+        stored = tag(_dtype(inner.results[0]))
+        lines.append(f"{prefix}v{n} = {convert(f'{prefix}y{n}', e.tag, stored)}")  # as the unfused kernel would store it
+        var[inner.results[0]] = (f"{prefix}v{n}", stored)
+        helpers += e.helpers
+    return lines, helpers
 
 
 def fused_body(op: nv.FusedOp) -> tuple[list[Operand], str, list[tuple[str, str, object]], str]:
@@ -53,26 +96,43 @@ def fused_body(op: nv.FusedOp) -> tuple[list[Operand], str, list[tuple[str, str,
     for k, a in enumerate(block.args):
         operands.append(Operand(shape_of(a.type), _dtype(a), load="raw"))
         var[a] = (f"x{k}", tag(_dtype(a)))
-    lines: list[str] = []
-    helpers: list[str] = []
-    for n, inner in enumerate(op.inner_ops()):
-        e = expression_of(inner)
-        args = []
-        for j, v in enumerate(inner.operands):
-            name, stored = var[v]
-            want = Operand((), _dtype(v), load=e.loads[j]).loaded_tag()
-            if want == stored:
-                args.append(name)
-            else:  # as the unfused kernel would load it
-                lines.append(f"a{n}_{j} = {convert(name, stored, want)}")
-                args.append(f"a{n}_{j}")
-        lines += e.code(args, f"y{n}").splitlines()
-        stored = tag(_dtype(inner.results[0]))
-        lines.append(f"v{n} = {convert(f'y{n}', e.tag, stored)}")  # as the unfused kernel would store it
-        var[inner.results[0]] = (f"v{n}", stored)
-        helpers += e.helpers
+    lines, helpers = compose(op.inner_ops(), var)
     stores = [(*var[v], _dtype(v)) for v in block.last_op.operands]
     return operands, "\n".join(lines), stores, merge_helpers(helpers)
+
+
+def epilogue_of(op: nv.FusedOp) -> tuple[Epilogue, list[int]]:
+    """A "contraction" group's epilogue for the matmul template, and which of the
+    group's operands are its operands (in order). The accumulator enters as the
+    contraction's stored result (``acc`` rounded to the matmul's dtype, as the
+    unfused matmul stores it: a bf16 matmul's consumers read bf16 values), then
+    the inner ops compose as in ``fused_body``; every value the group yields is
+    written from the tile, the contraction's own result too where it is yielded."""
+    block = op.body.block
+    head = op.contraction()
+    if head is None or not isinstance(head, nv.MatmulOp):
+        raise UnsupportedError(f"{op.name}: no Triton epilogue for a group headed by "
+                               f"{head.name if head is not None else 'no contraction'}")
+    var: dict = {}
+    operands: list[Operand] = []
+    picked: list[int] = []
+    for k, a in enumerate(block.args):
+        if any(u.operation is not head for u in a.uses):  # read by the epilogue (maybe by the matmul too)
+            var[a] = (f"ex{len(operands)}", tag(_dtype(a)))
+            operands.append(Operand(shape_of(a.type), _dtype(a), load="raw"))
+            picked.append(k)
+    result = head.results[0]
+    stored = tag(_dtype(result))
+    lines = [f"e_acc = {convert('acc', 'f32', stored)}"]  # the matmul's result as the unfused kernel stores it
+    var[result] = ("e_acc", stored)
+    body, helpers = compose(op.inner_ops()[1:], var, prefix="e")
+    yields = block.last_op.operands
+    ep = Epilogue(
+        shape=tuple(op.iteration_shape()), operands=tuple(operands), body="\n".join(lines + body),
+        stores=tuple((*var[v], _dtype(v)) for v in yields), out_shapes=tuple(tuple(shape_of(v.type)) for v in yields),
+        helpers=merge_helpers(helpers), flat_index=any(o.FLAT_INDEX for o in op.inner_ops()[1:]),
+    )  # fmt: skip
+    return ep, picked
 
 
 # attributes that say where an op is (its source line) and where its results live in
@@ -138,7 +198,7 @@ def lower_fused(op: nv.FusedOp, cfg: LoweringConfig | None = None) -> Kernel:
     """``launch(inputs, outs=None)``: one output per result (``outs`` may hold an
     input of the iteration shape itself: see the module docstring)."""
     kind = op.props()["kind"]
-    if kind != "elementwise":
+    if kind != "elementwise":  # a contraction group is its template's launch (backends/triton.py)
         raise UnsupportedError(f"{op.name}: no Triton lowering for kind {kind!r}")
     shape = op.iteration_shape()
     operands, body, stores, helpers = fused_body(op)

@@ -1,0 +1,247 @@
+"""Matmul epilogues (``nova.fused "contraction"``) through the Triton interpreter:
+each group's one launch against the unfused launches of the same IR (the matmul
+kernel with the same config, then the elementwise kernels), bit for bit, and
+against the reference executor; bf16, f32 and tf32 operands, with and without
+split-K, batched, ragged, strided operands, several outputs, a dropout mask;
+then a small GPT's whole bf16 and tf32 steps with and without epilogues."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from xdsl.dialects.builtin import StringAttr, bf16, f32, i1, i64
+
+from nova.backends.reference import run_function
+from nova.backends.triton import TritonProgram
+from nova.codegen.triton import matmul as mm
+from nova.ir import dialect as nv
+from nova.ir.builder import OpBuilder
+from nova.ir.module import Slot, new_step, return_op, set_results, step_func
+from nova.ir.types import elem_of, shape_of, tensor, to_torch_dtype
+from nova.schedule.config import LoweringConfig
+from nova.transforms import fuse as fz
+from nova.transforms.configure import config_attr
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),  # tanh of large inputs, as unfused
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter suite (tests/gpu runs the device)"),
+]
+
+
+def cfg(bm=16, bn=16, bk=16, split_k=1, persistent=False, group_m=1, tma=False):
+    return LoweringConfig(kind="matmul", block_m=bm, block_n=bn, block_k=bk, group_m=group_m, split_k=split_k,
+                          persistent=persistent, num_warps=4, num_stages=2,
+                          instruction="wgmma+tma" if tma else "mma")  # fmt: skip
+
+
+def _step(policy, *slots):
+    module, fn = new_step(list(slots))
+    module.attributes["nova.precision"] = StringAttr(policy)
+    return module, fn, OpBuilder(fn.body.block, location="test.py:1")
+
+
+def _args(fn, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for a in fn.body.block.args:
+        dt = to_torch_dtype(elem_of(a.type))
+        if dt == torch.bool:
+            out.append(torch.rand(shape_of(a.type), generator=g) > 0.3)
+        elif dt == torch.int64:
+            out.append(torch.tensor(1234))
+        else:
+            out.append(torch.randn(shape_of(a.type), generator=g, dtype=torch.float64).to(dt))
+    return out
+
+
+def _run(prog: TritonProgram, args):
+    env = dict(zip(prog.fn.body.block.args, args, strict=True))
+    for st in prog.steps:
+        env.update(zip(st.outputs, st.run([env[v] for v in st.inputs]), strict=True))
+    return [env[v] for v in return_op(prog.fn).operands]
+
+
+def _check(module, config, precision, tol, **expect):
+    """Fuses ``module`` (``config`` on the matmul and on its group), runs both on the
+    Triton backend and the reference; returns the contraction group."""
+    fn = step_func(module)
+    unfused = module.clone()
+    for op in step_func(unfused).body.block.ops:
+        if isinstance(op, nv.MatmulOp):
+            op.attributes["nova.lowering_config"] = config_attr(config)
+    fz.fuse(module)
+    module.verify()
+    (group,) = [op for op in fn.body.block.ops if isinstance(op, nv.FusedOp) and op.contraction() is not None]
+    group.attributes["nova.lowering_config"] = config_attr(config)
+    args = _args(fn)
+    fused_prog = TritonProgram(fn, precision)
+    assert sum(isinstance(st.op, nv.MatmulOp) for st in fused_prog.steps) == expect.get("plain_matmuls", 0)
+    got = _run(fused_prog, args)
+    want = _run(TritonProgram(step_func(unfused), precision), args)
+    ref = run_function(fn, args, precision)
+    for g, w, r in zip(got, want, ref, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert torch.equal(g, w), (g - w).abs().max()  # the unfused kernels' rounding, bit for bit
+        if g.is_floating_point():
+            torch.testing.assert_close(g.double(), r.double(), rtol=tol, atol=tol)
+    return group, fused_prog
+
+
+def _fc(policy, M=16, K=32, N=48, rows=(2, 8), dtype=bf16):
+    """A GPT fc layer: x @ w read as [*rows, N], bias, GELU, bf16; the pre-activation kept."""
+    module, fn, b = _step(policy, Slot("batch", "x", tensor([M, K], dtype)), Slot("param", "w", tensor([K, N], dtype)),
+                          Slot("param", "bias", tensor([N], f32)))  # fmt: skip
+    x, w, bias = fn.body.block.args
+    h = b.matmul(x, w)
+    h = b.cast(b.reshape(h, [*rows, N]), f32) if dtype == bf16 else b.reshape(h, [*rows, N])
+    pre = b.add(h, bias)
+    out = b.cast(b.one(nv.GeluOp, [pre], {"approximate": "tanh"}), bf16)
+    set_results(fn, [("loss", "pre", pre), ("loss", "out", out)])
+    return module
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("split", [1, 2], ids=["one-pass", "split-k"])
+@pytest.mark.parametrize("shape", [(16, 32, 48, (2, 8)), (20, 40, 40, (4, 5))], ids=["even", "ragged"])
+def test_bf16_bias_gelu_with_two_outputs(shape, split, tma):
+    M, K, N, rows = shape
+    group, prog = _check(_fc("bf16", M, K, N, rows), cfg(split_k=split, tma=tma), "bf16", 2e-2)
+    (st,) = [s for s in prog.steps if s.op is group]
+    text = "\n".join(st.sources.values())
+    assert "e_acc = (acc).to(tl.bfloat16)" in text  # the matmul's bf16 rounding, as unfused
+    assert ("def matmul_kernel_reduce" in text) == (split > 1)
+    assert ("a_desc" in text) == tma
+
+
+@pytest.mark.parametrize("split", [1, 3], ids=["one-pass", "split-k"])
+def test_tf32_bias_and_residual_from_a_transposed_view(split):
+    """f32 operands under the tf32 policy (tf32-rn in the kernel); the residual is a
+    transposed view read through its strides, the output f32."""
+    module, fn, b = _step("tf32", Slot("batch", "x", tensor([24, 40], f32)), Slot("param", "w", tensor([40, 24], f32)),
+                          Slot("param", "bias", tensor([24], f32)), Slot("param", "res", tensor([2, 24, 12], f32)))  # fmt: skip
+    x, w, bias, res = fn.body.block.args
+    y = b.add(b.transpose(res, [0, 2, 1]), b.add(b.reshape(b.matmul(x, w), [2, 12, 24]), bias))
+    set_results(fn, [("loss", "y", y)])
+    group, _ = _check(module, cfg(bk=16, split_k=split), "tf32", 5e-3)
+    assert len(group.operands) == 4 and group.iteration_shape() == (2, 12, 24)
+
+
+def test_gelu_backward_reads_the_saved_pre_activation():
+    module, fn, b = _step("bf16", Slot("batch", "dy", tensor([16, 24], bf16)), Slot("param", "w", tensor([40, 24], bf16)),
+                          Slot("batch", "pre", tensor([2, 8, 40], f32)))  # fmt: skip
+    dy, w, pre = fn.body.block.args
+    g = b.cast(b.reshape(b.matmul(dy, b.transpose(w, [1, 0])), [2, 8, 40]), f32)
+    d = b.one(nv.GeluBackwardOp, [g, pre], {"approximate": "tanh"})
+    set_results(fn, [("loss", "d", d), ("loss", "db", b.cast(d, bf16))])
+    _check(module, cfg(bn=32), "bf16", 2e-2)
+
+
+def test_batched_scores_with_a_broadcast_mask_scale_and_a_bool_output():
+    """q k^T per (batch, head), scaled, masked by a [T, T] condition broadcast over
+    both: the mask's index comes from the row's (t) and the column (s); a compare
+    gives a bool output (stored as bytes). Persistent programs, ragged T."""
+    module, fn, b = _step("bf16", Slot("batch", "q", tensor([2, 3, 10, 16], bf16)),
+                          Slot("batch", "k", tensor([2, 3, 10, 16], bf16)), Slot("param", "keep", tensor([10, 10], i1)))  # fmt: skip
+    q, k, keep = fn.body.block.args
+    s = b.scale(b.cast(b.matmul(q, b.transpose(k, [0, 1, 3, 2])), f32), 0.25)
+    y = b.where(keep, s, b.full(-1e4, [], f32))
+    set_results(fn, [("loss", "y", y), ("loss", "pos", b.one(nv.GtOp, [y, b.full(0.0, [], f32)]))])
+    for tma in (False, True):
+        group, _ = _check(module.clone(), cfg(persistent=True, tma=tma), "bf16", 2e-2)
+        assert len(group.operands) == 3
+
+
+def test_a_dropout_mask_reads_the_flat_index_of_the_tile():
+    module, fn, b = _step("bf16", Slot("batch", "x", tensor([20, 16], bf16)), Slot("param", "w", tensor([16, 24], bf16)),
+                          Slot("seed", "seed", tensor([], i64)))  # fmt: skip
+    x, w, seed = fn.body.block.args
+    y = b.cast(b.matmul(x, w), f32)
+    mask = b.one(nv.DropoutMaskOp, [seed], {"p": 0.25, "salt": 7}, tensor([20, 24], f32))
+    set_results(fn, [("loss", "y", b.cast(b.mul(y, mask), bf16))])
+    group, _ = _check(module, cfg(split_k=2, bk=16), "bf16", 2e-2)
+    assert any(isinstance(o, nv.DropoutMaskOp) for o in group.inner_ops())
+
+
+def test_an_output_may_replace_its_epilogue_operand_in_place():
+    """p - x @ w written over p (a param update in the epilogue): each element is
+    read by the lane that writes it, one-pass and split; an output overlapping an
+    operand any other way is refused."""
+    from nova.codegen.triton.elementwise import Operand
+
+    ep = mm.Epilogue(shape=(16, 48), operands=(Operand((16, 48), torch.float32, load="raw"),),
+                     body="e_y = ex0 - acc.to(tl.bfloat16).to(tl.float32)", stores=(("e_y", "f32", torch.float32),),
+                     out_shapes=((16, 48),))  # fmt: skip
+    for split in (1, 2):
+        torch.manual_seed(split)
+        x, w, p = torch.randn(16, 32).bfloat16(), torch.randn(32, 48).bfloat16(), torch.randn(16, 48)
+        want = p - (x.float() @ w.float()).bfloat16().float()
+        (out,) = mm.matmul_epilogue(x, w, ep, [p], torch.bfloat16, cfg=cfg(split_k=split), outs=[p])
+        assert out is p
+        torch.testing.assert_close(p, want, rtol=1e-2, atol=1e-2)
+    big = torch.randn(17, 48)
+    with pytest.raises(ValueError, match="does not replace element for element"):
+        mm.matmul_epilogue(x, w, ep, [big[1:]], torch.bfloat16, cfg=cfg(), outs=[big[:16]])
+    buf = torch.zeros(3072, dtype=torch.uint8)
+    x_in = buf[:1024].view(torch.bfloat16).view(16, 32)  # the matmul's A and the output share bytes
+    with pytest.raises(ValueError, match="overlaps an operand or another output"):
+        mm.matmul_epilogue(x_in, w, ep, [p], torch.bfloat16, cfg=cfg(), outs=[buf.view(torch.float32).view(16, 48)])
+
+
+def test_no_epilogue_on_the_fp32_fma_path():
+    from nova.codegen.triton.elementwise import Operand
+
+    ep = mm.Epilogue(shape=(8, 8), operands=(Operand((8,), torch.float32, load="raw"),), body="e_y = e_acc + ex0",
+                     stores=(("e_y", "f32", torch.float32),), out_shapes=((8, 8),))  # fmt: skip
+    with pytest.raises(ValueError, match="FMA path"):
+        mm.matmul_epilogue(torch.randn(8, 8), torch.randn(8, 8), ep, [torch.randn(8)], torch.float32, precision="ieee")
+
+
+# ----------------------------------------------------------------------------
+# whole steps
+
+
+def _gpt():
+    from nova.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32, bias=True))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_a_gpt_step_with_epilogues_is_the_step_without_them(precision, monkeypatch):
+    """A small GPT (with biases) on the Triton backend: with the fuse stage's
+    epilogues, every loss and parameter after two AdamW steps is bit-identical to
+    the same step with every matmul's epilogue ops in their own kernels, and both
+    stay near the reference executor."""
+    import nova
+
+    ref = _gpt()
+    plain, fused = copy.deepcopy(ref), copy.deepcopy(ref)
+    oracle = nova.compile(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), backend="reference", precision=precision)
+    step = nova.compile(fused, torch.optim.AdamW(fused.parameters(), lr=1e-3), backend="triton", precision=precision)
+    with monkeypatch.context() as m:
+        m.setattr(fz, "epilogue_head", lambda op: False)
+        unfused = nova.compile(plain, torch.optim.AdamW(plain.parameters(), lr=1e-3), backend="triton",
+                               precision=precision)  # fmt: skip
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g))
+                   for _ in range(2)]  # fmt: skip
+        for x, y in batches:
+            unfused(x, y)
+    for x, y in batches:
+        loss, want = step(x, y), oracle(x, y)
+        assert abs(loss.item() - want.item()) <= 1e-4 * abs(want.item())
+    for p, q, r in zip(fused.parameters(), plain.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+        # AdamW moves an element by about lr a step whatever its gradient's size, so a
+        # tiny gradient of the other sign (a 16-bit rounding away) costs 2 lr: no more
+        assert (p - r).abs().max().item() <= 2 * 2 * 1e-3 * 1.01
+    final = step._last.compilation.module
+    groups = [op for op in step_func(final).body.block.ops if isinstance(op, nv.FusedOp) and op.contraction()]
+    # qkv, proj, fc, mlp proj forward, gelu backward; in bf16 the f32 casts of two dx matmuls too
+    assert len(groups) == (7 if precision == "bf16" else 5)
+    assert not any(isinstance(op, nv.FusedOp) and op.contraction()
+                   for op in step_func(unfused._last.compilation.module).body.block.ops)
