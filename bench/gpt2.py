@@ -72,7 +72,7 @@ if str(REPO) not in sys.path:  # `python bench/gpt2.py` from a checkout without 
 
 import nova  # noqa: E402
 from nova.cli.errors import RunFailed, UsageError  # noqa: E402
-from nova.models import GPT, GPTConfig  # noqa: E402
+from nova.models import GPT, MLPLM, GPTConfig, MLPLMConfig  # noqa: E402
 
 ENGINES = ("eager", "torch.compile", "nova")
 SHORT = {"eager": "eager", "torch.compile": "compile", "nova": "nova"}
@@ -80,6 +80,8 @@ COLORS = {"eager": "#888888", "torch.compile": "#4c72b0", "nova": "#dd8452"}
 PRECISIONS = ("fp32", "tf32", "bf16")
 # (layers, heads, width): GPT-2 small and medium
 PRESETS = {"124m": (12, 12, 768), "355m": (24, 16, 1024)}
+# the Nova paper's MLP-only LM (nova.models.mlp_lm): 6 x (LN, 384->1536, GELU, 1536->384), vocab 50304, untied
+MLP_PRESETS = {"mlp46m": (6, 384)}
 DRY = dict(layers=2, heads=4, width=64, vocab=256, seq=32, batch=2, steps=3, warmup=1)
 DEFAULTS = dict(vocab=50304, seq=1024, batch=8, steps=20, warmup=3)
 ADAMW = dict(lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -95,7 +97,11 @@ def resolve(opts) -> dict:
     """The run's configuration: explicit options win, then --dry-run's tiny sizes,
     then the --model preset (default 124m)."""
     model = opts.model or (None if opts.dry_run else "124m")
-    layers, heads, width = PRESETS[model] if model else (None, None, None)
+    arch = "mlp" if model in MLP_PRESETS else "gpt"
+    if arch == "mlp":
+        (layers, width), heads = MLP_PRESETS[model], 1  # no attention: heads only keeps the checks below uniform
+    else:
+        layers, heads, width = PRESETS[model] if model else (None, None, None)
     base = dict(DEFAULTS, layers=layers, heads=heads, width=width)
     if opts.dry_run and not opts.model:
         base.update(DRY)
@@ -106,8 +112,13 @@ def resolve(opts) -> dict:
         raise UsageError("--steps must be at least 1")
     if cfg["width"] % cfg["heads"]:
         raise UsageError(f"--width {cfg['width']} is not divisible by --heads {cfg['heads']}")
-    preset = next((n for n, p in PRESETS.items() if p == (cfg["layers"], cfg["heads"], cfg["width"])), None)
-    label = preset or f"l{cfg['layers']}w{cfg['width']}h{cfg['heads']}"
+    if arch == "mlp":
+        preset = model if (cfg["layers"], cfg["width"]) == MLP_PRESETS[model] else None
+        label = preset or f"mlp_l{cfg['layers']}w{cfg['width']}"
+    else:
+        preset = next((n for n, p in PRESETS.items() if p == (cfg["layers"], cfg["heads"], cfg["width"])), None)
+        label = preset or f"l{cfg['layers']}w{cfg['width']}h{cfg['heads']}"
+    cfg["arch"] = arch
     if cfg["vocab"] != DEFAULTS["vocab"]:
         label += f"_v{cfg['vocab']}"
     cfg.update(nproc=DIST["world"], data_parallel=getattr(opts, "data_parallel", "ddp") if DIST["world"] > 1 else None)
@@ -117,7 +128,8 @@ def resolve(opts) -> dict:
 
 
 def result_stem(cfg: dict, dry_run: bool) -> str:
-    stem = f"gpt2_{'dry_' if dry_run else ''}{cfg['model']}_{cfg['precision']}_b{cfg['batch']}"
+    family = "mlp_lm" if cfg.get("arch") == "mlp" else "gpt2"
+    stem = f"{family}_{'dry_' if dry_run else ''}{cfg['model']}_{cfg['precision']}_b{cfg['batch']}"
     if cfg["seq"] != DEFAULTS["seq"]:
         stem += f"_t{cfg['seq']}"
     if cfg["cap_gib"]:
@@ -132,6 +144,14 @@ def result_stem(cfg: dict, dry_run: bool) -> str:
 def gpt_config(cfg: dict) -> GPTConfig:
     return GPTConfig(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["layers"],
                      n_head=cfg["heads"], n_embd=cfg["width"])
+
+
+def new_model(cfg: dict) -> torch.nn.Module:
+    """The run's model: a GPT, or with --model mlp46m the paper's MLP LM (hidden 4 x width)."""
+    if cfg.get("arch") == "mlp":
+        return MLPLM(MLPLMConfig(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["layers"],
+                                 n_embd=cfg["width"]))
+    return GPT(gpt_config(cfg))
 
 
 # --------------------------------------------------------------------------- engines
@@ -164,7 +184,7 @@ def _flags(precision: str, engine: str):
 def build(engine: str, cfg: dict, state: dict, device: torch.device, dry_run: bool):
     """(model, optimizer, step) for one engine, from the shared initial weights."""
     with torch.device(device):
-        model = GPT(gpt_config(cfg))
+        model = new_model(cfg)
     model.load_state_dict(state)  # copies into the existing (tied) parameters
     opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=device.type == "cuda")
     if engine == "nova":
@@ -392,9 +412,10 @@ def run(opts, log=print) -> dict:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     started = time.perf_counter()
     torch.manual_seed(cfg["seed"])
-    state = {k: v.clone() for k, v in GPT(gpt_config(cfg)).state_dict().items()}  # on the CPU, shared by all
-    n_params = sum(v.numel() for k, v in state.items() if k != "lm_head.weight")  # tied to wte
-    log(f"GPT {cfg['model']}: {cfg['layers']} layers, {cfg['heads']} heads, width {cfg['width']}, vocab {cfg['vocab']}, "
+    state = {k: v.clone() for k, v in new_model(cfg).state_dict().items()}  # on the CPU, shared by all
+    n_params = sum(v.numel() for k, v in state.items() if k != "lm_head.weight")  # GPT's is tied to wte
+    what = "MLP LM" if cfg["arch"] == "mlp" else "GPT"
+    log(f"{what} {cfg['model']}: {cfg['layers']} layers, {cfg['heads']} heads, width {cfg['width']}, vocab {cfg['vocab']}, "
         f"{n_params / 1e6:.1f}M parameters; {cfg['precision']}, batch {cfg['batch']} x {cfg['seq']}; "
         f"{cfg['warmup']} warm-up + {cfg['steps']} timed steps; engines {', '.join(cfg['engines'])}")
     if cfg["cap_gib"] and device.type == "cuda":
@@ -529,8 +550,10 @@ def _engines(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=sorted(PRESETS), default=None,
-                   help="preset: 124m = 12 layers, 12 heads, width 768; 355m = 24 layers, 16 heads, width 1024 (default 124m)")
+    p.add_argument("--model", choices=sorted(PRESETS) + sorted(MLP_PRESETS), default=None,
+                   help="preset: 124m = 12 layers, 12 heads, width 768; 355m = 24 layers, 16 heads, width 1024 "
+                        "(default 124m); mlp46m = the Nova paper's MLP LM, 6 x (LN, 384->1536, GELU, 1536->384), "
+                        "vocab 50304, untied")
     p.add_argument("--layers", type=int, default=None, help="transformer blocks (overrides --model)")
     p.add_argument("--width", type=int, default=None, help="n_embd (overrides --model)")
     p.add_argument("--heads", type=int, default=None, help="attention heads (overrides --model)")

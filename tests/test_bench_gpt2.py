@@ -100,12 +100,16 @@ def test_presets_and_result_names():
         (["--model", "355m", "--batch", "8", "--cap-gib", "12"], (24, 16, 1024), "gpt2_355m_bf16_b8_cap12"),
         (["--layers", "6", "--precision", "tf32", "--seq", "512"], (6, 12, 768), "gpt2_l6w768h12_tf32_b8_t512"),
         (["--engines", "nova,eager"], (12, 12, 768), "gpt2_124m_bf16_b8_eager-nova"),
+        (["--model", "mlp46m", "--precision", "tf32"], (6, 1, 384), "mlp_lm_mlp46m_tf32_b8"),
     ]
     for argv, (layers, heads, width), stem in cases:
         cfg = bench.resolve(_opts(*argv))
         assert (cfg["layers"], cfg["heads"], cfg["width"], cfg["vocab"]) == (layers, heads, width, 50304)
         assert bench.result_stem(cfg, dry_run=False) == stem
     assert bench.resolve(_opts("--engines", "nova,eager"))["engines"] == ["eager", "nova"]  # eager first
+    mlp = bench.new_model(bench.resolve(_opts("--model", "mlp46m")))
+    assert type(mlp).__name__ == "MLPLM" and mlp.blocks[0].fc_in.weight.shape == (1536, 384)
+    assert 44e6 < sum(p.numel() for p in mlp.parameters()) < 48e6  # the paper's 46M (two untied vocab matrices)
     with pytest.raises(UsageError, match="divisible"):
         bench.resolve(_opts("--width", "100"))
     with pytest.raises(UsageError, match="warmup"):
