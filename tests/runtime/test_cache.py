@@ -642,6 +642,7 @@ def test_ops_with_regions_round_trip_through_the_table():
     assert "/src/" not in json.dumps(table) and "<nova-dir-1>/layer.py" in json.dumps(table)
     back = cache.decode(table, dirs, ctx)
     back.verify()
+    cache.verify(back)  # blocks with arguments, nested regions, ops of a test dialect
     assert print_module(back) == text
     moved = print_module(cache.decode(table, ["/elsewhere", "/src/two"], ctx))
     assert moved == text.replace("/src/one/", "/elsewhere/")
