@@ -72,6 +72,24 @@ TF32_NMAJOR_MAX_BN = 64
 # is staged where that costs less than the penalty it removes.
 TF32_REGISTER_B_PENALTY = 1.2
 TF32_REGISTER_A_PENALTY = 0.2
+# A K-major B (col) left unstaged is still rounded in the kernel: wgmma reads B only
+# from shared memory, so the rounded tile goes shared -> registers -> shared each
+# K-step. Measured (bench/results/matmul_gpt2.json, tf32 32768x2304x768 row/col):
+# 128x256x32 unstaged 0.656 ms against 0.444 ms staged, ~0.7 x T_mma extra; taken as
+# half T_mma (A, which wgmma may read from registers, costs TF32_REGISTER_A_PENALTY
+# whatever its layout: dw 50304x768x2048 col/row ran at 0.470 ms with A rounded in
+# registers against 0.624 ms with A staged too)
+TF32_ROUND_B_PENALTY = 0.5
+# Short K, one block per SM: the tile's prologue (filling stages - 1 ring slots) and
+# epilogue (storing the C tile) leave the tensor cores idle, and no second block on the
+# SM covers them. Both move at the SM's share of DRAM bandwidth, so
+#     t_edge = (BM BN out_bytes + (stages - 1) stage_bytes) / (bw / S)
+# against the K loop t_loop = 2 BM BN K / (peak / S). Where t_edge >= EDGE_RATIO x
+# t_loop the tile is halved so that two blocks share the SM (one's edges under the
+# other's loop). Calibrated on matmul_gpt2.json: bf16 K = 768 (ratio 0.79 at 128x256x64
+# s4) ran 20-33% faster as 128x128x64 s3 (two blocks per SM); bf16 K = 2048 (0.30) and
+# tf32 K = 768 (0.49, staged 128x256x32 s4) are fastest at one block per SM
+EDGE_RATIO = 0.6
 # one more kernel in a CUDA graph (a staging copy, the split-K reduction): measured, the
 # 128^3 matmul replayed in a graph takes 1.9-2.3 us per launch (matmul.json)
 LAUNCH_SECONDS = 2e-6
@@ -298,9 +316,10 @@ def plan_matmul(
         def stage_cost(elements: int) -> float:
             return 2 * elements * 4 / bw + LAUNCH_SECONDS
 
-        stage_b = b_layout != "col" and stage_cost(K * N * batch) < TF32_REGISTER_B_PENALTY * t_mma
-        if stage_b:  # A joins the staged path: K-major already, or staged too
-            stage_a = a_layout != "row" or stage_cost(M * K * batch) < TF32_REGISTER_A_PENALTY * t_mma
+        b_penalty = TF32_ROUND_B_PENALTY if b_layout == "col" else TF32_REGISTER_B_PENALTY
+        stage_b = stage_cost(K * N * batch) < b_penalty * t_mma
+        if stage_b:  # A is rounded in registers (any layout) unless staging it costs less
+            stage_a = stage_cost(M * K * batch) < TF32_REGISTER_A_PENALTY * t_mma
     tf32_nmajor = path == "tf32" and b_layout != "col" and not stage_b and dev.has_wgmma
     ladder = _LADDER_TF32_NMAJOR if tf32_nmajor else _LADDER
 
@@ -343,8 +362,11 @@ def plan_matmul(
         need = 1 + _cdiv(int(bw / S * IN_FLIGHT_SECONDS), resident * t.stage_bytes)
         if tf32_nmajor and t.bm * t.bn >= 256 * 64:
             need = 2  # B passes through registers anyway (measured: s2 best for 256x64)
-        if path == "bf16":
-            need = MAX_STAGES  # 16-bit operands: fill the ring (calibrated, docs "Calibration")
+        if path == "bf16" or stage_b:
+            # operands straight from TMA into wgmma (16-bit, or tf32 staged K-major): fill
+            # the ring (calibrated, docs "Calibration"; staged tf32 128x256x32: s4 beat s3
+            # by 10-40% on every searched GPT-2 shape, matmul_gpt2.json)
+            need = MAX_STAGES
         return max(2, min(fit, steps, MAX_STAGES, need))
 
     rungs = [r for r in range(len(ladder)) if fits(tile(r))]
@@ -443,6 +465,26 @@ def plan_matmul(
             bk *= 2
         t = dataclasses.replace(t, stage_bytes=(t.bm * ea + t.bn * eb) * bk)
     num_stages = stages(t, _cdiv(_cdiv(K, split), bk), items)
+
+    # 6c. short K at one block per SM: halve the tile so two blocks share the SM when the
+    # tile's edges (prologue + epilogue) take EDGE_RATIO of its K loop; the halved tile
+    # must still give every SM two blocks' work (>= 2 S tiles) and fit two per SM
+    def t_edge(t: _Tile, st: int) -> float:
+        return (t.bm * t.bn * (4 if split > 1 else eo) + (st - 1) * t.stage_bytes) / (bw / S)
+
+    two_block = False
+    if split == 1 and t.family == "wgmma" and not tf32_nmajor and num_stages > 1:
+        half = smaller(rung)
+        one = min(t.blocks, _blocks_by_smem(dev, max(num_stages * t.stage_bytes, t.bm * t.bn * 4)))
+        t_loop = 2 * t.bm * t.bn * K / (peak / S)
+        if half is not None and one == 1 and t_edge(t, num_stages) >= EDGE_RATIO * t_loop:
+            h = tile(half)
+            h = dataclasses.replace(h, stage_bytes=(h.bm * ea + h.bn * eb) * bk)
+            if h.family == "wgmma" and h.blocks >= 2 and n_tiles(h) >= 2 * S:
+                h_stages = stages(h, _cdiv(K, bk), n_tiles(h))
+                if min(h.blocks, _blocks_by_smem(dev, max(h_stages * h.stage_bytes, h.bm * h.bn * 4))) >= 2:
+                    rung, t, num_stages, two_block = half, h, h_stages, True
+                    tiles = items = n_tiles(h)
     smem = max(num_stages * t.stage_bytes, t.bm * t.bn * 4)
     blocks = min(t.blocks, _blocks_by_smem(dev, smem))
     waves = items / (S * blocks)

@@ -1,0 +1,79 @@
+"""The configurator's rules fitted to the GPT-2 step's matmuls on the H200
+(bench/results/matmul_gpt2.json; docs/configurator.md, "6c" and "tf32 operands"):
+each test names the shape, the config chosen and why the rule fires or does not."""
+
+from __future__ import annotations
+
+import pytest
+
+from nova.schedule import configurator as cf
+from nova.schedule.configurator import configure_matmul, plan_matmul
+
+BF16 = ("bfloat16", "bfloat16", "bfloat16", "bf16")
+TF32 = ("float32", "float32", "float32", "tf32-rn")
+
+
+def _tile(c):
+    return (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, c.split_k)
+
+
+@pytest.mark.parametrize("M,N,K,layouts", [
+    (32768, 2304, 768, ("row", "col")),  # qkv forward
+    (32768, 768, 768, ("row", "col")),  # attention out
+    (32768, 3072, 768, ("row", "row")),  # MLP down's input gradient
+    (2048, 50304, 768, ("row", "col")),  # the LM head's logits chunk
+])  # fmt: skip
+def test_bf16_short_k_takes_two_blocks_per_sm(M, N, K, layouts):
+    """K = 768: a 128x256x64 s4 tile's edges (C store 64 KiB + 3 ring slots of 48 KiB at
+    the SM's 32 GB/s) take 0.79 of its 8.4 us K loop: halved to 128x128x64, whose three
+    32 KiB stages leave room for a second block (the searched best on all four)."""
+    p = plan_matmul(M, N, K, 1, *BF16, *layouts, device="H200")
+    assert _tile(p.config) == (128, 128, 64, 8, 3, 1)
+    assert p.blocks_per_sm == 2 and "tma" in p.config.instruction
+
+
+@pytest.mark.parametrize("M,N,K", [(32768, 768, 3072), (32768, 768, 2304), (50304, 768, 2048)])
+def test_bf16_long_k_keeps_one_big_tile(M, N, K):
+    """K >= 2048: the edges are 0.20-0.30 of the K loop, below EDGE_RATIO: one 128x256
+    block per SM, its ring full (the searched bests are 128x256 / 256x128 at s3-s4)."""
+    p = plan_matmul(M, N, K, 1, *BF16, "row", "row", device="H200")
+    assert (p.config.block_m, p.config.block_n, p.blocks_per_sm) == (128, 256, 1)
+    assert p.config.num_stages == 4
+
+
+def test_edge_ratio_separates_the_measured_regimes():
+    """The threshold sits between the measured cases: bf16 K = 768 (0.79, two blocks
+    won) above it; tf32 K = 768 staged (0.49) and bf16 K = 2048 (0.30) below it."""
+    S, bw = 132, 4.24e12
+
+    def ratio(bm, bn, k, bk, elt, out, stages, peak):
+        edge = (bm * bn * out + (stages - 1) * (bm + bn) * bk * elt) / (bw / S)
+        return edge / (2 * bm * bn * k / (peak / S))
+
+    assert ratio(128, 256, 768, 64, 2, 2, 4, 790e12) > cf.EDGE_RATIO
+    assert ratio(128, 256, 768, 32, 4, 4, 4, 372e12) < cf.EDGE_RATIO
+    assert ratio(128, 256, 2048, 64, 2, 2, 4, 790e12) < cf.EDGE_RATIO
+
+
+@pytest.mark.parametrize("M,N,K,layouts,stage_a", [
+    (32768, 768, 768, ("row", "col"), False),  # forward: K-major W^T, staged anyway (rounding)
+    (32768, 768, 3072, ("row", "row"), False),  # input gradient: N-major W
+    (50304, 768, 2048, ("col", "row"), False),  # LM head dw: A col, rounded in registers
+    (2048, 50304, 768, ("row", "col"), True),  # logits: A (6 MB) costs less to stage than to round
+])  # fmt: skip
+def test_tf32_stages_b_whatever_its_layout_and_fills_the_ring(M, N, K, layouts, stage_a):
+    """tf32-rn rounds an unstaged B in the kernel, a shared -> registers -> shared trip
+    whatever its layout (K-major: TF32_ROUND_B_PENALTY, 0.5 T_mma; N-major: 1.2):
+    B (a weight, a few MB) is staged. A is staged only where its copy costs less than
+    rounding it in registers (0.2 T_mma), also when it is col. Staged operands go
+    straight from TMA to wgmma, so the ring is filled: 128x256x32 s4."""
+    c = configure_matmul(M, N, K, 1, *TF32, *layouts, device="H200")
+    assert _tile(c)[:5] == (128, 256, 32, 8, 4)
+    assert "stage_b" in c.instruction and ("stage_a" in c.instruction) == stage_a
+
+
+def test_tf32_long_k_weight_gradients_still_split():
+    """The step-5 one-wave split is unchanged by the new rules (the run's Nova configs
+    with it beat every searched config): 3072x768x32768 keeps sk9."""
+    c = configure_matmul(3072, 768, 32768, 1, *TF32, "col", "row", device="H200")
+    assert c.split_k == 9 and "stage_b" in c.instruction
