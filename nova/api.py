@@ -58,6 +58,7 @@ from nova.log import get_logger
 from nova.runtime import distributed
 from nova.runtime.steady import Steady
 from nova.transforms.guard import BAD_IDS, FAILED, GUARD, NONFINITE, SKIPPED, describe_bad_ids
+from nova.transforms.optimizer import STRUCTURAL as _STRUCTURAL
 from nova.transforms.optimizer import hyper_values
 from nova.transforms.precision import PRECISIONS
 
@@ -956,10 +957,6 @@ def _commit(writes: list[tuple], state) -> None:
             w[1].copy_(w[2])
         else:
             state[w[1]][w[2]] = w[3]  # state is a defaultdict in torch.optim.Optimizer
-
-
-# option values that change the update's structure; the rest are read each call
-_STRUCTURAL = ("maximize", "amsgrad", "nesterov", "decoupled_weight_decay")
 
 
 def _step_dtype() -> torch.dtype:

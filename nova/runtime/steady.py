@@ -27,15 +27,19 @@ Inductor's CUDA graph trees check their static inputs with), else by ``map``:
   tensors        every parameter's and buffer's ``data_ptr`` (``p.data = ...``
                  keeps the object and moves its storage) and every parameter's
                  ``requires_grad`` (freezing)
-  optimizer      the structure of ``param_groups`` (``CompiledStep._spec_key``);
-                 the ``state`` mapping itself (``load_state_dict`` makes a new
-                 one), the identity of each parameter's state dict, and the
-                 ``data_ptr`` of every value in them, in order: an entry added or
-                 removed, replaced by another tensor (``state[p][k] = t``, a
-                 ``.to(device)``) or given other storage (``t.data = ...``).
-                 (An entry replaced by another view of the very same memory, of
-                 the same place, is not a change: the executable's writes land
-                 in it all the same.)
+  optimizer      the structure of ``param_groups``: the list's length, each
+                 group's parameters (list equality, which compares identical
+                 elements without calling ``Tensor.__eq__``; ids where a group
+                 holds a one-element parameter, whose ``__eq__`` would compare
+                 values) and its structural options (``optimizer.STRUCTURAL``,
+                 momentum on or off); the ``state`` mapping itself
+                 (``load_state_dict`` makes a new one) and the ``data_ptr`` of
+                 every value of its per-parameter dicts, in order: an entry
+                 added or removed, replaced by another tensor (``state[p][k] =
+                 t``, a ``.to(device)``) or given other storage (``t.data =
+                 ...``). (A value replaced by another tensor over the very same
+                 memory is no change: the executable's writes land in it all the
+                 same.)
 
 Identities are compared by ``id`` on objects the snapshot holds a reference to,
 so an id cannot be reused by a new object while the snapshot lives.
@@ -48,6 +52,8 @@ import operator
 
 import torch
 
+from nova.transforms.optimizer import STRUCTURAL
+
 _DATA_PTR = torch.Tensor.data_ptr
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _TRAINING = operator.attrgetter("training")
@@ -56,6 +62,11 @@ _CHAIN = itertools.chain.from_iterable
 
 
 _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def _structure(group: dict) -> tuple:
+    """A param group's options that change the update's structure (``CompiledStep._spec_key``'s)."""
+    return tuple((k, group[k]) for k in STRUCTURAL if k in group) + (group.get("momentum", 0) != 0,)
 
 
 def _ptrs_equal(tensors: list, ptrs: list[int], indices: list[int]) -> bool:
@@ -69,7 +80,7 @@ class Steady:
     (``of``), and its check (``holds``)."""
 
     __slots__ = ("prog", "exe", "batch", "registrations", "mods", "dicts", "lens", "training", "watch", "ptrs",
-                 "params", "grads", "spec", "state", "entries", "entry_ids", "indices", "hyper_names",
+                 "params", "grads", "groups", "state", "indices", "hyper_names",
                  "hyper_base", "seeds")  # fmt: skip
 
     @classmethod
@@ -100,10 +111,9 @@ class Steady:
         s.ptrs = list(map(_DATA_PTR, s.watch + list(_CHAIN(map(_DICT_VALUES, entries)))))
         s.indices = list(range(len(s.ptrs)))
         s.grads = list(map(_REQUIRES_GRAD, s.params))
-        s.spec = step._spec_key()
+        s.groups = [(list(gr["params"]), any(p.numel() == 1 for p in gr["params"]), _structure(gr))
+                    for gr in opt.param_groups]
         s.state = state
-        s.entries = entries
-        s.entry_ids = list(map(id, entries))
         # the hyper-parameters in the executable's order: read each call, except the
         # SGD momentum buffers' "fresh" flags, fixed while the state is (it holds)
         s.hyper_names, s.hyper_base = [], []
@@ -125,14 +135,38 @@ class Steady:
             if type(t) is not cls or t.shape != shape or t.dtype is not dtype or t.device != device:
                 return False
         opt = step.optimizer
-        return (registrations == self.registrations
+        if not (registrations == self.registrations
                 and list(map(len, self.dicts)) == self.lens
                 and list(map(_TRAINING, self.mods)) == self.training
                 and list(map(_REQUIRES_GRAD, self.params)) == self.grads
                 and opt.state is self.state
-                and list(map(id, self.state.values())) == self.entry_ids
-                and _ptrs_equal(self.watch + list(_CHAIN(map(_DICT_VALUES, self.entries))), self.ptrs, self.indices)
-                and step._spec_key() == self.spec)  # fmt: skip
+                and self._groups_hold(opt.param_groups)):  # fmt: skip
+            return False
+        tensors = self.watch + list(_CHAIN(map(_DICT_VALUES, self.state.values())))
+        if len(tensors) != len(self.ptrs):
+            return False
+        try:
+            return _ptrs_equal(tensors, self.ptrs, self.indices)
+        except (TypeError, AttributeError):  # a state value that is no tensor any more
+            return False
+
+    def _groups_hold(self, groups: list) -> bool:
+        if len(groups) != len(self.groups):
+            return False
+        for gr, (params, by_id, structure) in zip(groups, self.groups):
+            now = gr["params"]
+            if by_id:
+                if list(map(id, now)) != list(map(id, params)):
+                    return False
+            else:
+                try:
+                    if now != params:  # identical elements compare without Tensor.__eq__
+                        return False
+                except RuntimeError:  # Tensor.__eq__ of two different parameters (its bool is ambiguous)
+                    return False
+            if _structure(gr) != structure:
+                return False
+        return True
 
     def hyper(self, values: dict[str, float]) -> list[float]:
         """The executable's hyper-parameter list, from ``hyper_values``' dict."""

@@ -32,6 +32,8 @@ from nova.ir.types import elem_of, from_torch_dtype, tensor
 
 ADAM_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
 SGD_HYPER = ("lr", "momentum", "dampening", "weight_decay")
+# param-group options that change the update's structure (a program per value); the rest are read each call
+STRUCTURAL = ("maximize", "amsgrad", "nesterov", "decoupled_weight_decay")
 
 
 @dataclass(frozen=True)

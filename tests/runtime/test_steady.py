@@ -55,9 +55,20 @@ def _eval_a_submodule(model, opt):
     model.transformer.h[0].eval()
 
 
+def _out_of_its_group(model, opt):
+    p = _fc(model)
+    group = opt.param_groups[0]["params"]
+    del group[next(i for i, q in enumerate(group) if q is p)]  # eager's step no longer updates it
+
+
+def _nesterov(model, opt):
+    opt.param_groups[0]["nesterov"] = True
+
+
 MUTATIONS = {"a state entry replaced": _replace_state, "a state tensor given new storage": _swap_state_storage,
              "a parameter frozen": _freeze, "a new learning rate": _new_lr,
-             "one submodule in eval mode": _eval_a_submodule}  # fmt: skip
+             "one submodule in eval mode": _eval_a_submodule, "a parameter taken out of its group": _out_of_its_group,
+             "nesterov turned on": _nesterov}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", MUTATIONS)
