@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Launches per step of a GPT-2 124M training step, from the compile alone (no GPU):
-the Triton program's kernel steps plus the reshapes whose strides allow no view
-(the executable's ``_reshape_copy`` launches), grouped by kernel family.
+the Triton program's kernel steps (less the cats assembled from windows, which
+launch nothing) plus the reshapes whose strides allow no view (the executable's
+``_reshape_copy`` launches), grouped by kernel family.
 
     python scripts/launch_count.py [--batch 32] [--precision bf16]
 
@@ -46,6 +47,8 @@ def main() -> None:
         if st.is_view:
             if c.memory.placements[st.outputs[0]].kind != "view":
                 kinds[f"reshape copy ({st.outputs[0].type})"] += 1
+            continue
+        if c.memory.placements[st.outputs[0]].assembled:  # a cat of windows its pieces' kernels wrote
             continue
         name = st.kernel.name if st.kernel is not None else st.op.name
         kinds[re.sub(r"(_\d+(x\d+)*)(_.*)?$", "", name)] += 1

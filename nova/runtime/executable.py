@@ -4,13 +4,15 @@ Compile time leaves three things (XLA's buffer assignment plus its thunk list):
 
   arena        one device allocation; every intermediate of the step is a view of
                it at the offset ``plan_memory`` gave it (the plan's ``arena``
-               and ``input`` placements)
+               and ``input`` placements; a permuted placement is the permuted
+               view of its slice, a window a strided view of its cat's buffer)
   slots        static addresses for what changes between calls: the batch tensors
                (arena slots the call copies into), and one small buffer holding
                every hyper-parameter and seed (filled by ONE host-to-device copy)
   launch list  every kernel with its input and output tensors bound once; views
                (transpose, broadcast, slice, reshape) are made at bind time and
-               launch nothing; 0-d constants are computed at bind time
+               launch nothing, nor does a cat assembled from windows (its pieces'
+               kernels wrote them there); 0-d constants are computed at bind time
 
 Parameters, optimizer state and model buffers are the caller's tensors, bound as
 they are; the plan's ``inplace`` results are computed straight into them. The
@@ -40,7 +42,7 @@ from xdsl.ir import SSAValue
 from nova.ir.module import arg_slots, result_slots, return_op
 from nova.ir.types import elem_of, numel, shape_of, to_torch_dtype
 from nova.log import get_logger
-from nova.transforms.plan_memory import EXTERNAL_ROLES, TORCH_BLOCK, UPDATED_ROLES, MemoryPlan, _align
+from nova.transforms.plan_memory import EXTERNAL_ROLES, TORCH_BLOCK, UPDATED_ROLES, MemoryPlan, _align, placed_view
 
 _LOG = get_logger(__name__)
 _DATA_PTR = torch.Tensor.data_ptr
@@ -119,8 +121,16 @@ class Executable:
 
     def _storage(self, v: SSAValue, ext: Sequence[torch.Tensor]) -> torch.Tensor:
         p = self.plan.placements[v]
+        if p.kind == "arena" and p.perm is not None:  # its buffer holds v.permute(perm) densely
+            shape = shape_of(v.type)
+            held = self._arena_view(v, p.offset).view([shape[d] for d in p.perm])
+            return placed_view(held, p.perm)
         if p.kind == "arena":
             return self._arena_view(v, p.offset)
+        if p.kind == "window":  # its window of a cat's buffer holds v.permute(perm)
+            dim, start, end = p.window
+            root = self._arena_view(p.root, self.plan.placements[p.root].offset)
+            return placed_view(root.narrow(dim, start, end - start), p.perm)
         if p.kind == "inplace":
             return ext[self.arg_of[p.arg]]
         if p.kind in ("output", "const", "empty"):
@@ -171,6 +181,9 @@ class Executable:
                     env[st.outputs[0]] = st.run(ins)[0]
                     continue
                 run = _reshape_copy  # a reshape the strides do not allow: a copy into its buffer
+            if self.plan.placements[st.outputs[0]].assembled:  # a cat of the windows its pieces were written to
+                env[st.outputs[0]] = self._storage(st.outputs[0], ext)
+                continue
             outs = [self._storage(r, ext) for r in st.outputs]
             launch = Launch(st.op.name, run, ins, outs)
             if st.op in self.plan.scratch_at:  # its scratch is planned in the arena too

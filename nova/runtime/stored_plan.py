@@ -3,8 +3,8 @@
 ``plan_memory`` spends most of its time placing buffers (best fit over every
 interfering pair) and writing the plan into the IR. A cached step's IR already
 carries the annotations, and its entry keeps the offsets (``stored_offsets``);
-``plan_from_offsets`` recomputes everything else (storage kinds, liveness,
-in-place updates: the cheap part) with ``plan_memory``'s own planner and checks
+``plan_from_offsets`` recomputes everything else (storage kinds, layouts:
+permuted buffers and cat windows, liveness, in-place updates: the cheap part) with ``plan_memory``'s own planner and checks
 that the stored offsets are a valid plan of it before anything binds to them.
 """
 
@@ -18,7 +18,7 @@ from xdsl.ir import Operation, SSAValue
 
 from nova.ir import dialect as nv
 from nova.ir.module import step_func
-from nova.transforms.plan_memory import ALIGNMENT, Buffer, MemoryPlan, _Planner, assemble, planned_buffers
+from nova.transforms.plan_memory import ALIGNMENT, Buffer, MemoryPlan, _Planner, assemble, layout_attr, planned_buffers
 
 
 class StoredPlanError(ValueError):
@@ -49,7 +49,8 @@ def plan_from_offsets(module: ModuleOp, scratch: dict[Operation, int] | None, st
     placed again. The stored offsets must make a valid plan of the recomputed
     buffers: the same buffers in the same order with the same sizes, aligned, and
     no two buffers live at the same time sharing a byte; and the IR's annotations
-    must say the same. Raises ``StoredPlanError``.
+    must say the same (``nova.storage``, ``nova.offset``, ``nova.layout``, the
+    module's ``nova.memory_plan``). Raises ``StoredPlanError``.
 
     The buffers and the assembly of the ``MemoryPlan`` are ``plan_memory``'s own
     (``planned_buffers``, ``assemble``), with ``assign_offsets`` and ``annotate``
@@ -116,6 +117,8 @@ def _check_annotations(module: ModuleOp, p: _Planner, plan: MemoryPlan) -> None:
         if (not isinstance(kinds, ArrayAttr) or [getattr(k, "data", None) for k in kinds.data] != want_kinds
                 or not isinstance(offs, DenseArrayBase) or list(offs.get_values()) != want_offs):  # fmt: skip
             raise StoredPlanError(f"{op.name}'s nova.storage / nova.offset disagree with the plan")
+        if op.attributes.get("nova.layout") != layout_attr(p, op):  # permuted, windows, assembled cats
+            raise StoredPlanError(f"{op.name}'s nova.layout disagrees with the plan")
     for a, d in zip(p.block.args, p.fn.arg_attrs.data, strict=True):
         q = p.place[a]
         off = d.data.get("nova.offset")
@@ -148,4 +151,4 @@ def differences(a: MemoryPlan, b: MemoryPlan) -> list[str]:
 
 
 def _placement(q) -> tuple:
-    return (q.kind, q.offset, q.size, q.root, q.arg)
+    return (q.kind, q.offset, q.size, q.root, q.arg, q.perm, q.window, q.assembled)

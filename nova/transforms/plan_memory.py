@@ -18,7 +18,22 @@ long version):
   output    a returned loss / grad: its own allocation outside the arena (the
             caller keeps it after the arena is reused)
   const     a 0-d ``nova.full``: a compile-time constant pool, no arena bytes
+  window    an op's result written straight into its window of a ``nova.cat``'s
+            buffer (the cat is then *assembled*: it launches nothing)
   empty     a tensor of zero elements
+
+Layouts (``plan_layouts``): an arena value is dense in its buffer, except
+
+  permuted  the result of a kernel that stores it through any strides (attention's
+            o), read by kernels that read any strides and through a transpose
+            whose reshape the dense layout makes a copy: its buffer holds
+            ``value.permute(perm)`` densely (o [B, H, T, D] as [B, T, H, D]), so
+            the transpose is dense and its [B, T, C] reshape a view
+  window    every piece of a ``nova.cat`` a kernel result (attention's dq, dk, dv)
+            that only the cat reads, through transposes at most: each is placed
+            at its window of the cat's buffer (the window holds
+            ``value.permute(perm)``), the cat's buffer is live from the first
+            window's write, and the cat launches nothing (the same bytes)
 
 Times: 0 is the step's entry (the inputs are copied in), step ``i`` of the
 launch order runs at time ``i + 1``, the return is at ``len(steps) + 1``. A
@@ -88,6 +103,11 @@ class Placement:
     size: int = 0
     root: SSAValue | None = None
     arg: str | None = None
+    # the order of the value's dims in its bytes: its buffer (arena) or its window of
+    # the root's (window) holds value.permute(perm) densely; None: the value's own order
+    perm: tuple[int, ...] | None = None
+    window: tuple[int, int, int] | None = None  # a window: (dim, start, end) of the root (a nova.cat result)
+    assembled: bool = False  # a cat whose pieces are windows its producers wrote: its op launches nothing
 
 
 @dataclass(frozen=True)
@@ -208,6 +228,162 @@ def _loc(op: Operation | None) -> str | None:
     return a.data if a is not None else None
 
 
+# ----------------------------------------------------------------------------
+# layouts: permuted placements and cat windows
+
+# kernels that store these results through any non-overlapping strides
+# (nova.codegen.triton.attention: o; dq, dk, dv; tests/kernels/test_attention.py)
+STRIDED_OUTPUTS: dict[type, tuple[int, ...]] = {nv.AttentionOp: (0,), nv.AttentionBackwardOp: (0, 1, 2)}
+# kernels that read every operand through its own strides (never a dense copy first)
+STRIDED_READERS = (nv.AttentionOp, nv.AttentionBackwardOp)
+
+
+def inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+    out = [0] * len(perm)
+    for i, d in enumerate(perm):
+        out[d] = i
+    return tuple(out)
+
+
+def placed_view(held: torch.Tensor, perm: tuple[int, ...] | None) -> torch.Tensor:
+    """The value whose dims ``held`` holds in the order ``perm`` (``held`` is
+    ``value.permute(perm)``: a permuted buffer, or a window of a cat's buffer)."""
+    return held if perm is None else held.permute(inverse(perm))
+
+
+def _dense_meta(shape, perm: tuple[int, ...]) -> torch.Tensor:
+    """The layout of a value of ``shape`` whose buffer holds ``value.permute(perm)`` densely."""
+    return placed_view(torch.empty([shape[d] for d in perm], device="meta"), perm)
+
+
+@dataclass
+class Layouts:
+    """What ``plan_layouts`` found: the permuted placements (value -> perm) and the
+    cat windows (value -> (cat result, dim, start, end, perm)) with their cats."""
+
+    permuted: dict[SSAValue, tuple[int, ...]] = field(default_factory=dict)
+    windows: dict[SSAValue, tuple[SSAValue, int, int, int, tuple[int, ...]]] = field(default_factory=dict)
+    assembled: dict[SSAValue, list[SSAValue]] = field(default_factory=dict)  # cat result -> its windows
+
+
+def _stored_strided(v: SSAValue) -> bool:
+    op = v.owner
+    return isinstance(op, Operation) and v.index in STRIDED_OUTPUTS.get(type(op), ()) and nbytes(v) > 0
+
+
+def _reaches_return(v: SSAValue, returned: set) -> bool:
+    """Whether ``v`` or a layout view of it (of a view of it, ...) is returned."""
+    stack = [v]
+    while stack:
+        u = stack.pop()
+        if u in returned:
+            return True
+        stack.extend(use.operation.results[0] for use in u.uses if isinstance(use.operation, VIEW_OPS))
+    return False
+
+
+def _window_source(x: SSAValue) -> tuple[SSAValue, tuple[int, ...]] | None:
+    """``(r, perm)`` when the cat piece ``x`` is ``r.permute(perm)`` through transposes
+    only, each value on the way (``r`` too) read by the next alone, ``r`` a kernel
+    result stored through any strides; else None."""
+    perm = tuple(range(len(shape_of(x.type))))
+    u = x
+    while True:
+        if not u.has_one_use():
+            return None
+        if not isinstance(u.owner, nv.TransposeOp):
+            break
+        p = u.owner.props()["perm"]
+        perm = tuple(p[d] for d in perm)
+        u = u.owner.operands[0]
+    return (u, perm) if _stored_strided(u) else None
+
+
+def _cat_windows(block, returned: set, out: Layouts) -> None:
+    for op in block.ops:
+        if not isinstance(op, nv.CatOp):
+            continue
+        c = op.results[0]
+        if nbytes(c) == 0 or _reaches_return(c, returned):
+            continue
+        dim, start, found = op.props()["dim"], 0, {}
+        for x in op.operands:
+            src = _window_source(x)
+            if src is None:
+                break
+            n = shape_of(x.type)[dim]
+            found[src[0]] = (c, dim, start, start + n, src[1])
+            start += n
+        else:
+            out.windows.update(found)
+            out.assembled[c] = list(found)
+
+
+def _copies_saved(v: SSAValue, perm: tuple[int, ...]) -> int | None:
+    """How many reshape copies among the layout views of ``v`` (views of views, ...)
+    a buffer holding ``v.permute(perm)`` makes views; None when it makes a view a
+    copy, or hands a kernel that reads only dense operands a strided one where the
+    dense layout gave it a dense one."""
+    shape = shape_of(v.type)
+    saved, stack = 0, [(v, torch.empty(shape, device="meta"), _dense_meta(shape, perm))]
+    while stack:
+        u, a, b = stack.pop()
+        for use in u.uses:
+            o = use.operation
+            if isinstance(o, VIEW_OPS):
+                va, vb = _view_layout(o, a), _view_layout(o, b)
+                if va is not None and vb is None:
+                    return None
+                saved += va is None and vb is not None
+                dense = torch.empty(shape_of(o.results[0].type), device="meta")  # a copy's buffer
+                stack.append((o.results[0], dense if va is None else va, dense if vb is None else vb))
+            elif a.is_contiguous() and not b.is_contiguous() and not isinstance(o, STRIDED_READERS):
+                return None
+    return saved
+
+
+def _permuted(block, returned: set, out: Layouts) -> None:
+    for op in block.ops:
+        for i in STRIDED_OUTPUTS.get(type(op), ()):
+            v = op.results[i]
+            if v in out.windows or nbytes(v) == 0 or _reaches_return(v, returned):
+                continue
+            best = (0, None)
+            perms = dict.fromkeys(u.operation.props()["perm"] for u in v.uses if isinstance(u.operation, nv.TransposeOp))
+            for perm in perms:
+                saved = _copies_saved(v, perm)
+                if saved is not None and saved > best[0]:
+                    best = (saved, perm)
+            if best[1] is not None:
+                out.permuted[v] = best[1]
+
+
+def plan_layouts(fn) -> Layouts:
+    """The values of @train_step placed other than densely in a buffer of their own
+    (see the module's docstring): cat windows first, then permuted placements. No
+    rule matches a value that is returned (or a view of it is), a piece read by
+    anything but its cat, a piece through a reshape, slice or broadcast, a cat with
+    a piece no kernel of ``STRIDED_OUTPUTS`` writes, or a permutation that makes a
+    view a copy or gives a dense-only kernel a strided operand."""
+    returned = set(return_op(fn).operands)
+    out = Layouts()
+    _cat_windows(fn.body.block, returned, out)
+    _permuted(fn.body.block, returned, out)
+    return out
+
+
+def layout_text(p: Placement) -> str:
+    """A placement's layout as ``nova.layout`` and ``explain()`` show it ("" when dense)."""
+    if p.kind == "window":
+        dim, s, e = p.window
+        return f"window dim {dim} [{s}:{e}] perm {','.join(map(str, p.perm))}"
+    if p.assembled:
+        return "assembled from windows"
+    if p.perm is not None:
+        return f"perm {','.join(map(str, p.perm))}"
+    return ""
+
+
 class _Planner:
     def __init__(self, fn):
         self.fn = fn
@@ -220,6 +396,7 @@ class _Planner:
         self.step_of: dict[SSAValue, int] = {}  # value -> time of the step defining it
 
     def storage(self) -> None:
+        self.layouts = plan_layouts(self.fn)
         for a, s in zip(self.block.args, arg_slots(self.fn), strict=True):
             kind = "external" if s.role in EXTERNAL_ROLES else "input"
             self.place[a] = Placement(kind, size=_align(nbytes(a)) if kind == "input" else 0)
@@ -247,10 +424,28 @@ class _Planner:
                     self.place[r] = Placement("const")
                 else:
                     self.place[r] = Placement("arena", size=_align(nbytes(r)))
+            self._lay_out(st.outputs, layouts)
+
+    def _lay_out(self, outputs, layouts: dict) -> None:
+        """A step's results placed as ``plan_layouts`` found: a permuted buffer, a
+        window of a cat's buffer (the cat's root; no buffer of its own), or an
+        assembled cat (live from its first window's write)."""
+        lay = self.layouts
+        for r in outputs:
+            if r in lay.windows:
+                c, dim, s, e, perm = lay.windows[r]
+                self.place[r] = Placement("window", root=c, perm=perm, window=(dim, s, e))
+                layouts[r] = placed_view(torch.empty(shape_of(c.type), device="meta").narrow(dim, s, e - s), perm)
+            elif r in lay.permuted and self.place[r].kind == "arena":
+                self.place[r].perm = lay.permuted[r]
+                layouts[r] = _dense_meta(shape_of(r.type), lay.permuted[r])
+            elif r in lay.assembled and self.place[r].kind == "arena":
+                self.place[r].assembled = True
+                self.start[r] = min(self.start[w] for w in lay.assembled[r])
 
     def root(self, v: SSAValue) -> SSAValue:
         p = self.place[v]
-        return p.root if p.kind == "view" else v
+        return p.root if p.kind in ("view", "window") else v
 
     def liveness(self) -> None:
         for v, t in self.start.items():
@@ -262,7 +457,7 @@ class _Planner:
             self.last[v] = self.end_time
         # a view reads its root's bytes: the root lives as long as its last view is read
         for v, p in self.place.items():
-            if p.kind == "view":
+            if p.kind in ("view", "window"):  # a window: its bytes are in its cat's buffer
                 self.last[p.root] = max(self.last[p.root], self.last[v])
 
     def _step_reads_only_same_index(self, t: int, arg: SSAValue, new: SSAValue) -> bool:
@@ -485,10 +680,19 @@ def _i64s(values) -> DenseArrayBase:
     return DenseArrayBase.from_list(i64, [int(v) for v in values])
 
 
+def layout_attr(p: "_Planner", op: Operation) -> ArrayAttr | None:
+    """``nova.layout`` of ``op``: one ``layout_text`` per result, or None (no
+    attribute) when every result is dense in its own storage."""
+    texts = [layout_text(p.place[r]) if r in p.place else "" for r in op.results]
+    return ArrayAttr([StringAttr(t) for t in texts]) if any(texts) else None
+
+
 def annotate(module: ModuleOp, p: _Planner, plan: MemoryPlan) -> None:
     """Writes the plan into the IR:
     - every op: ``nova.storage`` (one kind per result) and ``nova.offset`` (the
-      arena offset per result, -1 where the result has no arena buffer);
+      arena offset per result, -1 where the result has no arena buffer); where a
+      result is permuted, a window or an assembled cat, ``nova.layout`` (one
+      ``layout_text`` per result);
     - every argument: ``nova.storage`` and, for input slots, ``nova.offset``;
     - every result: ``nova.storage`` = inplace / copy / unchanged / output;
     - the module: ``nova.memory_plan`` with the arena size, the sum of sizes, the
@@ -500,6 +704,11 @@ def annotate(module: ModuleOp, p: _Planner, plan: MemoryPlan) -> None:
         kinds = [p.place[r].kind if r in p.place else "fused" for r in op.results]
         op.attributes["nova.storage"] = ArrayAttr([StringAttr(k) for k in kinds])
         op.attributes["nova.offset"] = _i64s(p.place[r].offset if r in p.place else -1 for r in op.results)
+        layouts = layout_attr(p, op)
+        if layouts is not None:
+            op.attributes["nova.layout"] = layouts
+        else:
+            op.attributes.pop("nova.layout", None)
     attrs = []
     for a, d in zip(p.block.args, fn.arg_attrs.data, strict=True):
         q = p.place[a]
@@ -553,10 +762,26 @@ def report(plan: MemoryPlan, top: int = 10) -> list[str]:
     lines.append(f"parameters and state: {n_in} updated in place, {len(copies)} copied back after the step")
     for ip in copies[:top]:
         lines.append(f"  copy {ip.role} {ip.name}: {ip.reason}")
+    lines.extend(layout_report(plan, top))
     lines.append(f"the {min(top, len(plan.buffers))} largest buffers:")
     for b in sorted(plan.buffers, key=lambda b: (-b.size, b.start))[:top]:
         lines.append(f"  {gib(b.size):>12}  offset {b.offset:>12}  steps {b.start}-{b.end}  "
                      f"{b.what} {b.value.type}" + (f"  ({b.loc})" if b.loc else ""))  # fmt: skip
+    return lines
+
+
+def layout_report(plan: MemoryPlan, top: int = 10) -> list[str]:
+    """The permuted placements and the assembled cats, for ``report``."""
+    permuted = [(v, q) for v, q in plan.placements.items() if q.kind == "arena" and q.perm is not None]
+    cats = [(v, q) for v, q in plan.placements.items() if q.assembled]
+    if not permuted and not cats:
+        return []
+    n_win = sum(1 for q in plan.placements.values() if q.kind == "window")
+    lines = [f"layouts: {len(permuted)} buffers permuted (their transposes dense, those reshapes views), "
+             f"{len(cats)} cats assembled from {n_win} windows their producers write (the cats launch nothing)"]
+    for v, q in (permuted + cats)[:top]:
+        lines.append(f"  {layout_text(q)}: {_what(v.owner, v.index)} {v.type} at offset {q.offset}"
+                     + (f"  ({_loc(v.owner)})" if _loc(v.owner) else ""))
     return lines
 
 

@@ -29,15 +29,14 @@ embedding. A leaf that is not live at T anyway is *extended*: it is kept until T
             live at T anyway; or, *narrower source*, an elementwise-only chain
             whose extended leaves together are at most half the bytes of ``v``.
             On GPT-2 (bytes read + written per byte of ``v`` no longer kept):
-            a weight's bf16 cast from the param (3); the attention output's
-            [B, T, C] copy from the attention output attention_backward keeps (2);
-            the bf16 GELU output from the pre-GELU value (7: gelu, cast); the bf16
-            LayerNorm outputs the backward matmuls read, from the input and params
-            layer_norm_backward keeps (7: layer_norm, cast); the f32 pre-GELU bias
-            add from the bf16 matmul output, kept instead at half the bytes (3.5:
+            a weight's bf16 cast from the param (3); the bf16 GELU output from
+            the pre-GELU value (7: gelu, cast); the bf16 LayerNorm outputs the
+            backward matmuls read, from the input and params layer_norm_backward
+            keeps (7: layer_norm, cast); the f32 pre-GELU bias add from the bf16
+            matmul output, kept instead at half the bytes (3.5:
             cast, add); a residual from the previous one and the bf16 projection
             output (6.5). One pass over bytes per kernel, no FLOPs to speak of: at
-            batch 32 x 1024 the recomputes move 46 GiB (about 10 ms at the H200's
+            batch 32 x 1024 the recomputes move 45 GiB (about 10 ms at the H200's
             4.8 TB/s; 16 GiB before narrower sources and layer_norm) against about
             27 TFLOP of matmuls, attention and LM head (27 ms at 989 TFLOP/s). Each
             clone is its own launch today; fused into its reader (gelu_backward

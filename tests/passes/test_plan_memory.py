@@ -51,9 +51,42 @@ def _storage(v) -> tuple[str, int]:
     return d["nova.storage"].data, d["nova.offset"].value.data if "nova.offset" in d else -1
 
 
+def _layout(v) -> str:
+    """A result's ``nova.layout`` text ("" when dense in its own storage), from the IR."""
+    a = v.owner.attributes.get("nova.layout") if isinstance(v.owner, nv.NovaOp) else None
+    return a.data[v.index].data if a is not None else ""
+
+
+def _perm_of(text: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in text.rsplit("perm ", 1)[1].split(","))
+
+
+def _cat_of(v):
+    """The nova.cat whose window a value is: its only reader, through transposes."""
+    while not isinstance(v.owner, nv.CatOp):
+        (use,) = v.uses
+        v = use.operation.results[0]
+    return v
+
+
+def _laid_out(v, held: torch.Tensor) -> torch.Tensor:
+    """``v`` from the tensor its layout says holds it: its buffer (dense, or
+    ``v.permute(perm)`` densely), or its cat's buffer (a window of it)."""
+    text = _layout(v)
+    if text.startswith("window"):
+        dim, window = text.split()[2], text.split()[3]
+        start, end = (int(x) for x in window.strip("[]").split(":"))
+        held = held.view(shape_of(_cat_of(v).type))
+        return held.narrow(int(dim), start, end - start).permute(pm.inverse(_perm_of(text)))
+    if text.startswith("perm"):
+        perm = _perm_of(text)
+        return held.view([shape_of(v.type)[d] for d in perm]).permute(pm.inverse(perm))
+    return held.view(shape_of(v.type))
+
+
 def _root(v):
-    while _storage(v)[0] == "view":
-        v = v.owner.operands[0]
+    while _storage(v)[0] in ("view", "window"):
+        v = v.owner.operands[0] if _storage(v)[0] == "view" else _cat_of(v)
     return v
 
 
@@ -82,12 +115,18 @@ def run_in_arena(fn, plan: pm.MemoryPlan, args: list[torch.Tensor], arena: bool 
     memory = torch.full((max(plan.arena_bytes, 1),), 0xFF, dtype=torch.uint8)
     args = [a.clone() for a in args]
 
+    fresh = {}  # arena=False: each cat's own tensor, which its windows are views of
+
     def region(v):
         kind, off = _storage(v)
         dt = to_torch_dtype(elem_of(v.type))
+        if kind == "window":
+            return _laid_out(v, region(_cat_of(v)))
         if not arena:
-            return torch.empty(shape_of(v.type), dtype=dt)
-        return memory[off:off + _bytes(v)].view(dt).view(shape_of(v.type))
+            if v not in fresh:
+                fresh[v] = _laid_out(v, torch.empty(numel(shape_of(v.type)), dtype=dt))
+            return fresh[v]
+        return _laid_out(v, memory[off:off + _bytes(v)].view(dt))
 
     by_name = {s.name: a for s, a in zip(arg_slots(fn), args, strict=True)}
     into: dict = {}  # in-place value -> the argument tensor it is written into
@@ -106,10 +145,13 @@ def run_in_arena(fn, plan: pm.MemoryPlan, args: list[torch.Tensor], arena: bool 
             env[a] = t
     for st in pm.launch_order(fn):
         for op in [st.op]:
+            if arena and _layout(op.results[0]) == "assembled from windows":
+                env[op.results[0]] = region(op.results[0])  # launches nothing: its windows hold the pieces
+                continue
             run_ops([op], env, torch.device("cpu"))
             for r in op.results:
                 kind = _storage(r)[0]
-                if kind == "arena":
+                if kind in ("arena", "window"):
                     dst = region(r)
                     dst.copy_(env[r])
                     env[r] = dst
@@ -140,9 +182,18 @@ def replay_backend_schedule(fn) -> None:
         _, off = _storage(v)
         return range(off // ALIGN, (off + _aligned(v)) // ALIGN)
 
+    started = set()  # the cats one of whose windows has been written
+
     def write(v):
         kind = _storage(v)[0]
-        if kind in ("arena", "input"):
+        if kind == "window":  # into its cat's buffer, which holds the earlier windows' bytes still
+            cat = _cat_of(v)
+            if cat in started:
+                assert all(owner[c] is cat for c in chunks(cat)), f"the earlier windows of {cat.owner} were overwritten"
+            started.add(cat)
+            for c in chunks(cat):
+                owner[c] = cat
+        elif kind in ("arena", "input"):
             for c in chunks(v):
                 owner[c] = v
         elif kind == "inplace":
@@ -174,6 +225,11 @@ def replay_backend_schedule(fn) -> None:
                 write(op.results[0])
             continue
         inputs, outputs = list(op.operands), list(op.results)
+        if _layout(op.results[0]) == "assembled from windows":  # launches nothing: its windows hold the pieces
+            assert op.results[0] in started and all(_root(v) is op.results[0] for v in inputs)
+            for v in inputs:
+                read(v, op)
+            continue
         for v in inputs:
             read(v, op)
         # what this kernel writes must not be what it reads (unless an elementwise in-place update)
@@ -188,6 +244,8 @@ def replay_backend_schedule(fn) -> None:
                 assert not readers or op.name in ("nova.add", "nova.sub", "nova.mul", "nova.div", "nova.where", "nova.fused")
         for r in outputs:
             write(r)
+            if _layout(r):
+                layouts[r] = _laid_out(r, torch.empty(numel(shape_of(_root(r).type)), device="meta"))
     for v in return_op(fn).operands:
         read(v, "return")
 

@@ -198,7 +198,10 @@ def test_the_default_rule_lowers_the_peak_of_a_gpt_step(steps):
     assert all(c.rule == "default" for c in default.remat)
     assert default.memory.peak_bytes < plain.memory.peak_bytes
     kinds = {c.what.split(" tensor")[0] for c in default.remat}
-    assert {"gelu -> cast", "cast", "reshape"} <= kinds  # GELU's bf16 output, weight casts, attention's copy
+    assert {"gelu -> cast", "cast"} <= kinds  # GELU's bf16 output, weight casts
+    # attention's [B, T, C] reshape is a view of its [B, T, H, D]-laid-out output (plan_memory's
+    # permuted placement): no copy to recompute
+    assert "reshape" not in kinds
     assert all(c.loc for c in default.remat)
     _same_results(plain, default)
     lines = rm.report(default.remat)
