@@ -408,8 +408,8 @@ def cost_of(op: Operation, ins, outs, precision: str) -> Cost:
 def kernel_steps(fn, placements: dict | None = None) -> list:
     """The steps of the launch order that launch kernels: not views (``placements``,
     the memory plan's, says which layout ops the strides allow as views: without
-    it every layout op is taken for one) and not the 0-d constants computed when
-    the step is bound."""
+    it every layout op is taken for one), not the 0-d constants computed when
+    the step is bound, and not a cat the plan assembled from windows."""
     steps = launch_order(fn)
     out = []
     for st in steps:
@@ -418,6 +418,8 @@ def kernel_steps(fn, placements: dict | None = None) -> list:
             continue
         if kinds and all(k == "const" for k in kinds):
             continue
+        if placements and any(placements[r].assembled for r in st.outputs if r in placements):
+            continue  # a cat of the windows its pieces' kernels wrote: launches nothing
         out.append(st)
     return out
 
