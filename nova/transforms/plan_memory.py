@@ -780,7 +780,7 @@ def layout_report(plan: MemoryPlan, top: int = 10) -> list[str]:
     lines = [f"layouts: {len(permuted)} buffers permuted (their transposes dense, those reshapes views), "
              f"{len(cats)} cats assembled from {n_win} windows their producers write (the cats launch nothing)"]
     for v, q in (permuted + cats)[:top]:
-        lines.append(f"  {layout_text(q)}: {_what(v.owner, v.index)} {v.type} at offset {q.offset}"
+        lines.append(f"  {layout_text(q)}: {_what(v.owner, v.index)} {v.type} at arena byte {q.offset}"
                      + (f"  ({_loc(v.owner)})" if _loc(v.owner) else ""))
     return lines
 
