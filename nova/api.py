@@ -56,6 +56,7 @@ from nova.ir.module import arg_slots, result_slots, step_func
 from nova.ir.types import elem_of, shape_of, to_torch_dtype
 from nova.log import get_logger
 from nova.runtime import distributed
+from nova.runtime.executable import SCALAR_ROWS
 from nova.runtime.steady import Steady
 from nova.transforms.guard import BAD_IDS, FAILED, GUARD, NONFINITE, SKIPPED, describe_bad_ids
 from nova.transforms.optimizer import STRUCTURAL as _STRUCTURAL
@@ -237,8 +238,9 @@ class _DeferSigint:
 
 
 # steps whose guard the host has not read yet, at most: a host this far ahead of the
-# device waits for the oldest (backpressure, as CUDA's own launch queue would apply)
-PENDING_STEPS = 16
+# device waits for the oldest (backpressure, as CUDA's own launch queue would apply).
+# Executable.launch reuses its scalar rows on this promise: at most as many steps in flight as rows
+PENDING_STEPS = SCALAR_ROWS
 
 
 @dataclass
@@ -322,8 +324,7 @@ class CompiledStep:
         self._guard: torch.Tensor | None = None  # [failed, skipped] on the device (guard.py), updated in place
         self._guard_host: list[torch.Tensor] | None = None  # PENDING_STEPS host rows its copies land in (pinned)
         self._guard_cuda = False
-        self._guard_row = 0
-        self._guard_events: list = [None] * PENDING_STEPS  # one per host row, recorded after its copy
+        self._guard_next = 0  # the host row the next step's guard goes to
         self._steady: Steady | None = None  # what the last full call read (the fast path's check)
 
     # --- batch checks ------------------------------------------------------
@@ -448,10 +449,11 @@ class CompiledStep:
         hold; only the batch, the hyper-parameters and the seeds are new."""
         hyper = s.hyper(hyper_values(self.optimizer, s.prog.compilation.spec))
         seeds = [int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64)) for _ in range(s.seeds)]
+        row = self._guard_row(s.prog)  # (may read the oldest step's guard first: raises if it failed)
         self._calls += 1
         with _DeferSigint(), torch.no_grad():  # enqueued and queued for its guard read, or neither
-            outs = s.exe.launch(batch, hyper, seeds)
-            self._defer(s.prog, s.exe, batch, [])
+            outs = s.exe.launch(batch, hyper, seeds, None if row is None else (row, self._guard))
+            self._queue(s.prog, s.exe, batch, row)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return outs[0].clone()  # the executable's loss tensor is overwritten by the next step
 
@@ -469,13 +471,16 @@ class CompiledStep:
             args, fresh_state, moved = self._bound_args(prog, batch)
         else:
             args, fresh_state, moved = self._gather(prog, batch)
+        row = self._guard_row(prog) if exe is not None else None
         self._calls += 1
+        pending = None
         with torch.no_grad():
             if exe is not None:
                 # the executable writes params and state in place as it launches: a Ctrl-C
                 # waits until the whole step is enqueued (the guard decides on the device)
                 with _DeferSigint():
-                    outs = prog.run(args, self.precision)
+                    outs = exe.run(args, None if row is None else (row, self._guard))
+                    pending = self._queue(prog, exe, batch, row)
             else:
                 outs = prog.run(args, self.precision)
             if exe is None:
@@ -485,13 +490,13 @@ class CompiledStep:
             writes = self._prepare_write_back(prog, outs, fresh_state, moved, in_place=exe is not None)
             with _DeferSigint():
                 _commit(writes, self.optimizer.state)
-            if exe is not None:
-                # read when the step has finished, not now (that would wait for the device).
-                # New state entries are stored at once, so that optimizer.state after a good
+            if pending is not None:
+                # its guard is read when the step has finished, not now (that would wait for the
+                # device). New state entries are stored at once, so that optimizer.state after a good
                 # step is complete without a check (a checkpoint may be saved between calls),
                 # and taken out again if the step turns out to have failed. (A state tensor
                 # moved to the device keeps its value through a failed step: it stays.)
-                self._defer(prog, exe, batch, [w for w in writes if w[0] == "store" and w[4]])
+                pending.stored = [w for w in writes if w[0] == "store" and w[4]]
         # what optimizer.step() records, so LR schedulers see a stepped optimizer
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         if exe is None:
@@ -527,35 +532,33 @@ class CompiledStep:
             self._guard = torch.zeros(2, dtype=torch.int64, device=device)
             self._guard_cuda = pin = device.type == "cuda"
             self._guard_host = list(torch.zeros((PENDING_STEPS, 2), dtype=torch.int64, pin_memory=pin).unbind())
-            self._guard_row = 0
-            self._guard_events = [None] * PENDING_STEPS
+            self._guard_next = 0
         return {FAILED: self._guard[0], SKIPPED: self._guard[1]}
 
-    def _defer(self, prog: Program, exe, batch: tuple, stored: list[tuple]) -> None:
-        """Queues the step just launched: a copy of the guard to a host row, then an
-        event, both enqueued after the step (neither waits). A program without a
-        guard (nothing to check: no ids, no targets, no skip_nonfinite) cannot fail."""
+    def _guard_row(self, prog: Program) -> torch.Tensor | None:
+        """The host row the next step's guard is copied to (``Executable.launch``'s
+        ``copy_out``), or None for a program without a guard (nothing to check: no
+        ids, no targets, no skip_nonfinite; it cannot fail). With 16 steps in
+        flight the oldest is read first (backpressure, as CUDA's own launch queue
+        would apply): if it failed, this call raises before it runs."""
         if not prog.gather.guard:
-            return
+            return None
         if len(self._pending) >= PENDING_STEPS:
-            # backpressure: the oldest row is needed (this call ran, gated: it wrote nothing if that one failed)
-            where = f"call {self._calls}, {PENDING_STEPS} steps after it, which wrote nothing either"
-            self._settle_one(self._pending[0], where)
-        k = self._guard_row
-        row = self._guard_host[k]
-        self._guard_row = (k + 1) % PENDING_STEPS
-        event = None
-        if self._guard_cuda:
-            row.copy_(self._guard, non_blocking=True)
-            # the row's event is free again: the step that used this row 16 steps ago has been read
-            event = self._guard_events[k] or torch.cuda.Event()
-            self._guard_events[k] = event
-            event.record()
-        else:
-            row.copy_(self._guard)
+            self._settle_one(self._pending[0], f"the next call ({PENDING_STEPS} steps were in flight)")
+        k = self._guard_next
+        self._guard_next = (k + 1) % PENDING_STEPS
+        return self._guard_host[k]
+
+    def _queue(self, prog: Program, exe, batch: tuple, row: torch.Tensor | None) -> _Pending | None:
+        """The step just launched, whose guard ``row`` receives after it (the launch's
+        event says when): read by a later call, without waiting."""
+        if row is None:
+            return None
         # the arguments as bound (bind makes a new list when it binds again) and the caller's batch:
         # the error path alone puts them together (the batch slots are overwritten by the next call)
-        self._pending.append(_Pending(self._calls, {}, prog, exe.arguments, stored, row, event, batch))
+        p = _Pending(self._calls, {}, prog, exe.arguments, [], row, exe.last_event, batch)
+        self._pending.append(p)
+        return p
 
     def _poll(self) -> None:
         """Reads the guard of every step that has finished, oldest first, without
@@ -598,7 +601,7 @@ class CompiledStep:
         if later:
             also = (f"; step{'s' if len(later) > 1 else ''} {', '.join(map(str, later))}, launched before this "
                     "was read, wrote nothing either")  # fmt: skip
-        if deferred_to == "the next call":
+        if deferred_to and deferred_to.startswith("the next call"):
             also += "; this call did not run either"
         raise IndexError(f"step {p.call} of this compiled step failed: {'; '.join(details)}. It wrote "
                          f"nothing: parameters and optimizer state are as before it"

@@ -95,7 +95,7 @@ def _timed_phases() -> dict[str, list[float]]:
 
     # the fast path (a call whose steady state holds: _replay) and the full one (_call)
     targets = [(api.CompiledStep, n) for n in ("_poll", "_replay", "_call", "_check_batch", "_program", "_bound_args",
-                                                "_prepare_write_back", "_defer")]  # fmt: skip
+                                                "_prepare_write_back", "_guard_row", "_queue")]  # fmt: skip
     targets += [(Steady, "holds"), (Steady, "hyper"), (api.CompiledStep, "_spec_key")]
     targets += [(executable.Executable, n) for n in ("launch", "bind", "_write_scalars")]
     targets += [(torch.cuda.CUDAGraph, "replay"), (torch.Tensor, "copy_"), (torch.Tensor, "clone"),

@@ -101,7 +101,8 @@ class Executable:
         # the host side: SCALAR_ROWS pinned rows used in turn, each free again once the
         # event recorded after its copy has completed (the copy reads it asynchronously)
         self._rows: list[tuple[torch.Tensor, object]] | None = None  # (pinned row, its numpy view)
-        self._row_events: list = [None] * SCALAR_ROWS
+        self._row_events: list = [None] * SCALAR_ROWS  # per launch in turn: recorded after it (CUDA)
+        self.last_event = None  # the last launch's event (CUDA): it has finished once this completes
         self._row = 0
         self.want_graph = cuda_graph and self.device.type == "cuda"
         self.graph_failed: str | None = None
@@ -221,24 +222,39 @@ class Executable:
         self.inputs, self.outputs, self.arguments, self.runs = [], [], [], 0
 
     # --- running -----------------------------------------------------------
-    def run(self, args: Sequence) -> list[torch.Tensor]:
+    def run(self, args: Sequence, copy_out: tuple | None = None) -> list[torch.Tensor]:
         """One step. ``args``: one entry per argument: tensors for params, state,
         buffers and the batch, Python numbers for hyper-parameters and seeds.
         Returns the persistent result tensors (param / state results are the bound
-        tensors themselves, updated in place; the rest are overwritten by the next step)."""
+        tensors themselves, updated in place; the rest are overwritten by the next step).
+        ``copy_out``: see ``launch``."""
         self.bind(args)
         return self.launch([args[i] for i in self.batch_args], [args[i] for i in self.hyper_args],
-                           [args[i] for i in self.seed_args])  # fmt: skip
+                           [args[i] for i in self.seed_args], copy_out)  # fmt: skip
 
-    def launch(self, batch: Sequence[torch.Tensor], hyper: Sequence[float], seeds: Sequence[int]) -> list[torch.Tensor]:
+    def launch(self, batch: Sequence[torch.Tensor], hyper: Sequence[float], seeds: Sequence[int],
+               copy_out: tuple | None = None) -> list[torch.Tensor]:  # fmt: skip
         """``run`` after its ``bind``: the batch into its slots, the scalars, then the
         graph (or the list). The caller (``run``, or a step whose steady state holds:
-        ``nova.runtime.steady``) knows the list is bound to the tensors it updates."""
+        ``nova.runtime.steady``) knows the list is bound to the tensors it updates.
+
+        ``copy_out`` (host row, device tensor): copied after the step without waiting
+        (the guard's counts, ``CompiledStep``), before the launch's one event
+        (``last_event``), which also frees this launch's scalar row. With it the caller
+        promises that the launch ``SCALAR_ROWS`` before this one has completed
+        (``CompiledStep`` reads the guard of every step before it has 16 in flight), so
+        the row is reused without asking the device; without it, the event of that
+        launch is waited for (at once unless the host is that far ahead)."""
         if len(batch) != len(self.inputs):
             raise ValueError(f"the step takes {len(self.inputs)} batch tensors, got {len(batch)}")
+        cuda = self.device.type == "cuda"
+        k, self._row = self._row, (self._row + 1) % SCALAR_ROWS
+        event = self._row_events[k]
+        if event is not None and copy_out is None:
+            event.synchronize()
         torch._foreach_copy_(self.inputs, batch)  # one dispatch (on CUDA one multi-tensor kernel), not one per tensor
         if self.hyper_args or self.seed_args:
-            self._write_scalars(hyper, seeds)
+            self._write_scalars(hyper, seeds, k)
         if self.graph is not None:
             self.graph.replay()
         elif self.want_graph and self.graph_failed is None and self.runs >= 1:
@@ -249,6 +265,13 @@ class Executable:
                 self._run_list()
         else:
             self._run_list()
+        if copy_out is not None:
+            copy_out[0].copy_(copy_out[1], non_blocking=cuda)
+        if cuda:
+            if event is None:
+                event = self._row_events[k] = torch.cuda.Event()
+            event.record()  # after the scalars' copy, the step and the copy out: one event per launch
+        self.last_event = event if cuda else None
         return self.outputs
 
     def _run_list(self) -> None:
@@ -256,25 +279,19 @@ class Executable:
             launch()
         self.runs += 1
 
-    def _write_scalars(self, hyper: Sequence[float], seeds: Sequence[int]) -> None:
+    def _write_scalars(self, hyper: Sequence[float], seeds: Sequence[int], k: int) -> None:
+        """Row ``k`` of the pinned host rows (free: ``launch`` saw to it) to the device."""
         cuda = self.device.type == "cuda"
         if self._rows is None:
             rows = torch.zeros((SCALAR_ROWS, self.scalars.numel()), dtype=torch.float64, pin_memory=cuda)
             # views made once: the per-call writes are plain numpy stores into pinned memory
             self._rows = [(r, r.numpy()) for r in rows.unbind()]
-        k, self._row = self._row, (self._row + 1) % SCALAR_ROWS
-        if self._row_events[k] is not None:
-            self._row_events[k].synchronize()  # only when the host is SCALAR_ROWS steps ahead of the device
         row, host = self._rows[k]
         nh = len(hyper)
         host[:nh] = hyper
         if seeds:
             host.view("int64")[nh:nh + len(seeds)] = seeds
         self.scalars.copy_(row, non_blocking=cuda)
-        if cuda:
-            event = self._row_events[k] or torch.cuda.Event()
-            event.record()
-            self._row_events[k] = event
 
     def _capture(self) -> None:
         graph = torch.cuda.CUDAGraph()

@@ -11,10 +11,10 @@ the call down the full path, which records a new snapshot.
 
 The comparisons are C-level loops (``map`` over builtin callables and list
 equality on ints: no Python frame per element), because this runs every call
-and a GPT-2 step has 148 parameters, 444 state tensors and 150 modules; the
-data pointers are compared in one call of torch's C++ check where the build has
-it (CUDA builds: ``torch._C._tensors_data_ptrs_at_indices_equal``, what
-Inductor's CUDA graph trees check their static inputs with), else by ``map``:
+and a GPT-2 step has 148 parameters, 444 state tensors and 150 modules. (torch's
+C++ check of data pointers, ``torch._C._tensors_data_ptrs_at_indices_equal``,
+measured 12x slower than ``map(Tensor.data_ptr, ...)`` on the H200 host: 0.45 ms
+for 593 tensors, its arguments converted element by element.)
 
   batch          the count, and each tensor's class, shape, dtype and device
   registrations  torch's global module / parameter / buffer registration hooks
@@ -61,18 +61,9 @@ _DICT_VALUES = dict.values
 _CHAIN = itertools.chain.from_iterable
 
 
-_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-
-
 def _structure(group: dict) -> tuple:
     """A param group's options that change the update's structure (``CompiledStep._spec_key``'s)."""
     return tuple((k, group[k]) for k in STRUCTURAL if k in group) + (group.get("momentum", 0) != 0,)
-
-
-def _ptrs_equal(tensors: list, ptrs: list[int], indices: list[int]) -> bool:
-    if _PTRS_EQUAL is not None:
-        return _PTRS_EQUAL(tensors, ptrs, indices)
-    return list(map(_DATA_PTR, tensors)) == ptrs
 
 
 class Steady:
@@ -80,7 +71,7 @@ class Steady:
     (``of``), and its check (``holds``)."""
 
     __slots__ = ("prog", "exe", "batch", "registrations", "mods", "dicts", "lens", "training", "watch", "ptrs",
-                 "params", "grads", "groups", "state", "indices", "hyper_names",
+                 "params", "grads", "groups", "state", "hyper_names",
                  "hyper_base", "seeds")  # fmt: skip
 
     @classmethod
@@ -109,7 +100,6 @@ class Steady:
         buffers = [b for _, b in model.named_buffers(remove_duplicate=False)]
         s.watch = s.params + buffers  # then the state values, in order (holds)
         s.ptrs = list(map(_DATA_PTR, s.watch + list(_CHAIN(map(_DICT_VALUES, entries)))))
-        s.indices = list(range(len(s.ptrs)))
         s.grads = list(map(_REQUIRES_GRAD, s.params))
         s.groups = [(list(gr["params"]), any(p.numel() == 1 for p in gr["params"]), _structure(gr))
                     for gr in opt.param_groups]
@@ -142,12 +132,9 @@ class Steady:
                 and opt.state is self.state
                 and self._groups_hold(opt.param_groups)):  # fmt: skip
             return False
-        tensors = self.watch + list(_CHAIN(map(_DICT_VALUES, self.state.values())))
-        if len(tensors) != len(self.ptrs):
-            return False
         try:
-            return _ptrs_equal(tensors, self.ptrs, self.indices)
-        except (TypeError, AttributeError):  # a state value that is no tensor any more
+            return list(map(_DATA_PTR, self.watch + list(_CHAIN(map(_DICT_VALUES, self.state.values()))))) == self.ptrs
+        except TypeError:  # a state value that is no tensor any more
             return False
 
     def _groups_hold(self, groups: list) -> bool:
