@@ -83,7 +83,7 @@ from dataclasses import dataclass, field
 
 from xdsl.context import Context
 from xdsl.dialects import func
-from xdsl.dialects.builtin import ModuleOp, StringAttr, f32
+from xdsl.dialects.builtin import ModuleOp, StringAttr
 from xdsl.ir import Block, Operation, Region, SSAValue
 from xdsl.passes import ModulePass
 
@@ -120,18 +120,6 @@ def epilogue_head(op: Operation) -> bool:
     if not isinstance(op, nv.NovaOp) or op.CATEGORY != "contraction" or not op.EPILOGUE or len(op.results) != 1:
         return False
     return all(numel(shape_of(v.type)) > 0 for v in (*op.operands, *op.results))
-
-
-def fma_products(op: Operation, policy: str | None) -> bool:
-    """Whether ``op``'s products run on the FMA units under the step's precision
-    policy: f32 operands outside the tf32 policy (the matmul precision "ieee" of
-    ``configurator.STEP_MATMUL_PRECISION``; tf32 runs them on the tensor cores,
-    bf16 lowers every contraction to bf16 operands). Such a kernel is compiled with
-    floating-point contraction on (Triton's FMA dot is ``llvm.fmuladd``, which
-    becomes a separate multiply and add, another rounding, when contraction is
-    off), and an epilogue must be compiled with it off (each op rounds as the
-    unfused kernels do): so these contractions take no epilogue."""
-    return policy != "tf32" and any(elem_of(v.type) == f32 for v in op.operands)
 
 
 def relabels_rows(op: Operation) -> bool:
@@ -171,7 +159,7 @@ class Group:
 
 
 class _Grouping:
-    def __init__(self, block: Block, policy: str | None = None):
+    def __init__(self, block: Block):
         self.block = block
         self.ops = list(block.ops)
         self.pos = {op: i for i, op in enumerate(self.ops)}
@@ -210,7 +198,7 @@ class _Grouping:
         for op in self.ops:
             if op in self.virtual:
                 continue
-            if epilogue_head(op) and not fma_products(op, policy):
+            if epilogue_head(op):
                 self.node[op] = Node([op], self.pos[op], shape_of(op.results[0].type), kind="contraction")
                 continue
             ok = fusible(op) and op not in self.tail
@@ -512,8 +500,7 @@ def fuse(module: ModuleOp) -> list[nv.FusedOp]:
     fn = step_func(module)
     block = fn.body.block
     sink_views(block)
-    policy = module.attributes.get("nova.precision")
-    g = _Grouping(block, policy.data if isinstance(policy, StringAttr) else None)
+    g = _Grouping(block)
     g.group()
     groups = g.groups()
     placed: dict[int, Operation] = {}  # position -> the op that goes there

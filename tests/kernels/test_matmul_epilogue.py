@@ -31,10 +31,10 @@ pytestmark = [
 ]
 
 
-def cfg(bm=16, bn=16, bk=16, split_k=1, persistent=False, group_m=1, tma=False):
+def cfg(bm=16, bn=16, bk=16, split_k=1, persistent=False, group_m=1, tma=False, instruction=None):
     return LoweringConfig(kind="matmul", block_m=bm, block_n=bn, block_k=bk, group_m=group_m, split_k=split_k,
                           persistent=persistent, num_warps=4, num_stages=2,
-                          instruction="wgmma+tma" if tma else "mma")  # fmt: skip
+                          instruction=instruction or ("wgmma+tma" if tma else "mma"))  # fmt: skip
 
 
 def _step(policy, *slots):
@@ -111,21 +111,23 @@ def test_bf16_bias_gelu_with_two_outputs(shape, split, tma):
     group, prog = _check(_fc("bf16", M, K, N, rows), cfg(split_k=split, tma=tma), "bf16", 2e-2)
     (st,) = [s for s in prog.steps if s.op is group]
     text = "\n".join(st.sources.values())
-    assert "e_acc = (acc).to(tl.bfloat16)" in text  # the matmul's bf16 rounding, as unfused
+    assert "e_acc = (e_tile).to(tl.bfloat16)" in text  # the matmul's bf16 rounding, as unfused
     assert ("def matmul_kernel_reduce" in text) == (split > 1)
     assert ("a_desc" in text) == tma
 
 
+@pytest.mark.parametrize("instruction", ["mma", "wgmma+tma+stage_a+stage_b"], ids=["rounded-in-registers", "staged"])
 @pytest.mark.parametrize("split", [1, 3], ids=["one-pass", "split-k"])
-def test_tf32_bias_and_residual_from_a_transposed_view(split):
-    """f32 operands under the tf32 policy (tf32-rn in the kernel); the residual is a
-    transposed view read through its strides, the output f32."""
+def test_tf32_bias_and_residual_from_a_transposed_view(split, instruction):
+    """f32 operands under the tf32 policy (tf32-rn: rounded in the kernel, or staged
+    K-major copies through TMA); the residual is a transposed view read through its
+    strides, the output f32."""
     module, fn, b = _step("tf32", Slot("batch", "x", tensor([24, 40], f32)), Slot("param", "w", tensor([40, 24], f32)),
                           Slot("param", "bias", tensor([24], f32)), Slot("param", "res", tensor([2, 24, 12], f32)))  # fmt: skip
     x, w, bias, res = fn.body.block.args
     y = b.add(b.transpose(res, [0, 2, 1]), b.add(b.reshape(b.matmul(x, w), [2, 12, 24]), bias))
     set_results(fn, [("loss", "y", y)])
-    group, _ = _check(module, cfg(bk=16, split_k=split), "tf32", 5e-3)
+    group, _ = _check(module, cfg(bk=16, split_k=split, instruction=instruction), "tf32", 5e-3)
     assert len(group.operands) == 4 and group.iteration_shape() == (2, 12, 24)
 
 
@@ -172,7 +174,7 @@ def test_an_output_may_replace_its_epilogue_operand_in_place():
     from nova.codegen.triton.elementwise import Operand
 
     ep = mm.Epilogue(shape=(16, 48), operands=(Operand((16, 48), torch.float32, load="raw"),),
-                     body="e_y = ex0 - acc.to(tl.bfloat16).to(tl.float32)", stores=(("e_y", "f32", torch.float32),),
+                     body="e_y = ex0 - e_tile.to(tl.bfloat16).to(tl.float32)", stores=(("e_y", "f32", torch.float32),),
                      out_shapes=((16, 48),))  # fmt: skip
     for split in (1, 2):
         torch.manual_seed(split)
@@ -190,13 +192,38 @@ def test_an_output_may_replace_its_epilogue_operand_in_place():
         mm.matmul_epilogue(x_in, w, ep, [p], torch.bfloat16, cfg=cfg(), outs=[buf.view(torch.float32).view(16, 48)])
 
 
-def test_no_epilogue_on_the_fp32_fma_path():
-    from nova.codegen.triton.elementwise import Operand
+def test_fp32_on_the_fma_path_with_bias_and_gelu():
+    """fp32 operands under the fp32 policy (precision "ieee": the FMA dot)."""
+    group, _ = _check(_fc("fp32", 20, 24, 40, (4, 5), dtype=f32), cfg(split_k=2), "fp32", 1e-5)
+    assert _inner_names(group) == ["nova.matmul", "nova.reshape", "nova.add", "nova.gelu", "nova.cast"]
 
-    ep = mm.Epilogue(shape=(8, 8), operands=(Operand((8,), torch.float32, load="raw"),), body="e_y = e_acc + ex0",
-                     stores=(("e_y", "f32", torch.float32),), out_shapes=((8, 8),))  # fmt: skip
-    with pytest.raises(ValueError, match="FMA path"):
-        mm.matmul_epilogue(torch.randn(8, 8), torch.randn(8, 8), ep, [torch.randn(8)], torch.float32, precision="ieee")
+
+@pytest.mark.parametrize("tile,slices", [((64, 64), 4), ((64, 128), 8), ((128, 256), 16)],
+                         ids=["4-slices", "8-slices", "16-slices"])
+def test_a_large_tile_is_worked_through_in_column_slices(tile, slices):
+    """EPILOGUE_SLICE: the accumulator's column slices one at a time, ragged N (the
+    last slices masked), the residual and the pre-activation read per slice."""
+    bm, bn = tile
+    module, fn, b = _step("bf16", Slot("batch", "x", tensor([bm + 8, 32], bf16)), Slot("param", "w", tensor([32, 200], bf16)),
+                          Slot("param", "bias", tensor([200], f32)), Slot("param", "res", tensor([bm + 8, 200], f32)))  # fmt: skip
+    x, w, bias, res = fn.body.block.args
+    pre = b.add(b.cast(b.matmul(x, w), f32), bias)
+    set_results(fn, [("loss", "y", b.add(res, pre)), ("loss", "g", b.cast(b.one(nv.GeluOp, [pre], {"approximate": "tanh"}), bf16))])
+    group, prog = _check(module, cfg(bm=bm, bn=bn, bk=32), "bf16", 2e-2)
+    (st,) = [s for s in prog.steps if s.op is group]
+    text = "\n".join(st.sources.values())
+    from nova.codegen.triton.fused import epilogue_of
+
+    ep = epilogue_of(group)[0]
+    n = mm.epilogue_slices(ep, bm, bn)
+    # the f32 residual and output and the bf16 GELU: 5 halves of a register an element, slices of at
+    # most 8192 / 5 elements, of 16 columns at least
+    assert mm.epilogue_streams(ep) == 5 and n == slices
+    assert "tl.split(e_split" in text and f"e_n{n - 1} =" in text and f"e_n{n} =" not in text
+
+
+def _inner_names(op):
+    return [o.name for o in op.inner_ops()]
 
 
 # ----------------------------------------------------------------------------

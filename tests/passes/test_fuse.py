@@ -143,44 +143,30 @@ def test_a_long_scalar_chain_is_cut_into_kernels():
 
 
 def test_no_group_feeds_and_reads_an_outside_op():
-    # (f32 outside the tf32 policy: the matmul takes no epilogue, fuse.fma_products)
     module, fn, b = _step(Slot("param", "x", tensor([8, 8], f32)), Slot("param", "w", tensor([8, 8], f32)))
     x, w = fn.body.block.args
     a = b.one(nv.ExpOp, [x])
     m = b.matmul(a, w)
-    y = b.add(a, m)  # a and y in one group would both feed and read the matmul
+    y = b.add(a, m)  # a and y in one group would both feed and read the matmul: y joins its epilogue
     r = b.reduce_sum(a, [1], keepdim=True)
     z = b.neg(a)  # z joins a's group, placed before the reduction (it reads no outside value after a)
     set_results(fn, [("loss", "y", y), ("loss", "r", r), ("loss", "z", z)])
     ops = _fused(module)
-    assert [o.name for o in ops] == ["nova.fused", "nova.matmul", "nova.add", "nova.reduce_sum"]
-    assert _inner(ops[0]) == ["nova.exp", "nova.neg"]
+    assert [o.name for o in ops] == ["nova.fused", "nova.fused", "nova.reduce_sum"]
+    assert _inner(ops[0]) == ["nova.exp", "nova.neg"] and _inner(ops[1]) == ["nova.matmul", "nova.add"]
+    assert ops[0].results[0] in ops[1].operands
 
 
-@pytest.mark.parametrize("policy", [None, "fp32", "bf16"])
-def test_an_f32_matmul_on_the_fma_units_takes_no_epilogue(policy):
-    """Outside the tf32 policy an f32 matmul runs on the FMA units, whose kernel
-    must contract (fuse.fma_products): its bias add and GELU are one elementwise group."""
+def test_an_f32_matmul_takes_its_bias_gelu_and_cast():
+    """fp32 too (the FMA dot keeps its explicit fma with contraction off: matmul.py)."""
     module, fn, b = _step(Slot("param", "x", tensor([4, 8], f32)), Slot("param", "w", tensor([8, 8], f32)),
                           Slot("param", "bias", tensor([8], f32)))  # fmt: skip
-    if policy is not None:
-        module.attributes["nova.precision"] = StringAttr(policy)
     x, w, bias = fn.body.block.args
     h = b.add(b.matmul(x, w), bias)
     y = b.cast(b.one(nv.GeluOp, [h], {"approximate": "tanh"}), bf16)
     set_results(fn, [("loss", "y", y)])
-    ops = _fused(module)
-    assert [o.name for o in ops] == ["nova.matmul", "nova.fused"]
-    assert _inner(ops[1]) == ["nova.add", "nova.gelu", "nova.cast"]
-
-
-def test_the_fma_rule_follows_the_step_matmul_precision():
-    from nova.schedule.configurator import STEP_MATMUL_PRECISION
-
-    module, fn, b = _step(Slot("param", "x", tensor([4, 8], f32)), Slot("param", "w", tensor([8, 8], f32)))
-    m = b.matmul(*fn.body.block.args).owner
-    for policy, path in STEP_MATMUL_PRECISION.items():
-        assert fz.fma_products(m, policy) == (path == "ieee"), policy
+    (op,) = _fused(module)
+    assert _inner(op) == ["nova.matmul", "nova.add", "nova.gelu", "nova.cast"]
 
 
 # ----------------------------------------------------------------------------
@@ -372,12 +358,12 @@ def test_the_contraction_group_verifies_its_structure():
 def test_a_group_of_one_op_stays_that_op():
     module, fn, b = _step(Slot("param", "x", tensor([4, 8], f32)), Slot("param", "w", tensor([8, 8], f32)))
     x, w = fn.body.block.args
-    y = b.scale(b.one(nv.ExpOp, [b.matmul(x, w)]), 2.0)  # exp, then mul by a 0-d constant
-    z = b.matmul(b.one(nv.ExpOp, [x]), w)
+    y = b.scale(b.one(nv.ExpOp, [b.matmul(x, w)]), 2.0)  # exp, then mul by a 0-d constant: the epilogue
+    z = b.matmul(b.one(nv.ExpOp, [x]), w)  # exp alone (no prologue), the matmul alone (no epilogue)
     set_results(fn, [("loss", "y", y), ("loss", "z", z)])
     ops = _fused(module)
-    assert [o.name for o in ops] == ["nova.matmul", "nova.fused", "nova.exp", "nova.matmul"]
-    assert _inner(ops[1]) == ["nova.exp", "nova.full", "nova.mul"]
+    assert [o.name for o in ops] == ["nova.fused", "nova.exp", "nova.matmul"]
+    assert _inner(ops[0]) == ["nova.matmul", "nova.exp", "nova.full", "nova.mul"]
     # alone with a constant: no wrapper, the 0-d constant stays as it is (no kernel)
     module, fn, b = _step(Slot("param", "x", tensor([4, 8], f32)))
     set_results(fn, [("loss", "y", b.scale(fn.body.block.args[0], 2.0))])

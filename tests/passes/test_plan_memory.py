@@ -465,8 +465,10 @@ def test_the_plan_of_a_gpt_step(gpt_step):
             assert torch.equal(a, before[ks[0]]) and s.role in ("param", "state", "guard")
     recorded = c.module.attributes["nova.memory_plan"].data
     assert recorded["arena_bytes"].value.data == plan.arena_bytes and recorded["peak_bytes"].value.data == plan.peak_bytes
-    # the reuse is real: the arena is far below the sum of sizes and close to the live-set bound
-    assert plan.arena_bytes < plan.sum_bytes / 2 and plan.arena_bytes <= 1.2 * plan.lower_bound_bytes
+    # the reuse is real: the arena is well below the sum of sizes and close to the live-set bound
+    # (the fuse stage's groups, matmul epilogues among them, leave few short-lived buffers to
+    # reuse: the fp32 step's arena is 0.54 of the sum, at the bound itself)
+    assert plan.arena_bytes < 0.6 * plan.sum_bytes and plan.arena_bytes <= 1.2 * plan.lower_bound_bytes
     params = sum(-(-_bytes(a) // 512) * 512 for a, s in zip(fn.body.block.args, arg_slots(fn)) if s.role == "param")
     assert plan.external["params"] == params
     if kind == "grads-only":

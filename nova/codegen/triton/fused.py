@@ -123,7 +123,7 @@ def epilogue_of(op: nv.FusedOp) -> tuple[Epilogue, list[int]]:
             picked.append(k)
     result = head.results[0]
     stored = tag(_dtype(result))
-    lines = [f"e_acc = {convert('acc', 'f32', stored)}"]  # the matmul's result as the unfused kernel stores it
+    lines = [f"e_acc = {convert('e_tile', 'f32', stored)}"]  # the matmul's result as the unfused kernel stores it
     var[result] = ("e_acc", stored)
     body, helpers = compose(op.inner_ops()[1:], var, prefix="e")
     yields = block.last_op.operands

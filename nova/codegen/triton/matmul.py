@@ -51,10 +51,15 @@ Design choices, and why:
   or more contiguous outputs in their final dtypes. The iteration shape is static
   in the text (its last dim is N, its leading dims hold batch x M rows), so the
   row index of the tile is split into the leading dims' indices once per tile,
-  not per element. Split-K runs it in the reduction kernel, on the summed tile.
+  not per element. Large tiles are worked through in column slices
+  (``EPILOGUE_SLICE``: a whole tile's epilogue values beside the accumulator
+  spill registers, or cost an SM its second block). Split-K runs it in the reduction kernel, on the summed tile.
   Epilogue kernels launch with ``enable_fp_fusion=False``, as the fused
-  elementwise kernels do: every op rounds as written (the K loop has no fp32
-  multiply-add to contract: the dot accumulates in the tensor cores either way).
+  elementwise kernels do: every op rounds as written (ptxas -v / PTX of offline
+  sm_90a builds: GELU's backward has 1152 ``fma.rn.f32`` with contraction on, none
+  off), and the K loop is unchanged: the tensor cores accumulate either way, and
+  the fp32 FMA dot (precision "ieee") is Triton's explicit ``llvm.fmuladd``, which
+  stays ``fma.rn.f32`` with contraction off (the same 1024 in a 64x64x32 tile).
 * C may be a given ``out`` (a view into the step's arena beside the operands: only
   overlapping bytes are refused). What a launch allocates besides C (the split-K
   partials, the staged tf32 copies) is bounded by ``scratch_bytes``, for the memory
@@ -137,9 +142,10 @@ class Epilogue:
     others batch x M: the tile's rows). ``operands``: the extra inputs, operand k
     loaded (in its stored type, bools as 0/1 bytes) into ``ex<k>`` at the tile's
     elements, through its own strides (shape right-aligned against ``shape``, as
-    pointwise operands are). ``body``: statements reading ``acc`` (the fp32 tile,
-    or the summed split-K partials) and the ``ex<k>`` (and ``offs``, the flat index
-    of ``shape``, where ``flat_index``), assigning the stored variables; ``stores``:
+    pointwise operands are). ``body``: statements reading ``e_tile`` (the fp32
+    accumulator: the tile or a column slice of it, or the summed split-K partials)
+    and the ``ex<k>`` (and ``offs``, the flat index of ``shape``, where
+    ``flat_index``), assigning the stored variables; ``stores``:
     (variable, register type, dtype) per output, each written contiguously, of
     shape ``out_shapes[j]`` (the iteration shape, or the matmul's result shape:
     the same elements in the same order). ``helpers``: functions the body calls."""
@@ -178,14 +184,17 @@ def _epilogue_params(ep: Epilogue) -> tuple[list[str], list[str]]:
     return ptrs, strides
 
 
-def epilogue_lines(ep: Epilogue, two_d: bool, masked: bool) -> list[str]:
+def epilogue_lines(ep: Epilogue, two_d: bool, masked: bool, cols: str = "offs_n", mask_n: str = "mask_n",
+                   tile: str = "acc") -> list[str]:
     """The epilogue's statements. ``two_d``: in the main kernel, over the
-    [BLOCK_M, BLOCK_N] tile (``e_rows`` [BLOCK_M], ``offs_n`` and ``mask_m`` /
-    ``mask_n`` are defined); else in the split-K reduction, over a flat block of
-    the result (``offs``, ``mask``). ``masked``: ragged edges (EVEN is false)."""
+    [BLOCK_M, BLOCK_N] tile or a column slice of it (``e_rows`` [BLOCK_M] and
+    ``mask_m`` are defined; ``cols``, ``mask_n`` and ``tile`` name the slice's
+    columns, their mask and its accumulator); else in the split-K reduction, over a
+    flat block of the result (``offs``, ``mask``, the sum ``acc``). ``masked``:
+    ragged edges (EVEN is false)."""
     rank = len(ep.shape)
     last = rank - 1
-    lines = ["e_cols = offs_n" if two_d else f"e_cols = offs % {ep.shape[-1]}"]
+    lines = [f"e_tile = {tile}", f"e_cols = {cols}" if two_d else f"e_cols = offs % {ep.shape[-1]}"]
     if not two_d:
         lines.append(f"e_rows = offs // {ep.shape[-1]}")
     lead = sorted({d for op in ep.operands for _, d, _ in op.terms(rank) if d < last})
@@ -210,7 +219,7 @@ def epilogue_lines(ep: Epilogue, two_d: bool, masked: bool) -> list[str]:
             return ""
         if not two_d:
             return ", mask=mask"
-        parts = (["mask_m[:, None]"] if any(d < last for d in dims) else []) + (["mask_n[None, :]"] if last in dims else [])
+        parts = (["mask_m[:, None]"] if any(d < last for d in dims) else []) + ([f"{mask_n}[None, :]"] if last in dims else [])
         return ", mask=" + " & ".join(parts)
 
     for k, op in enumerate(ep.operands):
@@ -373,10 +382,7 @@ def matmul_source(
     store_ty = "tl.float32" if split else _TL_DTYPE[out_name]
     if fused:
         rows = ("pid_b.to(tl.int64) * M + offs_m" if index_64 else "pid_b * M + offs_m") if batched else "offs_m"
-        ep = ["e_rows = " + rows, "if EVEN:"]
-        ep += ["    " + ln for ln in epilogue_lines(epilogue, True, False)]
-        ep += ["else:"] + ["    " + ln for ln in epilogue_lines(epilogue, True, True)]
-        store = "\n".join("        " + ln for ln in ep) + "\n"
+        store = "\n".join("        " + ln for ln in _sliced_epilogue(epilogue, cfg.block_m, cfg.block_n, rows, idx)) + "\n"
     else:
         store = f"""\
         c_ptrs = {c_base} + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -447,6 +453,94 @@ batched {'yes' if batched else 'no'}, index {'int64' if index_64 else 'int32'}
     if split:
         text += "\n\n" + _reduce_source(name + "_reduce", has_bias, _TL_DTYPE[out_name], epilogue)
     return text
+
+
+# The epilogue works through the accumulator in column slices, one at a time, so
+# that its values of a whole tile are never live beside the accumulator at once: a
+# slice holds at most EPILOGUE_SLICE / epilogue_streams accumulator elements (the
+# tile-sized values it moves, in 16-bit halves of a register per element). sm_90
+# gives a thread at most 255 registers, and 65536 / (2 x 256) = 128 when two 8-warp
+# blocks share an SM (the configurator's short-K rule, 6c); the accumulator alone
+# takes 64 (128x128, 8 warps) or 128 (128x256). ptxas -v of offline sm_90a builds of
+# the GPT-2 124M bf16 step's epilogues at its configs (TMA; scripts/epilogue_sm90_check.py),
+# registers (+ spill bytes) for 1 / 2 / 4 / 8 / 16 slices, [streams]:
+#   128x128x64 w8 s3 (plain 90):
+#     bias, cast [1]                       92   90   94   90
+#     bias, GELU, cast [2]                 96   94   97   90
+#     bias, GELU, cast, f32 kept [3]      145  150  137  119
+#     bias, residual, f32 out [5]         188  183  110   92
+#     GELU backward [5]                   255  130  116  104
+#     GELU recomputed + backward [5]      255+3988  255+1244  255  207
+#   128x256x64 w8 s4 (plain 158):
+#     cast to f32 [2]                     154  158  154  154  154
+#     bias, residual, f32 out [4]         255+236  255+24  222  191  164
+# Slicing never cost registers; this constant is the largest that keeps every one of
+# these at 128x128 within two blocks per SM (but the recompute, whose 207 no slicing
+# lowers) and spills nothing. More slices only unroll the epilogue further: compile
+# time of the recompute 2.1 s in 4 slices, 3.1 s in 8.
+EPILOGUE_SLICE = 8192
+
+
+def epilogue_streams(ep: Epilogue) -> int:
+    """The registers an epilogue's tile-sized values take per element, in 16-bit
+    halves of a register: each output and each operand read at every element (one
+    with a leading and the last dim; a bias row or a scalar is not), by its size
+    (bf16 1, f32 2)."""
+    rank = len(ep.shape)
+
+    def full(op) -> bool:
+        dims = {d for _, d, _ in op.terms(rank)}
+        return rank - 1 in dims and any(d < rank - 1 for d in dims)
+
+    halves = [op.dtype.itemsize // 2 or 1 for op in ep.operands if full(op)]
+    halves += [d.itemsize // 2 or 1 for _, _, d in ep.stores]
+    return max(1, sum(halves))
+
+
+def epilogue_slices(ep: Epilogue, block_m: int, block_n: int) -> int:
+    """How many column slices the main kernel's epilogue takes (a power of two;
+    slices of at least 16 columns): slices of at most ``EPILOGUE_SLICE /
+    epilogue_streams`` elements."""
+    limit = EPILOGUE_SLICE // epilogue_streams(ep)
+    n = 1
+    while block_m * block_n // n > limit and block_n // (2 * n) >= 16:
+        n *= 2
+    return n
+
+
+def _sliced_epilogue(ep: Epilogue, block_m: int, block_n: int, rows: str, idx: str) -> list[str]:
+    """The main kernel's epilogue, over ``epilogue_slices`` column slices of the
+    accumulator in turn (one slice: the whole tile)."""
+    n = epilogue_slices(ep, block_m, block_n)
+    lines = ["e_rows = " + rows]
+    if n == 1:
+        parts = [("offs_n", "mask_n", "acc")]
+    else:  # acc[:, h * w : (h + 1) * w] for each h: split the column index into (h, j), h last
+        w = block_n // n
+        bits = n.bit_length() - 1
+        # [BM, BN] as [BM, 2, .., 2, w] (the bits of h, highest first), then [BM, w, bits...]:
+        # tl.split halves the last dim (size 2), so the lowest bit of h is split off first
+        lines.append(f"e_split = tl.reshape(acc, (BLOCK_M{', 2' * bits}, {w}))")
+        lines.append(f"e_split = tl.permute(e_split, (0, {bits + 1}, {', '.join(str(d) for d in range(1, bits + 1))}))")
+        names = ["e_split"]
+        for _ in range(bits):
+            new = []
+            for x in names:
+                lines.append(f"{x}_0, {x}_1 = tl.split({x})")
+                new += [f"{x}_0", f"{x}_1"]
+            names = new
+        # a name's i-th suffix is bit i of h
+        order = sorted(names, key=lambda x: sum(int(b) << i for i, b in enumerate(x.split("_")[2:])))
+        parts = []
+        for h, name in enumerate(order):
+            lines.append(f"e_n{h} = (pid_n * BLOCK_N + {h * w} + tl.arange(0, {w})){idx}")
+            lines.append(f"e_mask_n{h} = e_n{h} < N")
+            parts.append((f"e_n{h}", f"e_mask_n{h}", name))
+    for even in (True, False):
+        lines.append("if EVEN:" if even else "else:")
+        for cols, mask, tile in parts:
+            lines += ["    " + ln for ln in epilogue_lines(ep, True, not even, cols, mask, tile)]
+    return lines
 
 
 def _describe(ep: Epilogue | None) -> str:
@@ -1006,10 +1100,6 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     _check_config(cfg)
     if in_name != "float32":
         precision = "bf16"  # 16-bit operands: nothing to round; one kernel for every spelling
-    if ep is not None and precision == "ieee":
-        raise ValueError("matmul: no epilogue on the fp32 FMA path (precision 'ieee'): its dot needs floating-point "
-                         "contraction (llvm.fmuladd) and an epilogue must round each op as written; the fuse stage "
-                         "gives such a matmul no epilogue (fuse.fma_products)")
 
     a3 = a if a.dim() == 3 else a.unsqueeze(0)
     b3 = b if b.dim() == 3 else b.unsqueeze(0)
@@ -1124,5 +1214,5 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
 __all__ = [
     "matmul", "precompile", "precompile_specs", "matmul_source", "matmul_kernels", "configure", "device_spec", "layout",
     "split_k_plan", "scratch_bytes", "PRECISIONS", "MatmulKernels", "TmaLayout", "round_to_tf32", "TF32_RN",
-    "stage_source", "stage_tf32", "Epilogue", "matmul_epilogue", "epilogue_lines",
+    "stage_source", "stage_tf32", "Epilogue", "matmul_epilogue", "epilogue_lines", "epilogue_slices", "epilogue_streams", "EPILOGUE_SLICE",
 ]

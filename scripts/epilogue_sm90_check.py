@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Offline sm_90a compile of every matmul epilogue kernel of a GPT-2 124M step (the
+fuse stage's ``nova.fused "contraction"`` groups at the configs the configure stage
+wrote, TMA as the step's operands allow it): registers, spill bytes and compile
+seconds from Triton's bundled ptxas. No GPU needed.
+
+    python scripts/epilogue_sm90_check.py [--batch 32] [--precision bf16]
+
+Run it after a configurator or epilogue change: a spill, or more than 128
+registers at a config meant for two 8-warp blocks per SM, shows here before the
+GPU does (``matmul.EPILOGUE_SLICE``)."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import re
+import time
+
+import torch
+
+_PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.bool: "*u8", torch.int64: "*i64"}
+
+
+def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int) -> tuple[str, str]:
+    """(ptxas -v log, ptx) of the source's ``matmul_kernel`` compiled for sm_90a, with
+    16-byte aligned pointers and strides and unit inner strides (the step's case);
+    ``a_box`` / ``b_box``: the TMA boxes (None: pointer loads). Needs a process
+    that has not imported triton.language under TRITON_INTERPRET=1."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nova.codegen.triton.source import load_kernel
+
+    fn, _ = load_kernel(src, "matmul_kernel")
+    ptrs = {}
+    if ep is not None:
+        ptrs = {f"e{k}": _PTR[op.dtype] for k, op in enumerate(ep.operands)}
+        ptrs.update({f"o{j}": _PTR[d] for j, (_, _, d) in enumerate(ep.stores)})
+    elt = "fp32" if dtype == "float32" else "bf16"
+    sig, consts, attrs = {}, {"EVEN": True}, {}
+    for i, a in enumerate(fn.arg_names):
+        if a == "EVEN" or a in ("stride_ak", "stride_bn", "stride_cn"):
+            sig[a] = "constexpr"
+            consts.setdefault(a, 1)
+            continue
+        if a == "a_desc":
+            sig[a] = f"tensordesc<{elt}{list(a_box)}>"
+        elif a == "b_desc":
+            sig[a] = f"tensordesc<{elt}{list(b_box)}>"
+        elif a in ptrs:
+            sig[a] = ptrs[a]
+        else:
+            sig[a] = f"*{elt}" if a.endswith("_ptr") else "i32"
+        if not a.endswith("_desc"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    log = io.StringIO()
+    triton.knobs.nvidia.dump_ptxas_log = True
+    try:
+        with contextlib.redirect_stdout(log):
+            k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False))  # fmt: skip
+    finally:
+        triton.knobs.nvidia.dump_ptxas_log = False
+    return log.getvalue(), k.asm["ptx"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--precision", default="bf16")
+    args = ap.parse_args()
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.setdefault("NOVA_STEP_CACHE", "0")
+
+    from nova import pipeline
+    from nova.api import _step_dtype
+    from nova.backends.triton import config_of
+    from nova.codegen.triton import matmul as mm
+    from nova.codegen.triton.fused import epilogue_of
+    from nova.ir import dialect as nv
+    from nova.ir.module import step_func
+    from nova.ir.types import elem_of, to_torch_dtype
+    from nova.models import GPT, gpt2_124m
+    from nova.schedule.configurator import STEP_MATMUL_PRECISION
+    from nova.schedule.devices import DEVICES
+    from nova.transforms.configure import _layout
+
+    torch.manual_seed(0)
+    model = GPT(gpt2_124m())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 50304, (args.batch, 1024))
+    c = pipeline.Compilation(model, (x, x), opt, args.precision, _step_dtype())
+    c.device = DEVICES["H200"]
+    pipeline.run(c)
+    seen: dict = {}
+    for op in step_func(c.module).body.block.ops:
+        if not isinstance(op, nv.FusedOp) or not isinstance(op.contraction(), nv.MatmulOp):
+            continue
+        head, cfg = op.contraction(), config_of(op)
+        ep, _ = epilogue_of(op)
+        lhs, rhs = (op.operands[list(op.body.block.args).index(v)] for v in head.operands)
+        seen.setdefault((cfg, ep, _layout(lhs), _layout(rhs), str(head.operands[0].type)), []).append(op)
+    print(f"GPT-2 124M {args.precision} batch {args.batch}: {sum(map(len, seen.values()))} epilogue launches, "
+          f"{len(seen)} kernels")  # fmt: skip
+    compiled: set[str] = set()
+    for (cfg, ep, la, lb, _), ops in seen.items():
+        head = ops[0].contraction()
+        dt = mm._dtype_name(to_torch_dtype(elem_of(head.operands[0].type)))
+        prec = "bf16" if dt != "float32" else STEP_MATMUL_PRECISION[args.precision]
+        key = dataclasses_replace(cfg)
+        staged = tuple(x for x in ("a", "b") if f"stage_{x}" in cfg.instruction.split("+"))
+        tma = "tma" in cfg.instruction
+        if staged:  # staged operands are dense K-major copies
+            la, lb = ("row" if "a" in staged else la), ("col" if "b" in staged else lb)
+        layout = mm.TmaLayout(la, lb) if tma and "strided" not in (la, lb) else None
+        src = mm.matmul_source(key, has_bias=False, precision=prec, out_dtype=dt, in_dtype=dt, tma=layout,
+                               prerounded=staged, epilogue=ep)  # fmt: skip
+        if src in compiled:  # the same text as a kernel above (Triton's cache: ptxas does not run again)
+            continue
+        compiled.add(src)
+        a_box = (cfg.block_m, cfg.block_k) if la == "row" else (cfg.block_k, cfg.block_m)
+        b_box = (cfg.block_k, cfg.block_n) if lb == "row" else (cfg.block_n, cfg.block_k)
+        t0 = time.perf_counter()
+        log, ptx = compile_sm90(src, ep, a_box if layout else None, b_box if layout else None, dt, cfg.num_warps,
+                                cfg.num_stages)  # fmt: skip
+        regs = re.findall(r"Used (\d+) registers", log)
+        spills = re.findall(r"(\d+) bytes spill stores", log)
+        inner = " ".join(o.name.removeprefix("nova.") for o in ops[0].inner_ops()[1:])
+        print(f"{len(ops):4d}x {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} "
+              f"sk{cfg.split_k} {cfg.instruction} {la}/{lb}: {mm.epilogue_slices(ep, cfg.block_m, cfg.block_n)} slices, "
+              f"registers {','.join(regs)}, spill stores {','.join(spills)} B, {time.perf_counter() - t0:.1f} s  [{inner}]")
+
+
+def dataclasses_replace(cfg):
+    """The config as the kernel text is keyed (``matmul_kernels``): launch-time fields dropped."""
+    from nova.schedule.config import LoweringConfig
+
+    return LoweringConfig(kind="matmul", block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
+                          group_m=cfg.group_m, split_k=2 if cfg.split_k > 1 else 1, persistent=cfg.persistent)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
