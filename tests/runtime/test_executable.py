@@ -24,6 +24,16 @@ def _batches(n, B=2, T=8):
     return [(torch.randint(0, 64, (B, T), generator=g), torch.randint(0, 64, (B, T), generator=g)) for _ in range(n)]
 
 
+def _sgd_pair():
+    """The model on the Triton backend and a copy on the reference executor, SGD with momentum each."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    return (model, opt, nova.compile(model, opt, backend="triton"), ref, opt_ref,
+            nova.compile(ref, opt_ref, backend="reference"))  # fmt: skip
+
+
 def test_parameters_and_state_are_written_in_place_and_the_list_is_bound_once():
     model = _model()
     ref = copy.deepcopy(model)
@@ -50,12 +60,7 @@ def test_parameters_and_state_are_written_in_place_and_the_list_is_bound_once():
 
 
 def test_a_replaced_state_is_bound_again():
-    model = _model()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    step = nova.compile(model, opt, backend="triton")
-    oracle = nova.compile(ref, opt_ref, backend="reference")
+    model, opt, step, ref, opt_ref, oracle = _sgd_pair()
     batches = _batches(3)
     step(*batches[0])
     oracle(*batches[0])
@@ -165,12 +170,7 @@ def test_a_learning_rate_changed_every_call_reaches_every_step():
 def test_a_parameter_given_new_storage_with_data_is_bound_again():
     # p.data = ... keeps the Parameter object (its id, so the program key) and moves its storage:
     # the step must update the new storage, as eager's optimizer.step() would
-    model = _model()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    step = nova.compile(model, opt, backend="triton")
-    oracle = nova.compile(ref, opt_ref, backend="reference")
+    model, opt, step, ref, opt_ref, oracle = _sgd_pair()
     batches = _batches(5)
     for x, y in batches[:3]:  # the third call replays (the fast path)
         step(x, y)
