@@ -22,12 +22,25 @@ def init(rank: int, world: int, tmp: str) -> None:
 
 def _finish() -> None:
     """No rank tears its process group down while another may still be in a
-    collective with it (gloo aborts the process then)."""
-    if dist.is_initialized():
-        try:
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
+    collective with it (gloo aborts the process then). Then the process ends at
+    once: its result file is written, and the interpreter's teardown would run
+    the destructors of objects still holding the destroyed group (a DDP reducer's:
+    "terminate called without an active exception", SIGABRT, once in a few runs
+    on a loaded 2-core CI machine), which is not what the tests check."""
+    import gc
+    import sys
+
+    gc.collect()  # DDP modules and their reducers go while the group still exists
+    try:
+        if dist.is_initialized():
+            try:
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _timeout():
@@ -226,6 +239,7 @@ def ddp_average(rank: int, world: int, tmp: str) -> None:
                                                  {"world_size": world, "bucket": 0, "average": True})
             got = distributed.run(op, [local.weight.grad, local.bias.grad])
             out[str(dtype)] = [torch.equal(got[0], m.weight.grad), torch.equal(got[1], m.bias.grad)]
+            del ddp  # its reducer goes now, while the process group exists
     except Exception:  # noqa: BLE001
         out["error"] = traceback.format_exc()
     Path(tmp, f"result-{rank}.json").write_text(json.dumps(out))
