@@ -59,7 +59,7 @@ from nova.runtime import distributed
 from nova.runtime.executable import SCALAR_ROWS
 from nova.runtime.steady import Steady
 from nova.transforms.guard import BAD_IDS, FAILED, GUARD, NONFINITE, SKIPPED, describe_bad_ids
-from nova.transforms.optimizer import STRUCTURAL as _STRUCTURAL
+from nova.transforms.optimizer import group_structure
 from nova.transforms.optimizer import hyper_values
 from nova.transforms.precision import PRECISIONS
 
@@ -428,8 +428,7 @@ class CompiledStep:
         out = []
         for group in self.optimizer.param_groups:
             out.append(tuple(map(id, group["params"])))
-            out.append(tuple(sorted((k, v) for k, v in group.items() if k in _STRUCTURAL)))
-            out.append(group.get("momentum", 0) != 0)
+            out.append(group_structure(group))
         return tuple(out)
 
     # --- running -----------------------------------------------------------

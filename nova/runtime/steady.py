@@ -52,18 +52,13 @@ import operator
 
 import torch
 
-from nova.transforms.optimizer import STRUCTURAL
+from nova.transforms.optimizer import group_structure
 
 _DATA_PTR = torch.Tensor.data_ptr
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _TRAINING = operator.attrgetter("training")
 _DICT_VALUES = dict.values
 _CHAIN = itertools.chain.from_iterable
-
-
-def _structure(group: dict) -> tuple:
-    """A param group's options that change the update's structure (``CompiledStep._spec_key``'s)."""
-    return tuple((k, group[k]) for k in STRUCTURAL if k in group) + (group.get("momentum", 0) != 0,)
 
 
 class Steady:
@@ -101,7 +96,7 @@ class Steady:
         s.watch = s.params + buffers  # then the state values, in order (holds)
         s.ptrs = list(map(_DATA_PTR, s.watch + list(_CHAIN(map(_DICT_VALUES, entries)))))
         s.grads = list(map(_REQUIRES_GRAD, s.params))
-        s.groups = [(list(gr["params"]), any(p.numel() == 1 for p in gr["params"]), _structure(gr))
+        s.groups = [(list(gr["params"]), any(p.numel() == 1 for p in gr["params"]), group_structure(gr))
                     for gr in opt.param_groups]
         s.state = state
         # the hyper-parameters in the executable's order: read each call, except the
@@ -151,7 +146,7 @@ class Steady:
                         return False
                 except RuntimeError:  # Tensor.__eq__ of two different parameters (its bool is ambiguous)
                     return False
-            if _structure(gr) != structure:
+            if group_structure(gr) != structure:
                 return False
         return True
 

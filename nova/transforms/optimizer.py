@@ -36,6 +36,11 @@ SGD_HYPER = ("lr", "momentum", "dampening", "weight_decay")
 STRUCTURAL = ("maximize", "amsgrad", "nesterov", "decoupled_weight_decay")
 
 
+def group_structure(group: dict) -> tuple:
+    """A param group's options that change the update's structure (one program per value)."""
+    return tuple((k, group[k]) for k in STRUCTURAL if k in group) + (group.get("momentum", 0) != 0,)
+
+
 @dataclass(frozen=True)
 class GroupSpec:
     """The structure of one param group: what changes the program, not the values."""
