@@ -1,6 +1,6 @@
 """Where the GPU time of one GPT-2 training step goes, kernel by kernel, for Nova
 and torch.compile side by side (torch.profiler, CUDA activity only):
-``python scripts/kernel_profile.py [--batch 8] [--steps 3] [--out DIR]``.
+``python scripts/kernel_profile.py [--model 124m|355m] [--batch 8] [--steps 3] [--out DIR]``.
 Prints the kernels grouped by name (total ms per step, launches per step) and
 writes ``kernel_profile_b<batch>.json`` to ``--out``. Nova runs its launch list
 (no CUDA graph) so that every kernel is its own profiler event."""
@@ -18,6 +18,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import nova
 from nova.models import GPT, GPTConfig
+
+PRESETS = {"124m": (12, 12, 768), "355m": (24, 16, 1024)}  # layers, heads, width (bench/gpt2.py's presets)
 
 
 def _family(name: str) -> str:
@@ -48,12 +50,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--model", choices=sorted(PRESETS), default="124m")
     opts = ap.parse_args()
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    n_layer, n_head, n_embd = PRESETS[opts.model]
+    cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     x = torch.randint(0, 50304, (opts.batch, 1024), device="cuda")
     y = torch.randint(0, 50304, (opts.batch, 1024), device="cuda")
-    doc = {"batch": opts.batch, "device": torch.cuda.get_device_name(), "engines": {}}
+    doc = {"model": opts.model, "batch": opts.batch, "device": torch.cuda.get_device_name(), "engines": {}}
     for engine in ("nova", "torch.compile"):
         with torch.device("cuda"):
             model = GPT(cfg)
@@ -88,7 +92,7 @@ def main() -> None:
         del model, opt, run
         torch.cuda.empty_cache()
     opts.out.mkdir(parents=True, exist_ok=True)
-    (opts.out / f"kernel_profile_b{opts.batch}.json").write_text(json.dumps(doc, indent=1))
+    (opts.out / f"kernel_profile_{opts.model}_b{opts.batch}.json").write_text(json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":
