@@ -13,6 +13,7 @@ Writes matmul_variants.json to --out. Needs CUDA (Hopper: TMA)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -106,6 +107,22 @@ def _time(fn, reps: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in ts)
 
 
+def _graphed(fn):
+    """``fn`` captured once in a CUDA graph: its replay times the device alone (the
+    template's launcher does Python work per call that events would otherwise time)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def _cfg_name(c) -> str:
+    return (f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages} g{c.group_m}"
+            + (f" sk{c.split_k}" if c.split_k > 1 else "") + (" persistent" if c.persistent else ""))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=30)
@@ -121,9 +138,21 @@ def main() -> None:
         ref = torch.matmul(a, b)
         c16 = torch.empty((M, N), device="cuda", dtype=torch.bfloat16)
         t_cublas = _time(lambda: torch.matmul(a, b, out=c16), opts.reps)  # bf16 out (an f32 out: cuBLAS's bf16 time)
-        t_nova = _time(lambda: mm.matmul(a, b, precision="bf16", out=c), opts.reps)
+        cfg = mm.configure(M, N, K, 1, a.dtype, out_dtype, "bf16", mm.layout(a), mm.layout(b), False, mm.device_spec(a.device))
+        t_nova = _time(_graphed(lambda: mm.matmul(a, b, cfg=cfg, precision="bf16", out=c)), opts.reps)
         row = {"M": M, "N": N, "K": K, "a": la, "b": lb, "out": str(out_dtype), "uses": uses,
-               "cublas_ms": t_cublas, "nova_ms": t_nova, "variants": {}}
+               "cublas_ms": t_cublas, "nova_ms": t_nova, "nova_config": _cfg_name(cfg), "variants": {}}
+        # the template itself at other configs (persistent with split-K, other tiles)
+        others = [dataclasses.replace(cfg, persistent=not cfg.persistent)]
+        if cfg.split_k > 1:
+            others += [dataclasses.replace(cfg, split_k=1, persistent=True),
+                       dataclasses.replace(cfg, block_m=128, block_n=128, num_warps=4, num_stages=5, split_k=1, persistent=True)]
+        for other in others:
+            try:
+                row["variants"]["nova " + _cfg_name(other)] = {
+                    "ms": _time(_graphed(lambda: mm.matmul(a, b, cfg=other, precision="bf16", out=c)), opts.reps), "ok": True}
+            except Exception as e:  # recorded, not timed
+                row["variants"]["nova " + _cfg_name(other)] = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
         for bm, bn, bk, stages, warps in CONFIGS:
             a_desc = TensorDescriptor.from_tensor(a.t() if la == "col" else a, [bk, bm] if la == "col" else [bm, bk])
             b_desc = TensorDescriptor.from_tensor(b.t() if lb == "col" else b, [bn, bk] if lb == "col" else [bk, bn])
@@ -152,7 +181,7 @@ def main() -> None:
         totals["nova"] += uses * t_nova
         totals["best_variant"] += uses * (min(good[best], t_nova) if best else t_nova)
         print(f"{M:6d}x{N:6d}x{K:6d} {la}/{lb} x{uses}: cublas {t_cublas:.4f} nova {t_nova:.4f} "
-              f"best {best} {good.get(best, float('nan')):.4f}  (nova/cublas {t_cublas / t_nova:.2f}, "
+              f"[{row['nova_config']}] best {best} {good.get(best, float('nan')):.4f}  (nova/cublas {t_cublas / t_nova:.2f}, "
               f"best/cublas {t_cublas / good[best] if best else 0:.2f})", flush=True)
         for k, v in sorted(row["variants"].items(), key=lambda kv: kv[1].get("ms", 1e9)):
             print(f"      {k:26s} {v.get('ms', float('nan')):.4f} {'' if v.get('ok', False) else v.get('error', 'MISMATCH')}")

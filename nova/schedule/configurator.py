@@ -472,8 +472,21 @@ def plan_matmul(
     def t_edge(t: _Tile, st: int) -> float:
         return (t.bm * t.bn * (4 if split > 1 else eo) + (st - 1) * t.stage_bytes) / (bw / S)
 
+    # 8 (decided here, as it changes 6c). persistent grid: #SMs programs loop over the work
+    # items in one flattened software pipeline (``tl.range(flatten=True)``): the ring of
+    # loads runs on into the next tile while this one's epilogue stores, so a tile's edges
+    # cost nothing and 6c's halving is not needed. Where the operands and C go through
+    # TMA (C stored asynchronously in two column halves) and every program gets >= 2
+    # tiles without a split. Measured (bench/results/matmul_variants.json, bf16, the
+    # GPT-2 124M step's shapes at batch 32): 0.95-1.10x cuBLAS at 128x256x64 w8 s3/s4,
+    # 3-16% faster than the same tiles one program per tile
+    tma_path = t.family == "wgmma" and dev.has_tma and a_layout != "strided" and b_layout != "strided"
+    persistent = tma_path and split == 1 and n_tiles(t) >= 2 * S and not tf32_nmajor and not stage_b
+    if persistent:  # C's staging half tile beside the ring
+        num_stages = max(2, min(num_stages, (smem_budget - t.bm * t.bn // 2 * eo) // t.stage_bytes))
+
     two_block = False
-    if split == 1 and t.family == "wgmma" and not tf32_nmajor and num_stages > 1:
+    if split == 1 and t.family == "wgmma" and not tf32_nmajor and num_stages > 1 and not persistent:
         half = smaller(rung)
         one = min(t.blocks, _blocks_by_smem(dev, max(num_stages * t.stage_bytes, t.bm * t.bn * 4)))
         t_loop = 2 * t.bm * t.bn * K / (peak / S)
@@ -485,7 +498,10 @@ def plan_matmul(
                 if min(h.blocks, _blocks_by_smem(dev, max(h_stages * h.stage_bytes, h.bm * h.bn * 4))) >= 2:
                     rung, t, num_stages, two_block = half, h, h_stages, True
                     tiles = items = n_tiles(h)
-    smem = max(num_stages * t.stage_bytes, t.bm * t.bn * 4)
+    # the one-program-per-tile kernel stages its C tile through the ring's memory after the
+    # loop; the persistent one keeps C's staging half tile beside the ring (loads of the
+    # next tile are in flight while it stores: measured sm_90 shared = ring + half tile)
+    smem = num_stages * t.stage_bytes + t.bm * t.bn // 2 * eo if persistent else max(num_stages * t.stage_bytes, t.bm * t.bn * 4)
     blocks = min(t.blocks, _blocks_by_smem(dev, smem))
     waves = items / (S * blocks)
 
@@ -499,16 +515,6 @@ def plan_matmul(
     g_traffic = math.sqrt(S * blocks * t.bn / t.bm)
     g_l2 = dev.l2_bytes // 2 // (t.bm * _cdiv(K, split) * ea)
     group_m = _pow2_floor(max(1, min(g_traffic, g_l2, _cdiv(M, t.bm))))
-
-    # 8. persistent grid (#SMs programs looping over work items) when every program
-    # gets >= 2 items, so block launch and setup are paid once per SM rather than
-    # once per tile; only at one block per SM, as the grid is sized to the SMs
-    # Measured (matmul.json): the template's persistent loop never beat the one-program-
-    # per-tile grid by 3% (it lost up to 25% on 12 of 12 shapes where it was chosen):
-    # Triton 3.6 does not overlap one tile's epilogue with the next tile's loads here,
-    # so it saves only the block launch (~1 us per wave) and gives up the hardware
-    # scheduler's balancing. Kept for when that changes; off in the model.
-    persistent = False
 
     # 9. instruction path: TMA needs a contiguous dim in each operand. Layouts change
     # nothing else: a 16-element tile side is >= one 32-byte L2 sector in every dtype

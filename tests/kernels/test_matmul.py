@@ -118,6 +118,38 @@ def test_tma_descriptors_any_layout(device, config):
     assert rel_err(mm.matmul(a_odd, b, cfg=config, precision="ieee", num_programs=3), reference(a_odd, b)) < 1e-5
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["tile-grid", "persistent"])
+@pytest.mark.parametrize("layouts", [("row", "col"), ("row", "row"), ("col", "row")])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_c_through_a_descriptor(device, persistent, layouts, batch):
+    """The one-pass TMA kernel stores C through a descriptor in two column halves (the
+    persistent one in its flattened loop, the tile's place recomputed for the store);
+    ragged edges clipped by the descriptor; a C whose rows are not 16-byte aligned is
+    stored through pointers instead."""
+    config = LoweringConfig.from_dict({**cfg(bm=32, bn=32, group_m=2, persistent=persistent).to_dict(),
+                                       "instruction": "wgmma+tma"})
+    torch.manual_seed(3)
+    M, N, K = 72, 40, 36  # ragged in M and N (f32 strides: multiples of 4 elements, for TMA)
+    la, lb = layouts
+    a = torch.randn((batch, M, K) if la == "row" else (batch, K, M), device=device)
+    b = torch.randn((batch, K, N) if lb == "row" else (batch, N, K), device=device)
+    a, b = (a if la == "row" else a.transpose(1, 2)), (b if lb == "row" else b.transpose(1, 2))
+    if batch == 1:
+        a, b = a[0], b[0]
+    used: dict = {}
+    c = mm.matmul(a, b, cfg=config, precision="ieee", num_programs=3, record=used)
+    assert rel_err(c, reference(a, b)) < 1e-5
+    (src,) = used.values()
+    assert "c_desc.store" in src and ("flatten=True" in src) == persistent
+    # C as a view with 41-element rows (164 bytes): no descriptor, the pointer store
+    wide = torch.empty(*a.shape[:-1], N + 1, device=device)[..., :N]
+    used.clear()
+    mm.matmul(a, b, cfg=config, precision="ieee", num_programs=3, out=wide, record=used)
+    assert rel_err(wide, reference(a, b)) < 1e-5
+    (src,) = used.values()
+    assert "c_desc" not in src and "tl.store(c_ptrs" in src
+
+
 def test_fp32_with_reduced_precisions(device):
     """tf32 and bf16 rounding of fp32 operands (the interpreter computes tf32 exactly,
     so only the GPU shows tf32 error; bf16 rounding shows everywhere)."""

@@ -144,7 +144,7 @@ def test_arithmetic_intensity_and_regime():
 def test_big_square_gets_the_largest_tile_and_an_l2_group():
     c = plan(8192, 8192, 8192).config
     assert (c.block_m * c.block_n, c.num_warps, c.instruction) == (128 * 256, 8, "wgmma+tma")
-    assert c.block_k == 64 and c.split_k == 1 and not c.persistent and c.group_m > 1  # persistent: measured off
+    assert c.block_k == 64 and c.split_k == 1 and c.persistent and c.group_m > 1  # persistent + flattened: rule 8
     t = plan(8192, 8192, 8192, "tf32", "float32").config
     assert t.block_k == 32  # one 128-byte line of fp32 per row
     # tf32 with a row-major B: BLOCK_N capped at 64 (B goes through registers), one warpgroup

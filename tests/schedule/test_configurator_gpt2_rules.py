@@ -23,13 +23,24 @@ def _tile(c):
     (32768, 3072, 768, ("row", "row")),  # MLP down's input gradient
     (2048, 50304, 768, ("row", "col")),  # the LM head's logits chunk
 ])  # fmt: skip
-def test_bf16_short_k_takes_two_blocks_per_sm(M, N, K, layouts):
-    """K = 768: a 128x256x64 s4 tile's edges (C store 64 KiB + 3 ring slots of 48 KiB at
-    the SM's 32 GB/s) take 0.79 of its 8.4 us K loop: halved to 128x128x64, whose three
-    32 KiB stages leave room for a second block (the searched best on all four)."""
+def test_bf16_short_k_goes_persistent_not_two_blocks(M, N, K, layouts):
+    """K = 768 with >= 2 S tiles: the persistent flattened loop (rule 8) overlaps a tile's
+    edges with the next tile's loads, so 6c's halving to two 128x128 blocks per SM does
+    not fire: one 128x256x64 w8 s4 program per SM, C's staging half tile beside the ring
+    (measured, matmul_variants.json: 128x256x64 s3/s4 persistent 0.95-1.10x cuBLAS; the
+    128x128 tiles 5-15% behind)."""
     p = plan_matmul(M, N, K, 1, *BF16, *layouts, device="H200")
-    assert _tile(p.config) == (128, 128, 64, 8, 3, 1)
-    assert p.blocks_per_sm == 2 and "tma" in p.config.instruction
+    assert _tile(p.config) == (128, 256, 64, 8, 4, 1) and p.config.persistent
+    assert p.blocks_per_sm == 1 and "tma" in p.config.instruction
+    assert p.smem_bytes == 4 * (128 + 256) * 64 * 2 + 128 * 128 * 2
+
+
+def test_short_k_without_enough_tiles_still_takes_two_blocks():
+    """6c still fires where the persistent loop is not taken (fewer than 2 S tiles of
+    128x256): a 4096 x 2048 x 768 bf16 matmul has 128 of them."""
+    p = plan_matmul(4096, 2048, 768, 1, *BF16, "row", "col", device="H200")
+    assert not p.config.persistent
+    assert _tile(p.config)[:2] == (128, 128) and p.blocks_per_sm == 2
 
 
 @pytest.mark.parametrize("M,N,K", [(32768, 768, 3072), (32768, 768, 2304), (50304, 768, 2048)])

@@ -243,12 +243,17 @@ class TmaLayout:
     """How the TMA variant addresses A and B: ``row`` = the last dim is contiguous
     (A: K, B: N), ``col`` = the second-to-last is (the tile is loaded transposed
     and flipped in registers); ``*_batched`` = the operand has its own batch dim
-    (otherwise one matrix serves every batch)."""
+    (otherwise one matrix serves every batch). ``c``: C is stored through a
+    descriptor too (rows contiguous, 16-byte aligned; the one-pass kernel without an
+    epilogue), in two column halves (half the staging buffer in shared memory), so
+    the store is asynchronous and clipped at the edges by the copy engine."""
 
     a: str = "row"
     b: str = "row"
     a_batched: bool = False
     b_batched: bool = False
+    c: bool = False
+    c_batched: bool = False
 
 
 def matmul_source(
@@ -299,9 +304,12 @@ def matmul_source(
 
     idx = ".to(tl.int64)" if index_64 else ""
     fused = epilogue is not None and not split  # this kernel runs the epilogue
+    c_tma = tma is not None and tma.c
+    if c_tma and (fused or split):
+        raise ValueError("matmul: C through a descriptor is the one-pass kernel's store (no split, no epilogue)")
     params = ["a_desc", "b_desc"] if tma else ["a_ptr", "b_ptr"]
     if not fused:
-        params.append("c_ptr")
+        params.append("c_desc" if c_tma else "c_ptr")
     if has_bias and not split:
         params.append("bias_ptr")
     ep_ptrs, ep_strides = _epilogue_params(epilogue) if fused else ([], [])
@@ -313,11 +321,11 @@ def matmul_source(
         params.append("BATCH")
     if not tma:
         params += ["stride_am", "stride_ak", "stride_bk", "stride_bn"]
-    if not fused:
+    if not fused and not c_tma:
         params += ["stride_cm", "stride_cn"]
     if batched:
         params += [] if tma else ["stride_ab", "stride_bb"]
-        params += [] if fused else ["stride_cb"]
+        params += [] if fused or c_tma else ["stride_cb"]
     if split:
         params.append("stride_cs")
     if has_bias and not split:
@@ -327,15 +335,24 @@ def matmul_source(
         params.append("NUM_PROGS")
     params.append("EVEN: tl.constexpr")
 
-    # work item -> (batch, split, tile); the tile index is fastest
-    decode = ["tile = work % tiles"]
-    rest = "work // tiles"
-    if split:
-        decode.append(f"pid_s = ({rest}) % SPLITS")
-        rest = "work // (tiles * SPLITS)"
-    if batched:
-        decode.append(f"pid_b = {rest}")
-    decode = "\n        ".join(decode)
+    def place(work: str, p: str) -> str:
+        """Work item ``work`` -> (batch, split, tile) -> the tile's (pid_m, pid_n) under the
+        group-M swizzle, as variables prefixed ``p``; the tile index is fastest."""
+        lines = [f"{p}tile = {work} % tiles"]
+        rest = f"{work} // tiles"
+        if split:
+            lines.append(f"{p}pid_s = ({rest}) % SPLITS")
+            rest = f"{work} // (tiles * SPLITS)"
+        if batched:
+            lines.append(f"{p}pid_b = {rest}")
+        lines += [
+            f"{p}group = {p}tile // tiles_per_group",
+            f"{p}first_m = {p}group * GROUP_M",
+            f"{p}group_rows = tl.minimum(num_pid_m - {p}first_m, GROUP_M)",
+            f"{p}pid_m = {p}first_m + ({p}tile % tiles_per_group) % {p}group_rows",
+            f"{p}pid_n = ({p}tile % tiles_per_group) // {p}group_rows",
+        ]
+        return "\n        ".join(lines)
 
     a_base, b_base, c_base = "a_ptr", "b_ptr", "c_ptr"
     if batched:
@@ -380,7 +397,24 @@ def matmul_source(
             "\n        acc += bias.to(tl.float32)[None, :]"
         )
     store_ty = "tl.float32" if split else _TL_DTYPE[out_name]
-    if fused:
+    if c_tma:
+        # the tile's place again, from a second counter: in the flattened persistent loop the
+        # next tile's loads are issued before this store, and its indices need not stay live
+        again = f"work_c += NUM_PROGS\n        {place('work_c', 'c_')}\n        " if persistent else ""
+        pm, pn, pb = ("c_pid_m", "c_pid_n", "c_pid_b") if persistent else ("pid_m", "pid_n", "pid_b")
+        lead = f"{pb}, " if tma.c_batched else ""
+        halves = [(f"{pm} * BLOCK_M", f"{pn} * BLOCK_N"), (f"{pm} * BLOCK_M", f"{pn} * BLOCK_N + BLOCK_N // 2")]
+        shape = "(1, BLOCK_M, BLOCK_N // 2)" if tma.c_batched else None
+        puts = "\n        ".join(
+            f"c_desc.store([{lead}{r}, {c}], {'tl.reshape(' + h + ', ' + shape + ')' if shape else h})"
+            for (r, c), h in zip(halves, ("c_lo", "c_hi")))
+        store = f"""\
+        {again}# C through its descriptor, in two column halves
+        c = tl.permute(tl.reshape(acc.to({store_ty}), (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        c_lo, c_hi = tl.split(c)
+        {puts}
+"""
+    elif fused:
         rows = ("pid_b.to(tl.int64) * M + offs_m" if index_64 else "pid_b * M + offs_m") if batched else "offs_m"
         store = "\n".join("        " + ln for ln in _sliced_epilogue(epilogue, cfg.block_m, cfg.block_n, rows, idx)) + "\n"
     else:
@@ -394,14 +428,9 @@ def matmul_source(
 """
 
     body = f"""\
-        {decode}
         # group-M swizzle: GROUP_M rows of tiles are walked column by column so
         # the A rows and B columns they share stay resident in L2
-        group = tile // tiles_per_group
-        first_m = group * GROUP_M
-        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % tiles_per_group) % group_rows
-        pid_n = (tile % tiles_per_group) // group_rows
+        {place("work", "")}
         offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)){idx}
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)){idx}
         {k_range}{operands}
@@ -414,7 +443,12 @@ def matmul_source(
 {store}"""
     if persistent:
         total = "tiles" + (" * SPLITS" if split else "") + (" * BATCH" if batched else "")
-        loop = f"    total = {total}\n    for work in range(tl.program_id(0), total, NUM_PROGS):\n"
+        # flatten: one software pipeline over the work items and their K loops, so the ring of
+        # loads runs on into the next item while this one's epilogue stores (measured:
+        # bench/results/matmul_variants.json)
+        first = "    work_c = tl.program_id(0) - NUM_PROGS\n" if c_tma else ""
+        loop = (f"    total = {total}\n{first}"
+                "    for work in tl.range(tl.program_id(0), total, NUM_PROGS, flatten=True):\n")
     else:
         loop = "    work = tl.program_id(0)\n"
         body = textwrap.indent(textwrap.dedent(body), "    ")
@@ -876,6 +910,22 @@ def _tma_plan(cfg: LoweringConfig, a3, b3):
     return layout, descs
 
 
+def _tma_c(cfg: LoweringConfig, c3: torch.Tensor):
+    """C's descriptor (boxes of BLOCK_M x BLOCK_N / 2) when C can be stored through one:
+    rows contiguous, base and row (and batch) strides 16-byte aligned; else None (the
+    pointer store, any strides)."""
+    elt = c3.element_size()
+    strides = [c3.stride(0), c3.stride(1)] if c3.shape[0] > 1 else [c3.stride(1)]
+    if c3.stride(2) != 1 or c3.data_ptr() % 16 or any(st * elt % 16 for st in strides) or cfg.block_n // 2 * elt < 16:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    box = [cfg.block_m, cfg.block_n // 2]
+    if c3.shape[0] > 1:
+        return TensorDescriptor(c3, list(c3.shape), [*strides, 1], [1, *box])
+    return TensorDescriptor(c3[0], [c3.shape[1], c3.shape[2]], [*strides, 1], box)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -1129,6 +1179,10 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
         spans += [(batch * M + margin) * (N + margin)] + [_span(x, margin) for x in ep_inputs]
     index_64 = max(spans) > _INT32_MAX
     tma = _tma_plan(cfg, a3, b3)
+    fused = ep is not None and not split
+    c_desc = _tma_c(cfg, c3) if tma and not split and ep is None else None
+    if c_desc is not None:
+        tma = (dataclasses.replace(tma[0], c=True, c_batched=c3.shape[0] > 1), tma[1])
     kern = matmul_kernels(
         cfg, bias is not None, precision, out_name, in_name, batched, index_64, interpreting(), tma and tma[0], staged,
         ep,
@@ -1140,7 +1194,6 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     total = tiles * splits * batch
 
-    fused = ep is not None and not split
     rank = len(ep.shape) if ep is not None else 0
     ep_ptrs = [storage_view(x) for x in (*ep_inputs, *ep_outs)]
     ep_strides = [x.stride(kd) for op, x in zip(ep.operands, ep_inputs) for kd, _, _ in op.terms(rank)] if ep else []
@@ -1151,7 +1204,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
         dst, dst_strides = c3, (c3.stride(1), c3.stride(2))
     args = list(tma[1]) if tma else [a3, b3]
     if not fused:
-        args.append(dst)
+        args.append(c_desc if c_desc is not None else dst)
     if bias is not None and not split:
         args.append(bias)
     if fused:
@@ -1163,12 +1216,12 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
         args.append(batch)
     if not tma:
         args += [a3.stride(1), a3.stride(2), b3.stride(1), b3.stride(2)]
-    if not fused:
+    if not fused and c_desc is None:
         args += dst_strides
     if batched:
         if not tma:
             args += [a3.stride(0) if a3.shape[0] > 1 else 0, b3.stride(0) if b3.shape[0] > 1 else 0]
-        if not fused:
+        if not fused and c_desc is None:
             args.append(M * N if split else c3.stride(0))
     if split:
         args.append(batch * M * N)
