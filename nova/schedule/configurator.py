@@ -268,6 +268,13 @@ class _Tile:
     stage_bytes: int  # one K-step of A and B in shared memory
 
 
+# A matmul whose kernel runs a fuse-stage epilogue (``epilogue=True``) stores through
+# pointers from its registers (several outputs, their own dtypes), not through C's
+# descriptor; whether such kernels gain from the persistent loop is measured by
+# scripts/epilogue_variants.py (rule 9)
+PERSISTENT_EPILOGUES = False
+
+
 def plan_matmul(
     M: int,
     N: int,
@@ -281,6 +288,7 @@ def plan_matmul(
     b_layout: str = "row",
     has_bias: bool = False,
     device=None,
+    epilogue: bool = False,
 ) -> MatmulPlan:
     """``configure_matmul`` with its reasoning. Steps 1-9 are the sections of
     docs/configurator.md, "Matmul"."""
@@ -481,7 +489,8 @@ def plan_matmul(
     # GPT-2 124M step's shapes at batch 32): 0.95-1.10x cuBLAS at 128x256x64 w8 s3/s4,
     # 3-16% faster than the same tiles one program per tile
     tma_path = t.family == "wgmma" and dev.has_tma and a_layout != "strided" and b_layout != "strided"
-    persistent = tma_path and split == 1 and n_tiles(t) >= 2 * S and not tf32_nmajor and not stage_b
+    persistent = (tma_path and split == 1 and n_tiles(t) >= 2 * S and not tf32_nmajor and not stage_b
+                  and (PERSISTENT_EPILOGUES or not epilogue))
     if persistent:  # C's staging half tile beside the ring
         num_stages = max(2, min(num_stages, (smem_budget - t.bm * t.bn // 2 * eo) // t.stage_bytes))
 
@@ -569,6 +578,7 @@ def configure_matmul(
     b_layout: str = "row",
     has_bias: bool = False,
     device=None,
+    epilogue: bool = False,
 ) -> LoweringConfig:
     """The LoweringConfig for C[batch, M, N] = A[batch, M, K] @ B[batch, K, N] (+ bias).
 
@@ -576,7 +586,7 @@ def configure_matmul(
     tensor cores; layouts are "row" (last dim contiguous), "col" (transposed) or
     "strided"; ``device`` is a DeviceSpec or a DEVICES key (default "H200")."""
     return plan_matmul(
-        M, N, K, batch, dtype_a, dtype_b, out_dtype, precision, a_layout, b_layout, has_bias, device
+        M, N, K, batch, dtype_a, dtype_b, out_dtype, precision, a_layout, b_layout, has_bias, device, epilogue
     ).config
 
 

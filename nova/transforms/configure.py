@@ -107,7 +107,8 @@ def configure_fused(op: nv.FusedOp, device: DeviceSpec) -> LoweringConfig:
     return cf.configure_elementwise(numel(op.iteration_shape()), dt, max(1, len(streams) - 1), device)
 
 
-def _configure_matmul(op: nv.MatmulOp, lhs, rhs, device: DeviceSpec, precision: str) -> LoweringConfig:
+def _configure_matmul(op: nv.MatmulOp, lhs, rhs, device: DeviceSpec, precision: str,
+                      epilogue: bool = False) -> LoweringConfig:
     """A matmul's schedule; ``lhs`` / ``rhs`` are the values it reads (in a group:
     the group's operands, whose producers say the layout). A matmul with an
     epilogue gets the schedule it has without one: the tile, BLOCK_K and split are
@@ -121,7 +122,7 @@ def _configure_matmul(op: nv.MatmulOp, lhs, rhs, device: DeviceSpec, precision: 
     path = "bf16" if in_dt.itemsize == 2 else cf.STEP_MATMUL_PRECISION[precision]
     return cf.configure_matmul(
         a[-2], b[-1], a[-1], numel(out[:-2]), in_dt, in_dt, dt, path,
-        _layout(lhs), _layout(rhs), False, device,
+        _layout(lhs), _layout(rhs), False, device, epilogue,
     )  # fmt: skip
 
 
@@ -132,7 +133,7 @@ def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringC
     if isinstance(head, nv.MatmulOp):  # a matmul with its epilogue: the matmul's schedule
         args = list(op.body.block.args)
         lhs, rhs = (op.operands[args.index(v)] for v in head.operands)
-        return _configure_matmul(head, lhs, rhs, device, precision)
+        return _configure_matmul(head, lhs, rhs, device, precision, epilogue=True)
     if isinstance(op, nv.FusedOp):
         return configure_fused(op, device)
     dt = to_torch_dtype(elem_of(op.results[0].type)) if op.results else None

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""An experiment on the matmul epilogues of a GPT-2 step (batch 32, T 1024, bf16, few
+layers): every launch of the list timed (``step.profile()``) under variants of how
+epilogue kernels are scheduled and what joins them, each variant in its own process:
+
+  tile-grid     the configurator as shipped (PERSISTENT_EPILOGUES off)
+  persistent    epilogue kernels in the persistent flattened loop too
+  *-light       elementwise ops costing more than 4 FLOPs an element (the cost model's
+                table: GELU 8, its backward 12) kept out of epilogues
+
+    python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--out DIR]
+
+Prints, per variant, the step's measured kernel time and the matmul launches grouped
+by (result type, schedule, ops in the kernel), and whether the losses of every variant
+are bit-identical to the first's. Needs CUDA."""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light")
+
+
+def child(variant: str, layers: int, batch: int) -> dict:
+    os.environ["NOVA_STEP_CACHE"] = "0"
+    import torch
+
+    import nova
+    from nova.models import GPT, GPTConfig
+    from nova.schedule import configurator as cf, cost
+    from nova.transforms import fuse as fz
+
+    cf.PERSISTENT_EPILOGUES = variant.startswith("persistent")
+    if variant.endswith("light"):
+        real = fz._Grouping._producer
+
+        def producer(self, w, node):
+            found = real(self, w, node)
+            if found is not None and found[0].kind == "contraction" and any(
+                    cost._ELEMENTWISE_FLOPS.get(type(m), 1) > 4 for m in node.members):
+                return None
+            if found is not None and node.kind == "contraction" and any(
+                    cost._ELEMENTWISE_FLOPS.get(type(m), 1) > 4 for m in found[0].members):
+                return None
+            return found
+        fz._Grouping._producer = producer
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=layers, n_head=12, n_embd=768)
+    with torch.device("cuda"):
+        model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step = nova.compile(model, opt, precision="bf16")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [(torch.randint(0, 50304, (batch, 1024), device="cuda", generator=g),
+                torch.randint(0, 50304, (batch, 1024), device="cuda", generator=g)) for _ in range(4)]
+    losses = [step(*b).item() for b in batches]
+    m = step.profile(repeat=3)
+    rows = collections.defaultdict(lambda: [0, 0.0])
+    for k, t in zip(m.kernels, m.measured_s):
+        if k.kind in ("matmul", "fused", "elementwise"):
+            key = f"{k.kind:11s} {k.shape:32s} {k.config:36s} ops {k.ops}"
+            rows[key][0] += 1
+            rows[key][1] += t * 1e3
+    return {"variant": variant, "losses": losses, "total_ms": m.total_s * 1e3,
+            "rows": {k: v for k, v in sorted(rows.items(), key=lambda kv: -kv[1][1])}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--child")
+    opts = ap.parse_args()
+    if opts.child:
+        print("RESULT " + json.dumps(child(opts.child, opts.layers, opts.batch)))
+        return
+    results = []
+    for v in VARIANTS:
+        run = subprocess.run([sys.executable, __file__, "--child", v, "--layers", str(opts.layers),
+                              "--batch", str(opts.batch)], capture_output=True, text=True, timeout=400)
+        line = next((ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            print(f"== {v}: failed\n{run.stderr[-3000:]}")
+            continue
+        r = json.loads(line[7:])
+        results.append(r)
+        same = r["losses"] == results[0]["losses"]
+        print(f"== {v}: kernels {r['total_ms']:.2f} ms; losses {r['losses']} (bit-identical to {results[0]['variant']}: {same})")
+        for k, (n, ms) in list(r["rows"].items())[:14]:
+            print(f"   {ms:8.3f} ms {n:3d}x  {k}")
+    opts.out.mkdir(parents=True, exist_ok=True)
+    (opts.out / "epilogue_variants.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
