@@ -12,7 +12,8 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
 
 Prints, per variant, the step's measured kernel time and the matmul launches grouped
 by (result type, schedule, ops in the kernel), and whether the losses of every variant
-are bit-identical to the first's. Needs CUDA."""
+are bit-identical to the first's. Needs CUDA. The run at d5443cd (2 layers):
+bench/results/runs/epilogue_variants_d5443cd.json."""
 from __future__ import annotations
 
 import argparse
@@ -95,7 +96,8 @@ def main() -> None:
         for k, (n, ms) in list(r["rows"].items())[:14]:
             print(f"   {ms:8.3f} ms {n:3d}x  {k}")
     opts.out.mkdir(parents=True, exist_ok=True)
-    (opts.out / "epilogue_variants.json").write_text(json.dumps(results, indent=1))
+    doc = {"commit": os.environ.get("NOVA_COMMIT", "unknown"), "layers": opts.layers, "batch": opts.batch, "variants": results}
+    (opts.out / "epilogue_variants.json").write_text(json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":

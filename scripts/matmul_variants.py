@@ -9,12 +9,14 @@ tiles), over a few tile configs. Median of CUDA-event-timed launches, random dat
 
     python scripts/matmul_variants.py [--reps 30] [--out DIR]
 
-Writes matmul_variants.json to --out. Needs CUDA (Hopper: TMA)."""
+Writes matmul_variants.json to --out (the commit from NOVA_COMMIT; the run at 3f4314c is
+bench/results/runs/matmul_variants_3f4314c.json). Needs CUDA (Hopper: TMA)."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -190,6 +192,7 @@ def main() -> None:
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "matmul_variants.json").write_text(json.dumps(
         {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+         "commit": os.environ.get("NOVA_COMMIT", "unknown"),
          "rows": rows, "totals_ms": totals}, indent=1))
 
 
