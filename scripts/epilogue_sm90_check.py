@@ -75,26 +75,17 @@ def main() -> None:
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("NOVA_STEP_CACHE", "0")
 
-    from nova import pipeline
-    from nova.api import _step_dtype
+    from gpt2_h200 import compile_gpt2_h200
     from nova.backends.triton import config_of
     from nova.codegen.triton import matmul as mm
     from nova.codegen.triton.fused import epilogue_of
     from nova.ir import dialect as nv
     from nova.ir.module import step_func
     from nova.ir.types import elem_of, to_torch_dtype
-    from nova.models import GPT, gpt2_124m
     from nova.schedule.configurator import STEP_MATMUL_PRECISION
-    from nova.schedule.devices import DEVICES
     from nova.transforms.configure import _layout
 
-    torch.manual_seed(0)
-    model = GPT(gpt2_124m())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randint(0, 50304, (args.batch, 1024))
-    c = pipeline.Compilation(model, (x, x), opt, args.precision, _step_dtype())
-    c.device = DEVICES["H200"]
-    pipeline.run(c)
+    c = compile_gpt2_h200(args.batch, args.precision)
     seen: dict = {}
     for op in step_func(c.module).body.block.ops:
         if not isinstance(op, nv.FusedOp) or not isinstance(op.contraction(), nv.MatmulOp):

@@ -18,14 +18,9 @@ import time
 os.environ.setdefault("TRITON_INTERPRET", "1")  # load kernels without a GPU
 os.environ.setdefault("NOVA_STEP_CACHE", "0")
 
-import torch  # noqa: E402
-
-from nova import pipeline  # noqa: E402
-from nova.api import _step_dtype  # noqa: E402
+from gpt2_h200 import compile_gpt2_h200  # noqa: E402
 from nova.backends.triton import TritonProgram  # noqa: E402
 from nova.ir.module import step_func  # noqa: E402
-from nova.models import GPT, gpt2_124m  # noqa: E402
-from nova.schedule.devices import DEVICES  # noqa: E402
 
 
 def main() -> None:
@@ -34,13 +29,7 @@ def main() -> None:
     ap.add_argument("--precision", default="bf16")
     args = ap.parse_args()
     t0 = time.time()
-    torch.manual_seed(0)
-    model = GPT(gpt2_124m())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randint(0, 50304, (args.batch, 1024))
-    c = pipeline.Compilation(model, (x, x), opt, args.precision, _step_dtype())
-    c.device = DEVICES["H200"]
-    pipeline.run(c)
+    c = compile_gpt2_h200(args.batch, args.precision)
     prog = TritonProgram(step_func(c.module), args.precision)
     kinds: collections.Counter = collections.Counter()
     for st in prog.steps:
