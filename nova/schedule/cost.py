@@ -148,12 +148,17 @@ _ROW_FLOPS = {"sum": 1, "max": 1, "softmax": 5, "log_softmax": 5, "layernorm": 8
 _ROW_BACKWARD_FLOPS = {"softmax": 4, "log_softmax": 4, "layernorm": 12, "cross_entropy": 5}
 
 
-def elementwise_flops(op: Operation) -> int:
-    """FLOPs of one elementwise op: per result element, 0 for data movement, else
-    its ``_ELEMENTWISE_FLOPS`` entry (1 by default)."""
+def flops_per_element(op: Operation) -> int:
+    """FLOPs of one elementwise op per result element: 0 for data movement, else its
+    ``_ELEMENTWISE_FLOPS`` entry (1 by default)."""
     if isinstance(op, _NO_FLOPS) or not op.results:
         return 0
-    return numel(shape_of(op.results[0].type)) * _ELEMENTWISE_FLOPS.get(type(op), 1)
+    return _ELEMENTWISE_FLOPS.get(type(op), 1)
+
+
+def elementwise_flops(op: Operation) -> int:
+    """FLOPs of one elementwise op: ``flops_per_element`` x its result's elements."""
+    return numel(shape_of(op.results[0].type)) * flops_per_element(op) if op.results else 0
 
 
 # --------------------------------------------------------------------------- rules, one per op kind

@@ -42,10 +42,25 @@ category elementwise fuses without new code here, into loops and epilogues.
                contraction (one kernel has one accumulator). A horizontal partner
                of an epilogue op (a reader of one of the epilogue's operands, e.g.
                the remat stage's GELU recompute beside GELU's backward, both
-               reading the saved pre-activation) joins it like any group. A value
+               reading the saved pre-activation) joins it like any group, within
+               the epilogue's budget (below). A value
                of the group read outside it (the pre-activation the backward
                keeps, the matmul result itself) is one more output, stored from
                the tile.
+  budget       an epilogue's elementwise ops cost at most ``EPILOGUE_MAX_FLOPS``
+               an element together (the cost model's ``flops_per_element``: GELU
+               8, its backward 12, arithmetic 1, casts 0); a merge that would pass
+               it does not happen, and the op stays in a group of its own. The
+               epilogue runs while the tile's tensor cores idle (the tile-grid
+               kernel does not overlap it with the next tile's loads), on the
+               values of a whole tile per program: measured on the H200 (GPT-2,
+               batch 32, scripts/epilogue_variants.py, bench/results/runs/
+               epilogue_variants_d5443cd.json) GELU's backward with the remat
+               stage's GELU recompute beside it (20) took 1.07 ms at 128x128x64,
+               207 registers (scripts/epilogue_sm90_check.py: one block per SM
+               where the schedule planned two), against 0.45 ms for GELU's
+               backward alone (12; 104 registers) plus 0.16 ms for the recompute
+               in its own elementwise kernel. The forward's bias + GELU (9) stays.
   no prologue  a cast feeding a matmul operand stays its own kernel (or joins its
                producer's group). In a training step such a cast's result (a
                LayerNorm output or a weight in bf16) is read by two matmuls, the
@@ -90,6 +105,7 @@ from xdsl.passes import ModulePass
 from nova.ir import dialect as nv
 from nova.ir.module import result_slots, return_op, step_func
 from nova.ir.types import elem_of, numel, shape_of, tensor
+from nova.schedule.cost import flops_per_element
 from nova.transforms.plan_memory import UPDATED_ROLES
 
 # A recomputed scalar runs once per thread of every program of each consumer
@@ -103,6 +119,7 @@ SCALAR_CONE = 16
 # one's result is made that much earlier), which keeps the memory plan's live sets
 # as they were, while reading the shared value once.
 HORIZONTAL_WINDOW = 8
+EPILOGUE_MAX_FLOPS = 12  # an epilogue's FLOPs per element (the module docstring, "budget")
 # Outputs of one group of the scalars run last (a GPT-2 step has 148 step counters):
 # with their inputs about 130 pointer arguments, about 1 KiB of the 4 KiB of kernel
 # parameters CUDA before 12.1 allows
@@ -289,6 +306,8 @@ class _Grouping:
         head = next((m for n in heads for m in n.members if epilogue_head(m)), None)
         if head is not None and any(v.owner in inside for v in head.operands):
             return None  # the contraction would read its own epilogue
+        if heads and sum(flops_per_element(m) for m in members if fusible(m)) > EPILOGUE_MAX_FLOPS:
+            return None  # past the epilogue's budget
         for m in reversed(members):
             p = self.pos[m]
             if latest < p < earliest:

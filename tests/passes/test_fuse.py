@@ -309,11 +309,15 @@ def test_a_batched_matmul_takes_a_scale_and_a_broadcast_mask():
     assert _inner(g)[-1] == "nova.where"
 
 
-def test_a_recompute_stays_in_the_backward_and_joins_the_epilogue_beside_it():
+@pytest.mark.parametrize("budget", [fz.EPILOGUE_MAX_FLOPS, 20])
+def test_a_recompute_stays_in_the_backward_and_joins_the_epilogue_within_its_budget(budget, monkeypatch):
     """The remat stage's GELU recompute (``nova.remat``) reads the saved pre-activation
     late: it is not pulled up into the forward matmul's group (that would compute it
-    early and keep it), and it joins the backward matmul's epilogue, whose GELU
-    backward reads the same pre-activation (a horizontal partner)."""
+    early and keep it). It would join the backward matmul's epilogue, whose GELU
+    backward reads the same pre-activation (a horizontal partner), but GELU (8) and
+    its backward (12) pass the epilogue's budget (12): it stays its own op. With a
+    budget of 20 it joins."""
+    monkeypatch.setattr(fz, "EPILOGUE_MAX_FLOPS", budget)
     module, fn, b = _step(Slot("param", "x", tensor([16, 32], f32)), Slot("param", "w", tensor([32, 64], f32)),
                           Slot("param", "bias", tensor([64], f32)), Slot("param", "dy", tensor([16, 32], f32)))  # fmt: skip
     module.attributes["nova.precision"] = StringAttr("tf32")
@@ -329,8 +333,14 @@ def test_a_recompute_stays_in_the_backward_and_joins_the_epilogue_beside_it():
     forward, backward = [o for o in ops if isinstance(o, nv.FusedOp) and o.contraction() is not None]
     assert _inner(forward) == ["nova.matmul", "nova.add", "nova.gelu"]
     assert all("nova.remat" not in o.attributes for o in forward.inner_ops())
-    assert _inner(backward) == ["nova.matmul", "nova.gelu", "nova.gelu_backward"]
-    assert "nova.remat" in backward.inner_ops()[1].attributes
+    if budget >= 20:
+        assert _inner(backward) == ["nova.matmul", "nova.gelu", "nova.gelu_backward"]
+        assert "nova.remat" in backward.inner_ops()[1].attributes
+    else:
+        assert _inner(backward) == ["nova.matmul", "nova.gelu_backward"]
+        (recompute,) = [o for o in ops if isinstance(o, nv.GeluOp)]
+        assert "nova.remat" in recompute.attributes
+        assert ops.index(recompute) > ops.index(forward)
 
 
 def test_the_contraction_group_verifies_its_structure():
