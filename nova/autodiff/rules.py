@@ -495,4 +495,4 @@ def _linear_cross_entropy(b, op, cts):
     return [grads[0], grads[1], None, *grads[2:]]
 
 
-second_order(nv.LinearCrossEntropyBackwardOp)
+second_order(nv.LinearCrossEntropyBackwardOp, nv.LinearCrossEntropyWithGradOp)  # the latter: loss_grad, after autodiff

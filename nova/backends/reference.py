@@ -461,57 +461,96 @@ def _stat_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-@impl(nv.LinearCrossEntropyOp)
-def _linear_cross_entropy(op, xs):
-    h, w, target, bias, p, valid = _ce_rows(op, xs)
-    ls, n, V = p["label_smoothing"], h.shape[0], w.shape[0]
-    acc = _stat_dtype(h)
-    total = torch.zeros((), dtype=acc, device=h.device)
-    for r0 in range(0, n, p["chunk"]):
-        r1 = min(n, r0 + p["chunk"])
-        x = _wide(_chunk_logits(h, w, bias, r0, r1)).to(acc)
-        t, ok = target[r0:r1], valid[r0:r1]
-        hit = ok & _in_range(t, V)
+class _LinearCE:
+    """The fused LM head's numerics, chunk by chunk, shared by its three ops (so the
+    merged nova.linear_cross_entropy_with_grad is the other two bit for bit): a
+    chunk's logits (``logits``), its loss rows summed into ``total`` (``add_loss``)
+    and its gradients (``add_grads``), each from the same logits."""
+
+    def __init__(self, op, xs, g=None):
+        h, w, target, bias, p, valid = _ce_rows(op, xs)
+        self.h, self.w, self.target, self.bias, self.p, self.valid = h, w, target, bias, p, valid
+        self.ls, self.n, self.V = p["label_smoothing"], h.shape[0], w.shape[0]
+        self.acc = acc = _stat_dtype(h)
+        self.total = torch.zeros((), dtype=acc, device=h.device)
+        if g is None:
+            return
+        self.scale = g.to(acc) / valid.sum().clamp(min=1) if p["reduction"] == "mean" else g.to(acc)
+        self.dh = torch.empty_like(h)
+        self.dw = torch.zeros(w.shape, dtype=acc, device=w.device)
+        self.dbias = None if bias is None else torch.zeros(self.V, dtype=_stat_dtype(bias), device=bias.device)
+
+    def chunks(self):
+        for r0 in range(0, self.n, self.p["chunk"]):
+            yield r0, min(self.n, r0 + self.p["chunk"])
+
+    def logits(self, r0, r1) -> torch.Tensor:
+        return _chunk_logits(self.h, self.w, self.bias, r0, r1)
+
+    def add_loss(self, z, r0, r1) -> None:
+        x, ls, acc = _wide(z).to(self.acc), self.ls, self.acc
+        t, ok = self.target[r0:r1], self.valid[r0:r1]
+        hit = ok & _in_range(t, self.V)
         lse = torch.logsumexp(x, dim=1)
         xt = x.gather(1, torch.where(hit, t, 0).unsqueeze(1)).squeeze(1)
         row = lse - xt if not ls else (1.0 - ls) * (lse - xt) + ls * (lse - x.mean(1))
         row = torch.where(hit | ~ok, row, float("nan"))  # a bad target's row loss is NaN
-        total = total + torch.where(ok, row, torch.zeros((), dtype=acc, device=h.device)).sum()
-    if p["reduction"] == "mean":
-        total = total / valid.sum()  # a mean over no rows is 0 / 0 = NaN, as in torch
-    return [total.to(_result_dtype(op))]
+        self.total = self.total + torch.where(ok, row, torch.zeros((), dtype=acc, device=x.device)).sum()
+
+    def loss(self, dtype) -> torch.Tensor:
+        total = self.total
+        if self.p["reduction"] == "mean":
+            total = total / self.valid.sum()  # a mean over no rows is 0 / 0 = NaN, as in torch
+        return total.to(dtype)
+
+    def add_grads(self, z, r0, r1) -> None:
+        x, ls, acc = _wide(z).to(self.acc), self.ls, self.acc
+        t, ok = self.target[r0:r1], self.valid[r0:r1]
+        hit = ok & _in_range(t, self.V)
+        d = torch.softmax(x, dim=1)
+        d[hit, t[hit]] -= 1.0 - ls
+        if ls:
+            d -= ls / self.V
+        d = (d * (ok.to(acc) * self.scale).unsqueeze(1)).to(z.dtype)  # the logits' gradient, in their type
+        if self.dbias is not None:
+            self.dbias += d.to(self.dbias.dtype).sum(0)
+        dz = d.to(self.h.dtype)  # the cast back to the matmul's type (a no-op without a widening)
+        self.dh[r0:r1] = _head_matmul(dz, self.w)
+        self.dw += _head_matmul(dz.t().to(acc), self.h[r0:r1].to(acc))  # accumulated in f32 (f64), rounded once
+
+    def grads(self) -> list[torch.Tensor]:
+        outs = [self.dh, self.dw.to(self.w.dtype)]
+        if self.dbias is not None:
+            outs.append(self.dbias.to(self.bias.dtype))
+        return outs
+
+
+@impl(nv.LinearCrossEntropyOp)
+def _linear_cross_entropy(op, xs):
+    ce = _LinearCE(op, xs)
+    for r0, r1 in ce.chunks():
+        ce.add_loss(ce.logits(r0, r1), r0, r1)
+    return [ce.loss(_result_dtype(op))]
 
 
 @impl(nv.LinearCrossEntropyBackwardOp)
 def _linear_cross_entropy_bwd(op, xs):
     g, *rest = xs
-    h, w, target, bias, p, valid = _ce_rows(op, rest)
-    ls, n, V = p["label_smoothing"], h.shape[0], w.shape[0]
-    acc = _stat_dtype(h)
-    scale = g.to(acc) / valid.sum().clamp(min=1) if p["reduction"] == "mean" else g.to(acc)
-    dh = torch.empty_like(h)
-    dw = torch.zeros(w.shape, dtype=acc, device=w.device)
-    dbias = None if bias is None else torch.zeros(V, dtype=_stat_dtype(bias), device=bias.device)
-    for r0 in range(0, n, p["chunk"]):
-        r1 = min(n, r0 + p["chunk"])
-        z = _chunk_logits(h, w, bias, r0, r1)
-        x = _wide(z).to(acc)
-        t, ok = target[r0:r1], valid[r0:r1]
-        hit = ok & _in_range(t, V)
-        d = torch.softmax(x, dim=1)
-        d[hit, t[hit]] -= 1.0 - ls
-        if ls:
-            d -= ls / V
-        d = (d * (ok.to(acc) * scale).unsqueeze(1)).to(z.dtype)  # the logits' gradient, in their type
-        if dbias is not None:
-            dbias += d.to(dbias.dtype).sum(0)
-        dz = d.to(h.dtype)  # the cast back to the matmul's type (a no-op without a widening)
-        dh[r0:r1] = _head_matmul(dz, w)
-        dw += _head_matmul(dz.t().to(acc), h[r0:r1].to(acc))  # accumulated in f32 (f64), rounded once
-    outs = [dh, dw.to(w.dtype)]
-    if dbias is not None:
-        outs.append(dbias.to(bias.dtype))
-    return outs
+    ce = _LinearCE(op, rest, g)
+    for r0, r1 in ce.chunks():
+        ce.add_grads(ce.logits(r0, r1), r0, r1)
+    return ce.grads()
+
+
+@impl(nv.LinearCrossEntropyWithGradOp)
+def _linear_cross_entropy_with_grad(op, xs):
+    g, *rest = xs
+    ce = _LinearCE(op, rest, g)
+    for r0, r1 in ce.chunks():
+        z = ce.logits(r0, r1)  # once per chunk: the forward's and the backward's logits are the same values
+        ce.add_loss(z, r0, r1)
+        ce.add_grads(z, r0, r1)
+    return [ce.loss(_result_dtype(op)), *ce.grads()]
 
 
 # ----------------------------------------------------------------------------

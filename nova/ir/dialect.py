@@ -1060,7 +1060,7 @@ class AttentionBackwardOp(NovaOp):
 
 def _check_linear_ce(name: str, h: TensorType, w: TensorType, target: TensorType, bias: list[TensorType],
                      props: dict) -> Attribute:
-    """Checks the operands of linear_cross_entropy(_backward); returns the logits' element type."""
+    """Checks the operands of linear_cross_entropy(_backward, _with_grad); returns the logits' element type."""
     sh, sw = shape_of(h), shape_of(w)
     if len(sh) != 2 or len(sw) != 2 or sh[1] != sw[1]:
         raise VerifyException(f"{name}: expects h [N, D] and w [V, D], got {h}, {w}")
@@ -1083,6 +1083,19 @@ def _check_linear_ce(name: str, h: TensorType, w: TensorType, target: TensorType
     if elem_of(b) != elem_of(h) and not (elem_of(h) != f64 and elem_of(h) != f32 and elem_of(b) == f32):
         raise VerifyException(f"{name}: bias must be {elem_of(h)} (or f32 for a 16-bit head), got {b}")
     return elem_of(b)
+
+
+def _linear_ce_loss(name: str, logits: Attribute, hint: TensorType | None) -> TensorType:
+    """The loss's type: the logits' or, for 16-bit logits widened before the loss, f32."""
+    out = logits if hint is None else elem_of(hint)
+    if out != logits and not (out == f32 and logits not in (f32, f64)):
+        raise VerifyException(f"{name}: the loss must be {logits} (or f32 for 16-bit logits), got {out}")
+    return tensor([], out)
+
+
+def _check_loss_grad(name: str, g: TensorType) -> None:
+    if shape_of(g) != () or not is_float(g):
+        raise VerifyException(f"{name}: grad must be a 0-d float (the loss's cotangent), got {g}")
 
 
 _LINEAR_CE_DEFAULTS: dict = {"label_smoothing": 0.0, "chunk": 4096}
@@ -1120,10 +1133,7 @@ class LinearCrossEntropyOp(NovaOp):
     def infer(cls, in_types, props, hint):
         h, w, target, *bias = in_types
         logits = _check_linear_ce(cls.name, h, w, target, bias, cls.complete(props))
-        out = logits if hint is None else elem_of(hint)
-        if out != logits and not (out == f32 and logits not in (f32, f64)):
-            raise VerifyException(f"{cls.name}: the loss must be {logits} (or f32 for 16-bit logits), got {out}")
-        return [tensor([], out)]
+        return [_linear_ce_loss(cls.name, logits, hint)]
 
 
 @irdl_op_definition
@@ -1156,9 +1166,46 @@ class LinearCrossEntropyBackwardOp(NovaOp):
     def infer(cls, in_types, props, hint):
         g, h, w, target, *bias = in_types
         _check_linear_ce(cls.name, h, w, target, bias, cls.complete(props))
-        if shape_of(g) != () or not is_float(g):
-            raise VerifyException(f"{cls.name}: grad must be a 0-d float (the loss's cotangent), got {g}")
+        _check_loss_grad(cls.name, g)
         return [h, w, *bias]
+
+
+@irdl_op_definition
+class LinearCrossEntropyWithGradOp(NovaOp):
+    """linear_cross_entropy and its backward in one pass, for a step whose loss's
+    cotangent ``grad`` is known before the loss is computed (the autodiff seed;
+    the loss_grad stage merges the pair): results ``loss`` as
+    nova.linear_cross_entropy's and ``grad_h``, ``grad_w`` (, ``grad_bias``) as
+    nova.linear_cross_entropy_backward's, bit for bit; each chunk's logits are
+    computed once, and their gradient written over them. The loss's type is given
+    by the creator, as the forward op's."""
+
+    name = "nova.linear_cross_entropy_with_grad"
+    CATEGORY: ClassVar = "contraction"
+    grad = operand_def(TensorType)
+    h = operand_def(TensorType)
+    w = operand_def(TensorType)
+    target = operand_def(TensorType)
+    bias = opt_operand_def(TensorType)
+    ignore_index = prop_def(IntProp)
+    reduction = prop_def(StringAttr)
+    label_smoothing = prop_def(FloatProp)
+    chunk = prop_def(IntProp)
+    loss = result_def(TensorType)
+    grad_h = result_def(TensorType)
+    grad_w = result_def(TensorType)
+    grad_bias = opt_result_def(TensorType)
+    traits = traits_def(Pure())
+    PROPS: ClassVar = ("ignore_index", "reduction", "label_smoothing", "chunk")
+    PROP_DEFAULTS: ClassVar = _LINEAR_CE_DEFAULTS
+    FREE_RESULT: ClassVar = True  # the loss's type, as the forward op's
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        g, h, w, target, *bias = in_types
+        logits = _check_linear_ce(cls.name, h, w, target, bias, cls.complete(props))
+        _check_loss_grad(cls.name, g)
+        return [_linear_ce_loss(cls.name, logits, hint), h, w, *bias]
 
 
 # ----------------------------------------------------------------------------
@@ -1359,7 +1406,7 @@ NOVA_OPS: list[type[NovaOp]] = [
     SoftmaxOp, LogSoftmaxOp, SoftmaxBackwardOp, LogSoftmaxBackwardOp,
     LayerNormOp, LayerNormBackwardOp, EmbeddingOp, EmbeddingBackwardOp,
     CrossEntropyOp, CrossEntropyBackwardOp, AttentionOp, AttentionBackwardOp,
-    LinearCrossEntropyOp, LinearCrossEntropyBackwardOp,
+    LinearCrossEntropyOp, LinearCrossEntropyBackwardOp, LinearCrossEntropyWithGradOp,
     CountOutOfRangeOp, CountNonfiniteOp,
 ]  # fmt: skip
 

@@ -285,6 +285,20 @@ def lm_head_backward_cost(op, ins, outs, cfg, precision) -> Cost:
     return Cost("lm_head", nbytes, flops, _contraction_path(dtype, precision), int(launches))
 
 
+@rule(nv.LinearCrossEntropyWithGradOp)
+def lm_head_with_grad_cost(op, ins, outs, cfg, precision) -> Cost:
+    """The fused LM head's loss and gradients in one pass (the loss_grad stage's
+    merge): the backward's launches with the forward's row losses written by the
+    same row kernel (one log-sum-exp pass over the logits, not two) and its final
+    sum; no second logits matmul: 6 N V D FLOPs, the logits chunk buffer written
+    and read five times (six with a bias), w read twice per chunk."""
+    N, D, V, e, bias, chunk, n_c = _lm_head_shapes(op, True)
+    backward = lm_head_backward_cost(op, ins, outs[1:], cfg, precision)
+    nbytes = backward.bytes + 2 * N * 4 + N * 8 + _size(outs[0])  # row losses (written, summed), the count's targets, the loss
+    flops = backward.flops + 2 * N  # the loss's two extra terms per row
+    return Cost("lm_head", nbytes, flops, backward.path, backward.launches + 1)
+
+
 def _row_kind(op) -> str:
     from nova.transforms.configure import ROWWISE  # the configure stage's own table of row kinds
 

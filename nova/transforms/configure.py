@@ -142,10 +142,10 @@ def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringC
     dt = to_torch_dtype(elem_of(op.results[0].type)) if op.results else None
     if isinstance(op, nv.MatmulOp):
         return _configure_matmul(op, op.operands[0], op.operands[1], device, precision)
-    if isinstance(op, (nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp)):
+    if isinstance(op, (nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp, nv.LinearCrossEntropyWithGradOp)):
         # the fused LM head's dominant kernel: one chunk's logits h[chunk] @ w^T (w [V, D] read transposed);
         # the lowering's row kernels and its two gradient matmuls are sized at launch
-        g_in = 1 if isinstance(op, nv.LinearCrossEntropyBackwardOp) else 0
+        g_in = 0 if isinstance(op, nv.LinearCrossEntropyOp) else 1
         (n, d), (v, _) = shape_of(op.operands[g_in].type), shape_of(op.operands[g_in + 1].type)
         in_dt = to_torch_dtype(elem_of(op.operands[g_in].type))
         path = "bf16" if in_dt.itemsize == 2 else cf.STEP_MATMUL_PRECISION[precision]

@@ -64,6 +64,8 @@ def checked_ids(op: Operation) -> tuple[SSAValue, int, int | None] | None:
         return op.operands[1], shape_of(op.operands[0].type)[1], op.props()["ignore_index"]
     if isinstance(op, nv.LinearCrossEntropyOp):
         return op.operands[2], shape_of(op.operands[1].type)[0], op.props()["ignore_index"]
+    if isinstance(op, nv.LinearCrossEntropyWithGradOp):  # made after this stage (loss_grad); the same check
+        return op.operands[3], shape_of(op.operands[2].type)[0], op.props()["ignore_index"]
     return None  # the backward ops read the same ids as their forward: checked there
 
 

@@ -27,7 +27,7 @@ from nova.ir.types import elem_of
 PRECISIONS = ("fp32", "tf32", "bf16")
 # ops whose tensor operands run in bf16 under the bf16 policy (autocast's lower-precision list)
 CONTRACTIONS = (nv.MatmulOp, nv.AttentionOp, nv.AttentionBackwardOp,
-                nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp)
+                nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp, nv.LinearCrossEntropyWithGradOp)
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,6 @@ def _is_stat(op: nv.NovaOp, i: int) -> bool:
     # loss's cotangent of its backward: only h and w are the matmuls' operands
     if isinstance(op, nv.LinearCrossEntropyOp):
         return i == 3
-    if isinstance(op, nv.LinearCrossEntropyBackwardOp):
+    if isinstance(op, (nv.LinearCrossEntropyBackwardOp, nv.LinearCrossEntropyWithGradOp)):
         return i in (0, 4)
     return isinstance(op, nv.AttentionBackwardOp) and i == 5

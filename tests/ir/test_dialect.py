@@ -60,6 +60,31 @@ def test_verifier_rejects_a_wrong_result_type():
     assert mm is not None
 
 
+def test_linear_cross_entropy_with_grad_verifier():
+    """The merged LM head op checks what its two ops check, naming itself; its
+    results are the forward's loss (of the creator's type) and the backward's gradients."""
+    from xdsl.dialects.builtin import bf16
+
+    def build(h_elem=f32, g_shape=(), loss=f32, bias=None):
+        slots = [Slot("batch", "g", tensor(list(g_shape), f32)), Slot("param", "h", tensor([6, 4], h_elem)),
+                 Slot("param", "w", tensor([5, 4], h_elem)), Slot("batch", "t", tensor([6], i64))]
+        slots += [Slot("param", "b", tensor([5], bias))] if bias else []
+        _, fn = new_step(slots)
+        props = {"ignore_index": -100, "reduction": "mean", "label_smoothing": 0.0, "chunk": 4}
+        return OpBuilder(fn.body.block).create(nv.LinearCrossEntropyWithGradOp, list(fn.body.block.args), props,
+                                               tensor([], loss))
+
+    op = build(bf16, bias=f32)
+    assert [str(r.type) for r in op.results] == ["tensor<f32>", "tensor<6x4xbf16>", "tensor<5x4xbf16>", "tensor<5xf32>"]
+    op.verify_()
+    with pytest.raises(VerifyException, match="nova.linear_cross_entropy_with_grad: grad must be a 0-d float"):
+        build(g_shape=(1,))
+    with pytest.raises(VerifyException, match="nova.linear_cross_entropy_with_grad: the loss must be f32"):
+        build(loss=bf16)
+    with pytest.raises(VerifyException, match="nova.linear_cross_entropy_with_grad: bias must be"):
+        build(bias=bf16)
+
+
 def test_every_op_is_registered_and_documented():
     assert len(nv.NOVA_OPS) == len(nv.OP_BY_NAME)
     for op in nv.NOVA_OPS:

@@ -180,6 +180,36 @@ def test_lm_head_counts_its_chunks():
     assert k.bound == "compute"  # 2 N V D / 790 TFLOP/s = 0.8 ms against 2.0 GB / 4.24 TB/s = 0.5 ms
 
 
+def test_lm_head_with_grad_saves_the_second_logits_matmul():
+    """The merged loss-with-gradients op (the loss_grad stage) against the forward +
+    backward pair it replaces: one logits matmul per chunk instead of two (2 N V D
+    FLOPs fewer), the logits read by one row kernel, one launch per chunk fewer."""
+    from nova.ir.types import tensor as t
+
+    N, D, V, chunk = 8192, 768, 50304, 2048
+    slots = [Slot("batch", "h", t([N, D], bf16)), Slot("param", "w", t([V, D], bf16)), Slot("batch", "y", t([N], nv.i64)),
+             Slot("batch", "g", t([], f32))]
+    props = {"label_smoothing": 0.0, "chunk": chunk, "ignore_index": -100, "reduction": "mean"}
+    module, fn, b = _step(*slots)
+    h, w, y, g = fn.body.block.args
+    loss = b.one(nv.LinearCrossEntropyOp, [h, w, y], props, tensor([], f32))
+    dh, dw = b.create(nv.LinearCrossEntropyBackwardOp, [g, h, w, y], props).results
+    fwd, bwd = _finish(module, fn, b.add(loss, b.add(b.reduce_sum(b.cast(dh, f32), [0, 1]), b.reduce_sum(b.cast(dw, f32), [0, 1]))))[:2]
+    module, fn, b = _step(*slots)
+    h, w, y, g = fn.body.block.args
+    loss, dh, dw = b.create(nv.LinearCrossEntropyWithGradOp, [g, h, w, y], props, tensor([], f32)).results
+    (both,) = _finish(module, fn, b.add(loss, b.add(b.reduce_sum(b.cast(dh, f32), [0, 1]), b.reduce_sum(b.cast(dw, f32), [0, 1]))))[:1]
+    assert (fwd.op, bwd.op, both.op) == ("nova.linear_cross_entropy", "nova.linear_cross_entropy_backward",
+                                         "nova.linear_cross_entropy_with_grad")
+    assert both.kind == "lm_head" and both.path == "bf16"
+    assert both.flops == 6 * N * V * D + 5 * N * V + 2 * N == fwd.flops + bwd.flops - 2 * N * V * D + 2 * N - 5 * N * V
+    n_c = N // chunk
+    # the forward's h, w and logits traffic is gone; its row losses and final sum stay
+    assert both.bytes == bwd.bytes + 2 * N * 4 + N * 8 + 4
+    assert both.launches == bwd.launches + 1 == fwd.launches + bwd.launches - 2 * n_c
+    assert both.predicted_s < fwd.predicted_s + bwd.predicted_s
+
+
 def test_every_op_that_can_become_a_kernel_has_a_rule():
     missing = [c.name for c in [*nv.NOVA_OPS, nv.FusedOp] if c not in cost.RULES and c not in nv.AUTODIFF_ONLY]
     assert missing == []
