@@ -193,7 +193,8 @@ class TritonProgram:
                                        scratch=_matmul_scratch(head, precision, op)))
             else:
                 fn_lower = lw.lowering_for(op)
-                takes_precision = (nv.AttentionOp, nv.AttentionBackwardOp, nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp)
+                takes_precision = (nv.AttentionOp, nv.AttentionBackwardOp, nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp,
+                                   nv.LinearCrossEntropyWithGradOp)
                 kwargs = {"precision": precision} if isinstance(op, takes_precision) else {}
                 kernel = fn_lower(op, config_of(op), **kwargs)
                 self.steps.append(Step(op, tuple(op.operands), tuple(op.results), self._launcher(kernel), kernel,

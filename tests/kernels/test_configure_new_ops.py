@@ -22,7 +22,8 @@ H200 = DEVICES["H200"]
 
 def test_every_op_has_a_schedule_rule_and_a_lowering():
     known = (*cfg_stage.LAYOUT_OPS, *cfg_stage.ROWWISE, *cfg_stage.ELEMENTWISE, nv.MatmulOp, nv.AttentionOp,
-             nv.AttentionBackwardOp, nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp)  # fmt: skip
+             nv.AttentionBackwardOp, nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp,
+             nv.LinearCrossEntropyWithGradOp)  # fmt: skip
     backend_ops = [c for c in nv.NOVA_OPS if c not in nv.AUTODIFF_ONLY]
     assert [c.name for c in backend_ops if c not in known] == []
     missing = [c.name for c in backend_ops if c not in LOWERINGS and c is not nv.MatmulOp]  # matmul: the launcher

@@ -16,6 +16,7 @@ from test_linear_ce import D as LCE_D
 from test_linear_ce import N as LCE_N
 from test_linear_ce import V as LCE_V
 from test_linear_ce import _ops as linear_ce_ops
+from test_linear_ce import merged as linear_ce_merged
 from test_rowwise import build, rand
 
 from nova.backends.reference import IMPLS
@@ -164,7 +165,7 @@ LCE_CASES = [  # (id, head, bias, chunk): one chunk or several; an f32 bias besi
 
 
 @pytest.mark.parametrize("case", LCE_CASES, ids=[c[0] for c in LCE_CASES])
-def test_linear_cross_entropy_and_backward(device, monkeypatch, case):
+def test_linear_cross_entropy_its_backward_and_with_grad(device, monkeypatch, case):
     _, elem, bias_elem, chunk = case
     n, d, vocab = LCE_N, LCE_D, LCE_V  # the shapes test_linear_ce's ops are built with
     fwd, bwd = linear_ce_ops(elem, bias_elem, {"ignore_index": -100, "reduction": "mean", "chunk": chunk}, f32)
@@ -180,6 +181,8 @@ def test_linear_cross_entropy_and_backward(device, monkeypatch, case):
     kernel = linear_ce.lower_linear_cross_entropy_backward(bwd, None, max_block=16)
     check_outs(monkeypatch, linear_ce, kernel, [torch.tensor(1.3, device=device), *xs], exact_scratch=False)
     assert kernel.scratch_bytes >= math.prod((min(chunk, n), vocab)) * h.element_size()  # the logits buffer at least
+    kernel = linear_ce.lower_linear_cross_entropy_with_grad(linear_ce_merged(fwd), None, max_block=16)
+    check_outs(monkeypatch, linear_ce, kernel, [torch.tensor(1.3, device=device), *xs], exact_scratch=False)
 
 
 def test_wrong_outs_are_refused(device):

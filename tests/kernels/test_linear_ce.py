@@ -1,7 +1,8 @@
 """The fused LM head + loss lowering (nova/codegen/triton/linear_ce.py) against the
 reference executor's chunked implementation: forward and backward, several
 chunks with a partial last one, a row loop over the vocabulary in several column
-blocks, ignore_index, label smoothing, bias, a batch of padding, bf16."""
+blocks, ignore_index, label smoothing, bias, a batch of padding, bf16; and the
+merged loss-with-gradients lowering bit for bit against the two separate ones."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ import torch
 from xdsl.dialects.builtin import bf16, f32, i64
 
 from nova.backends.reference import IMPLS
-from nova.codegen.triton.linear_ce import lower_linear_cross_entropy, lower_linear_cross_entropy_backward
+from nova.codegen.triton.linear_ce import (
+    lower_linear_cross_entropy,
+    lower_linear_cross_entropy_backward,
+    lower_linear_cross_entropy_with_grad,
+)
 from nova.ir import dialect as nv
 from nova.ir.builder import OpBuilder
 from nova.ir.module import Slot, new_step
@@ -29,7 +34,15 @@ def _ops(elem, bias_elem, props, loss_elem):
     g, *xs = fn.body.block.args
     fwd = b.create(nv.LinearCrossEntropyOp, xs, props, tensor([], loss_elem))
     bwd = b.create(nv.LinearCrossEntropyBackwardOp, [g, *xs], props)
+    merged_ops[fwd] = b.create(nv.LinearCrossEntropyWithGradOp, [g, *xs], props, tensor([], loss_elem))
     return fwd, bwd
+
+
+merged_ops: dict = {}  # _ops's forward op -> the nova.linear_cross_entropy_with_grad of the same operands
+
+
+def merged(fwd):
+    return merged_ops[fwd]
 
 
 CASES = [  # (id, head dtype, bias dtype, props, targets)
@@ -94,3 +107,105 @@ def test_out_of_range_targets_are_masked(device):
     for name, a, b in zip(("dh", "dw", "dbias"), got, want):
         assert torch.isfinite(a).all(), name
         torch.testing.assert_close(a.cpu(), b, msg=name, rtol=1e-5, atol=1e-6)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (NaNs too)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+WITH_GRAD_CASES = [  # (id, head, bias, props, chunk): 7 rows in chunks that do not divide them
+    ("f32-mean", f32, None, {"reduction": "mean"}, 3),
+    ("f32-sum-bias-smoothing", f32, f32, {"reduction": "sum", "label_smoothing": 0.1}, 4),
+    ("f32-ignore-class3-one-chunk", f32, f32, {"reduction": "mean", "ignore_index": 3}, 16),
+    ("bf16", bf16, None, {"reduction": "mean"}, 2),
+    ("bf16-f32-bias-smoothing", bf16, f32, {"reduction": "mean", "label_smoothing": 0.2}, 3),
+    ("bf16-bf16-bias-sum", bf16, bf16, {"reduction": "sum"}, 5),
+]
+
+
+@pytest.mark.parametrize("case", WITH_GRAD_CASES, ids=[c[0] for c in WITH_GRAD_CASES])
+def test_with_grad_is_the_forward_and_backward_bit_for_bit(device, case):
+    """One pass (one logits matmul and one row kernel per chunk) gives exactly the
+    forward's loss and the backward's gradients; ignored and out-of-range targets too."""
+    _, elem, bias_elem, props, chunk = case
+    props = {"ignore_index": -100, "chunk": chunk, **props}
+    fwd, bwd = _ops(elem, bias_elem, props, f32)
+    both = merged(fwd)
+    dt = torch.bfloat16 if elem == bf16 else torch.float32
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(N, D, generator=gen).to(dt)
+    w = (torch.randn(V, D, generator=gen) * 0.5).to(dt)
+    t = torch.randint(0, V, (N,), generator=gen)
+    t[2] = props["ignore_index"]
+    t[5] = 3  # ignored where ignore_index is 3
+    bias = [torch.randn(V, generator=gen).to(torch.bfloat16 if bias_elem == bf16 else torch.float32)] if bias_elem else []
+    g = torch.tensor(1.7, device=device)
+    xs = [x.to(device) for x in (h, w, t, *bias)]
+    (loss,) = lower_linear_cross_entropy(fwd, None, max_block=16).launch(xs)
+    grads = lower_linear_cross_entropy_backward(bwd, None, max_block=16).launch([g, *xs])
+    kernel = lower_linear_cross_entropy_with_grad(both, None, max_block=16)
+    got = kernel.launch([g, *xs])
+    assert len(got) == 1 + len(grads) == 3 + len(bias)
+    for name, a, b in zip(("loss", "dh", "dw", "dbias"), got, [loss, *grads]):
+        assert same_bits(a, b), name
+    # the reference's merged op is its two ops bit for bit, too (the same chunk code)
+    cpu = [x.cpu() for x in xs]
+    want = IMPLS[nv.LinearCrossEntropyOp](fwd, cpu) + IMPLS[nv.LinearCrossEntropyBackwardOp](bwd, [g.cpu(), *cpu])
+    for name, a, b in zip(("loss", "dh", "dw", "dbias"), IMPLS[nv.LinearCrossEntropyWithGradOp](both, [g.cpu(), *cpu]), want):
+        assert same_bits(a, b), name
+    # the row losses beside the backward's scratch
+    assert kernel.arena_scratch_bytes > lower_linear_cross_entropy_backward(bwd, None, max_block=16).arena_scratch_bytes
+
+
+def test_with_grad_with_out_of_range_targets(device):
+    """Bad targets: the loss NaN, the gradients the plain softmax, as the separate lowerings."""
+    props = {"ignore_index": -100, "reduction": "mean", "chunk": 3}
+    fwd, bwd = _ops(f32, f32, props, f32)
+    gen = torch.Generator().manual_seed(2)
+    h, w, bias = torch.randn(N, D, generator=gen), torch.randn(V, D, generator=gen), torch.randn(V, generator=gen)
+    t = torch.randint(0, V, (N,), generator=gen)
+    t[[1, 4]] = torch.tensor([V, -(2**40)])
+    g = torch.tensor(0.9, device=device)
+    xs = [x.to(device) for x in (h, w, t, bias)]
+    want = lower_linear_cross_entropy(fwd, None, max_block=16).launch(xs)
+    want += lower_linear_cross_entropy_backward(bwd, None, max_block=16).launch([g, *xs])
+    got = lower_linear_cross_entropy_with_grad(merged(fwd), None, max_block=16).launch([g, *xs])
+    assert torch.isnan(got[0]).item()
+    for name, a, b in zip(("loss", "dh", "dw", "dbias"), got, want):
+        assert same_bits(a, b), name
+
+
+def test_with_grad_runs_one_logits_matmul_and_one_row_kernel_per_chunk(device, monkeypatch):
+    """The point of the merged op: per chunk one h @ w^T and one row kernel (the
+    forward and the backward each run both per chunk)."""
+    from nova.codegen.triton import linear_ce
+
+    props = {"ignore_index": -100, "reduction": "mean", "chunk": 3}
+    fwd, bwd = _ops(f32, None, props, f32)
+    matmuls, rows = [], []
+    real_matmul, real_load = linear_ce.mm.matmul, linear_ce.load_kernel
+
+    class Counted:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            rows.append(self.name)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(linear_ce.mm, "matmul", lambda a, b, *r, **kw: matmuls.append(tuple(b.shape)) or real_matmul(a, b, *r, **kw))
+    monkeypatch.setattr(linear_ce, "load_kernel", lambda src, n: (Counted(n, real_load(src, n)[0]), *real_load(src, n)[1:]))
+    gen = torch.Generator().manual_seed(3)
+    xs = [x.to(device) for x in (torch.randn(N, D, generator=gen), torch.randn(V, D, generator=gen),
+                                 torch.randint(0, V, (N,), generator=gen))]  # fmt: skip
+    lower_linear_cross_entropy_with_grad(merged(fwd), None, max_block=16).launch([torch.tensor(1.0, device=device), *xs])
+    chunks = 3  # 7 rows in chunks of 3
+    assert matmuls.count((D, V)) == chunks  # the logits: h[chunk] @ w^T
+    assert matmuls.count((V, D)) == chunks  # dh = d @ w
+    assert rows.count("lce_rows_with_grad") == chunks and not {"lce_rows", "lce_rows_backward"} & set(rows)
+    assert rows.count("lce_scale") == rows.count("lce_final") == 1

@@ -81,14 +81,15 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
     """
     tt = "tl.where(inb, t, 0)"
     loss = "lse - xt" if not ls else f"{1.0 - ls!r} * (lse - xt) + {ls!r} * (lse - sx * {1.0 / V!r})"
-    fwd = _code(lse, f"""
+    row_loss = f"""
         xt = {_logit("z_row", tt, "valid & inb", "0.0", has_bias, logit_ty)}
         loss = tl.where(valid, {loss}, 0.0)
         loss = tl.where(valid & ((t < 0) | (t >= {V})), float("nan"), loss)
         tl.store(loss_ptr + row, loss)
-    """)
+    """
+    fwd = _code(lse, row_loss)
     hit, miss = (1.0, 0.0) if not ls else (1.0 - ls + ls / V, ls / V)
-    bwd = _code(lse, f"""
+    row_grad = f"""
         wrow = tl.where(valid, 1.0, 0.0) * tl.load(scale_ptr)
         for c0 in range(0, {V}, BLOCK):
             c = c0 + cols
@@ -96,7 +97,10 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
             d = ((tl.exp(x - lse) - tl.where(c == t, {hit!r}, {miss!r})) * wrow).to({logit_ty})
             tl.store(z_row + c, d.to({z_ty}), mask=c < {V})
             {"tl.store(db_ptr + row * " + str(V) + " + c, d, mask=c < " + str(V) + ")" if separate_d else "pass"}
-    """)
+    """
+    bwd = _code(lse, row_grad)
+    # the row's loss, then its gradient over the logits it has read (one log-sum-exp pass, not two)
+    both = _code(lse, row_loss, row_grad)
     final = _code(_count_source(ignore), f"""
         total = tl.zeros(({_FINAL_BLOCK},), tl.float32)
         for r0 in range(0, n_rows, {_FINAL_BLOCK}):
@@ -128,6 +132,8 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
     return (header
             + _kernel("lce_rows", ["z_ptr", "t_ptr", *bias_p, "loss_ptr"], fwd)
             + _kernel("lce_rows_backward", ["z_ptr", "t_ptr", *bias_p, "scale_ptr", *(["db_ptr"] if separate_d else [])], bwd)
+            + _kernel("lce_rows_with_grad", ["z_ptr", "t_ptr", *bias_p, "loss_ptr", "scale_ptr",
+                                             *(["db_ptr"] if separate_d else [])], both)
             + _kernel("lce_final", ["t_ptr", "loss_ptr", "out_ptr", "n_rows", "st", "MEAN: tl.constexpr"], final)
             + _kernel("lce_scale", ["g_ptr", "t_ptr", "scale_ptr", "n_rows", "st", "MEAN: tl.constexpr"], scale)
             + _kernel("lce_colsum", ["d_ptr", "acc_ptr", "n_rows"], colsum)
@@ -145,10 +151,6 @@ def _count_source(ignore: int) -> str:
             count += (t != {ignore}).to(tl.float32)
         count = tl.sum(count, axis=0)
     """
-
-
-def _dtype_ty(t) -> str:
-    return _TL[to_torch_dtype(elem_of(t))]
 
 
 _LAYOUTS = ("row", "col", "strided")  # mm.layout's answers
@@ -170,13 +172,19 @@ def _matmul_scratch(M: int, N: int, K: int, dtype, out_dtype, precision: str, cf
     return worst
 
 
-def _held(N, D, V, chunk, head, bias_dtype, separate_d: bool, backward: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """The buffers ``forward`` / ``backward_`` below take from their ``Scratch``, in
-    the order they take them (the arena rule plans exactly these)."""
+FORWARD, BACKWARD, WITH_GRAD = "forward", "backward", "with_grad"  # the three ops' lowerings
+_KIND = {nv.LinearCrossEntropyOp: FORWARD, nv.LinearCrossEntropyBackwardOp: BACKWARD,
+         nv.LinearCrossEntropyWithGradOp: WITH_GRAD}
+
+
+def _held(N, D, V, chunk, head, bias_dtype, separate_d: bool, kind: str) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The buffers ``forward`` / ``backward_`` / ``with_grad`` below take from their
+    ``Scratch``, in the order they take them (the arena rule plans exactly these)."""
     f32 = torch.float32
-    if not backward:
+    if kind == FORWARD:
         return [((N,), f32), ((chunk, V), head)]  # the row losses, the one logits buffer
-    parts = [((1,), f32)]  # the scale
+    parts = [((N,), f32)] if kind == WITH_GRAD else []  # the row losses
+    parts.append(((1,), f32))  # the scale
     if head != f32:
         parts.append(((V, D), f32))  # a 16-bit dw's accumulator
     if N > chunk:
@@ -189,20 +197,23 @@ def _held(N, D, V, chunk, head, bias_dtype, separate_d: bool, backward: bool) ->
     return parts
 
 
-def _scratch(N, D, V, chunk, head, bias_dtype, separate_d: bool, backward: bool, prec: str, cfg) -> int:
-    """Kernel.scratch_bytes: what ``forward`` / ``backward_`` below take (``_held``),
-    plus the largest matmul's own scratch (the matmuls run one at a time)."""
+def _scratch(N, D, V, chunk, head, bias_dtype, separate_d: bool, kind: str, prec: str, cfg) -> int:
+    """Kernel.scratch_bytes: what the launch takes (``_held``), plus the largest
+    matmul's own scratch (the matmuls run one at a time)."""
     rows = {chunk, N % chunk or chunk}  # a full chunk and the last one
     f32 = torch.float32
     mms = [_matmul_scratch(r, V, D, head, head, prec, cfg, _LAYOUTS, _LAYOUTS) for r in rows]  # the logits
-    if backward:
+    if kind != FORWARD:
         mms += [_matmul_scratch(r, D, V, head, head, prec, None, ("row",), _LAYOUTS) for r in rows]  # dh = d @ w
         mms += [_matmul_scratch(V, D, r, head, f32, prec, None, ("col",), _LAYOUTS) for r in rows]  # d^T @ h
-    return Scratch.size(*_held(N, D, V, chunk, head, bias_dtype, separate_d, backward)) + max(mms)
+    return Scratch.size(*_held(N, D, V, chunk, head, bias_dtype, separate_d, kind)) + max(mms)
 
 
-def _shapes(op, backward: bool):
-    g_in = 1 if backward else 0
+def _shapes(op):
+    """(N, D, V, chunk, head dtype, bias dtype, separate_d, kind) of a lowering: the
+    fields ``_held`` takes, then its kind."""
+    kind = _KIND[type(op)]
+    g_in = 0 if kind == FORWARD else 1
     h_t, w_t = op.operands[g_in].type, op.operands[g_in + 1].type
     has_bias = len(op.operands) == g_in + 4
     (N, D), (V, _) = shape_of(h_t), shape_of(w_t)
@@ -210,41 +221,29 @@ def _shapes(op, backward: bool):
     logit_t = op.operands[g_in + 3].type if has_bias else h_t
     bias_dtype = to_torch_dtype(elem_of(logit_t)) if has_bias else None
     chunk = min(op.props()["chunk"], max(N, 1))
-    return N, D, V, chunk, head, bias_dtype, has_bias and bias_dtype != head
+    return N, D, V, chunk, head, bias_dtype, has_bias and bias_dtype != head, kind
 
 
-@arena_scratch(nv.LinearCrossEntropyOp)
-def _arena_forward(op) -> int:
-    return Scratch.size(*_held(*_shapes(op, False), False))
+@arena_scratch(nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp, nv.LinearCrossEntropyWithGradOp)
+def _arena(op) -> int:
+    return Scratch.size(*_held(*_shapes(op)))
 
 
-@arena_scratch(nv.LinearCrossEntropyBackwardOp)
-def _arena_backward(op) -> int:
-    return Scratch.size(*_held(*_shapes(op, True), True))
-
-
-def _dtype_ty(t) -> str:
-    return _TL[to_torch_dtype(elem_of(t))]
-
-
-def _lower(op, cfg: LoweringConfig | None, precision: str, backward: bool, max_block: int) -> Kernel:
-    g_in = 1 if backward else 0
-    h_t, w_t = op.operands[g_in].type, op.operands[g_in + 1].type
-    has_bias = len(op.operands) == g_in + 4
-    (N, D), (V, _) = shape_of(h_t), shape_of(w_t)
-    head = to_torch_dtype(elem_of(h_t))
+def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Kernel:
+    N, D, V, chunk, head, bias_dtype, separate_d, kind = _shapes(op)
+    g_in = 0 if kind == FORWARD else 1
+    has_bias = bias_dtype is not None
     if head == torch.float64:
         raise NotImplementedError(f"{op.name}: the Triton lowering takes f32, bf16 or f16 heads (the matmul template's types)")
-    logit_t = op.operands[g_in + 3].type if has_bias else h_t
-    bias_dtype = to_torch_dtype(elem_of(logit_t)) if has_bias else None
-    separate_d = has_bias and bias_dtype != head  # d in the bias's type needs its own buffer
+    logit_ty = _TL[bias_dtype] if has_bias else _TL[head]
     p = op.props()
-    ignore, ls, chunk, mean = p["ignore_index"], float(p["label_smoothing"]), min(p["chunk"], max(N, 1)), p["reduction"] == "mean"
+    ignore, ls, mean = p["ignore_index"], float(p["label_smoothing"]), p["reduction"] == "mean"
     block = min(max_block, next_pow2(V))
-    src = linear_ce_source(V, ignore, ls, has_bias, _dtype_ty(logit_t), _TL[head], block)
-    k = {n: load_kernel(src, n)[0] for n in ("lce_rows", "lce_rows_backward", "lce_final", "lce_scale", "lce_colsum", "lce_add")}
+    src = linear_ce_source(V, ignore, ls, has_bias, logit_ty, _TL[head], block)
+    k = {n: load_kernel(src, n)[0] for n in ("lce_rows", "lce_rows_backward", "lce_rows_with_grad", "lce_final",
+                                             "lce_scale", "lce_colsum", "lce_add")}  # fmt: skip
     prec = STEP_MATMUL_PRECISION[precision]
-    name = f"nova_linear_cross_entropy{'_backward' if backward else ''}_{N}x{D}x{V}_chunk{chunk}"
+    name = f"nova_linear_cross_entropy{'' if kind == FORWARD else '_' + kind}_{N}x{D}x{V}_chunk{chunk}"
     warps = 4 if block <= 1024 else 8
     specs = result_specs(op)
     used: dict[str, str] = {}
@@ -274,11 +273,13 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, backward: bool, max_b
         """``out`` itself when it is f32, else an f32 buffer copied into it at the end."""
         return out if out.dtype == f32 else sc.take(tuple(out.shape), f32)
 
-    def backward_(inputs, outs, sc: Scratch):
-        # takes from ``sc`` in ``_held``'s order: scale, dw accumulator, partial, buffers, db accumulator
+    def gradients(inputs, outs, sc: Scratch, rows: torch.Tensor | None):
+        """The backward, and with ``rows`` (the row losses' buffer) the forward's row losses
+        from the same logits: ``rows`` is None for nova.linear_cross_entropy_backward.
+        Takes from ``sc`` in ``_held``'s order after the row losses: scale, dw
+        accumulator, partial, buffers, db accumulator."""
         g, h, w, t, *b = inputs
-        dev = h.device
-        dh, dw, *db = results(name, specs, outs, dev)
+        dh, dw, *db = outs
         scale = sc.take((1,), f32)
         k["lce_scale"][(1,)](g, t, scale, N, t.stride(0), MEAN=mean, num_warps=4)
         dw_acc = accumulator(dw, sc)
@@ -288,7 +289,11 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, backward: bool, max_b
         db_acc = accumulator(db[0], sc).zero_() if b else None
         for r0, r1 in chunks():
             z = logits(h, w, r0, r1, buf)
-            k["lce_rows_backward"][(r1 - r0,)](z, t[r0:r1], *b, scale, *([dbuf] if separate_d else []), num_warps=warps)
+            db_arg = [dbuf] if separate_d else []
+            if rows is None:
+                k["lce_rows_backward"][(r1 - r0,)](z, t[r0:r1], *b, scale, *db_arg, num_warps=warps)
+            else:  # the row's loss and its logits' gradient d over them: one log-sum-exp
+                k["lce_rows_with_grad"][(r1 - r0,)](z, t[r0:r1], *b, rows[r0:], scale, *db_arg, num_warps=warps)
             if b:
                 k["lce_colsum"][(triton_cdiv(V, _COL_BLOCK),)](dbuf if separate_d else z, db_acc, r1 - r0, num_warps=4)
             mm.matmul(z, w, cfg=None, precision=prec, out=dh[r0:r1], record=used)
@@ -303,7 +308,18 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, backward: bool, max_b
             db[0].copy_(db_acc)
         return [dh, dw, *db]
 
-    run = backward_ if backward else forward
+    def backward_(inputs, outs, sc: Scratch):
+        return gradients(inputs, results(name, specs, outs, inputs[0].device), sc, None)
+
+    def with_grad(inputs, outs, sc: Scratch):
+        t = inputs[3]
+        loss, *grads = results(name, specs, outs, inputs[0].device)
+        rows = sc.take((N,), f32)
+        grads = gradients(inputs, grads, sc, rows)
+        k["lce_final"][(1,)](t, rows, loss, N, t.stride(0), MEAN=mean, num_warps=4)  # rounds to the loss's type
+        return [loss, *grads]
+
+    run = {FORWARD: forward, BACKWARD: backward_, WITH_GRAD: with_grad}[kind]
 
     def launch(inputs, outs=None, scratch=None):
         _check_inputs(name, op, inputs)
@@ -314,8 +330,8 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, backward: bool, max_b
     # the row kernels read the target and the bias with unit stride (the backend copies other layouts
     # first, and says so); h and w go to the matmul template, which reads any strides
     contiguous = tuple(range(g_in + 2, len(op.operands)))
-    scratch = _scratch(N, D, V, chunk, head, bias_dtype, separate_d, backward, prec, cfg) if N else 0
-    held = Scratch.size(*_held(N, D, V, chunk, head, bias_dtype, separate_d, backward)) if N else 0
+    scratch = _scratch(N, D, V, chunk, head, bias_dtype, separate_d, kind, prec, cfg) if N else 0
+    held = Scratch.size(*_held(N, D, V, chunk, head, bias_dtype, separate_d, kind)) if N else 0
     return Kernel(name, src, launch, needs_contiguous=contiguous, config=cfg, extra={"chunk": chunk, "matmul_sources": used},
                   scratch_bytes=scratch, arena_scratch_bytes=held)
 
@@ -328,10 +344,20 @@ def triton_cdiv(a: int, b: int) -> int:
 def lower_linear_cross_entropy(op, cfg: LoweringConfig | None = None, *, precision: str = "fp32",
                                max_block: int = LOOP_BLOCK, **_) -> Kernel:
     """``max_block``: columns per step of the row loop (tests use small ones to loop over a small V)."""
-    return _lower(op, cfg, precision, backward=False, max_block=max_block)
+    return _lower(op, cfg, precision, max_block)
 
 
 @lowers(nv.LinearCrossEntropyBackwardOp)
 def lower_linear_cross_entropy_backward(op, cfg: LoweringConfig | None = None, *, precision: str = "fp32",
                                         max_block: int = LOOP_BLOCK, **_) -> Kernel:
-    return _lower(op, cfg, precision, backward=True, max_block=max_block)
+    return _lower(op, cfg, precision, max_block)
+
+
+@lowers(nv.LinearCrossEntropyWithGradOp)
+def lower_linear_cross_entropy_with_grad(op, cfg: LoweringConfig | None = None, *, precision: str = "fp32",
+                                         max_block: int = LOOP_BLOCK, **_) -> Kernel:
+    """The loss and the gradients in one pass over the chunks: per chunk one logits
+    matmul and one row kernel (``lce_rows_with_grad``: the row's loss and d over the
+    logits), then the bias column sum, dh and dw as the backward's; the loss's final
+    sum last. Every result is bit for bit the forward's or the backward's lowering's."""
+    return _lower(op, cfg, precision, max_block)
