@@ -19,7 +19,8 @@ shapes, strides and storage offsets the step gives ``nova.codegen.triton.matmul`
 * the fused LM head (``nova.linear_cross_entropy[_backward]``, ``linear_ce.py``):
   per chunk of ``chunk`` token rows, the logits h[r0:r1] @ w^T (forward, and again in
   the backward) with the op's config, then dh[r0:r1] = d @ w and dw (+)= d^T @ h[r0:r1]
-  (fp32 output), which the launcher configures from the operands' strides.
+  (fp32 output; after the first chunk the add is the launch's epilogue), which the
+  launcher configures from the operands' strides.
 
 Equal launches are counted (``count`` per step). ``python bench/step_matmuls.py``
 regenerates ``bench/gpt2_matmul_shapes.json`` (GPT-2 124M, AdamW, batch 8 and 32,
@@ -177,13 +178,13 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
             name = op.name
             buf = torch.empty((chunk, V), dtype=head, device="meta")
             dh = torch.empty((N, D), dtype=head, device="meta")
-            acc = torch.empty((V, D), dtype=torch.float32, device="meta")  # dw's f32 accumulator (or partial)
+            acc = torch.empty((V, D), dtype=torch.float32, device="meta")  # dw's f32 accumulator
 
-            def at_launch(src, a, b, o, extra):
+            def at_launch(src, a, b, o, extra, epilogue=False):
                 # matmul(cfg=None): the launcher's configure call from the operands' strides
                 args = configure_args(a.shape[-2], b.shape[-1], a.shape[-1], 1, _dname(a.dtype), _dname(o.dtype),
                                       path_of(a.dtype), mm.layout(a), mm.layout(b))  # fmt: skip
-                return _launch(src, a, b, o.dtype, False, prec, configured(args, spec), args, extra)
+                return _launch(src, a, b, o.dtype, False, prec, configured(args, spec), args, extra, epilogue)
 
             for r0 in range(0, N, chunk):
                 r1 = min(N, r0 + chunk)
@@ -192,7 +193,7 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
                 out.append(_launch(f"{name}:logits", h[r0:r1], w.t(), head, False, prec, cfg, op_args, extra))
                 if backward:
                     out.append(at_launch(f"{name}:dh", z, w, dh[r0:r1], extra))
-                    out.append(at_launch(f"{name}:dw", z.t(), h[r0:r1], acc, extra))
+                    out.append(at_launch(f"{name}:dw", z.t(), h[r0:r1], acc, extra, epilogue=r0 > 0))  # acc += in it
     return out
 
 

@@ -264,23 +264,23 @@ def lm_head_cost(op, ins, outs, cfg, precision) -> Cost:
 def lm_head_backward_cost(op, ins, outs, cfg, precision) -> Cost:
     """The fused LM head's backward, chunk by chunk: the logits again (h[chunk] @
     w^T), the row kernel writing the logits' gradient d over them in place, dh =
-    d @ w and dw += d^T h[chunk] (f32, through a partial added in after the first
-    chunk), the bias gradient's column sum when there is a bias: 6 N V D FLOPs;
-    d is written and read five times (matmul out, row kernel in/out, both gradient
-    matmuls in), w twice per chunk, h twice; launches: the scale, 4 per chunk (5
-    with a bias), an add per chunk after the first, the rounding copy of a 16-bit dw."""
+    d @ w and dw += d^T h[chunk] (f32; after the first chunk the old value read and
+    written again by the matmul's epilogue), the bias gradient's column sum when
+    there is a bias: 6 N V D FLOPs; d is written and read five times (matmul out,
+    row kernel in/out, both gradient matmuls in), w twice per chunk, h twice;
+    launches: the scale, 4 per chunk (5 with a bias), the rounding copy of a 16-bit dw."""
     N, D, V, e, bias, chunk, n_c = _lm_head_shapes(op, True)
     has_bias = bias is not None
     z_passes = 5 + (1 if has_bias else 0)
     nbytes = (2 * N * D * e + 2 * n_c * V * D * e  # h and w: logits and gradient matmuls
               + z_passes * N * V * e  # the logits chunk buffer
               + N * D * e  # dh
-              + n_c * V * D * 4 + max(0, n_c - 1) * 3 * V * D * 4  # dw: each chunk's f32 product, the adds
+              + V * D * 4 + max(0, n_c - 1) * 2 * V * D * 4  # dw: written, then read and written per chunk
               + (V * D * (4 + e) if e != 4 else 0)  # the rounding copy of a 16-bit dw
               + (2 * n_c * V * 4 if has_bias else 0)  # the bias gradient's f32 accumulator
               + 2 * N * 8 + 16)  # targets (scale kernel and row kernel), the scale
     flops = 6 * N * V * D + _ROW_BACKWARD_FLOPS["cross_entropy"] * N * V
-    launches = 1 + n_c * (4 + has_bias) + max(0, n_c - 1) + (e != 4) + (has_bias and e != 4)
+    launches = 1 + n_c * (4 + has_bias) + (e != 4) + (has_bias and e != 4)
     dtype = to_torch_dtype(elem_of(op.operands[1].type))
     return Cost("lm_head", nbytes, flops, _contraction_path(dtype, precision), int(launches))
 

@@ -209,3 +209,27 @@ def test_with_grad_runs_one_logits_matmul_and_one_row_kernel_per_chunk(device, m
     assert matmuls.count((V, D)) == chunks  # dh = d @ w
     assert rows.count("lce_rows_with_grad") == chunks and not {"lce_rows", "lce_rows_backward"} & set(rows)
     assert rows.count("lce_scale") == rows.count("lce_final") == 1
+
+
+@pytest.mark.parametrize("split_k", [1, 2], ids=["one-pass", "split-k"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_dw_accumulates_in_the_matmul_epilogue_bit_for_bit(device, dtype, split_k):
+    """dw += d^T @ h[chunk] as the matmul's epilogue over the old accumulator (in place)
+    is the matmul's f32 product added to it afterwards, bit for bit: ragged tiles, d^T
+    read column-major as the lowering reads it, one-pass and split-K."""
+    from nova.codegen.triton import matmul as mm
+    from nova.codegen.triton.linear_ce import accumulate
+    from nova.schedule.config import LoweringConfig
+
+    cfg = LoweringConfig(kind="matmul", block_m=16, block_n=16, block_k=16, group_m=1, split_k=split_k,
+                         persistent=False, num_warps=4, num_stages=2, instruction="mma")  # fmt: skip
+    gen = torch.Generator().manual_seed(7)
+    rows, vocab, width = 40, 37, 20  # K = 40 rows of a chunk, M = V, N = D: no dim a multiple of the tile
+    d = torch.randn(rows, vocab, generator=gen).to(dtype).to(device)
+    h = torch.randn(rows, width, generator=gen).to(dtype).to(device)
+    acc = torch.randn(vocab, width, generator=gen).to(device)
+    part = mm.matmul(d.t(), h, cfg=cfg, out_dtype=torch.float32)
+    want = acc + part
+    (got,) = mm.matmul_epilogue(d.t(), h, accumulate(vocab, width), [acc], torch.float32, cfg=cfg, outs=[acc])
+    assert got is acc
+    assert same_bits(acc, want)
