@@ -16,9 +16,10 @@ shapes, strides and storage offsets the step gives ``nova.codegen.triton.matmul`
   and the arguments it called ``configure_matmul`` with (its layouts:
   ``configure._layout``, the view chain above the operand replayed, so they equal
   the strides' ``layouts``);
-* the fused LM head (``nova.linear_cross_entropy[_backward]``, ``linear_ce.py``):
+* the fused LM head (``nova.linear_cross_entropy[_backward|_with_grad]``, ``linear_ce.py``):
   per chunk of ``chunk`` token rows, the logits h[r0:r1] @ w^T (forward, and again in
-  the backward) with the op's config, then dh[r0:r1] = d @ w and dw (+)= d^T @ h[r0:r1]
+  the backward; once in the merged op) with the op's config, then (backward and
+  merged op) dh[r0:r1] = d @ w and dw (+)= d^T @ h[r0:r1]
   (fp32 output; after the first chunk the add is the launch's epilogue), which the
   launcher configures from the operands' strides.
 
@@ -163,8 +164,8 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
             )  # fmt: skip
             out.append(_launch("nova.matmul", a, b, out_dt, False, prec, config_of(group or op), args,
                                epilogue=group is not None))  # fmt: skip
-        elif isinstance(op, (nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp)):
-            backward = isinstance(op, nv.LinearCrossEntropyBackwardOp)
+        elif isinstance(op, (nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp, nv.LinearCrossEntropyWithGradOp)):
+            backward = not isinstance(op, nv.LinearCrossEntropyOp)  # the gradients' matmuls
             g_in = 1 if backward else 0
             h, w = env[op.operands[g_in]], env[op.operands[g_in + 1]]
             N, D = h.shape

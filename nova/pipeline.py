@@ -22,6 +22,9 @@ stage), and the IR after each stage is kept as text for ``explain()``.
               casts or of reshapes becomes a cast or reshape of a cat (fewer bytes)
   simplify    cast canonicalization (casts above layout ops, exact round trips
               dropped), CSE and DCE
+  loss_grad   the fused LM head's forward and backward as one op computing the loss
+              and its gradients chunk by chunk (the loss's cotangent, the seed, is
+              known before the loss): one logits matmul per chunk instead of two
   remat       recompute cheap elementwise values in the backward instead of keeping
               them from the forward; with memory_budget, more until the plan fits
   fuse        elementwise ops grouped into nova.fused ops (one kernel each):
@@ -133,6 +136,12 @@ def _simplify(c: Compilation) -> None:
     Simplify().apply(context(), c.module)
 
 
+def _loss_grad(c: Compilation) -> None:
+    from nova.transforms.loss_grad import loss_grad
+
+    loss_grad(c.module)
+
+
 def _remat(c: Compilation) -> None:
     from nova.transforms.remat import remat
 
@@ -184,6 +193,7 @@ STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
     ("precision", _precision),
     ("concat", _concat),
     ("simplify", _simplify),
+    ("loss_grad", _loss_grad),
     ("remat", _remat),
     ("fuse", _fuse),
     ("configure", _configure),

@@ -64,7 +64,7 @@ def test_summary_of_a_small_gpt_step(gpt):
     listed = re.findall(r"^//\s+(\d+)  (\S+) ", text, re.MULTILINE)
     assert [int(i) for i, _ in listed] == [k.index for k in top]
     assert [name for _, name in listed] == [k.op.removeprefix("nova.") for k in top]
-    assert "linear_cross_entropy_backward" in listed[0][1]  # the LM head's backward: the most work
+    assert "linear_cross_entropy_with_grad" in listed[0][1]  # the LM head's loss and gradients: the most work
     assert re.search(r"// kernels on NVIDIA H200: \d+ \(\d+ launches\), .* predicted [\d.]+ (us|ms) a step", text)
     assert "// fusion groups: " in text and "// memory plan:" in text and "// predicted peak " in text
     assert "measured: not yet" in text and "site-packages" not in text

@@ -35,7 +35,7 @@ def test_explain_with_triton_lists_the_kernels(capsys):
     out = capsys.readouterr().out
     assert "// the 3 most expensive kernels (predicted):" in out
     rows = re.findall(r"^//\s+\d+  (\w+) .* (memory|compute|launch) +[\d.]+ (?:us|ms)  ", out, re.MULTILINE)
-    assert len(rows) == 3 and rows[0][0] == "linear_cross_entropy_backward"
+    assert len(rows) == 3 and rows[0][0] == "linear_cross_entropy_with_grad"
     assert re.search(r"// kernels on NVIDIA H200: \d+ \(\d+ launches\)", out)
 
 

@@ -31,7 +31,7 @@ def test_gpt_step_ir_round_trips():
         module.verify()
         assert print_module(module).strip() == ir.strip()
     final = c.stages["plan_memory"]
-    for op in ["nova.softmax_backward", "nova.layer_norm_backward", "nova.linear_cross_entropy_backward",
+    for op in ["nova.softmax_backward", "nova.layer_norm_backward", "nova.linear_cross_entropy_with_grad",
                "nova.embedding_backward", "nova.gelu_backward", "nova.dropout_mask", "bf16"]:  # fmt: skip
         assert op in final, op
 

@@ -76,7 +76,7 @@ def test_extracted_launches_are_the_launches_the_step_makes(monkeypatch, precisi
     x = torch.randint(0, 32, (2, 10))
     step(x, x)
     launches = sm.step_matmuls(step._last.compilation.module, precision)
-    assert len(launches) == len(calls) == 12 + 3 + 3 * 3  # 12 per layer; LM head: 3 chunks fwd, 3 x 3 bwd
+    assert len(launches) == len(calls) == 12 + 3 * 3  # 12 per layer; LM head (merged): 3 chunks x logits, dh, dw
     # the forward's four linears take their bias (and GELU, residual) in the epilogue, so does GELU's backward
     assert sum(bool(r["epilogue"]) for r in launches) >= 5
     assert Counter(_row_key(r) for r in launches) == Counter(calls)
@@ -100,7 +100,7 @@ def test_cached_gpt2_list_is_what_the_pipeline_extracts():
     steps = {(s["precision"], s["batch"]): s for s in doc["steps"]}
     assert set(steps) == {(p, b) for p in sm.PRECISIONS for b in sm.BATCHES}
     for (p, b), s in steps.items():
-        assert sum(r["count"] for r in s["shapes"]) == s["launches"] == 12 * 12 + 4 * (b * 1024 // 2048)
+        assert sum(r["count"] for r in s["shapes"]) == s["launches"] == 12 * 12 + 3 * (b * 1024 // 2048)
     fresh = sm.extract(dict(sm.GPT2, n_layer=2), 8, "bf16")
 
     def table(step, layers):
@@ -125,20 +125,19 @@ def test_gpt2_dry_run_writes_step_totals(tmp_path):
     assert not (tmp_path / "matmul.json").exists()  # the grid's results are not overwritten
     (step,) = doc["steps"]
     assert (step["precision"], step["batch"], step["missing"]) == ("tf32", 1, 0)
-    assert step["launches"] == 12 + 4 == sum(u["count"] for r in doc["shapes"] for u in r["uses"])
+    assert step["launches"] == 12 + 3 == sum(u["count"] for r in doc["shapes"] for u in r["uses"])
     assert step["nova_ms"] == pytest.approx(sum(u["count"] * r["nova"]["ms"] for r in doc["shapes"] for u in r["uses"]))
     assert step["best_ms"] <= step["nova_ms"]
     sources = {u["source"] for r in doc["shapes"] for u in r["uses"]}
-    assert {"nova.matmul", "nova.linear_cross_entropy:logits", "nova.linear_cross_entropy_backward:dh",
-            "nova.linear_cross_entropy_backward:dw"} <= sources
+    head = "nova.linear_cross_entropy_with_grad"  # the loss_grad stage's merged LM head
+    assert {"nova.matmul", f"{head}:logits", f"{head}:dh", f"{head}:dw"} <= sources
     for r in doc["shapes"]:
         assert r["nova"]["rel_err"] < 5e-4 and r["cublas"]["ms"] > 0 and r["search"]["timed"] == 1
         assert r["config_as_in_step"] and set(r["variant"]) == {"tma", "splits", "staged"}
         assert len(r["id"]) == 12
-    # the LM head's logits are one launch forward and one backward: measured once, used twice
+    # the LM head's logits are one launch, for the loss and the gradients
     (logits,) = [r for r in doc["shapes"] if r["source"].endswith(":logits")]
-    assert [u["source"] for u in logits["uses"]] == ["nova.linear_cross_entropy:logits",
-                                                      "nova.linear_cross_entropy_backward:logits"]
+    assert [u["source"] for u in logits["uses"]] == [f"{head}:logits"]
     dw = next(r for r in doc["shapes"] if r["source"].endswith(":dw"))
     assert dw["layouts"] == ["col", "row"] and dw["out_dtype"] == "float32"
 
