@@ -1,0 +1,67 @@
+"""The fused LM head's merged loss-and-gradients lowering on the H200, at GPT-2's
+vocabulary and width: bit for bit the forward and backward lowerings (compiled
+kernels: FMA contraction and the compiler's choices are the device's, not the
+interpreter's), and dw's in-place epilogue accumulation bit for bit the matmul's
+f32 product added afterwards. (tests/kernels checks the same through the interpreter.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from xdsl.dialects.builtin import bf16, f32, i64
+
+from nova.codegen.triton import matmul as mm
+from nova.codegen.triton.linear_ce import (
+    accumulate,
+    lower_linear_cross_entropy,
+    lower_linear_cross_entropy_backward,
+    lower_linear_cross_entropy_with_grad,
+)
+from nova.ir import dialect as nv
+from nova.ir.builder import OpBuilder
+from nova.ir.module import Slot, new_step
+from nova.ir.types import tensor
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+N, D, V = 2 * 2048 + 100, 768, 50304  # two full chunks and a short one
+
+
+def _bits(x):
+    return x.reshape(-1).view({2: torch.int16, 4: torch.int32}[x.element_size()])
+
+
+@pytest.mark.parametrize("bias", [None, f32], ids=["no-bias", "f32-bias"])
+def test_merged_lowering_is_the_pair_bit_for_bit(bias):
+    props = {"ignore_index": -1, "reduction": "mean", "label_smoothing": 0.1, "chunk": 2048}
+    slots = [Slot("batch", "g", tensor([], f32)), Slot("param", "h", tensor([N, D], bf16)),
+             Slot("param", "w", tensor([V, D], bf16)), Slot("batch", "t", tensor([N], i64))]
+    slots += [Slot("param", "b", tensor([V], bias))] if bias else []
+    _, fn = new_step(slots)
+    b = OpBuilder(fn.body.block)
+    g, *xs = fn.body.block.args
+    fwd = b.create(nv.LinearCrossEntropyOp, xs, props, tensor([], f32))
+    bwd = b.create(nv.LinearCrossEntropyBackwardOp, [g, *xs], props)
+    both = b.create(nv.LinearCrossEntropyWithGradOp, [g, *xs], props, tensor([], f32))
+    torch.manual_seed(0)
+    h = torch.randn(N, D, device="cuda").bfloat16()
+    w = (torch.randn(V, D, device="cuda") * 0.05).bfloat16()
+    t = torch.randint(0, V, (N,), device="cuda")
+    t[:50] = -1
+    ins = [h, w, t, *([torch.randn(V, device="cuda")] if bias else [])]
+    grad = torch.tensor(1.0, device="cuda")
+    want = lower_linear_cross_entropy(fwd, None, precision="bf16").launch(ins)
+    want += lower_linear_cross_entropy_backward(bwd, None, precision="bf16").launch([grad, *ins])
+    got = lower_linear_cross_entropy_with_grad(both, None, precision="bf16").launch([grad, *ins])
+    for name, x, y in zip(("loss", "dh", "dw", "dbias"), got, want):
+        assert x.dtype == y.dtype and torch.equal(_bits(x), _bits(y)), name
+
+
+def test_dw_epilogue_accumulation_is_matmul_then_add_bit_for_bit():
+    torch.manual_seed(1)
+    d = torch.randn(2048, V, device="cuda").bfloat16()
+    h = torch.randn(2048, D, device="cuda").bfloat16()
+    acc = torch.randn(V, D, device="cuda")
+    want = acc + mm.matmul(d.t(), h, out_dtype=torch.float32)
+    mm.matmul_epilogue(d.t(), h, accumulate(V, D), [acc], torch.float32, outs=[acc])
+    assert torch.equal(_bits(acc), _bits(want))
