@@ -86,9 +86,10 @@ def _launch(source, a, b, out_dtype, bias, precision_arg, cfg, cfg_args, extra=N
     return row
 
 
-def configure_args(M, N, K, batch, dtype, out_dtype, path, a_layout, b_layout, has_bias=False) -> dict:
-    return {"M": M, "N": N, "K": K, "batch": batch, "dtype": dtype, "out_dtype": out_dtype, "precision": path,
+def configure_args(M, N, K, batch, dtype, out_dtype, path, a_layout, b_layout, has_bias=False, epilogue=False) -> dict:
+    args = {"M": M, "N": N, "K": K, "batch": batch, "dtype": dtype, "out_dtype": out_dtype, "precision": path,
             "a_layout": a_layout, "b_layout": b_layout, "has_bias": has_bias}
+    return {**args, "epilogue": True} if epilogue else args  # an epilogue kernel (LM head's dw +=)
 
 
 def configured(args: dict, device=None):
@@ -99,6 +100,7 @@ def configured(args: dict, device=None):
     return cf.configure_matmul(
         args["M"], args["N"], args["K"], args["batch"], args["dtype"], args["dtype"], args["out_dtype"],
         args["precision"], args["a_layout"], args["b_layout"], args["has_bias"], device or DEVICES["H200"],
+        args.get("epilogue", False),
     )  # fmt: skip
 
 
@@ -182,9 +184,10 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
             acc = torch.empty((V, D), dtype=torch.float32, device="meta")  # dw's f32 accumulator
 
             def at_launch(src, a, b, o, extra, epilogue=False):
-                # matmul(cfg=None): the launcher's configure call from the operands' strides
+                # matmul(cfg=None): the launcher's configure call from the operands' strides (dw's +=:
+                # linear_ce.accumulate_into's, the same call as an epilogue kernel)
                 args = configure_args(a.shape[-2], b.shape[-1], a.shape[-1], 1, _dname(a.dtype), _dname(o.dtype),
-                                      path_of(a.dtype), mm.layout(a), mm.layout(b))  # fmt: skip
+                                      path_of(a.dtype), mm.layout(a), mm.layout(b), epilogue=epilogue)  # fmt: skip
                 return _launch(src, a, b, o.dtype, False, prec, configured(args, spec), args, extra, epilogue)
 
             for r0 in range(0, N, chunk):

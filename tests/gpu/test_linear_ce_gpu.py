@@ -12,7 +12,7 @@ from xdsl.dialects.builtin import bf16, f32, i64
 
 from nova.codegen.triton import matmul as mm
 from nova.codegen.triton.linear_ce import (
-    accumulate,
+    accumulate_into,
     lower_linear_cross_entropy,
     lower_linear_cross_entropy_backward,
     lower_linear_cross_entropy_with_grad,
@@ -62,6 +62,6 @@ def test_dw_epilogue_accumulation_is_matmul_then_add_bit_for_bit():
     d = torch.randn(2048, V, device="cuda").bfloat16()
     h = torch.randn(2048, D, device="cuda").bfloat16()
     acc = torch.randn(V, D, device="cuda")
-    want = acc + mm.matmul(d.t(), h, out_dtype=torch.float32)
-    mm.matmul_epilogue(d.t(), h, accumulate(V, D), [acc], torch.float32, outs=[acc])
+    want = acc + mm.matmul(d.t(), h, out_dtype=torch.float32)  # the launcher's config (persistent, C by TMA)
+    accumulate_into(acc, d.t(), h, "ieee")  # the epilogue kernel's (tile grid, pointer stores)
     assert torch.equal(_bits(acc), _bits(want))

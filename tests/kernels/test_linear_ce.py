@@ -220,7 +220,7 @@ def test_dw_accumulates_in_the_matmul_epilogue_bit_for_bit(device, dtype, split_
     is the matmul's f32 product added to it afterwards, bit for bit: ragged tiles, d^T
     read column-major as the lowering reads it, one-pass and split-K."""
     from nova.codegen.triton import matmul as mm
-    from nova.codegen.triton.linear_ce import accumulate
+    from nova.codegen.triton.linear_ce import accumulate, accumulate_into
     from nova.schedule.config import LoweringConfig
 
     cfg = LoweringConfig(kind="matmul", block_m=16, block_n=16, block_k=16, group_m=1, split_k=split_k,
@@ -232,9 +232,15 @@ def test_dw_accumulates_in_the_matmul_epilogue_bit_for_bit(device, dtype, split_
     acc = torch.randn(vocab, width, generator=gen).to(device)
     part = mm.matmul(d.t(), h, cfg=cfg, out_dtype=torch.float32)
     want = acc + part
+    again = acc.clone()
     (got,) = mm.matmul_epilogue(d.t(), h, accumulate(vocab, width), [acc], torch.float32, cfg=cfg, outs=[acc])
     assert got is acc
     assert same_bits(acc, want)
+    # as the lowering launches it (the launcher's configuration, as an epilogue kernel)
+    # against the launcher's plain matmul added in
+    want = again + mm.matmul(d.t(), h, out_dtype=torch.float32)
+    accumulate_into(again, d.t(), h, "ieee")
+    assert same_bits(again, want)
 
 
 class TiedLM(torch.nn.Module):

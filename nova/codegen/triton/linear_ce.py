@@ -43,7 +43,7 @@ from nova.codegen.triton.source import load_kernel
 from nova.ir import dialect as nv
 from nova.ir.types import elem_of, shape_of, to_torch_dtype
 from nova.schedule.config import LoweringConfig
-from nova.schedule.configurator import STEP_MATMUL_PRECISION
+from nova.schedule.configurator import STEP_MATMUL_PRECISION, configure_matmul
 
 _NEG_INF = '-float("inf")'
 _COL_BLOCK = 128  # columns per program of the bias-gradient column sum
@@ -168,6 +168,18 @@ def accumulate(M: int, N: int) -> mm.Epilogue:
     f32 = torch.float32
     return mm.Epilogue(shape=(M, N), operands=(Operand((M, N), f32, load="raw"),), body="e_acc = ex0 + e_tile",
                        stores=(("e_acc", "f32", f32),), out_shapes=((M, N),))
+
+
+def accumulate_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, precision: str, ep: mm.Epilogue | None = None,
+                    record: dict | None = None) -> None:
+    """``acc += a @ b`` (f32 ``acc``) through ``accumulate``'s epilogue, configured as the
+    launcher configures ``a @ b`` (``mm.matmul(cfg=None)``) but as an epilogue kernel
+    (``epilogue=True``: the configurator's rule for kernels storing through pointers);
+    the same tile, BLOCK_K and split, so the same sums per tile."""
+    cfg = configure_matmul(a.shape[-2], b.shape[-1], a.shape[-1], 1, a.dtype, a.dtype, torch.float32, precision,
+                           mm.layout(a), mm.layout(b), False, mm.device_spec(a.device), epilogue=True)
+    ep = ep or accumulate(*acc.shape)
+    mm.matmul_epilogue(a, b, ep, [acc], torch.float32, cfg=cfg, precision=precision, outs=[acc], record=record)
 
 
 def _matmul_scratch(M: int, N: int, K: int, dtype, out_dtype, precision: str, cfg, a_layouts, b_layouts) -> int:
@@ -312,8 +324,7 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
             if r0 == 0:  # the first chunk's product is the accumulator's first value: no zeroing
                 mm.matmul(z.t(), h[r0:r1], cfg=None, precision=prec, out=dw_acc, record=used)
             else:
-                mm.matmul_epilogue(z.t(), h[r0:r1], dw_add, [dw_acc], f32, cfg=None, precision=prec, outs=[dw_acc],
-                                   record=used)
+                accumulate_into(dw_acc, z.t(), h[r0:r1], prec, dw_add, record=used)
         if dw_acc is not dw:
             dw.copy_(dw_acc)  # rounded once
         if b and db_acc is not db[0]:
