@@ -56,7 +56,7 @@ category elementwise fuses without new code here, into loops and epilogues.
                values of a whole tile per program: measured on the H200 (GPT-2,
                batch 32, scripts/epilogue_variants.py, bench/results/runs/
                epilogue_variants_d5443cd.json) GELU's backward with the remat
-               stage's GELU recompute beside it (20) took 1.07 ms at 128x128x64,
+               stage's GELU recompute and its bias add beside it (21) took 1.07 ms at 128x128x64,
                207 registers (scripts/epilogue_sm90_check.py: one block per SM
                where the schedule planned two), against 0.45 ms for GELU's
                backward alone (12; 104 registers) plus 0.16 ms for the recompute

@@ -62,7 +62,9 @@ def _group(kind: str):
 
 def _recompute_group():
     """GELU's backward beside the remat stage's recompute of the pre-activation
-    (from the saved bf16 matmul output) and of the GELU output: three outputs."""
+    (from the saved bf16 matmul output) and of the GELU output: three outputs. The
+    step no longer forms it (21 FLOPs an element, past ``fuse.EPILOGUE_MAX_FLOPS``: its
+    207 registers here are one reason); built past the budget to keep that figure."""
     N = 3072
     slots = [Slot("batch", "dy", tensor([32768, 768], bf16)), Slot("param", "w", tensor([768, N], bf16)),
              Slot("param", "bias", tensor([N], f32)), Slot("batch", "saved", tensor([32768, N], bf16))]  # fmt: skip
@@ -75,7 +77,11 @@ def _recompute_group():
     again = b.cast(b.one(nv.GeluOp, [pre], {"approximate": "tanh"}), bf16)
     d = b.one(nv.GeluBackwardOp, [g, pre], {"approximate": "tanh"})
     set_results(fn, [("loss", "again", again), ("loss", "d", d), ("loss", "db", b.cast(d, bf16))])
-    fz.fuse(module)
+    budget, fz.EPILOGUE_MAX_FLOPS = fz.EPILOGUE_MAX_FLOPS, float("inf")
+    try:
+        fz.fuse(module)
+    finally:
+        fz.EPILOGUE_MAX_FLOPS = budget
     (group,) = [op for op in step_func(module).body.block.ops if isinstance(op, nv.FusedOp)]
     return group
 
