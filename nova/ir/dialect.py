@@ -118,8 +118,14 @@ class NovaOp(IRDLOperation):
     FLAT_INDEX: ClassVar[bool] = False
     # a contraction whose kernel takes an epilogue: elementwise ops applied to its
     # result tile before the store (the fuse stage's output fusion, nova.fused
-    # kind "contraction"); the Triton lowering of such a group is its template's
+    # kind "contraction"); the Triton lowering of such a group is its template's.
+    # On a row-wise reduction (category reduction): elementwise ops applied to its
+    # first result's row in registers before the store (nova.fused kind "reduction")
     EPILOGUE: ClassVar[bool] = False
+    # a reduction whose kernel computes these operands' elements from an elementwise
+    # prologue in registers instead of loading them (the fuse stage's input fusion,
+    # nova.fused kind "reduction"); all of them have one shape, the prologue's
+    PROLOGUE: ClassVar[tuple[int, ...]] = ()
 
     @classmethod
     def complete(cls, props: dict) -> dict:
@@ -656,6 +662,7 @@ class CatOp(NovaOp):
 
 class ReduceOp(NovaOp):
     CATEGORY: ClassVar = "reduction"
+    PROLOGUE: ClassVar = (0,)
     input = operand_def(TensorType)
     dims = prop_def(DenseArrayBase)
     keepdim = prop_def(BoolProp)
@@ -812,6 +819,8 @@ class LayerNormOp(NovaOp):
 
     name = "nova.layer_norm"
     CATEGORY: ClassVar = "reduction"
+    PROLOGUE: ClassVar = (0,)
+    EPILOGUE: ClassVar = True
     input = operand_def(TensorType)
     weight = operand_def(TensorType)
     bias = operand_def(TensorType)
@@ -838,6 +847,8 @@ class LayerNormOp(NovaOp):
 class LayerNormBackwardOp(NovaOp):
     name = "nova.layer_norm_backward"
     CATEGORY: ClassVar = "reduction"
+    PROLOGUE: ClassVar = (0, 1)
+    EPILOGUE: ClassVar = True
     grad = operand_def(TensorType)
     input = operand_def(TensorType)
     weight = operand_def(TensorType)
@@ -1278,7 +1289,7 @@ CATEGORIES: dict[str, str] = {
     "opaque": "anything else (gathers, scatters, pad): never fused",
     "fused": "a nova.fused group",
 }  # fmt: skip
-FUSED_KINDS = ("elementwise", "contraction")
+FUSED_KINDS = ("elementwise", "contraction", "reduction")
 
 
 @irdl_op_definition
@@ -1299,7 +1310,19 @@ class FusedOp(NovaOp):
     last dim (the tile's rows relabelled: [B*T, N] as [B, T, N]); then elementwise
     ops, each result of the iteration shape (the reshape's, else the
     contraction's) or of one element. Results have the iteration shape, or are the
-    contraction's result (stored as it is)."""
+    contraction's result (stored as it is).
+
+    ``kind`` "reduction" (input fusion: a reduction with its prologue, and its
+    epilogue): one op of category reduction (the head) whose ``PROLOGUE`` operands
+    may be computed inside, by elementwise ops of the prologue shape (those
+    operands' shape) or of one element, never yielded, each of more than one
+    element read only inside the prologue or by the head at a ``PROLOGUE``
+    operand; the head's other operands
+    are block arguments; every other op is its epilogue (the head must take one,
+    ``EPILOGUE``): elementwise ops of the shape of the head's first result, which
+    is the prologue shape (a row-wise op), or of one element, reading no other
+    result of the head. Results: the head's results and epilogue values. The
+    iteration shape is the prologue shape."""
 
     name = "nova.fused"
     CATEGORY: ClassVar = "fused"
@@ -1318,9 +1341,19 @@ class FusedOp(NovaOp):
         """The contraction of a "contraction" group (its first op), else None."""
         return self.body.block.first_op if self.props()["kind"] == "contraction" else None
 
+    def reduction(self) -> Operation | None:
+        """The head of a "reduction" group (its one op of category reduction), else None."""
+        if self.props()["kind"] != "reduction":
+            return None
+        return next((o for o in self.body.block.ops if isinstance(o, NovaOp) and o.CATEGORY == "reduction"), None)
+
     def iteration_shape(self) -> tuple[int, ...]:
         """The shape the group's elementwise ops run over (a contraction group's
-        epilogue: its reshape's shape, else the contraction's result shape)."""
+        epilogue: its reshape's shape, else the contraction's result shape; a
+        reduction group's: its head's prologue shape)."""
+        head = self.reduction()
+        if head is not None:
+            return shape_of(head.operands[head.PROLOGUE[0]].type) if head.PROLOGUE else shape_of(head.results[0].type)
         c = self.contraction()
         if c is None:
             return shape_of(self.results[0].type)
@@ -1347,6 +1380,9 @@ class FusedOp(NovaOp):
         if not self.results:
             raise VerifyException(f"{self.name}: a group without results")
         ops = self.inner_ops()
+        if kind == "reduction":
+            self._verify_reduction(ops)
+            return
         contraction = self._verify_contraction(ops) if kind == "contraction" else None
         shape = self.iteration_shape()
         for op in ops:
@@ -1385,6 +1421,54 @@ class FusedOp(NovaOp):
                 raise VerifyException(f"{self.name} (contraction): {op.name} reads {head.name}'s result besides its "
                                       "reshape")
         return head
+
+    def _verify_reduction(self, ops: list[Operation]) -> None:
+        """The checks of a "reduction" group (see the class docstring)."""
+        heads = [op for op in ops if isinstance(op, NovaOp) and op.CATEGORY == "reduction"]
+        if len(heads) != 1 or not (heads[0].PROLOGUE or heads[0].EPILOGUE):
+            raise VerifyException(f"{self.name} (reduction): needs exactly one reduction that takes a prologue or an "
+                                  f"epilogue, got {[op.name for op in heads]}")
+        (head,) = heads
+        pro_shape = shape_of(head.operands[head.PROLOGUE[0]].type) if head.PROLOGUE else None
+        epi_shape = shape_of(head.results[0].type)
+        for j, v in enumerate(head.operands):
+            if j in head.PROLOGUE:
+                if shape_of(v.type) != pro_shape:
+                    raise VerifyException(f"{self.name} (reduction): {head.name}'s prologue operands differ in shape")
+            elif not isinstance(v, BlockArgument):
+                raise VerifyException(f"{self.name} (reduction): {head.name}'s operand {j} is no prologue operand "
+                                      "and must be a block argument")
+        # the prologue: every op the head reads, directly or through other inner ops
+        prologue: set[Operation] = set()
+        stack = [v.owner for v in head.operands if isinstance(v.owner, Operation)]
+        while stack:
+            o = stack.pop()
+            if o not in prologue:
+                prologue.add(o)
+                stack.extend(v.owner for v in o.operands if isinstance(v.owner, Operation))
+        yielded = set(self.body.block.last_op.operands)
+        for op in ops:
+            if op is head:
+                continue
+            if not isinstance(op, NovaOp) or op.CATEGORY != "elementwise":
+                raise VerifyException(f"{self.name} (reduction): holds {op.name}, which is neither its head nor of "
+                                      "category elementwise")
+            part, shape = ("prologue", pro_shape) if op in prologue else ("epilogue", epi_shape)
+            if part == "epilogue" and (not head.EPILOGUE or epi_shape != pro_shape and head.PROLOGUE):
+                raise VerifyException(f"{self.name} (reduction): {op.name} is an epilogue, which {head.name} does not "
+                                      "take here")
+            for r in op.results:
+                if shape_of(r.type) != shape and numel(shape_of(r.type)) != 1:
+                    raise VerifyException(f"{self.name} (reduction): {op.name} gives {shape_of(r.type)}, neither the "
+                                          f"{part} shape {shape} nor one element")
+                if part == "prologue" and (r in yielded or numel(shape_of(r.type)) != 1 and any(
+                        u.operation is head and u.index not in head.PROLOGUE
+                        or u.operation is not head and u.operation not in prologue for u in r.uses)):
+                    raise VerifyException(f"{self.name} (reduction): the prologue value of {op.name} is read "
+                                          f"outside the prologue")  # fmt: skip
+            if any(v in head.results[1:] for v in op.operands):
+                raise VerifyException(f"{self.name} (reduction): {op.name} reads a result of {head.name} other than "
+                                      "its first")
 
 
 @irdl_op_definition
