@@ -346,10 +346,18 @@ def fused_cost(op, ins, outs, cfg, precision) -> Cost:
     ops (scalars it recomputes count once per program, i.e. not at all here). A
     contraction group is its matmul (``matmul_cost``: FLOPs, path, split-K partials
     and staging) with the group's operands and results for bytes and its epilogue's
-    FLOPs added: kind "matmul"."""
+    FLOPs added: kind "matmul". A reduction group likewise is its reduction
+    (``reduction_cost``: FLOPs, split partials, launches) with the group's operands
+    and results for bytes (the prologue's values and the epilogue's input stay in
+    registers) and its prologue's and epilogue's FLOPs added: kind "reduction"."""
     head = op.contraction()
+    reduction = op.reduction()
     body = [o for o in op.inner_ops() if o is not head and o.CATEGORY == "elementwise"]
     flops = sum(elementwise_flops(o) for o in body if numel(shape_of(o.results[0].type)) > 1)
+    if reduction is not None:
+        alone = RULES[type(reduction)](reduction, tuple(reduction.operands), tuple(reduction.results), cfg, precision)
+        extra = alone.bytes - io_bytes(reduction.operands, reduction.results)  # a split's partials
+        return Cost("reduction", io_bytes(ins, outs) + extra, alone.flops + flops, alone.path, alone.launches)
     if head is None:
         return Cost("fused", io_bytes(ins, outs), flops, _float_path([*ins, *outs]))
     alone = matmul_cost(head, tuple(head.operands), tuple(head.results), cfg, precision)

@@ -137,6 +137,12 @@ def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringC
         args = list(op.body.block.args)
         lhs, rhs = (op.operands[args.index(v)] for v in head.operands)
         return _configure_matmul(head, lhs, rhs, device, precision, epilogue=True)
+    reduction = op.reduction() if isinstance(op, nv.FusedOp) else None
+    if reduction is not None:
+        # a reduction with its prologue / epilogue: the reduction's own schedule, which fixes
+        # its summation order (the fused kernel sums the same values in the same order as
+        # the unfused one: bit-identical results)
+        return configure_op(reduction, device, precision)
     if isinstance(op, nv.FusedOp):
         return configure_fused(op, device)
     dt = to_torch_dtype(elem_of(op.results[0].type)) if op.results else None

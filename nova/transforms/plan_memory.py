@@ -473,7 +473,8 @@ class _Planner:
             head = st.op.contraction()
             reads = head is not None and any(st.op.operands[st.op.body.block.args.index(v)] is arg
                                              for v in head.operands)  # fmt: skip
-            same_index = new in st.outputs and not reads
+            # a reduction group's kernel reads whole rows (or columns) before it writes: never in place
+            same_index = new in st.outputs and not reads and st.op.reduction() is None
         else:
             same_index = isinstance(st.op, SAME_INDEX) and len(st.outputs) == 1
         if not same_index or new.type != arg.type:

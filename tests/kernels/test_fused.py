@@ -191,8 +191,8 @@ def test_an_unknown_kind_is_refused():
     set_results(fn, [("loss", "y", b.neg(b.one(nv.ExpOp, [fn.body.block.args[0]])))])
     fuse(module)
     (g,) = [o for o in fn.body.block.ops if isinstance(o, nv.FusedOp)]
-    g.properties["kind"] = nv.make_prop("reduction")
-    with pytest.raises(fk.UnsupportedError, match="kind 'reduction'"):
+    g.properties["kind"] = nv.make_prop("gather")
+    with pytest.raises(fk.UnsupportedError, match="kind 'gather'"):
         fk.lower_fused(g)
 
 

@@ -396,6 +396,70 @@ def kernel_of(pw: Pointwise, cfg, launch=None, needs_contiguous=()) -> Kernel:
     )
 
 
+# --------------------------------------------------------------------------- chains inside other templates
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Elementwise ops composed in registers inside another template's loop: a
+    reduction's prologue, a row-wise op's epilogue (``nova.codegen.triton.fused``
+    builds them from a nova.fused "reduction" group, with the same expressions and
+    roundings as the fused elementwise kernels).
+
+    The template loads operand k (``operands[k]``: the stored type, bools as 0/1
+    bytes; shape right-aligned to the template's iteration shape, so a broadcast
+    is read in place) into ``<prefix>x<k>`` at the element it is at, then runs
+    ``body``; ``values`` are the (variable, register type) pairs it reads back.
+    An epilogue's body reads the head's first result, as stored, from
+    ``<prefix>in`` (register type ``in_tag``). ``inputs[k]``: which of the group's
+    operands ``operands[k]`` is."""
+
+    prefix: str
+    operands: tuple[Operand, ...]
+    inputs: tuple[int, ...]
+    body: str
+    values: tuple[tuple[str, str], ...]
+    helpers: str = ""
+    in_tag: str = ""
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """A reduction template's work around its own (nova.fused "reduction"): where
+    each of the head's operands comes from, ``reads[j]`` = ("input", k) the
+    group's operand k as it is, or ("prologue", i) value i of ``prologue``; the
+    ``epilogue`` on the head's first result, its value j stored as ``stores[j]``;
+    and which of the group's results each one is, ``outputs[r]`` = ("head", i) the
+    head's result i (stored as the unfused op stores it), or ("epilogue", j).
+    ``plain(n_operands, n_results)``: the unfused op."""
+
+    reads: tuple[tuple[str, int], ...]
+    outputs: tuple[tuple[str, int], ...]
+    prologue: Chain | None = None
+    epilogue: Chain | None = None
+    stores: tuple[torch.dtype, ...] = ()
+
+    @staticmethod
+    def plain(n_operands: int, n_results: int) -> Fusion:
+        return Fusion(tuple(("input", j) for j in range(n_operands)), tuple(("head", i) for i in range(n_results)))
+
+    def direct(self, j: int) -> int | None:
+        """The group operand the head's operand ``j`` is, or None (a prologue value)."""
+        how, k = self.reads[j]
+        return k if how == "input" else None
+
+    def stored(self, i: int) -> bool:
+        """Whether the head's result ``i`` is a result of the group."""
+        return ("head", i) in self.outputs
+
+    def head_output(self, i: int) -> int:
+        return self.outputs.index(("head", i))
+
+    @property
+    def helpers(self) -> str:
+        return merge_helpers([c.helpers for c in (self.prologue, self.epilogue) if c is not None and c.helpers])
+
+
 # --------------------------------------------------------------------------- helpers in the text
 
 # Cephes tanhf (|x| < 0.625: odd polynomial, else 1 - 2 / (exp(2|x|) + 1)): ~2 ulp
@@ -825,7 +889,7 @@ def lower_cat(op, cfg: LoweringConfig | None = None) -> Kernel:
 __all__ = [
     "Expr", "EXPRESSIONS", "expression", "expression_of", "lower_expression", "merge_helpers", "scalar_const",
     "Operand", "Pointwise", "pointwise", "pointwise_source", "copy_kernel", "cast_kernel", "copy_pointwise",
-    "cast_pointwise", "UnsupportedError", "result_tensor", "only_out",
+    "cast_pointwise", "UnsupportedError", "result_tensor", "only_out", "Chain", "Fusion",
     "lower_elementwise", "lower_cast", "lower_full", "lower_arange", "lower_dropout_mask", "lower_broadcast_to",
     "lower_transpose", "lower_slice", "lower_reshape", "lower_pad", "lower_cat",
 ]  # fmt: skip

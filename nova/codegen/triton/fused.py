@@ -41,12 +41,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 
 from nova.codegen.triton.elementwise import (
-    Operand, Pointwise, UnsupportedError, block_and_warps, convert, expression_of, load, merge_helpers,
+    Chain, Fusion, Operand, Pointwise, UnsupportedError, block_and_warps, convert, expression_of, load, merge_helpers,
     numel, pointwise_source, sanitize, shape_name, tag,
 )  # fmt: skip
-from nova.codegen.triton.lowering import Kernel, lowers
+from nova.codegen.triton.lowering import Kernel, lowering_for, lowers
 from nova.codegen.triton.matmul import Epilogue
 from nova.ir import dialect as nv
 from nova.ir.types import elem_of, shape_of, to_torch_dtype
@@ -135,6 +136,90 @@ def epilogue_of(op: nv.FusedOp) -> tuple[Epilogue, list[int]]:
     return ep, picked
 
 
+def _chain(ops: list, block, prefix: str, var: dict) -> tuple[list[Operand], list[int], list[str], list[str]]:
+    """(operands, their group operand indices, lines, helpers) of ``ops`` composed
+    over the block arguments they read, each loaded into ``<prefix>x<k>``."""
+    inside = set(ops)
+    operands: list[Operand] = []
+    inputs: list[int] = []
+    for k, a in enumerate(block.args):
+        if any(u.operation in inside for u in a.uses):
+            var[a] = (f"{prefix}x{len(operands)}", tag(_dtype(a)))
+            operands.append(Operand(shape_of(a.type), _dtype(a), load="raw"))
+            inputs.append(k)
+    lines, helpers = compose(ops, var, prefix=prefix)
+    return operands, inputs, lines, helpers
+
+
+def fusion_of(op: nv.FusedOp) -> tuple[nv.NovaOp, Fusion]:
+    """A "reduction" group's head and what its template computes around it: the
+    prologue (every inner op the head reads, directly or not) composed in registers
+    where the template would load the head's operand, the epilogue (the other inner
+    ops, and the one-element prologue values they read, recomputed) on the head's
+    first result as the unfused op stores it (``<q>in``), the same expressions and
+    roundings as ``fused_body``."""
+    head = op.reduction()
+    if head is None:
+        raise UnsupportedError(f"{op.name}: not a reduction group")
+    block = op.body.block
+    inner = op.inner_ops()
+    order = {o: i for i, o in enumerate(inner)}
+
+    def closure(values) -> set:
+        seen: set = set()
+        stack = [v.owner for v in values if v.owner in order]
+        while stack:
+            o = stack.pop()
+            if o not in seen:
+                seen.add(o)
+                stack.extend(v.owner for v in o.operands if v.owner in order)
+        return seen
+
+    prologue = closure(head.operands)
+    epilogue = [o for o in inner if o is not head and o not in prologue]
+    epilogue = sorted(set(epilogue) | closure([v for o in epilogue for v in o.operands if v.owner in prologue]),
+                      key=order.__getitem__)  # fmt: skip
+    pro_chain = None
+    reads: list[tuple[str, int]] = []
+    if prologue:
+        var: dict = {}
+        operands, inputs, lines, helpers = _chain(sorted(prologue, key=order.__getitem__), block, "p", var)
+        values = []
+        for v in head.operands:
+            if v.owner in prologue:
+                reads.append(("prologue", len(values)))
+                values.append(var[v])
+            else:
+                reads.append(("input", list(block.args).index(v)))
+        pro_chain = Chain("p", tuple(operands), tuple(inputs), "\n".join(lines), tuple(values), merge_helpers(helpers))
+    else:
+        reads = [("input", list(block.args).index(v)) for v in head.operands]
+    yields = list(block.last_op.operands)
+    outputs: list[tuple[str, int]] = []
+    epi_chain, stores = None, []
+    stored = {}
+    if epilogue:
+        in_tag = tag(_dtype(head.results[0]))
+        var = {head.results[0]: ("qin", in_tag)}
+        operands, inputs, lines, helpers = _chain(epilogue, block, "q", var)
+        values = []
+        for v in yields:
+            if v.owner in order and v.owner is not head:
+                stored[v] = len(values)
+                values.append(var[v])
+                stores.append(_dtype(v))
+        epi_chain = Chain("q", tuple(operands), tuple(inputs), "\n".join(lines), tuple(values),
+                          merge_helpers(helpers), in_tag)  # fmt: skip
+    for v in yields:
+        if v.owner is head:
+            outputs.append(("head", list(head.results).index(v)))
+        elif v in stored:
+            outputs.append(("epilogue", stored[v]))
+        else:
+            raise UnsupportedError(f"{op.name}: yields a value its {head.name} kernel does not compute")
+    return head, Fusion(tuple(reads), tuple(outputs), pro_chain, epi_chain, tuple(stores))
+
+
 # attributes that say where an op is (its source line) and where its results live in
 # the arena (the memory plan's), not what it computes: no kernel reads them
 WHERE = ("nova.loc", "nova.storage", "nova.offset")
@@ -198,6 +283,8 @@ def lower_fused(op: nv.FusedOp, cfg: LoweringConfig | None = None) -> Kernel:
     """``launch(inputs, outs=None)``: one output per result (``outs`` may hold an
     input of the iteration shape itself: see the module docstring)."""
     kind = op.props()["kind"]
+    if kind == "reduction":
+        return lower_reduction_group(op, cfg)
     if kind != "elementwise":  # a contraction group is its template's launch (backends/triton.py)
         raise UnsupportedError(f"{op.name}: no Triton lowering for kind {kind!r}")
     shape = op.iteration_shape()
@@ -215,3 +302,20 @@ def lower_fused(op: nv.FusedOp, cfg: LoweringConfig | None = None) -> Kernel:
         return pw.run(xs, device, outs)
 
     return Kernel(name=name, source=src, launch=launch, config=cfg)
+
+
+def lower_reduction_group(op: nv.FusedOp, cfg: LoweringConfig | None = None) -> Kernel:
+    """A "reduction" group: one launch of its head's template (reduce.py, rowwise.py)
+    with the prologue and epilogue of ``fusion_of``, under the head's own schedule
+    (the configure stage gives the group the head's: the same summation order as
+    the unfused kernel). ``launch(inputs, outs)`` takes the group's operands and
+    writes its results."""
+    head, fusion = fusion_of(op)
+    lower = lowering_for(head)
+    if "fusion" not in inspect.signature(lower).parameters:
+        raise UnsupportedError(f"{op.name}: the Triton lowering of {head.name} takes no prologue or epilogue")
+    ops = [o.name.removeprefix("nova.") for o in op.inner_ops()]
+    digest = hashlib.sha256(repr(fusion).encode()).hexdigest()[:10]
+    name = (f"nova_fused_{head.name.removeprefix('nova.')}_{shape_name(op.iteration_shape())}_{len(ops)}ops_"
+            f"{'_'.join(dict.fromkeys(o for o in ops if o != head.name.removeprefix('nova.')))}_{digest}")
+    return lower(head, cfg, fusion=fusion, name=name)

@@ -23,6 +23,13 @@ Design choices, and why:
   ``tl.max`` / default ``maximum`` drop NaN on the GPU); masked lanes read -inf.
 * ``IDX64`` (constexpr at launch): int64 offsets when the input's span could pass
   2**31 - 1.
+* A prologue (nova.fused "reduction", ``Chain``): the input elements computed in
+  registers from the chain's operands, each loaded at the tile's elements through
+  its own strides, then converted and accumulated exactly as the loaded input
+  would be (masked lanes the neutral value), under the same plan: the same sums in
+  the same order as the unfused kernels, bit for bit. Every pass compiles without
+  floating-point contraction, so a prologue's multiply never merges with its add
+  or with the accumulation into an fma.
 """
 
 from __future__ import annotations
@@ -33,8 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from nova.codegen.triton.elementwise import (
-    INT32_MAX, UnsupportedError, convert, copy_kernel, load, next_pow2, numel, only_out, result_tensor, sanitize,
-    shape_name, span, tag,
+    INT32_MAX, Chain, Fusion, UnsupportedError, convert, copy_kernel, load, next_pow2, numel, only_out, result_tensor,
+    sanitize, shape_name, span, storage_view, tag,
 )  # fmt: skip
 from nova.codegen.triton.lowering import Kernel, lowers
 from nova.ir import dialect as nv
@@ -128,11 +135,37 @@ def _decompose(var: str, dims: Sequence[int], shape: Sequence[int], prefix: str)
     return lines
 
 
-def reduce_source(name: str, p: Plan, kind: str, in_dtype: torch.dtype, out_tag: str) -> str:
+def _prologue_lines(p: Plan, chain: Chain, neutral: str, acc: str) -> list[str]:
+    """Inside the column loop: each prologue operand loaded at the tile's elements
+    (through its own strides; its shape right-aligned to the input's), the chain,
+    then ``x``: the head's input as the unfused kernel would have loaded it, the
+    masked lanes the reduction's neutral value (as the unfused load's ``other``)."""
+    rank = len(p.shape)
+    lines = []
+    for k, op in enumerate(chain.operands):
+        terms = op.terms(rank)
+        if not terms:
+            lines.append(f"px{k} = tl.load(pptr{k})")  # one element for every lane
+            continue
+        rows = [f"r{d} * ps{k}_{kd}" for kd, d, _ in terms if d in p.rows]
+        cols = [f"c{d} * ps{k}_{kd}" for kd, d, _ in terms if d in p.cols]
+        off = f"({' + '.join(rows) or 'rows * 0'})[:, None] + ({' + '.join(cols) or 'cols * 0'})[None, :]"
+        lines.append(f"px{k} = tl.load(pptr{k} + {off}, mask=m, other=0)")
+    lines += chain.body.splitlines()
+    ((var, vtag),) = chain.values
+    return [*lines, f"x = tl.where(m, {convert(var, vtag, acc)}, {neutral})"]
+
+
+def reduce_source(
+    name: str, p: Plan, kind: str, in_dtype: torch.dtype, out_tag: str, chain: Chain | None = None
+) -> str:
     """Triton source of one pass. Arguments: input, output, the strides of every
     moving input dim, then IDX64. With ``p.split > 1`` the output is the [S, R]
     workspace in the accumulator type and program (r, s) covers columns
-    [s * chunk, (s + 1) * chunk)."""
+    [s * chunk, (s + 1) * chunk). With a prologue ``chain`` (nova.fused
+    "reduction") the input elements are computed in registers instead of loaded:
+    the arguments are the chain's operands, the output, each operand's strides
+    (of its moving dims), then IDX64."""
     src = tag(in_dtype)
     if src not in _ACC:
         raise UnsupportedError(f"{name}: cannot reduce {in_dtype} tensors")
@@ -144,7 +177,16 @@ def reduce_source(name: str, p: Plan, kind: str, in_dtype: torch.dtype, out_tag:
         neutral = 'float("-inf")' if is_float else str(-(2**63))
         combine, final = "_max_nan(acc, x)", "tl.reduce(acc, 1, _max_nan)"
     moving = [d for d in range(len(p.shape)) if p.shape[d] > 1]
-    params = ["x_ptr", "out_ptr"] + [f"s{d}" for d in moving] + ["IDX64: tl.constexpr"]
+    if chain is None:
+        params = ["x_ptr", "out_ptr"] + [f"s{d}" for d in moving] + ["IDX64: tl.constexpr"]
+        loads = [f"x = tl.load(x_ptr + row_off[:, None] + col_off[None, :], mask=m, other={neutral})",
+                 f"x = {convert('x', src, acc)}"]  # fmt: skip
+    else:
+        rank = len(p.shape)
+        params = [f"pptr{k}" for k in range(len(chain.operands))] + ["out_ptr"]
+        params += [f"ps{k}_{kd}" for k, op in enumerate(chain.operands) for kd, _, _ in op.terms(rank)]
+        params.append("IDX64: tl.constexpr")
+        loads = _prologue_lines(p, chain, neutral, acc)
     row_off = " + ".join(f"r{d} * s{d}" for d in p.rows if p.shape[d] > 1) or "rows * 0"
     col_off = " + ".join(f"c{d} * s{d}" for d in p.cols if p.shape[d] > 1) or "cols * 0"
     lines = [
@@ -155,7 +197,7 @@ def reduce_source(name: str, p: Plan, kind: str, in_dtype: torch.dtype, out_tag:
         "    rows = rows.to(tl.int64)",
         f"rmask = rows < {p.R}",
         *_decompose("rows", p.rows, p.shape, "r"),
-        f"row_off = {row_off}",
+        *([f"row_off = {row_off}"] if chain is None else []),
         f"acc = tl.full([{p.block_r}, {p.block_c}], {neutral}, {_TL[acc]})",
         f"c_start = pid_s * {p.chunk}",
         f"c_end = tl.minimum(c_start + {p.chunk}, {p.C})",
@@ -165,10 +207,9 @@ def reduce_source(name: str, p: Plan, kind: str, in_dtype: torch.dtype, out_tag:
         "        cols = cols.to(tl.int64)",
         "    cmask = cols < c_end",
         *("    " + ln for ln in _decompose("cols", p.cols, p.shape, "c")),
-        f"    col_off = {col_off}",
+        *([f"    col_off = {col_off}"] if chain is None else []),
         "    m = rmask[:, None] & cmask[None, :]",
-        f"    x = tl.load(x_ptr + row_off[:, None] + col_off[None, :], mask=m, other={neutral})",
-        f"    x = {convert('x', src, acc)}",
+        *("    " + ln for ln in loads),
         f"    acc = {combine}",
         f"r = {final}",
         f"tl.store(out_ptr + pid_s * {p.R} + rows, {convert('r', acc, out_tag)}, mask=rmask)",
@@ -177,11 +218,13 @@ def reduce_source(name: str, p: Plan, kind: str, in_dtype: torch.dtype, out_tag:
     return f"@triton.jit\ndef {name}({', '.join(params)}):\n{body}\n"
 
 
-def module_text(kind: str, acc_tag: str, kernels: Sequence[str]) -> str:
-    """One source file: imports, the max combine (if any), the kernels."""
+def module_text(kind: str, acc_tag: str, kernels: Sequence[str], helpers: str = "") -> str:
+    """One source file: imports, the max combine (if any), a prologue's helpers, the kernels."""
     parts = ["import triton\nimport triton.language as tl\n"]
     if kind == "max":
         parts.append((_MAX_COMBINE if acc_tag != "i64" else _MAX_COMBINE_INT).strip("\n") + "\n")
+    if helpers:
+        parts.append(helpers.strip("\n") + "\n")
     return "\n\n".join([*parts, *kernels])
 
 
@@ -197,6 +240,7 @@ class Reduction:
     out_shape: tuple[int, ...]
     acc_dtype: torch.dtype
     num_warps: int
+    chain: Chain | None = None  # a prologue (nova.fused "reduction"): the input computed from these operands
 
     @property
     def scratch_bytes(self) -> int:
@@ -205,33 +249,58 @@ class Reduction:
             return 0
         return self.plan.split * self.plan.R * self.acc_dtype.itemsize
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _inputs(self, x) -> tuple[list[torch.Tensor], list[int], bool, torch.device]:
+        """(tensors, strides, whether any span needs int64 offsets, device) of the
+        first pass's inputs: ``x`` itself, or with a prologue the list of its operands."""
         p = self.plan
-        if tuple(x.shape) != p.shape or x.dtype != self.in_dtype:
-            raise ValueError(f"{self.name}: input is {tuple(x.shape)} {x.dtype}, expected {p.shape} {self.in_dtype}")
-        out = result_tensor(self.name, out, self.out_shape, self.out_dtype, x.device)
+        if self.chain is None:
+            if tuple(x.shape) != p.shape or x.dtype != self.in_dtype:
+                raise ValueError(f"{self.name}: input is {tuple(x.shape)} {x.dtype}, "
+                                 f"expected {p.shape} {self.in_dtype}")
+            return [x], [x.stride(d) for d in range(x.dim()) if x.shape[d] > 1], span(x) > INT32_MAX, x.device
+        ops = self.chain.operands
+        if len(x) != len(ops):
+            raise ValueError(f"{self.name}: {len(x)} prologue operands, expected {len(ops)}")
+        strides, big = [], False
+        for k, (t, op) in enumerate(zip(x, ops)):
+            if tuple(t.shape) != tuple(op.shape) or t.dtype != op.dtype:
+                raise ValueError(f"{self.name}: prologue operand {k} is {tuple(t.shape)} {t.dtype}, "
+                                 f"expected {tuple(op.shape)} {op.dtype}")
+            strides += [t.stride(kd) for kd, _, _ in op.terms(len(p.shape))]
+            big = big or span(t) > INT32_MAX
+        return [storage_view(t) for t in x], strides, big, x[0].device
+
+    def __call__(self, x, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Reduces ``x`` (with a prologue: the list of its operands) into ``out``."""
+        p = self.plan
+        xs, strides, big, device = self._inputs(x)
+        out = result_tensor(self.name, out, self.out_shape, self.out_dtype, device)
         if out.numel() == 0:
             return out
-        strides = [x.stride(d) for d in range(x.dim()) if x.shape[d] > 1]
-        big = span(x) > INT32_MAX or p.R + p.block_r > INT32_MAX or p.C + p.chunk > INT32_MAX
+        big = big or p.R + p.block_r > INT32_MAX or p.C + p.chunk > INT32_MAX
         grid = (-(-p.R // p.block_r), p.split)
+        # no contraction of a prologue's mul with its add (or the accumulation) into an fma:
+        # the fused kernel rounds as the unfused ones do
+        opts = {"num_warps": self.num_warps, "enable_fp_fusion": False}
         if p.split == 1:
-            self.fns[0][grid](x, out, *strides, IDX64=big, num_warps=self.num_warps)
+            self.fns[0][grid](*xs, out, *strides, IDX64=big, **opts)
             return out
-        ws = torch.empty((p.split, p.R), dtype=self.acc_dtype, device=x.device)
-        self.fns[0][grid](x, ws, *strides, IDX64=big, num_warps=self.num_warps)
+        ws = torch.empty((p.split, p.R), dtype=self.acc_dtype, device=device)
+        self.fns[0][grid](*xs, ws, *strides, IDX64=big, **opts)
         q = self.second
         ws_strides = [ws.stride(d) for d in range(2) if ws.shape[d] > 1]
         ws_big = ws.numel() + q.block_r > INT32_MAX
-        self.fns[1][(-(-q.R // q.block_r), 1)](ws, out, *ws_strides, IDX64=ws_big, num_warps=self.num_warps)
+        self.fns[1][(-(-q.R // q.block_r), 1)](ws, out, *ws_strides, IDX64=ws_big, **opts)
         return out
 
 
 def reduction(
     kind: str, shape: Sequence[int], dims: Sequence[int], keepdim: bool, dtype: torch.dtype,
-    cfg: LoweringConfig | None = None,
+    cfg: LoweringConfig | None = None, chain: Chain | None = None, name: str | None = None,
 ) -> Reduction:  # fmt: skip
-    """The kernels of ``sum``/``max`` of a ``dtype`` tensor of ``shape`` over ``dims``."""
+    """The kernels of ``sum``/``max`` of a ``dtype`` tensor of ``shape`` over ``dims``;
+    with a prologue ``chain`` (one value: the input element, of ``dtype``), the input
+    computed from the chain's operands (named ``name``)."""
     shape = tuple(int(s) for s in shape)
     p = plan(shape, dims, cfg)
     if kind == "max" and p.C == 0:
@@ -240,35 +309,51 @@ def reduction(
     acc = _ACC.get(tag(dtype))
     if acc is None:
         raise UnsupportedError(f"nova.reduce_{kind}: cannot reduce {dtype} tensors")
-    base = f"nova_reduce_{kind}_{shape_name(shape)}_d{'_'.join(map(str, p.cols))}_{tag(dtype)}"
+    base = name or f"nova_reduce_{kind}_{shape_name(shape)}_d{'_'.join(map(str, p.cols))}_{tag(dtype)}"
     warps = cfg.num_warps if cfg is not None else 4
     acc_dtype = _ACC_TORCH[acc]
+    helpers = chain.helpers if chain is not None else ""
     if p.split == 1:
         n1 = sanitize(base)
-        src = module_text(kind, acc, [reduce_source(n1, p, kind, dtype, tag(dtype))])
-        return Reduction(base, src, p, (load(src, n1), None), None, dtype, dtype, out_shape, acc_dtype, warps)
+        src = module_text(kind, acc, [reduce_source(n1, p, kind, dtype, tag(dtype), chain)], helpers)
+        return Reduction(base, src, p, (load(src, n1), None), None, dtype, dtype, out_shape, acc_dtype, warps, chain)
     q = plan((p.split, p.R), (0,), None)  # pass 2: the [S, R] workspace over S, in one pass
     q = Plan(q.shape, q.rows, q.cols, q.R, q.C, q.inner, q.block_r, q.block_c, 1, -(-q.C // q.block_c) * q.block_c)
     n1, n2 = sanitize(f"{base}_split{p.split}"), sanitize(f"{base}_split{p.split}_final")
     src = module_text(
-        kind, acc, [reduce_source(n1, p, kind, dtype, acc), reduce_source(n2, q, kind, acc_dtype, tag(dtype))]
+        kind, acc, [reduce_source(n1, p, kind, dtype, acc, chain), reduce_source(n2, q, kind, acc_dtype, tag(dtype))],
+        helpers,
     )
-    return Reduction(base, src, p, (load(src, n1), load(src, n2)), q, dtype, dtype, out_shape, acc_dtype, warps)
+    return Reduction(base, src, p, (load(src, n1), load(src, n2)), q, dtype, dtype, out_shape, acc_dtype, warps, chain)
 
 
 @lowers(nv.ReduceSumOp, nv.ReduceMaxOp)
-def lower_reduce(op, cfg: LoweringConfig | None = None) -> Kernel:
-    """Any input strides (needs_contiguous is empty); ``dims=()`` is a copy."""
+def lower_reduce(
+    op, cfg: LoweringConfig | None = None, fusion: Fusion | None = None, name: str | None = None
+) -> Kernel:
+    """Any input strides (needs_contiguous is empty); ``dims=()`` is a copy. With a
+    ``fusion`` (nova.fused "reduction": a prologue computing the input, no
+    epilogue), ``launch`` takes the group's operands."""
     shape = shape_of(op.operands[0].type)
     dtype = to_torch_dtype(elem_of(op.operands[0].type))
     p = op.props()
     kind = "sum" if isinstance(op, nv.ReduceSumOp) else "max"
+    chain = None
+    if fusion is not None:
+        if fusion.epilogue is not None or fusion.outputs != (("head", 0),):
+            raise UnsupportedError(f"{op.name}: the reduce template takes a prologue only, no epilogue")
+        if fusion.prologue is not None and fusion.reads[0][0] == "prologue":
+            chain = fusion.prologue
     if not p["dims"]:
+        if chain is not None:
+            raise UnsupportedError(f"{op.name}: a prologue before a reduction over no dims (a copy)")
         return copy_kernel(shape, dtype, cfg)
-    r = reduction(kind, shape, p["dims"], p["keepdim"], dtype, cfg)
+    r = reduction(kind, shape, p["dims"], p["keepdim"], dtype, cfg, chain, name)
 
     def launch(xs, outs=None, device=None):
-        return [r(xs[0], only_out(outs))]
+        if chain is not None:
+            return [r([xs[k] for k in chain.inputs], only_out(outs))]
+        return [r(xs[fusion.direct(0)] if fusion is not None else xs[0], only_out(outs))]
 
     return Kernel(name=r.name, source=r.source, launch=launch, config=cfg, extra={"split": r.plan.split},
                   scratch_bytes=r.scratch_bytes)  # fmt: skip

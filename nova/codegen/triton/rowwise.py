@@ -26,6 +26,12 @@ Design choices, and why:
   row's loss is NaN and their gradient row the plain softmax. The launcher does
   not look at them (that would wait for the device): the guard stage counts them
   on the device and keeps the step from taking effect (nova.transforms.guard).
+* layer_norm and its backward take a prologue and an epilogue (nova.fused
+  "reduction", ``RowFusion``): the row operands computed in registers where they
+  would be loaded, the elementwise ops on the first result applied to the row
+  before the store (its f32 form stored only where the group yields it). Both
+  compile without floating-point contraction (``_NO_CONTRACT``), fused or not, so
+  the two forms round alike, bit for bit.
 * ``launch(inputs, outs)`` writes into ``outs`` when given (``results``);
   ``Kernel.scratch_bytes`` is exact: the cross-row partials, the row sums of a
   looping layer_norm backward, the cross-entropy loss rows or its scale.
@@ -39,6 +45,7 @@ import textwrap
 
 import torch
 
+from nova.codegen.triton.elementwise import Fusion, UnsupportedError, convert, storage_view, tag
 from nova.codegen.triton.lowering import Kernel, lowers
 from nova.codegen.triton.source import load_kernel
 from nova.ir import dialect as nv
@@ -114,6 +121,13 @@ def _effective(cfg: LoweringConfig | None, block: int, warps: int) -> LoweringCo
     if cfg is not None:
         return dataclasses.replace(cfg, block=block, num_warps=warps)
     return LoweringConfig(kind="reduction", block=block, num_warps=warps, regime="memory-bound")
+
+
+# layer_norm and its backward compile without floating-point contraction, as the
+# pointwise kernels: with an epilogue the last multiply of their own math would
+# otherwise merge with the epilogue's add into an fma the unfused kernels cannot
+# form, so the fused and unfused forms round alike only when neither contracts
+_NO_CONTRACT = {"enable_fp_fusion": False}
 
 
 def _launch_options(cfg: LoweringConfig | None, warps: int) -> dict:
@@ -261,6 +275,126 @@ def _shape_name(shape) -> str:
 
 def _plan_line(dtype, block: int, looping: bool) -> str:
     return f"{str(dtype).removeprefix('torch.')}, block {block}, {'column loop' if looping else 'row in registers'}"
+
+
+# --------------------------------------------------------------------------- prologues and epilogues
+
+
+class RowFusion:
+    """The code a row kernel runs around its own math for a nova.fused "reduction"
+    group (``Fusion``; the plain op when None): the head's row operands loaded as
+    they are or computed by the prologue chain, the epilogue chain on the head's
+    first result, and which head results are stored. A chain operand is read at
+    the row's elements through its own strides (its shape right-aligned to the row
+    tensor's: a broadcast bias, a per-row scalar, a 0-d value read in place); the
+    epilogue's values are written contiguously at the row's flat index, as the
+    head's own first result."""
+
+    def __init__(self, fusion: Fusion | None, n_operands: int, n_results: int, rows: Rows, acc: str):
+        self.f = fusion or Fusion.plain(n_operands, n_results)
+        self.rows, self.acc, self.n = rows, acc, rows.n
+        self.rank = len(rows.shape)
+
+    def direct(self, j: int) -> bool:
+        return self.f.direct(j) is not None
+
+    def stored(self, i: int) -> bool:
+        return self.f.stored(i)
+
+    def _chains(self):
+        return [c for c in (self.f.prologue, self.f.epilogue) if c is not None]
+
+    def params(self) -> list[str]:
+        """Pointers: each chain's operands, then the epilogue's outputs."""
+        out = [f"{c.prefix}ptr{k}" for c in self._chains() for k in range(len(c.operands))]
+        return out + [f"qout{j}" for j in range(len(self.f.stores))]
+
+    def stride_params(self) -> list[str]:
+        return [f"{c.prefix}s{k}_{kd}" for c in self._chains() for k, op in enumerate(c.operands)
+                for kd, _, _ in op.terms(self.rank)]  # fmt: skip
+
+    def args(self, xs) -> tuple[list, list[int]]:
+        """(pointer arguments, stride arguments) from the group's operands ``xs``."""
+        ptrs, strides = [], []
+        for c in self._chains():
+            for k, op in zip(c.inputs, c.operands, strict=True):
+                t = xs[k]
+                ptrs.append(storage_view(t))
+                strides += [t.stride(kd) for kd, _, _ in op.terms(self.rank)]
+        return ptrs, strides
+
+    def row_lines(self) -> str:
+        """Per row (after the decode): each chain operand's row pointer."""
+        lines = []
+        for c in self._chains():
+            for k, op in enumerate(c.operands):
+                terms = [f"i{d} * {c.prefix}s{k}_{kd}" for kd, d, _ in op.terms(self.rank) if d < self.rank - 1]
+                lines.append(f"{c.prefix}row{k} = {c.prefix}ptr{k} + ({' + '.join(terms) or '0'})")
+        return "\n".join(lines)
+
+    def _loads(self, c, cvar: str, mask: str | None) -> list[str]:
+        lines = []
+        m = f", mask={mask}, other=0" if mask else ""
+        for k, op in enumerate(c.operands):
+            col = [kd for kd, d, _ in op.terms(self.rank) if d == self.rank - 1]
+            if col:
+                lines.append(f"{c.prefix}x{k} = tl.load({c.prefix}row{k} + {cvar} * {c.prefix}s{k}_{col[0]}{m})")
+            else:  # one value per row (or per step)
+                lines.append(f"{c.prefix}x{k} = tl.load({c.prefix}row{k})")
+        return lines + c.body.splitlines()
+
+    def operand(self, j: int, name: str, direct: str, cvar: str, mask: str | None) -> str:
+        """Lines setting ``name`` (the head's operand ``j`` at columns ``cvar``, in
+        the statistics type, masked lanes 0): ``direct`` (the plain load's
+        expression) or the prologue's value (the prologue computed here first, once
+        for all the operands read at this site: call ``prologue`` before)."""
+        if self.direct(j):
+            return f"{name} = {direct}"
+        var, vtag = self.f.prologue.values[self.f.reads[j][1]]
+        value = convert(var, vtag, _TAG_OF[self.acc])
+        return f"{name} = tl.where({mask}, {value}, 0.0)" if mask else f"{name} = {value}"
+
+    def prologue(self, cvar: str, mask: str | None) -> str:
+        """The prologue's loads and chain at columns ``cvar`` (nothing without one)."""
+        return "\n".join(self._loads(self.f.prologue, cvar, mask)) if self.f.prologue is not None else ""
+
+    def epilogue(self, value: str, out: str, cvar: str, mask: str | None) -> str:
+        """After the head computed its first result ``value`` (statistics type) at
+        columns ``cvar``: the epilogue on its stored form (as the unfused op stores
+        it, type ``out``) and its stores."""
+        c = self.f.epilogue
+        if c is None:
+            return ""
+        lines = [f"qin = {convert(value, _TAG_OF[self.acc], c.in_tag)}", *self._loads(c, cvar, mask)]
+        m = f", mask={mask}" if mask else ""
+        for j, ((var, vtag), dtype) in enumerate(zip(c.values, self.f.stores, strict=True)):
+            lines.append(f"tl.store(qout{j} + row * {self.n} + {cvar}, {convert(var, vtag, tag(dtype))}{m})")
+        return "\n".join(lines)
+
+    @property
+    def helpers(self) -> str:
+        return self.f.helpers
+
+
+_TAG_OF = {"tl.float32": "f32", "tl.float64": "f64"}
+
+
+def _fusion_outputs(name: str, fusion: Fusion | None, specs, outs, device) -> tuple[list, list]:
+    """(the head's result tensors, None where not stored; every output in the
+    group's order) for one launch."""
+    if fusion is None:
+        res = results(name, specs, outs, device)
+        return res, res
+    out_specs = [specs[i] if how == "head" else (specs[0][0], fusion.stores[i]) for how, i in fusion.outputs]
+    res = results(name, out_specs, outs, device)
+    return [res[fusion.head_output(i)] if fusion.stored(i) else None for i in range(len(specs))], res
+
+
+def _epilogue_outs(res: list, fusion: Fusion | None) -> list:
+    """The epilogue's output tensors among a launch's results, in store order."""
+    if fusion is None:
+        return []
+    return [res[fusion.outputs.index(("epilogue", j))] for j in range(len(fusion.stores))]
 
 
 # --------------------------------------------------------------------------- softmax / log_softmax
@@ -424,95 +558,127 @@ def lower_log_softmax_backward(
 # --------------------------------------------------------------------------- layer_norm
 
 
-def layer_norm_source(shape, dtype, eps: float, block: int, looping: bool) -> str:
+def layer_norm_source(shape, dtype, eps: float, block: int, looping: bool, fusion: Fusion | None = None) -> str:
     """y = (x - mean) * rstd * w + b over the last dim, with the biased variance and
-    rstd = rsqrt(var + eps), as the reference; mean and rstd are outputs too."""
+    rstd = rsqrt(var + eps), as the reference; mean and rstd are outputs too. With
+    a ``fusion`` (nova.fused "reduction"): x computed by the prologue, y fed to the
+    epilogue, and only the results the group yields stored."""
     rows = Rows(shape, len(shape) - 1)
     n, acc, out = rows.n, acc_type(dtype), _TL[dtype]
+    rf = RowFusion(fusion, 3, 3, rows, acc)
     head = f"""
         row = tl.program_id(0).to(tl.int64)
         {{decode}}
-        x_row = x_ptr + ({rows.offset('sx')})
-        y_row = y_ptr + row * {n}
         cols = tl.arange(0, BLOCK)
     """.replace("{decode}", "\n        ".join(rows.decode().splitlines()) or "pass")
+    ptrs = [("x_row", f"x_ptr + ({rows.offset('sx')})")] if rf.direct(0) else []
+    ptrs += [("y_row", f"y_ptr + row * {n}")] if rf.stored(0) else []
+    head = _code(head, "\n".join(f"{v} = {e}" for v, e in ptrs), rf.row_lines())
+
+    def x_at(c: str, mask: str | None) -> str:
+        other = f", mask={mask}, other=0.0" if mask else ""
+        return _code(rf.prologue(c, mask), rf.operand(0, "x", f"tl.load(x_row + {c} * sxc{other}).to({acc})", c, mask))
+
+    def y_out(c: str, mask: str | None) -> str:
+        m = f", mask={mask}" if mask else ""
+        store = f"tl.store(y_row + {c}, y.to({out}){m})" if rf.stored(0) else ""
+        return _code(store, rf.epilogue("y", out, c, mask))
+
     if not looping:
-        mask = _mask(n, block)
-        ld, stm = _masked(n, block)
+        mask = None if n == block else _mask(n, block)
+        ld, _ = _masked(n, block)
         center = "x - mean" if n == block else f"tl.where({mask}, x - mean, 0.0)"
-        body = f"""
-            x = tl.load(x_row + cols * sxc{ld(0.0)}).to({acc})
+        body = _code(x_at("cols", mask), f"""
             mean = tl.sum(x, axis=0) / {n}
             xc = {center}
             rstd = tl.rsqrt(tl.sum(xc * xc, axis=0) / {n} + EPS)
             w = tl.load(w_ptr + cols * swc{ld(0.0)}).to({acc})
             b = tl.load(b_ptr + cols * sbc{ld(0.0)}).to({acc})
-            tl.store(y_row + cols, (xc * rstd * w + b).to({out}){stm})
-        """
+            y = xc * rstd * w + b
+        """, y_out("cols", mask))
     else:  # three passes: mean, then the centered variance (exact as the reference), then y
-        body = f"""
-            part = tl.zeros((BLOCK,), {acc})
-            for c0 in range(0, {n}, BLOCK):
-                c = c0 + cols
-                part += tl.load(x_row + c * sxc, mask=c < {n}, other=0.0).to({acc})
+        m = f"c < {n}"
+        loop = f"for c0 in range(0, {n}, BLOCK):\n    c = c0 + cols"
+        body = _code(f"part = tl.zeros((BLOCK,), {acc})", loop, (x_at("c", m), 1), ("part += x", 1), f"""
             mean = tl.sum(part, axis=0) / {n}
             part = tl.zeros((BLOCK,), {acc})
-            for c0 in range(0, {n}, BLOCK):
-                c = c0 + cols
-                x = tl.load(x_row + c * sxc, mask=c < {n}, other=0.0).to({acc})
-                xc = tl.where(c < {n}, x - mean, 0.0)
-                part += xc * xc
-            rstd = tl.rsqrt(tl.sum(part, axis=0) / {n} + EPS)
-            for c0 in range(0, {n}, BLOCK):
-                c = c0 + cols
-                x = tl.load(x_row + c * sxc, mask=c < {n}, other=0.0).to({acc})
-                w = tl.load(w_ptr + c * swc, mask=c < {n}, other=0.0).to({acc})
-                b = tl.load(b_ptr + c * sbc, mask=c < {n}, other=0.0).to({acc})
-                tl.store(y_row + c, ((x - mean) * rstd * w + b).to({out}), mask=c < {n})
-        """
-    tail = f"""
-        tl.store(mean_ptr + row, mean.to({out}))
-        tl.store(rstd_ptr + row, rstd.to({out}))
-    """
-    params = ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "mean_ptr", "rstd_ptr", *rows.params("sx"), "swc", "sbc"]
+        """, loop, (x_at("c", m), 1), (f"""
+            xc = tl.where(c < {n}, x - mean, 0.0)
+            part += xc * xc
+        """, 1), f"rstd = tl.rsqrt(tl.sum(part, axis=0) / {n} + EPS)", loop, (x_at("c", m), 1), (f"""
+            w = tl.load(w_ptr + c * swc, mask=c < {n}, other=0.0).to({acc})
+            b = tl.load(b_ptr + c * sbc, mask=c < {n}, other=0.0).to({acc})
+            y = (x - mean) * rstd * w + b
+        """, 1), (y_out("c", m), 1))
+    tail = "\n".join([*(["tl.store(mean_ptr + row, mean.to({}))".format(out)] if rf.stored(1) else []),
+                      *(["tl.store(rstd_ptr + row, rstd.to({}))".format(out)] if rf.stored(2) else [])])  # fmt: skip
+    params = [*(["x_ptr"] if rf.direct(0) else []), "w_ptr", "b_ptr"]
+    params += [p for i, p in enumerate(("y_ptr", "mean_ptr", "rstd_ptr")) if rf.stored(i)]
+    params += [*rf.params(), *(rows.params("sx") if rf.direct(0) else []), "swc", "sbc", *rf.stride_params()]
     header = _header("layer_norm", f"shape {list(shape)}, eps {eps!r}, {_plan_line(dtype, block, looping)}",
                      {"BLOCK": block, "EPS": float(eps)})
-    return header + _kernel("layer_norm_kernel", params, _code(head, body, tail))
+    helpers = ("\n" + rf.helpers.strip("\n") + "\n") if rf.helpers else ""
+    return header + helpers + _kernel("layer_norm_kernel", params, _code(head, body, tail))
+
+
+def _fused_head(op, fusion: Fusion | None, row_operands: tuple[int, ...]) -> None:
+    """A row template's checks of a ``fusion``: the operands it cannot compute in a
+    prologue are the group's own."""
+    if fusion is None:
+        return
+    for j in range(len(op.operands)):
+        if j not in row_operands and fusion.direct(j) is None:
+            raise UnsupportedError(f"{op.name}: operand {j} cannot come from a prologue")
 
 
 @lowers(nv.LayerNormOp)
-def lower_layer_norm(op, cfg: LoweringConfig | None = None, *, max_row_block: int = ROW_BLOCK_LIMIT, **_) -> Kernel:
+def lower_layer_norm(op, cfg: LoweringConfig | None = None, *, max_row_block: int = ROW_BLOCK_LIMIT,
+                     fusion: Fusion | None = None, name: str | None = None, **_) -> Kernel:
+    """With a ``fusion`` (nova.fused "reduction"), ``launch`` takes the group's
+    operands and writes its results."""
+    _fused_head(op, fusion, (0,))
     shape, dtype = shape_of(op.operands[0].type), torch_dtype(op.operands[0].type)
     rows = Rows(shape, len(shape) - 1)
     block, looping, warps = row_plan(rows.n, cfg, max_row_block)
-    src = layer_norm_source(shape, dtype, op.props()["eps"], block, looping)
+    src = layer_norm_source(shape, dtype, op.props()["eps"], block, looping, fusion)
     kernel, _ = load_kernel(src, "layer_norm_kernel")
-    name = f"nova_layer_norm_{_shape_name(shape)}"
-    opts = _launch_options(cfg, warps)
+    name = name or f"nova_layer_norm_{_shape_name(shape)}"
+    opts = {**_launch_options(cfg, warps), **_NO_CONTRACT}
     specs = result_specs(op)
+    rf = RowFusion(fusion, 3, 3, rows, acc_type(dtype))
 
     def launch(inputs, outs=None):
-        _check_inputs(name, op, inputs)
-        x, w, b = inputs
-        y, mean, rstd = results(name, specs, outs, x.device)
-        if y.numel():
-            _check_span(name, rows.n, block, x.stride(-1), w.stride(0), b.stride(0))
-            kernel[(rows.count,)](x, w, b, y, mean, rstd, *rows.args(x), w.stride(0), b.stride(0), **opts)
-        elif mean.numel():  # rows of no elements: the mean of nothing
-            mean.fill_(float("nan"))
-            rstd.fill_(float("nan"))
-        return [y, mean, rstd]
+        if fusion is None:
+            _check_inputs(name, op, inputs)
+            x, w, b = inputs
+        else:
+            x, w, b = (inputs[k] if k is not None else None for k in (fusion.direct(j) for j in range(3)))
+        dev = inputs[0].device
+        (y, mean, rstd), res = _fusion_outputs(name, fusion, specs, outs, dev)
+        if rows.count and rows.n:
+            _check_span(name, rows.n, block, w.stride(0), b.stride(0), *([x.stride(-1)] if x is not None else []))
+            ptrs, strides = rf.args(inputs)
+            kernel[(rows.count,)](*([x] if x is not None else []), w, b, *(t for t in (y, mean, rstd) if t is not None),
+                                  *ptrs, *_epilogue_outs(res, fusion), *(rows.args(x) if x is not None else []),
+                                  w.stride(0), b.stride(0), *strides, **opts)  # fmt: skip
+        elif rows.count:  # rows of no elements: the mean of nothing
+            for t in (mean, rstd):
+                if t is not None:
+                    t.fill_(float("nan"))
+        return res
 
     return Kernel(name, src, launch, config=_effective(cfg, block, warps), extra={"looping": looping})
 
 
-def layer_norm_backward_source(shape, dtype, block: int, looping: bool) -> str:
+def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: Fusion | None = None) -> str:
     """Program p takes ROWS_PER_PROG consecutive rows: grad_input row by row, and its
     partial column sums of g * xhat and g into row p of buffers [P, n] (fp32, fp64
-    for f64); the
-    ``colsum`` kernel then adds the P partials in order."""
+    for f64); the ``colsum`` kernel then adds the P partials in order. With a
+    ``fusion`` (nova.fused "reduction"): g and x computed by the prologue, grad_input
+    fed to the epilogue (stored only where the group yields it)."""
     rows = Rows(shape, len(shape) - 1)
     n, acc, out = rows.n, acc_type(dtype), _TL[dtype]
+    rf = RowFusion(fusion, 5, 3, rows, acc)
     head = f"""
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -521,17 +687,30 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool) -> str:
         pw_row = pw_ptr + pid.to(tl.int64) * {n}
         pb_row = pb_ptr + pid.to(tl.int64) * {n}
     """
-    row_head = f"""
+    ptrs = [("x_row", f"x_ptr + ({rows.offset('sx')})")] if rf.direct(1) else []
+    ptrs += [("g_row", f"g_ptr + ({rows.offset('sg')})")] if rf.direct(0) else []
+    ptrs += [("d_row", f"d_ptr + row * {n}")] if rf.stored(0) else []
+    row_head = _code(f"""
         {{decode}}
-        x_row = x_ptr + ({rows.offset('sx')})
-        g_row = g_ptr + ({rows.offset('sg')})
-        d_row = d_ptr + row * {n}
         mean = tl.load(mean_ptr + ({rows.offset('sm')})).to({acc})
         rstd = tl.load(rstd_ptr + ({rows.offset('sr')})).to({acc})
-    """.replace("{decode}", "\n        ".join(rows.decode().splitlines()) or "pass")
+    """.replace("{decode}", "\n        ".join(rows.decode().splitlines()) or "pass"),
+        "\n".join(f"{v} = {e}" for v, e in ptrs), rf.row_lines())  # fmt: skip
     grad = f"d = rstd / {n} * ({n} * gxhat - c1 - xhat * c2)"
+
+    def xg_at(c: str, mask: str | None) -> str:
+        other = f", mask={mask}, other=0.0" if mask else ""
+        return _code(rf.prologue(c, mask),
+                     rf.operand(1, "x", f"tl.load(x_row + {c} * sxc{other}).to({acc})", c, mask),
+                     rf.operand(0, "g", f"tl.load(g_row + {c} * sgc{other}).to({acc})", c, mask))
+
+    def d_out(c: str, mask: str | None) -> str:
+        m = f", mask={mask}" if mask else ""
+        store = f"tl.store(d_row + {c}, d.to({out}){m})" if rf.stored(0) else ""
+        return _code(store, rf.epilogue("d", out, c, mask))
+
     if not looping:
-        mask = _mask(n, block)
+        mask = None if n == block else _mask(n, block)
         ld, stm = _masked(n, block)
         xhat = "(x - mean) * rstd" if n == block else f"tl.where({mask}, (x - mean) * rstd, 0.0)"
         body = _code(f"""
@@ -539,15 +718,13 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool) -> str:
             part_w = tl.zeros((BLOCK,), {acc})
             part_b = tl.zeros((BLOCK,), {acc})
             for row in range(row_start, row_end):
-        """, (row_head, 1), (f"""
-            x = tl.load(x_row + cols * sxc{ld(0.0)}).to({acc})
-            g = tl.load(g_row + cols * sgc{ld(0.0)}).to({acc})
+        """, (row_head, 1), (xg_at("cols", mask), 1), (f"""
             xhat = {xhat}
             gxhat = g * w
             c1 = tl.sum(gxhat, axis=0)
             c2 = tl.sum(gxhat * xhat, axis=0)
             {grad}
-            tl.store(d_row + cols, d.to({out}){stm})
+        """, 1), (d_out("cols", mask), 1), (f"""
             part_w += g * xhat
             part_b += g
         """, 1), f"""
@@ -558,12 +735,11 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool) -> str:
         # Phase A: the row sums c1, c2 of every row, into [rows] buffers. Phase B, per
         # column block: grad_input of every row and the block's partial sums, held in
         # registers across the rows (no read-modify-write of the partial rows).
-        load2 = f"""
-            x = tl.load(x_row + c * sxc, mask=c < {n}, other=0.0).to({acc})
-            g = tl.load(g_row + c * sgc, mask=c < {n}, other=0.0).to({acc})
+        m = f"c < {n}"
+        load2 = _code(xg_at("c", m), f"""
             xhat = tl.where(c < {n}, (x - mean) * rstd, 0.0)
             gxhat = g * w
-        """
+        """)
         body = _code("for row in range(row_start, row_end):", (row_head, 1), (f"""
             a1 = tl.zeros((BLOCK,), {acc})
             a2 = tl.zeros((BLOCK,), {acc})
@@ -586,20 +762,24 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool) -> str:
             c1 = tl.load(c1_ptr + row)
             c2 = tl.load(c2_ptr + row)
             {grad}
-            tl.store(d_row + c, d.to({out}), mask=c < {n})
+        """, 2), (d_out("c", m), 2), (f"""
             part_w += g * xhat
             part_b += g
         """, 2), (f"""
             tl.store(pw_row + c, part_w, mask=c < {n})
             tl.store(pb_row + c, part_b, mask=c < {n})
         """, 1))
-    params = ["g_ptr", "x_ptr", "w_ptr", "mean_ptr", "rstd_ptr", "d_ptr", "pw_ptr", "pb_ptr"]
+    params = [*(["g_ptr"] if rf.direct(0) else []), *(["x_ptr"] if rf.direct(1) else []), "w_ptr", "mean_ptr",
+              "rstd_ptr", *(["d_ptr"] if rf.stored(0) else []), "pw_ptr", "pb_ptr"]  # fmt: skip
     params += ["c1_ptr", "c2_ptr"] if looping else []
+    params += rf.params()
     # mean and rstd have the leading dims' shape: read through their strides by the same row index
     stat_strides = [f"s{p}{k}" for p in ("m", "r") for k in rows.live]
-    params += [*rows.params("sg"), *rows.params("sx"), "swc", *stat_strides, "ROWS_PER_PROG"]
+    params += [*(rows.params("sg") if rf.direct(0) else []), *(rows.params("sx") if rf.direct(1) else []), "swc",
+               *stat_strides, *rf.stride_params(), "ROWS_PER_PROG"]  # fmt: skip
     header = _header("layer_norm_backward", f"shape {list(shape)}, {_plan_line(dtype, block, looping)}", {"BLOCK": block})
-    return (header + _kernel("layer_norm_backward_kernel", params, _code(head, body))
+    helpers = ("\n" + rf.helpers.strip("\n") + "\n") if rf.helpers else ""
+    return (header + helpers + _kernel("layer_norm_backward_kernel", params, _code(head, body))
             + colsum_source("layer_norm_backward_colsum", n, acc, out))
 
 
@@ -624,12 +804,16 @@ def colsum_source(name: str, n: int, acc: str, out: str) -> str:
 @lowers(nv.LayerNormBackwardOp)
 def lower_layer_norm_backward(
     op, cfg: LoweringConfig | None = None, *, max_row_block: int = LN_BWD_BLOCK_LIMIT,
-    partial_programs: int | None = None, **_,
+    partial_programs: int | None = None, fusion: Fusion | None = None, name: str | None = None, **_,
 ) -> Kernel:
     """``partial_programs`` fixes the number of partial-sum programs (default
     PARTIALS_PER_SM per SM of the lowering device, at most one per row); the weight
     and bias gradients are deterministic for a given count. The count is fixed here,
-    so the partial buffers (the launch's scratch) have a size known before the step."""
+    so the partial buffers (the launch's scratch) have a size known before the step.
+    With a ``fusion`` (nova.fused "reduction"), ``launch`` takes the group's operands
+    and writes its results (a weight or bias gradient it does not yield is written
+    to scratch)."""
+    _fused_head(op, fusion, (0, 1))
     shape, dtype = shape_of(op.operands[1].type), torch_dtype(op.operands[1].type)
     rows = Rows(shape, len(shape) - 1)
     n = rows.n
@@ -645,39 +829,47 @@ def lower_layer_norm_backward(
         # pointers of x, g and dx, 16 per thread (8 warps at 4096) needs ~250 registers
         # on sm_90 and leaves one program per SM
         warps = min(16, max(4, block // 256))
-    src = layer_norm_backward_source(shape, dtype, block, looping)
+    src = layer_norm_backward_source(shape, dtype, block, looping, fusion)
     main, _ = load_kernel(src, "layer_norm_backward_kernel")
     colsum, _ = load_kernel(src, "layer_norm_backward_colsum")
-    name = f"nova_layer_norm_backward_{_shape_name(shape)}"
-    opts = _launch_options(cfg, warps)
+    name = name or f"nova_layer_norm_backward_{_shape_name(shape)}"
+    opts = {**_launch_options(cfg, warps), **_NO_CONTRACT}
     specs = result_specs(op)
+    rf = RowFusion(fusion, 5, 3, rows, acc_type(dtype))
     progs = max(1, min(rows.count, partial_programs or PARTIALS_PER_SM * _num_sms(lowering_device())))
     per = -(-rows.count // progs)
     progs = -(-rows.count // per) if rows.count else 0  # no program without rows
     stat = torch.float64 if dtype == torch.float64 else torch.float32
-    # pw and pb [progs, n]; a looping kernel also keeps two row sums per row
+    # pw and pb [progs, n]; a looping kernel also keeps two row sums per row; the gradients a group does not yield
     scratch = (2 * nbytes((progs, n), stat) + (2 * nbytes((rows.count,), stat) if looping else 0)) if n else 0
+    scratch += sum(nbytes(*specs[i]) for i in (1, 2) if not rf.stored(i))
 
     def launch(inputs, outs=None):
-        _check_inputs(name, op, inputs)
-        g, x, w, mean, rstd = inputs
-        dev = x.device
-        dx, dw, db = results(name, specs, outs, dev)
+        if fusion is None:
+            _check_inputs(name, op, inputs)
+        g, x, w, mean, rstd = (inputs[k] if k is not None else None for k in (rf.f.direct(j) for j in range(5)))
+        dev = inputs[0].device
+        (dx, dw, db), res = _fusion_outputs(name, fusion, specs, outs, dev)
+        dw = dw if dw is not None else torch.empty(specs[1][0], dtype=specs[1][1], device=dev)
+        db = db if db is not None else torch.empty(specs[2][0], dtype=specs[2][1], device=dev)
         if n == 0:
-            return [dx, dw, db]
+            return res
         if rows.count == 0:
-            return [dx, dw.zero_(), db.zero_()]
-        _check_span(name, n, block, g.stride(-1), x.stride(-1), w.stride(0))
+            dw.zero_(), db.zero_()
+            return res
+        _check_span(name, n, block, w.stride(0), *(t.stride(-1) for t in (g, x) if t is not None))
         pw = torch.empty((progs, n), dtype=stat, device=dev)
         pb = torch.empty((progs, n), dtype=stat, device=dev)
         row_sums = [torch.empty((rows.count,), dtype=stat, device=dev) for _ in range(2)] if looping else []
         stat_strides = [t.stride(k) for t in (mean, rstd) for k in rows.live]
+        ptrs, strides = rf.args(inputs)
         main[(progs,)](
-            g, x, w, mean, rstd, dx, pw, pb, *row_sums, *rows.args(g), *rows.args(x), w.stride(0),
-            *stat_strides, per, **opts,
-        )
+            *(t for t in (g, x) if t is not None), w, mean, rstd, *([dx] if dx is not None else []), pw, pb,
+            *row_sums, *ptrs, *_epilogue_outs(res, fusion), *(rows.args(g) if g is not None else []),
+            *(rows.args(x) if x is not None else []), w.stride(0), *stat_strides, *strides, per, **opts,
+        )  # fmt: skip
         colsum[(-(-n // _COLSUM_N),)](pw, pb, dw, db, progs, num_warps=4)
-        return [dx, dw, db]
+        return res
 
     return Kernel(name, src, launch, config=_effective(cfg, block, warps), extra={"looping": looping},
                   scratch_bytes=scratch)
