@@ -1,12 +1,17 @@
 """The fuse stage: groups of elementwise ops become one ``nova.fused`` op each
 (one generated kernel in the Triton backend, ``nova/codegen/triton/fused.py``),
-and a contraction with the elementwise ops that consume its result becomes one
+a contraction with the elementwise ops that consume its result becomes one
 ``nova.fused "contraction"`` op (its epilogue: one matmul kernel,
-``nova/codegen/triton/matmul.py``).
+``nova/codegen/triton/matmul.py``), and a reduction with the elementwise ops
+that produce its input and consume its rows becomes one ``nova.fused
+"reduction"`` op (its prologue and epilogue: one launch of its template,
+``reduce.py`` / ``rowwise.py``).
 
 Grouping reads only op categories (``NovaOp.CATEGORY``, and ``NovaOp.EPILOGUE``
-for the contractions whose kernel takes an epilogue): an op added later with
-category elementwise fuses without new code here, into loops and epilogues.
+for the contractions and row-wise reductions whose kernel takes an epilogue,
+``NovaOp.PROLOGUE`` for the reductions whose kernel computes operands in a
+prologue): an op added later with category elementwise fuses without new code
+here, into loops, prologues and epilogues.
 
   vertical     an elementwise op joins the group of an elementwise producer of
                the same iteration shape (its result shape). Operands of another
@@ -61,6 +66,34 @@ category elementwise fuses without new code here, into loops and epilogues.
                where the schedule planned two), against 0.45 ms for GELU's
                backward alone (12; 104 registers) plus 0.16 ms for the recompute
                in its own elementwise kernel. The forward's bias + GELU (9) stays.
+               The budget is a matmul epilogue's: a reduction's prologue and
+               epilogue (below) run in memory-bound kernels and have none (what a
+               long chain costs there is not measured).
+  prologue     (input fusion) elementwise ops whose only reader is a reduction
+               that takes a prologue (``PROLOGUE``: reduce_sum / reduce_max's input,
+               layer_norm's x, layer_norm_backward's grad and x), at such an operand,
+               with that operand's shape, join the reduction's group: its kernel
+               computes them where it would have loaded the operand (a bias
+               gradient's sum reads the bf16 gradient and widens it in registers;
+               a LayerNorm backward widens its bf16 incoming gradient). A reshape
+               between them moves above the op (the view rule below). Until the
+               reduction is reached, such an op only merges where the merged group
+               could still be its prologue; a widening op (its result wider than
+               the value it reads) reading a contraction's result or a row-wise
+               reduction's first result waits for the prologue instead of joining
+               that epilogue (the producer then writes the narrow value: half the
+               bytes written and read), any other joins the epilogue.
+  reduction    (row epilogue) an elementwise op reading the first result of a
+  epilogue     row-wise reduction that takes an epilogue (``EPILOGUE``: layer_norm
+               and its backward), with that result's shape, joins its group, and
+               the chain below it by the vertical rule: LayerNorm's output cast to
+               bf16 (the f32 output is no longer written where nothing else reads
+               it), the residual gradient's add after a LayerNorm backward and the
+               casts of the sum. The kernel computes them on the row in registers;
+               the reduction's other results (mean, rstd, the weight and bias
+               gradients, finished only after every row) are never read inside.
+               One reduction per group; ops that recompute their flat index stay
+               outside.
   no prologue  a cast feeding a matmul operand stays its own kernel (or joins its
                producer's group). In a training step such a cast's result (a
                LayerNorm output or a weight in bf16) is read by two matmuls, the
@@ -104,7 +137,7 @@ from xdsl.passes import ModulePass
 
 from nova.ir import dialect as nv
 from nova.ir.module import result_slots, return_op, step_func
-from nova.ir.types import elem_of, numel, shape_of, tensor
+from nova.ir.types import elem_of, numel, shape_of, tensor, to_torch_dtype
 from nova.schedule.cost import flops_per_element
 from nova.transforms.plan_memory import UPDATED_ROLES
 
@@ -139,6 +172,28 @@ def epilogue_head(op: Operation) -> bool:
     return all(numel(shape_of(v.type)) > 0 for v in (*op.operands, *op.results))
 
 
+def reduction_head(op: Operation) -> bool:
+    """A reduction whose kernel takes a prologue (``NovaOp.PROLOGUE``) or an epilogue
+    on its first result's rows (``NovaOp.EPILOGUE``), nothing empty."""
+    if not isinstance(op, nv.NovaOp) or op.CATEGORY != "reduction" or not (op.PROLOGUE or op.EPILOGUE):
+        return False
+    return all(numel(shape_of(v.type)) > 0 for v in (*op.operands, *op.results))
+
+
+def prologue_shape(head: Operation) -> tuple[int, ...] | None:
+    """The shape of a reduction head's prologue operands (None: it takes none)."""
+    return shape_of(head.operands[head.PROLOGUE[0]].type) if head.PROLOGUE else None
+
+
+def epilogue_shape(head: Operation) -> tuple[int, ...] | None:
+    """The shape a reduction head's epilogue runs over: its first result's, the
+    prologue's (a row-wise op); None where it takes no epilogue."""
+    if not head.EPILOGUE:
+        return None
+    shape = shape_of(head.results[0].type)
+    return shape if not head.PROLOGUE or shape == prologue_shape(head) else None
+
+
 def relabels_rows(op: Operation) -> bool:
     """A reshape of a contraction result that keeps the last dim: the epilogue
     reads the tile's rows under the new leading dims (the row-major flat index of
@@ -153,6 +208,10 @@ def _scalar(v: SSAValue) -> bool:
     return numel(shape_of(v.type)) == 1
 
 
+def _itemsize(v: SSAValue) -> int:
+    return to_torch_dtype(elem_of(v.type)).itemsize
+
+
 @dataclass(eq=False)
 class Node:
     """A group under construction: ``members`` in block order, placed at ``pos``."""
@@ -161,8 +220,10 @@ class Node:
     pos: int
     shape: tuple[int, ...] | None  # the iteration shape (None: not an elementwise node)
     fused: bool = True  # False for ops that are never grouped (opaque, layout, the return)
-    kind: str = "elementwise"  # "contraction": one member is a contraction, the others its epilogue
+    kind: str = "elementwise"  # "contraction": one member is a contraction, the others its epilogue;
+    # "reduction": one member is a reduction head, the others its prologue and epilogue
     reshape: Operation | None = None  # the contraction's result relabelled (``relabels_rows``)
+    bound: Operation | None = None  # the reduction head whose prologue this node is kept for
 
 
 @dataclass
@@ -212,14 +273,95 @@ class _Grouping:
         self.tail = [op for op in self.ops if op not in self.virtual and fusible(op) and _scalar(op.results[0])
                      and all(u.operation is ret for u in op.results[0].uses)]  # fmt: skip
         self.node: dict[Operation, Node] = {}
+        self.prologue_of: dict[Operation, Operation] = {}
+        for op in reversed(self.ops):  # readers first
+            head = self._prologue_reader(op) if op not in self.virtual and fusible(op) else None
+            if head is not None:
+                self.prologue_of[op] = head
         for op in self.ops:
             if op in self.virtual:
                 continue
             if epilogue_head(op):
                 self.node[op] = Node([op], self.pos[op], shape_of(op.results[0].type), kind="contraction")
                 continue
+            if reduction_head(op):
+                self.node[op] = Node([op], self.pos[op], epilogue_shape(op), kind="reduction")
+                continue
             ok = fusible(op) and op not in self.tail
             self.node[op] = Node([op], self.pos[op], shape_of(op.results[0].type) if ok else None, ok)
+            if ok:
+                self.node[op].bound = self.prologue_of.get(op)
+
+    # --- a reduction's prologue ----------------------------------------------
+    def _prologue_reader(self, op: Operation) -> Operation | None:
+        """The reduction head whose prologue ``op`` can be, or None: every reader of
+        its result is that head, at a ``PROLOGUE`` operand of ``op``'s shape, or an
+        op that can be that head's prologue (``prologue_of``, readers first)."""
+        if op.FLAT_INDEX or not op.results[0].uses:
+            return None
+        heads = set()
+        for u in op.results[0].uses:
+            r = u.operation
+            if reduction_head(r) and u.index in r.PROLOGUE:
+                heads.add(r)
+            elif r in self.prologue_of:
+                heads.add(self.prologue_of[r])
+            else:
+                return None
+        if len(heads) != 1:
+            return None
+        (head,) = heads
+        return head if shape_of(op.results[0].type) == prologue_shape(head) else None
+
+    def absorbable(self, members: list[Operation], head: Operation, closed: bool = True) -> bool:
+        """Whether ``members`` can be ``head``'s prologue: elementwise ops of its
+        prologue shape whose values only the members and ``head`` (at ``PROLOGUE``
+        operands) read, or (not ``closed``: a part of the prologue, still growing)
+        other ops that can be its prologue."""
+        inside = set(members)
+        shape = prologue_shape(head)
+        for m in members:
+            if not fusible(m) or m.FLAT_INDEX or shape_of(m.results[0].type) != shape:
+                return False
+            for u in m.results[0].uses:
+                r = u.operation
+                if r in inside or r is head and u.index in head.PROLOGUE:
+                    continue
+                if closed or self.prologue_of.get(r) is not head:
+                    return False
+        return True
+
+    def _reduction_ok(self, members: list[Operation]) -> bool:
+        """A would-be group holding a reduction head: what nova.fused "reduction"
+        allows (the dialect's verifier says the same): the ops the head reads are an
+        absorbable prologue, the rest an epilogue of the head's first result's shape
+        that reads no other result of it, nothing recomputing its flat index."""
+        heads = [m for m in members if self.node[m].kind == "reduction" and reduction_head(m)]
+        if len(heads) != 1:
+            return False
+        (head,) = heads
+        inside = set(members)
+        prologue: set[Operation] = set()
+        stack = [v.owner for v in head.operands if isinstance(v.owner, Operation) and v.owner in inside]
+        while stack:
+            o = stack.pop()
+            if o not in prologue:
+                prologue.add(o)
+                stack.extend(v.owner for v in o.operands if isinstance(v.owner, Operation) and v.owner in inside)
+        if any(isinstance(v.owner, Operation) and v.owner in inside for j, v in enumerate(head.operands)
+               if j not in head.PROLOGUE):  # fmt: skip
+            return False
+        if prologue and not self.absorbable(sorted(prologue, key=self.pos.__getitem__), head):
+            return False
+        shape = epilogue_shape(head)
+        for m in members:
+            if m is head or m in prologue:
+                continue
+            if shape is None or m.FLAT_INDEX or shape_of(m.results[0].type) != shape:
+                return False
+            if any(v in head.results[1:] for v in m.operands):
+                return False
+        return True
 
     # --- scalars recomputed where they are read ----------------------------
     def _is_virtual(self, v: SSAValue) -> bool:
@@ -299,21 +441,29 @@ class _Grouping:
             merging.add(id(self.node[reshape]))
         extra = [reshape] if reshape is not None else []
         members = sorted([*(m for n in nodes for m in n.members), *extra], key=self.pos.__getitem__)
+        heads = [n for n in nodes if n.kind != "elementwise"]
+        if len(heads) > 1:
+            return None  # one kernel, one head (one accumulator)
+        bound = {n.bound for n in nodes if n.bound is not None}
+        if len(bound) > 1 or bound and (heads or not self.absorbable(members, next(iter(bound)), closed=False)):
+            return None  # a node kept for a reduction's prologue stays one it can take
+        if heads and heads[0].kind == "reduction" and not self._reduction_ok(members):
+            return None
         latest, earliest = self._window(members, merging)
         latest = max([latest, *(self.pos[m] - 1 for m in members if m in self.late)])
-        heads = [n for n in nodes if n.kind == "contraction"]
         inside = set(members)
         head = next((m for n in heads for m in n.members if epilogue_head(m)), None)
         if head is not None and any(v.owner in inside for v in head.operands):
             return None  # the contraction would read its own epilogue
-        if heads and sum(flops_per_element(m) for m in members if fusible(m)) > EPILOGUE_MAX_FLOPS:
+        if heads and heads[0].kind == "contraction" and sum(
+                flops_per_element(m) for m in members if fusible(m)) > EPILOGUE_MAX_FLOPS:
             return None  # past the epilogue's budget
         for m in reversed(members):
             p = self.pos[m]
             if latest < p < earliest:
-                merged = Node(members, p, nodes[0].shape)
+                merged = Node(members, p, nodes[0].shape, bound=next(iter(bound), None))
                 if heads:
-                    merged.kind = "contraction"
+                    merged.kind = heads[0].kind
                     merged.reshape = reshape or heads[0].reshape
                 for x in members:
                     self.node[x] = merged
@@ -339,8 +489,10 @@ class _Grouping:
             shape = other.shape
         if other is node or not other.fused or shape != node.shape:
             return None
-        if other.kind == "contraction" and node.kind == "contraction":
-            return None  # one kernel, one accumulator
+        if other.kind != "elementwise" and node.kind != "elementwise":
+            return None  # one kernel, one head
+        if other.kind == "reduction" and reduction_head(owner) and w is not owner.results[0]:
+            return None  # only the first result is computed row by row (the rest: after every row)
         return other, reshape
 
     # --- the rules ---------------------------------------------------------
@@ -349,11 +501,33 @@ class _Grouping:
             node = self.node.get(op)
             if node is None or not node.fused or node.kind == "contraction" and epilogue_head(op):
                 continue  # a contraction's operands are not its epilogue
+            if node.kind == "reduction" and reduction_head(op):
+                # input fusion: the nodes kept for its prologue, producers of producers too (every
+                # one can join: their inputs lie before them, their only readers are in the prologue)
+                kept: dict[int, Node] = {}
+                stack = list(self.inputs[op])
+                while stack:
+                    owner = stack.pop().owner
+                    n = self.node.get(owner) if isinstance(owner, Operation) else None
+                    if n is not None and n.bound is op and id(n) not in kept:
+                        kept[id(n)] = n
+                        stack.extend(w for m in n.members for w in self.inputs[m])
+                if kept:
+                    for n in kept.values():
+                        n.bound = None
+                    self.try_merge([node, *kept.values()])
+                continue  # a reduction's operands are not its epilogue
             # vertical: producers of the same iteration shape (a contraction's result among them)
             for w in self.inputs[op]:
                 found = self._producer(w, node)
                 if found is not None:
                     other, reshape = found
+                    if node.bound is not None and other.kind != "elementwise":
+                        # a head's epilogue, or the prologue of the reduction reading it: the
+                        # kernel that reads fewer bytes (a widening cast's narrow input)
+                        if _itemsize(op.results[0]) > _itemsize(w):
+                            continue
+                        node.bound = None
                     node = self.try_merge([node, other], reshape) or node
             # horizontal: earlier readers of one of its non-scalar inputs, close by
             for w in self.inputs[op]:
@@ -365,8 +539,10 @@ class _Grouping:
                     other = self.node[u]
                     if other is node or not other.fused or other.shape != node.shape:
                         continue
-                    if other.kind == node.kind == "contraction" or (other.kind == "contraction" and epilogue_head(u)):
-                        continue  # two accumulators; or the matmul's operand, which is no tile of its epilogue
+                    if other.kind != "elementwise" and node.kind != "elementwise":
+                        continue  # two heads
+                    if epilogue_head(u) or reduction_head(u):
+                        continue  # the head's operand, which is no tile of its epilogue
                     node = self.try_merge([node, other]) or node
 
     def groups(self) -> list[Group]:
@@ -382,6 +558,10 @@ class _Grouping:
                 if len(n.members) > 1:  # a contraction without an epilogue stays itself
                     head = next(m for m in n.members if epilogue_head(m))
                     out.append(Group([head, *(m for m in n.members if m is not head)], cone, kind="contraction"))
+                continue
+            if n.kind == "reduction":
+                if len(n.members) > 1:  # a reduction without a prologue or an epilogue stays itself
+                    out.append(Group(n.members, cone, kind="reduction"))
                 continue
             # a lone op reading only constants stays itself (0-d constants cost no kernel)
             if len(n.members) == 1 and all(not c.operands for c in cone):
@@ -442,8 +622,9 @@ def _build(g: _Grouping, group: Group) -> nv.FusedOp:
 def _sinkable(op: Operation) -> Operation | None:
     """The layout op to move ``op`` below: ``op`` is elementwise, its one use is a
     reshape or transpose whose readers are all elementwise and one of them has the
-    view's shape, and its operands have its shape (or are 0-d), each contiguous
-    when the view is a reshape (so the new reshape is a view too)."""
+    view's shape (or read it as a reduction's prologue operand), and its operands
+    have its shape (or are 0-d), each contiguous when the view is a reshape (so
+    the new reshape is a view too)."""
     if not fusible(op) or op.FLAT_INDEX or not op.operands:
         return None
     uses = list(op.results[0].uses)
@@ -460,9 +641,12 @@ def _sinkable(op: Operation) -> Operation | None:
             return None  # a reshape of a strided view may need a copy
     readers = [u.operation for u in view.results[0].uses]
     out = shape_of(view.results[0].type)
-    if not readers or not all(fusible(r) for r in readers):
+    # a reduction reading the view as a prologue operand computes f in its prologue
+    prologue = [u.operation for u in view.results[0].uses if reduction_head(u.operation)
+                and u.index in u.operation.PROLOGUE and prologue_shape(u.operation) == out]  # fmt: skip
+    if not readers or not all(fusible(r) or r in prologue for r in readers):
         return None
-    if not any(shape_of(r.results[0].type) == out for r in readers):
+    if not prologue and not any(shape_of(r.results[0].type) == out for r in readers):
         return None
     return view
 
@@ -565,7 +749,9 @@ def report(module: ModuleOp, top: int = 10) -> list[str]:
         return ["fuse: no groups"]
     inner = sum(len(g.inner_ops()) for g in groups)
     epilogues = sum(1 for g in groups if g.contraction() is not None)
-    lines = [f"fuse: {len(groups)} groups (one kernel each; {epilogues} of them a contraction with its epilogue) "
+    reductions = sum(1 for g in groups if g.reduction() is not None)
+    lines = [f"fuse: {len(groups)} groups (one kernel each; {epilogues} of them a contraction with its epilogue, "
+             f"{reductions} a reduction with its prologue and epilogue) "
              f"holding {inner} ops (scalars recomputed in each group count in each)"]
     for g in sorted(groups, key=lambda g: -len(g.inner_ops()))[:top]:
         names = [o.name.removeprefix("nova.") for o in g.inner_ops()]

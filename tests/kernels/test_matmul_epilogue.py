@@ -268,7 +268,8 @@ def test_a_gpt_step_with_epilogues_is_the_step_without_them(precision, monkeypat
         assert (p - r).abs().max().item() <= 2 * 2 * 1e-3 * 1.01
     final = step._last.compilation.module
     groups = [op for op in step_func(final).body.block.ops if isinstance(op, nv.FusedOp) and op.contraction()]
-    # qkv, proj, fc, mlp proj forward, gelu backward; in bf16 the f32 casts of two dx matmuls too
-    assert len(groups) == (7 if precision == "bf16" else 5)
+    # qkv, proj, fc, mlp proj forward, gelu backward (in bf16 the f32 casts of the two dx matmuls
+    # that feed a LayerNorm backward are its prologue: the matmul writes bf16, half the bytes)
+    assert len(groups) == 5
     assert not any(isinstance(op, nv.FusedOp) and op.contraction()
                    for op in step_func(unfused._last.compilation.module).body.block.ops)

@@ -1,6 +1,7 @@
 """fuse: IR in, IR out, one test per grouping rule (vertical, views, horizontal,
 scalars recomputed inside, no cycle, a matmul's epilogue and what stays out of
-it, singletons), each checked to verify, print and parse back, and to compute the
+it, a reduction's prologue and a row-wise reduction's epilogue, singletons),
+each checked to verify, print and parse back, and to compute the
 same values bit for bit as the IR before it on the reference executor; then
 whole steps (the MLP LM and small GPTs) fused against unfused."""
 
@@ -403,6 +404,157 @@ def test_the_fused_op_verifies_its_structure():
 
 
 # ----------------------------------------------------------------------------
+# reductions: prologues (input fusion) and row epilogues
+
+
+def _reduction(op):
+    assert isinstance(op, nv.FusedOp) and op.props()["kind"] == "reduction"
+    return op.reduction()
+
+
+def _ln(b, x, w, bias):
+    return b.create(nv.LayerNormOp, [x, w, bias], {"eps": 1e-5}).results
+
+
+def test_a_column_sum_reads_bf16_and_widens_in_its_prologue():
+    """The qkv bias gradient: the bf16 [B, T, 3H, D] gradient widened, reshaped to
+    [B, T, 3C] and summed over tokens; the reshape moves above the cast, which joins
+    the sum: one kernel reading the bf16 values through a view."""
+    module, fn, b = _step(Slot("batch", "g", tensor([2, 4, 6, 8], bf16)))
+    (g,) = fn.body.block.args
+    wide = b.reshape(b.cast(g, f32), [2, 4, 48])
+    s = b.create(nv.ReduceSumOp, [wide], {"dims": (0, 1), "keepdim": False}).results[0]
+    set_results(fn, [("grad", "bias", s)])
+    view, op = _fused(module)
+    assert isinstance(_reduction(op), nv.ReduceSumOp) and _inner(op) == ["nova.cast", "nova.reduce_sum"]
+    assert isinstance(view, nv.ReshapeOp) and view.operands[0] is g
+    assert str(view.results[0].type) == "tensor<2x4x48xbf16>"
+    assert list(op.operands) == [view.results[0]] and op.iteration_shape() == (2, 4, 48)
+    assert [str(r.type) for r in op.results] == ["tensor<48xf32>"]
+
+
+def test_a_chain_only_the_reduction_reads_is_its_prologue_and_a_shared_value_stays_outside():
+    module, fn, b = _step(Slot("batch", "x", tensor([4, 8], f32)), Slot("param", "s", tensor([8], f32)))
+    x, sc = fn.body.block.args
+    e = b.one(nv.ExpOp, [x])  # also returned: computed outside, read by the prologue
+    sq = b.mul(b.add(e, sc), b.add(e, sc))
+    m = b.create(nv.ReduceMaxOp, [sq], {"dims": (1,), "keepdim": True}).results[0]
+    set_results(fn, [("loss", "m", m), ("loss", "e", e)])
+    ops = _fused(module)
+    (op,) = [o for o in ops if isinstance(o, nv.FusedOp)]
+    assert _inner(op) == ["nova.add", "nova.add", "nova.mul", "nova.reduce_max"]
+    assert isinstance(_reduction(op), nv.ReduceMaxOp) and list(op.operands) == [e, sc]
+    assert isinstance(e.owner, nv.ExpOp) and e.owner in ops
+
+
+def test_layer_norm_writes_its_epilogue_instead_of_its_f32_output():
+    module, fn, b = _step(Slot("batch", "x", tensor([2, 3, 8], f32)), Slot("param", "w", tensor([8], f32)),
+                          Slot("param", "b", tensor([8], f32)))  # fmt: skip
+    y, mean, rstd = _ln(b, *fn.body.block.args)
+    set_results(fn, [("loss", "y", b.cast(y, bf16)), ("loss", "mean", mean), ("loss", "rstd", rstd)])
+    (op,) = _fused(module)
+    assert isinstance(_reduction(op), nv.LayerNormOp) and _inner(op) == ["nova.layer_norm", "nova.cast"]
+    # mean, rstd and the bf16 output: the f32 output has no reader outside, so no store
+    assert [str(r.type) for r in op.results] == ["tensor<2x3xf32>", "tensor<2x3xf32>", "tensor<2x3x8xbf16>"]
+    assert op.iteration_shape() == (2, 3, 8)
+
+
+def test_a_layer_norm_output_read_elsewhere_is_one_more_output_and_its_stats_stay_outside():
+    module, fn, b = _step(Slot("batch", "x", tensor([4, 8], f32)), Slot("param", "w", tensor([8], f32)),
+                          Slot("param", "b", tensor([8], f32)))  # fmt: skip
+    y, mean, rstd = _ln(b, *fn.body.block.args)
+    z = b.mul(b.neg(y), y)
+    r = b.one(nv.SqrtOp, [rstd])  # of the stats' shape: not the rows' epilogue
+    set_results(fn, [("loss", "z", z), ("loss", "y", y), ("loss", "r", r)])
+    ops = _fused(module)
+    (op,) = [o for o in ops if isinstance(o, nv.FusedOp)]
+    # y, rstd (mean has no reader: not stored) and z
+    assert _inner(op) == ["nova.layer_norm", "nova.neg", "nova.mul"]
+    assert [str(r.type) for r in op.results] == ["tensor<4x8xf32>", "tensor<4xf32>", "tensor<4x8xf32>"]
+    assert any(isinstance(o, nv.SqrtOp) for o in ops)
+
+
+def _ln_backward_step(dy_elem=bf16):
+    """A LayerNorm backward as a GPT block's: dy from a matmul (a widening cast of its
+    bf16 result between), the residual gradient added, the sum cast to bf16."""
+    module, fn, b = _step(Slot("batch", "h", tensor([6, 16], bf16)), Slot("param", "wt", tensor([16, 8], bf16)),
+                          Slot("batch", "x", tensor([2, 3, 8], f32)), Slot("param", "w", tensor([8], f32)),
+                          Slot("batch", "mean", tensor([2, 3], f32)), Slot("batch", "rstd", tensor([2, 3], f32)),
+                          Slot("batch", "res", tensor([2, 3, 8], f32)))  # fmt: skip
+    h, wt, x, w, mean, rstd, res = fn.body.block.args
+    mm = b.matmul(h, wt)
+    dy = b.reshape(b.cast(mm, f32), [2, 3, 8])
+    dx, dw, db = b.create(nv.LayerNormBackwardOp, [dy, x, w, mean, rstd], {}).results
+    total = b.add(res, dx)
+    set_results(fn, [("grad", "w", dw), ("grad", "b", db), ("loss", "total", total),
+                     ("loss", "t16", b.cast(total, bf16)), ("loss", "mm", mm)])  # fmt: skip
+    return module, fn, mm
+
+
+def test_a_layer_norm_backward_widens_its_gradient_and_adds_the_residual_gradient():
+    module, fn, mm = _ln_backward_step()
+    ops = _fused(module)
+    (op,) = [o for o in ops if isinstance(o, nv.FusedOp)]
+    assert isinstance(_reduction(op), nv.LayerNormBackwardOp)
+    # the cast left the matmul's epilogue for the prologue: the matmul writes bf16, the kernel widens
+    assert _inner(op) == ["nova.cast", "nova.layer_norm_backward", "nova.add", "nova.cast"]
+    assert isinstance(mm.owner, nv.MatmulOp) and mm.owner in ops
+    assert [str(r.type) for r in op.results] == ["tensor<8xf32>", "tensor<8xf32>", "tensor<2x3x8xf32>",
+                                                  "tensor<2x3x8xbf16>"]  # fmt: skip
+
+
+def test_a_narrowing_cast_stays_in_the_epilogue_of_the_matmul_before_a_reduction():
+    module, fn, b = _step(Slot("batch", "a", tensor([4, 8], f32)), Slot("param", "w", tensor([8, 8], f32)))
+    mm = b.matmul(*fn.body.block.args)
+    s = b.create(nv.ReduceSumOp, [b.cast(mm, bf16)], {"dims": (0,), "keepdim": False}).results[0]
+    set_results(fn, [("loss", "s", s)])
+    group, red = _fused(module)
+    assert group.contraction() is not None and _inner(group) == ["nova.matmul", "nova.cast"]
+    assert isinstance(red, nv.ReduceSumOp) and red.operands[0] is group.results[0]
+
+
+def test_what_stays_outside_a_reduction_group():
+    module, fn, b = _step(Slot("batch", "g", tensor([8], f32)), Slot("batch", "x", tensor([8], f32)),
+                          Slot("param", "w", tensor([8], f32)), Slot("batch", "m", tensor([], f32)),
+                          Slot("batch", "r", tensor([], f32)), Slot("hyper", "seed", tensor([], i64)))  # fmt: skip
+    g, x, w, m, r, seed = fn.body.block.args
+    dx, dw, db = b.create(nv.LayerNormBackwardOp, [g, x, w, m, r], {}).results
+    both = b.add(dx, dw)  # reads the weight gradient, finished only after every row: not an epilogue
+    mask = b.one(nv.DropoutMaskOp, [seed], {"p": 0.5, "salt": 3}, tensor([8], f32))  # its flat index
+    s = b.create(nv.ReduceSumOp, [b.mul(mask, x)], {"dims": (0,), "keepdim": False}).results[0]
+    set_results(fn, [("loss", "both", both), ("loss", "db", db), ("loss", "s", s)])
+    ops = _fused(module)
+    assert isinstance(ops[0], nv.LayerNormBackwardOp) and isinstance(both.owner, nv.AddOp) and both.owner in ops
+    (op,) = [o for o in ops if isinstance(o, nv.FusedOp)]  # the mul joins the sum; the mask stays outside
+    assert _inner(op) == ["nova.mul", "nova.reduce_sum"] and isinstance(op.operands[0].owner, nv.DropoutMaskOp)
+
+
+def test_the_reduction_group_verifies_its_structure():
+    from xdsl.utils.exceptions import VerifyException
+
+    module, fn, b = _step(Slot("batch", "x", tensor([2, 4, 6, 8], bf16)))
+    wide = b.reshape(b.cast(fn.body.block.args[0], f32), [2, 4, 48])
+    set_results(fn, [("loss", "s", b.create(nv.ReduceSumOp, [wide], {"dims": (0, 1), "keepdim": False}).results[0])])
+    _, op = _fused(module)
+    block = op.body.block
+    cast, red = op.inner_ops()
+    # an epilogue on a reduce_sum, whose template takes none
+    neg = nv.NegOp.create(operands=[red.results[0]], result_types=[red.results[0].type])
+    block.insert_op_before(neg, block.last_op)
+    block.last_op.operands = [neg.results[0]]
+    with pytest.raises(VerifyException, match="is an epilogue"):
+        op.verify()
+    block.last_op.operands = [red.results[0]]
+    block.erase_op(neg)
+    op.verify()
+    # a prologue value read outside the prologue
+    twice = nv.AddOp.create(operands=[cast.results[0], cast.results[0]], result_types=[cast.results[0].type])
+    block.insert_op_before(twice, red)
+    with pytest.raises(VerifyException, match="read outside the prologue"):
+        op.verify()
+
+
+# ----------------------------------------------------------------------------
 # whole steps
 
 
@@ -446,6 +598,12 @@ def test_a_fused_step_is_bit_identical_to_the_unfused_one(kind, make, precision,
 
     assert any(isinstance(o, nv.FusedOp) for o in kernels(fused))
     assert len(kernels(fused)) * 3 < len(kernels(plain))
+    if precision == "bf16":  # every LayerNorm writes its bf16 output, every backward widens its bf16 gradient
+        tops = list(fn.body.block.ops)
+        assert not any(isinstance(o, (nv.LayerNormOp, nv.LayerNormBackwardOp)) for o in tops)
+        heads = [o.reduction() for o in tops if isinstance(o, nv.FusedOp) and o.reduction() is not None]
+        backward = [h for h in heads if isinstance(h, nv.LayerNormBackwardOp)]
+        assert backward and all(isinstance(h.operands[0].owner, nv.CastOp) for h in backward)
     # each parameter's update is one kernel writing the param and its two moments in place
     inplace = {ip.name: ip.how for ip in fused.memory.inplace}
     for name in fused.captured.params:
@@ -496,7 +654,8 @@ def test_the_report_names_each_group():
     assert fz.report(module) == ["fuse: no groups"]
     _fused(module)
     assert fz.report(module) == [
-        "fuse: 1 groups (one kernel each; 0 of them a contraction with its epilogue) holding 2 ops (scalars "
+        "fuse: 1 groups (one kernel each; 0 of them a contraction with its epilogue, 0 a reduction with its "
+        "prologue and epilogue) holding 2 ops (scalars "
         "recomputed in each group count in each)",
         "  [4x8] 2 ops, 1 inputs, 1 outputs: exp neg",
     ]

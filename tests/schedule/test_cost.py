@@ -148,7 +148,7 @@ def test_fused_group_is_one_kernel_of_its_operands_and_results():
     module, fn, b = _step(Slot("batch", "x", tensor([1024, 256], f32)), Slot("param", "w", tensor([1024, 256], f32)))
     x, w = fn.body.block.args
     y = b.mul(b.add(b.scale(x, 2.0), x), w)
-    set_results(fn, [("loss", "loss", b.reduce_sum(y, [0, 1]))])
+    set_results(fn, [("loss", "loss", b.reduce_sum(y, [0, 1])), ("loss", "y", y)])  # y read twice: a kernel of its own
     (group,) = fuse(module)
     from nova.ir.module import context
 
@@ -160,6 +160,26 @@ def test_fused_group_is_one_kernel_of_its_operands_and_results():
     assert k.bytes == 3 * n * 4  # x and w read once, y written once: the intermediates stay in registers
     assert k.flops == 3 * n  # mul, add, mul over n elements (the constant is no work per element)
     assert k.launches == 1
+
+
+def test_a_reduction_group_is_its_reduction_reading_the_prologues_operands():
+    from nova.backends.triton import config_of
+    from nova.ir.module import context
+    from nova.transforms.fuse import fuse
+
+    # sum((x * 2 + x) * w): the chain is the sum's prologue, y is never written
+    module, fn, b = _step(Slot("batch", "x", tensor([1024, 256], f32)), Slot("param", "w", tensor([1024, 256], f32)))
+    x, w = fn.body.block.args
+    set_results(fn, [("loss", "loss", b.reduce_sum(b.mul(b.add(b.scale(x, 2.0), x), w), [0, 1]))])
+    (group,) = fuse(module)
+    Configure(H200, "fp32").apply(context(), module)
+    (k,) = [k for k in cost.kernel_costs(fn, H200, "fp32") if k.op == "nova.fused"]
+    red = group.reduction()
+    alone = cost.RULES[type(red)](red, tuple(red.operands), tuple(red.results), config_of(group), "fp32")
+    n = 1024 * 256
+    assert k.kind == "reduction" and alone.launches == k.launches == 2  # split: the partials' pass
+    assert k.bytes == 2 * n * 4 + alone.bytes - n * 4  # x and w instead of y, the partials as alone
+    assert k.flops == 3 * n + alone.flops
 
 
 def test_lm_head_counts_its_chunks():

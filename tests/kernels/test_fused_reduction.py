@@ -1,0 +1,236 @@
+"""Reductions with their prologue and epilogue (``nova.fused "reduction"``,
+``fused.lower_reduction_group``) through the Triton interpreter: each group's one
+launch of its template (reduce.py, rowwise.py) against the unfused launches of the
+same IR (the same template and schedule, the elementwise kernels around it), bit
+for bit, and against the reference executor; column and row sums and maxima with
+widening casts and chains reading broadcast and transposed operands, one and two
+passes; LayerNorm with its bf16 cast (and its f32 output kept where it is read),
+in registers and looping over column blocks, f32 and f64; LayerNorm's backward
+widening its bf16 gradient, adding the residual gradient and a dropout mask, with
+its casts; then a small GPT's bf16 step with and without these groups."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from xdsl.dialects.builtin import bf16, f32, f64, i1
+
+from nova.backends.reference import run_function
+from nova.backends.triton import TritonProgram
+from nova.codegen.triton import fused as fk
+from nova.codegen.triton.elementwise import UnsupportedError
+from nova.ir import dialect as nv
+from nova.ir.builder import OpBuilder
+from nova.ir.module import Slot, arg_slots, new_step, return_op, set_results, step_func
+from nova.ir.types import elem_of, shape_of, tensor, to_torch_dtype
+from nova.schedule.config import LoweringConfig
+from nova.transforms import fuse as fz
+from nova.transforms.configure import config_attr
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter suite (tests/gpu runs the device)"),
+]
+
+
+def _step(*slots):
+    module, fn = new_step(list(slots))
+    return module, fn, OpBuilder(fn.body.block, location="test.py:1")
+
+
+def _args(fn, seed=0):
+    """Normal values; bools; a reciprocal standard deviation (a step argument named
+    rstd) positive."""
+    g = torch.Generator().manual_seed(seed)
+    names = [s.name for s in arg_slots(fn)]
+    out = []
+    for a, name in zip(fn.body.block.args, names, strict=True):
+        dt, shape = to_torch_dtype(elem_of(a.type)), shape_of(a.type)
+        if dt == torch.bool:
+            out.append(torch.rand(shape, generator=g) > 0.3)
+        elif name == "rstd":
+            out.append(torch.rand(shape, generator=g, dtype=torch.float64).add(0.5).to(dt))
+        else:
+            out.append(torch.randn(shape, generator=g, dtype=torch.float64).to(dt))
+    return out
+
+
+def _run(prog: TritonProgram, args):
+    env = dict(zip(prog.fn.body.block.args, args, strict=True))
+    for st in prog.steps:
+        env.update(zip(st.outputs, st.run([env[v] for v in st.inputs]), strict=True))
+    return [env[v] for v in return_op(prog.fn).operands]
+
+
+def _check(module, cfg: LoweringConfig | None = None, tol=1e-5, heads=1):
+    """Fuses ``module`` (``cfg`` on each reduction and on its group), runs it and the
+    unfused IR on the Triton backend and the reference; returns the groups."""
+    fn = step_func(module)
+    unfused = module.clone()
+    if cfg is not None:
+        for op in step_func(unfused).body.block.ops:
+            if fz.reduction_head(op):
+                op.attributes["nova.lowering_config"] = config_attr(cfg)
+    fz.fuse(module)
+    module.verify()
+    groups = [op for op in fn.body.block.ops if isinstance(op, nv.FusedOp) and op.reduction() is not None]
+    assert len(groups) == heads
+    if cfg is not None:
+        for g in groups:
+            g.attributes["nova.lowering_config"] = config_attr(cfg)
+    args = _args(fn)
+    prog = TritonProgram(fn, "bf16")
+    got = _run(prog, args)
+    want = _run(TritonProgram(step_func(unfused), "bf16"), args)
+    ref = run_function(fn, args, "bf16")
+    for g, w, r in zip(got, want, ref, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert torch.equal(g, w), (g.double() - w.double()).abs().max()  # the unfused kernels' rounding
+        torch.testing.assert_close(g.double(), r.double(), rtol=tol, atol=tol)
+    # one launch per group: no kernel of its prologue or epilogue runs
+    assert not any(isinstance(st.op, (nv.CastOp, nv.LayerNormOp, nv.LayerNormBackwardOp)) for st in prog.steps)
+    return groups
+
+
+# ----------------------------------------------------------------------------
+# reduce_sum / reduce_max with a prologue
+
+
+@pytest.mark.parametrize("split", [None, 3], ids=["one-pass", "split"])
+def test_a_bias_gradient_sums_bf16_widened_in_registers(split):
+    """The qkv bias gradient: [B, T, 3H, D] bf16, widened and summed over [B, T]."""
+    module, fn, b = _step(Slot("batch", "g", tensor([3, 5, 6, 4], bf16)))
+    wide = b.reshape(b.cast(fn.body.block.args[0], f32), [3, 5, 24])
+    set_results(fn, [("loss", "s", b.create(nv.ReduceSumOp, [wide], {"dims": (0, 1), "keepdim": False}).results[0])])
+    cfg = None if split is None else LoweringConfig(kind="reduction", block=8, split_k=split, num_warps=4)
+    (g,) = _check(module, cfg)
+    assert g.operands[0].type.element_type == bf16
+
+
+@pytest.mark.parametrize("cls", [nv.ReduceSumOp, nv.ReduceMaxOp], ids=lambda c: c.name)
+@pytest.mark.parametrize("dims", [(1,), (0,), (0, 2)], ids=["inner", "outer", "mixed"])
+def test_a_chain_with_broadcast_and_transposed_operands_is_the_reductions_prologue(cls, dims):
+    module, fn, b = _step(Slot("batch", "x", tensor([4, 6, 5], f32)), Slot("batch", "t", tensor([5, 6, 4], bf16)),
+                          Slot("param", "s", tensor([5], f32)), Slot("hyper", "k", tensor([], f64)))  # fmt: skip
+    x, t, s, k = fn.body.block.args
+    tt = b.cast(b.transpose(t, [2, 1, 0]), f32)  # read through its transpose
+    y = b.mul(b.add(b.mul(x, tt), s), b.cast(k, f32))  # a broadcast bias, a 0-d scale
+    r = b.create(cls, [b.one(nv.TanhOp, [y])], {"dims": dims, "keepdim": False}).results[0]
+    set_results(fn, [("loss", "r", r)])
+    (g,) = _check(module)
+    assert [o.name for o in g.inner_ops()][-1] == cls.name
+
+
+# ----------------------------------------------------------------------------
+# layer_norm with its epilogue
+
+
+def _ln_step(shape, elem=f32, keep_y=False):
+    n = shape[-1]
+    module, fn, b = _step(Slot("batch", "x", tensor(list(shape), elem)), Slot("param", "w", tensor([n], elem)),
+                          Slot("param", "b", tensor([n], elem)),
+                          Slot("batch", "r", tensor(list(shape), elem)))  # fmt: skip
+    x, w, bias, r = fn.body.block.args
+    y, mean, rstd = b.create(nv.LayerNormOp, [x, w, bias], {"eps": 1e-5}).results
+    out = [("loss", "y16", b.cast(b.add(y, r), bf16)), ("loss", "mean", mean), ("loss", "rstd", rstd)]
+    set_results(fn, out + ([("loss", "y", y)] if keep_y else []))
+    return module
+
+
+@pytest.mark.parametrize("keep_y", [False, True], ids=["bf16-only", "f32-kept"])
+@pytest.mark.parametrize("n", [32, 40], ids=["full", "ragged"])
+def test_layer_norm_writes_its_cast_from_registers(n, keep_y):
+    (g,) = _check(_ln_step((2, 3, n), keep_y=keep_y), tol=2**-7)
+    assert len(g.results) == 3 + keep_y
+
+
+@pytest.mark.parametrize("elem", [f32, f64], ids=["f32", "f64"])
+def test_layer_norm_looping_over_column_blocks_takes_its_epilogue(elem):
+    cfg = LoweringConfig(kind="reduction", block=16, num_warps=4)  # 40 columns: three blocks, the last ragged
+    _check(_ln_step((3, 40), elem, keep_y=True), cfg, tol=2**-7)
+
+
+# ----------------------------------------------------------------------------
+# layer_norm_backward with its prologue and epilogue
+
+
+def _ln_backward(n=40, rows=(2, 3), dropout=True):
+    """A GPT block's LayerNorm backward: the incoming gradient a bf16 matmul result
+    widened, the residual gradient added, a dropout mask applied, the sum cast."""
+    m = rows[0] * rows[1]
+    module, fn, b = _step(Slot("batch", "h", tensor([m, 16], bf16)), Slot("param", "wt", tensor([16, n], bf16)),
+                          Slot("batch", "x", tensor([*rows, n], f32)), Slot("param", "w", tensor([n], f32)),
+                          Slot("batch", "mean", tensor(list(rows), f32)),
+                          Slot("batch", "rstd", tensor(list(rows), f32)), Slot("batch", "res", tensor([*rows, n], f32)),
+                          Slot("batch", "keep", tensor([*rows, n], i1)))  # fmt: skip
+    h, wt, x, w, mean, rstd, res, keep = fn.body.block.args
+    dy = b.reshape(b.cast(b.matmul(h, wt), f32), [*rows, n])
+    dx, dw, db = b.create(nv.LayerNormBackwardOp, [dy, x, w, mean, rstd], {}).results
+    total = b.add(res, dx)
+    if dropout:
+        total = b.mul(total, b.cast(keep, f32))
+    set_results(fn, [("grad", "w", dw), ("grad", "b", db), ("loss", "total", total),
+                     ("loss", "t16", b.cast(total, bf16))])  # fmt: skip
+    return module
+
+
+@pytest.mark.parametrize("n", [32, 40], ids=["full", "ragged"])
+def test_layer_norm_backward_widens_its_gradient_and_adds_the_residual_gradient(n):
+    (g,) = _check(_ln_backward(n), tol=2e-2)
+    names = [o.name for o in g.inner_ops()]
+    assert names[:2] == ["nova.cast", "nova.layer_norm_backward"] and names[-1] == "nova.cast"
+
+
+def test_layer_norm_backward_looping_takes_its_prologue_and_epilogue():
+    cfg = LoweringConfig(kind="reduction", block=16, num_warps=4)
+    _check(_ln_backward(40, dropout=False), cfg, tol=2e-2)
+
+
+def test_a_reduction_group_whose_head_takes_no_fusion_is_refused(monkeypatch):
+    from nova.codegen.triton import lowering as lw
+
+    module = _ln_step((2, 8))
+    fz.fuse(module)
+    (g,) = [o for o in step_func(module).body.block.ops if isinstance(o, nv.FusedOp)]
+    monkeypatch.setitem(lw.LOWERINGS, nv.LayerNormOp, lambda op, cfg=None: None)
+    fk.lower_fused.cache.clear()
+    with pytest.raises(UnsupportedError, match="takes no prologue or epilogue"):
+        fk.lower_fused(g)
+
+
+# ----------------------------------------------------------------------------
+# a whole step
+
+
+def test_a_gpt_step_with_reduction_groups_is_the_step_without_them(monkeypatch):
+    """A small GPT (with biases, dropout) in bf16 on the Triton backend: with the
+    reduction groups, the loss and every parameter after two AdamW steps are
+    bit-identical to the same step with every reduction alone."""
+    import nova
+    from nova.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32, bias=True, dropout=0.1))
+    plain, fused = copy.deepcopy(ref), copy.deepcopy(ref)
+    step = nova.compile(fused, torch.optim.AdamW(fused.parameters(), lr=1e-3), backend="triton", precision="bf16")
+    with monkeypatch.context() as m:
+        m.setattr(fz, "reduction_head", lambda op: False)
+        unfused = nova.compile(plain, torch.optim.AdamW(plain.parameters(), lr=1e-3), backend="triton",
+                               precision="bf16")  # fmt: skip
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g))
+                   for _ in range(2)]  # fmt: skip
+        torch.manual_seed(5)  # the dropout seeds
+        want = [unfused(x, y).item() for x, y in batches]
+    torch.manual_seed(5)
+    got = [step(x, y).item() for x, y in batches]
+    assert got == want
+    for p, q in zip(fused.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p, q)
+    final = step_func(step._last.compilation.module).body.block.ops
+    heads = [type(op.reduction()) for op in final if isinstance(op, nv.FusedOp) and op.reduction() is not None]
+    assert set(heads) == {nv.LayerNormOp, nv.LayerNormBackwardOp, nv.ReduceSumOp}
+    assert not any(isinstance(op, nv.FusedOp) and op.reduction() is not None
+                   for op in step_func(unfused._last.compilation.module).body.block.ops)
