@@ -94,6 +94,11 @@ here, into loops, prologues and epilogues.
                gradients, finished only after every row) are never read inside.
                One reduction per group; ops that recompute their flat index stay
                outside.
+  shared       a recompute of the remat stage that only reductions read as
+  prologue     prologue operands (the residual stream a LayerNorm recompute and
+               the LayerNorm's backward both read) is cloned into each reader's
+               prologue where that moves fewer bytes (``share_prologues``): the
+               value is never written.
   no prologue  a cast feeding a matmul operand stays its own kernel (or joins its
                producer's group). In a training step such a cast's result (a
                LayerNorm output or a weight in bf16) is read by two matmuls, the
@@ -697,12 +702,78 @@ def sink_views(block: Block) -> int:
     return moved
 
 
+def _prologue_only(v: SSAValue) -> bool:
+    """Every reader of ``v`` is a reduction reading it as a prologue operand of its shape."""
+    uses = list(v.uses)
+    return bool(uses) and all(reduction_head(u.operation) and u.index in u.operation.PROLOGUE
+                              and prologue_shape(u.operation) == shape_of(v.type) for u in uses)  # fmt: skip
+
+
+def _chain_of(op: Operation) -> list[Operation]:
+    """``op`` and the elementwise ops of its shape only the chain reads, in block order."""
+    block, shape = op.parent_block(), shape_of(op.results[0].type)
+    members = {op}
+    changed = True
+    while changed:
+        changed = False
+        for m in list(members):
+            for v in m.operands:
+                p = v.owner
+                if (isinstance(p, Operation) and p not in members and fusible(p) and not p.FLAT_INDEX
+                        and shape_of(p.results[0].type) == shape
+                        and all(u.operation in members for u in p.results[0].uses)):  # fmt: skip
+                    members.add(p)
+                    changed = True
+    order = {o: i for i, o in enumerate(block.ops)}
+    return sorted(members, key=order.__getitem__)
+
+
+def share_prologues(block: Block) -> int:
+    """A recompute of the remat stage (every op ``nova.remat``) that only reductions
+    read, as prologue operands (the residual stream recomputed for a LayerNorm and
+    read by its backward too), is cloned into each reader, one copy per use, where
+    that moves fewer bytes than one kernel writing the value for all: k readers of
+    a chain reading ``ins`` bytes an element and giving ``out`` read ``k ins``
+    instead of ``ins + out + k out``, so ``(k - 1) ins <= (k + 1) out``; and only
+    within an epilogue's FLOPs (``EPILOGUE_MAX_FLOPS``: each reader computes it
+    again). Only remat's recomputes: remat chose them from values live anyway at
+    that point of the backward, and their readers are the backward's ops beside
+    them, so the memory plan's live sets stay as they were (elsewhere a chain's
+    inputs would live until its last reader instead of its value). Exact: the same
+    ops on the same values. Returns how many chains were cloned."""
+    cloned = 0
+    for op in reversed(list(block.ops)):
+        if not fusible(op) or op.FLAT_INDEX or len(list(op.results[0].uses)) < 2 or not _prologue_only(op.results[0]):
+            continue
+        chain = _chain_of(op)
+        if not all("nova.remat" in m.attributes for m in chain):
+            continue
+        n = numel(shape_of(op.results[0].type))
+        inside = set(chain)
+        ins = {v for m in chain for v in m.operands if not (isinstance(v.owner, Operation) and v.owner in inside)}
+        in_bytes = sum(_itemsize(v) for v in ins if numel(shape_of(v.type)) == n)  # broadcasts: read from cache
+        k, out = len(list(op.results[0].uses)), _itemsize(op.results[0])
+        if (k - 1) * in_bytes > (k + 1) * out or sum(flops_per_element(m) for m in chain) > EPILOGUE_MAX_FLOPS:
+            continue
+        for use in list(op.results[0].uses)[1:]:
+            mapping: dict[SSAValue, SSAValue] = {}
+            for m in chain:
+                new = m.clone(value_mapper=mapping)
+                for a, b in zip(m.results, new.results, strict=True):
+                    mapping[a] = b
+                block.insert_op_before(new, use.operation)
+            use.operation.operands[use.index] = mapping[op.results[0]]
+        cloned += 1
+    return cloned
+
+
 def fuse(module: ModuleOp) -> list[nv.FusedOp]:
     """Groups @train_step's elementwise ops (see the module docstring); returns the
     nova.fused ops made, in block order."""
     fn = step_func(module)
     block = fn.body.block
     sink_views(block)
+    share_prologues(block)
     g = _Grouping(block)
     g.group()
     groups = g.groups()

@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from xdsl.dialects.builtin import bf16, f32, f64, i1
+from xdsl.dialects.builtin import StringAttr, bf16, f32, f64, i1
 
 from nova.backends.reference import run_function
 from nova.backends.triton import TritonProgram
@@ -186,6 +186,24 @@ def test_layer_norm_backward_widens_its_gradient_and_adds_the_residual_gradient(
 def test_layer_norm_backward_looping_takes_its_prologue_and_epilogue():
     cfg = LoweringConfig(kind="reduction", block=16, num_warps=4)
     _check(_ln_backward(40, dropout=False), cfg, tol=2e-2)
+
+
+def test_a_remat_recompute_runs_in_a_layer_norm_and_its_backward():
+    """remat's residual-stream recompute (bf16 projection widened, + bias, + the
+    residual) in both prologues: a LayerNorm recompute and its backward."""
+    module, fn, b = _step(Slot("batch", "p", tensor([2, 3, 40], bf16)), Slot("param", "bias", tensor([40], f32)),
+                          Slot("batch", "r", tensor([2, 3, 40], f32)), Slot("param", "w", tensor([40], f32)),
+                          Slot("param", "lb", tensor([40], f32)), Slot("batch", "g", tensor([2, 3, 40], bf16)))  # fmt: skip
+    p, bias, r, w, lb, g = fn.body.block.args
+    x = b.add(r, b.add(b.cast(p, f32), bias))
+    for o in (x.owner, x.owner.operands[1].owner, x.owner.operands[1].owner.operands[0].owner):
+        o.attributes["nova.remat"] = StringAttr("default")
+    y, mean, rstd = b.create(nv.LayerNormOp, [x, w, lb], {"eps": 1e-5}).results
+    dx, dw, db = b.create(nv.LayerNormBackwardOp, [b.cast(g, f32), x, w, mean, rstd], {}).results
+    set_results(fn, [("loss", "y", b.cast(y, bf16)), ("loss", "dx", b.cast(dx, bf16)), ("grad", "w", dw),
+                     ("grad", "b", db)])  # fmt: skip
+    groups = _check(module, tol=2e-2, heads=2)
+    assert all(o.name == "nova.cast" for o in [groups[0].inner_ops()[0], groups[1].inner_ops()[0]])
 
 
 def test_a_reduction_group_whose_head_takes_no_fusion_is_refused(monkeypatch):

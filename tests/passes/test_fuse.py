@@ -529,6 +529,42 @@ def test_what_stays_outside_a_reduction_group():
     assert _inner(op) == ["nova.mul", "nova.reduce_sum"] and isinstance(op.operands[0].owner, nv.DropoutMaskOp)
 
 
+def _recomputed_residual(remat: bool):
+    """remat's residual-stream recompute x = r + (cast(p) + bias), read by a
+    LayerNorm recompute and by the LayerNorm's backward."""
+    module, fn, b = _step(Slot("batch", "p", tensor([2, 3, 8], bf16)), Slot("param", "bias", tensor([8], f32)),
+                          Slot("batch", "r", tensor([2, 3, 8], f32)), Slot("param", "w", tensor([8], f32)),
+                          Slot("param", "lb", tensor([8], f32)), Slot("batch", "g", tensor([2, 3, 8], f32)),
+                          Slot("batch", "mean", tensor([2, 3], f32)), Slot("batch", "rstd", tensor([2, 3], f32)))  # fmt: skip
+    p, bias, r, w, lb, g, mean, rstd = fn.body.block.args
+    chain = [b.cast(p, f32)]
+    chain.append(b.add(chain[-1], bias))
+    chain.append(b.add(r, chain[-1]))
+    if remat:
+        for v in chain:
+            v.owner.attributes["nova.remat"] = StringAttr("default")
+    y = b.cast(_ln(b, chain[-1], w, lb)[0], bf16)
+    dx, dw, db = b.create(nv.LayerNormBackwardOp, [g, chain[-1], w, mean, rstd], {}).results
+    set_results(fn, [("loss", "y", y), ("loss", "dx", dx), ("grad", "w", dw), ("grad", "b", db)])
+    return module
+
+
+def test_a_remat_recompute_only_reductions_read_is_recomputed_in_each_prologue():
+    ops = _fused(_recomputed_residual(remat=True))
+    assert [type(_reduction(o)) for o in ops] == [nv.LayerNormOp, nv.LayerNormBackwardOp]
+    for o in ops:  # the chain in both, reading the bf16 projection and the residual: x is never written
+        assert [n for n in _inner(o) if n != o.reduction().name][:3] == ["nova.cast", "nova.add", "nova.add"]
+    assert ops[0].operands[0] is ops[1].operands[0]
+
+
+def test_a_chain_the_remat_stage_did_not_make_is_computed_once_for_its_readers():
+    ops = _fused(_recomputed_residual(remat=False))
+    assert isinstance(ops[0], nv.FusedOp) and ops[0].props()["kind"] == "elementwise"
+    assert _inner(ops[0]) == ["nova.cast", "nova.add", "nova.add"]
+    assert isinstance(_reduction(ops[1]), nv.LayerNormOp) and isinstance(ops[2], nv.LayerNormBackwardOp)
+    assert ops[1].operands[0] is ops[2].operands[1] is ops[0].results[0]
+
+
 def test_the_reduction_group_verifies_its_structure():
     from xdsl.utils.exceptions import VerifyException
 
