@@ -527,13 +527,17 @@ class _Grouping:
                 found = self._producer(w, node)
                 if found is not None:
                     other, reshape = found
-                    if node.bound is not None and other.kind != "elementwise":
+                    kept_for = node.bound
+                    if kept_for is not None and other.kind != "elementwise":
                         # a head's epilogue, or the prologue of the reduction reading it: the
                         # kernel that reads fewer bytes (a widening cast's narrow input)
                         if _itemsize(op.results[0]) > _itemsize(w):
                             continue
                         node.bound = None
-                    node = self.try_merge([node, other], reshape) or node
+                    merged = self.try_merge([node, other], reshape)
+                    if merged is None:
+                        node.bound = kept_for  # still the reduction's, should it get there
+                    node = merged or node
             # horizontal: earlier readers of one of its non-scalar inputs, close by
             for w in self.inputs[op]:
                 if _scalar(w):
