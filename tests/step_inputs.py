@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from nova.ir.module import arg_slots, step_func
+from nova.ir.module import arg_slots, return_op, step_func
 from nova.ir.types import elem_of, shape_of, to_torch_dtype
 
 
@@ -29,3 +29,12 @@ def step_args(c) -> list[torch.Tensor]:
         else:
             out.append(torch.tensor(7, dtype=torch.int64))
     return out
+
+
+def run_program(prog, args) -> list[torch.Tensor]:
+    """A ``TritonProgram``'s launch list run step by step on ``args`` (no executable,
+    no memory plan): what its @train_step returns."""
+    env = dict(zip(prog.fn.body.block.args, args, strict=True))
+    for st in prog.steps:
+        env.update(zip(st.outputs, st.run([env[v] for v in st.inputs]), strict=True))
+    return [env[v] for v in return_op(prog.fn).operands]

@@ -23,11 +23,13 @@ from nova.codegen.triton import fused as fk
 from nova.codegen.triton.elementwise import UnsupportedError
 from nova.ir import dialect as nv
 from nova.ir.builder import OpBuilder
-from nova.ir.module import Slot, arg_slots, new_step, return_op, set_results, step_func
+from nova.ir.module import Slot, arg_slots, new_step, set_results, step_func
 from nova.ir.types import elem_of, shape_of, tensor, to_torch_dtype
 from nova.schedule.config import LoweringConfig
 from nova.transforms import fuse as fz
 from nova.transforms.configure import config_attr
+
+from step_inputs import run_program
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
@@ -57,13 +59,6 @@ def _args(fn, seed=0):
     return out
 
 
-def _run(prog: TritonProgram, args):
-    env = dict(zip(prog.fn.body.block.args, args, strict=True))
-    for st in prog.steps:
-        env.update(zip(st.outputs, st.run([env[v] for v in st.inputs]), strict=True))
-    return [env[v] for v in return_op(prog.fn).operands]
-
-
 def _check(module, cfg: LoweringConfig | None = None, tol=1e-5, heads=1):
     """Fuses ``module`` (``cfg`` on each reduction and on its group), runs it and the
     unfused IR on the Triton backend and the reference; returns the groups."""
@@ -82,8 +77,8 @@ def _check(module, cfg: LoweringConfig | None = None, tol=1e-5, heads=1):
             g.attributes["nova.lowering_config"] = config_attr(cfg)
     args = _args(fn)
     prog = TritonProgram(fn, "bf16")
-    got = _run(prog, args)
-    want = _run(TritonProgram(step_func(unfused), "bf16"), args)
+    got = run_program(prog, args)
+    want = run_program(TritonProgram(step_func(unfused), "bf16"), args)
     ref = run_function(fn, args, "bf16")
     for g, w, r in zip(got, want, ref, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape

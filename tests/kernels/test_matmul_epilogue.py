@@ -18,11 +18,13 @@ from nova.backends.triton import TritonProgram
 from nova.codegen.triton import matmul as mm
 from nova.ir import dialect as nv
 from nova.ir.builder import OpBuilder
-from nova.ir.module import Slot, new_step, return_op, set_results, step_func
+from nova.ir.module import Slot, new_step, set_results, step_func
 from nova.ir.types import elem_of, shape_of, tensor, to_torch_dtype
 from nova.schedule.config import LoweringConfig
 from nova.transforms import fuse as fz
 from nova.transforms.configure import config_attr
+
+from step_inputs import run_program
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
@@ -57,13 +59,6 @@ def _args(fn, seed=0):
     return out
 
 
-def _run(prog: TritonProgram, args):
-    env = dict(zip(prog.fn.body.block.args, args, strict=True))
-    for st in prog.steps:
-        env.update(zip(st.outputs, st.run([env[v] for v in st.inputs]), strict=True))
-    return [env[v] for v in return_op(prog.fn).operands]
-
-
 def _check(module, config, precision, tol, **expect):
     """Fuses ``module`` (``config`` on the matmul and on its group), runs both on the
     Triton backend and the reference; returns the contraction group."""
@@ -79,8 +74,8 @@ def _check(module, config, precision, tol, **expect):
     args = _args(fn)
     fused_prog = TritonProgram(fn, precision)
     assert sum(isinstance(st.op, nv.MatmulOp) for st in fused_prog.steps) == expect.get("plain_matmuls", 0)
-    got = _run(fused_prog, args)
-    want = _run(TritonProgram(step_func(unfused), precision), args)
+    got = run_program(fused_prog, args)
+    want = run_program(TritonProgram(step_func(unfused), precision), args)
     ref = run_function(fn, args, precision)
     for g, w, r in zip(got, want, ref, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape
