@@ -488,9 +488,10 @@ def plan_matmul(
     # loads runs on into the next tile while this one's epilogue stores, so a tile's edges
     # cost nothing and 6c's halving is not needed. Where the operands and C go through
     # TMA (C stored asynchronously in two column halves) and every program gets >= 2
-    # tiles without a split. Measured (bench/results/matmul_variants.json, bf16, the
-    # GPT-2 124M step's shapes at batch 32): 0.95-1.10x cuBLAS at 128x256x64 w8 s3/s4,
-    # 3-16% faster than the same tiles one program per tile
+    # tiles without a split. Measured (bench/results/runs/matmul_variants_3f4314c.json, bf16,
+    # the GPT-2 124M step's shapes at batch 32): the configured 128x256x64 w8 s4 kernels at
+    # 0.94-1.14x cuBLAS on the unsplit bf16-output shapes (0.89x on the f32-output LM head
+    # dw), 3-16% faster than the same tiles one program per tile
     tma_path = t.family == "wgmma" and dev.has_tma and a_layout != "strided" and b_layout != "strided"
     persistent = (tma_path and split == 1 and n_tiles(t) >= 2 * S and not tf32_nmajor and not stage_b
                   and (PERSISTENT_EPILOGUES or not epilogue))

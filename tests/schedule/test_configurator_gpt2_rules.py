@@ -27,7 +27,7 @@ def test_bf16_short_k_goes_persistent_not_two_blocks(M, N, K, layouts):
     """K = 768 with >= 2 S tiles: the persistent flattened loop (rule 8) overlaps a tile's
     edges with the next tile's loads, so 6c's halving to two 128x128 blocks per SM does
     not fire: one 128x256x64 w8 s4 program per SM, C's staging half tile beside the ring
-    (measured, matmul_variants.json: 128x256x64 s3/s4 persistent 0.95-1.10x cuBLAS; the
+    (measured, runs/matmul_variants_3f4314c.json: 128x256x64 s3/s4 persistent 0.94-1.14x cuBLAS; the
     128x128 tiles 5-15% behind)."""
     p = plan_matmul(M, N, K, 1, *BF16, *layouts, device="H200")
     assert _tile(p.config) == (128, 256, 64, 8, 4, 1) and p.config.persistent

@@ -445,7 +445,7 @@ def matmul_source(
         total = "tiles" + (" * SPLITS" if split else "") + (" * BATCH" if batched else "")
         # flatten: one software pipeline over the work items and their K loops, so the ring of
         # loads runs on into the next item while this one's epilogue stores (measured:
-        # bench/results/matmul_variants.json)
+        # bench/results/runs/matmul_variants_3f4314c.json)
         first = "    work_c = tl.program_id(0) - NUM_PROGS\n" if c_tma else ""
         loop = (f"    total = {total}\n{first}"
                 "    for work in tl.range(tl.program_id(0), total, NUM_PROGS, flatten=True):\n")
