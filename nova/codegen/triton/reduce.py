@@ -54,6 +54,10 @@ DEFAULT_INNER_BLOCK = 1024  # columns per chunk when the reduced axis is contigu
 DEFAULT_OUTER_BLOCK = 128  # rows per program when the kept axis is contiguous (512 B of fp32 per row)
 # 2 programs per SM on an H200 (132 SMs): below this the rows alone leave SMs idle
 TARGET_PROGRAMS = 264
+# Programs of a split reduction's second pass over its [S, R] workspace: at 128 rows
+# a program, a [205, 768] workspace (a 768-wide bias gradient) took 6 programs
+# walking 13 dependent steps, 6.7 us a launch on the H200; at 16 rows, 48 programs in 2.
+FINAL_PROGRAMS = 48
 MIN_SPLIT_CHUNKS = 4  # a split must walk at least this many BLOCK_C chunks to pay for its workspace row
 
 _ACC = {"f32": "f32", "bf16": "f32", "f16": "f32", "f64": "f64", "i64": "i64"}
@@ -318,7 +322,10 @@ def reduction(
         src = module_text(kind, acc, [reduce_source(n1, p, kind, dtype, tag(dtype), chain)], helpers)
         return Reduction(base, src, p, (load(src, n1), None), None, dtype, dtype, out_shape, acc_dtype, warps, chain)
     q = plan((p.split, p.R), (0,), None)  # pass 2: the [S, R] workspace over S, in one pass
-    q = Plan(q.shape, q.rows, q.cols, q.R, q.C, q.inner, q.block_r, q.block_c, 1, -(-q.C // q.block_c) * q.block_c)
+    # rows narrow enough for FINAL_PROGRAMS programs (the workspace is small: its pass is latency-bound)
+    block_r = min(q.block_r, max(16, next_pow2(-(-p.R // FINAL_PROGRAMS)))) if not q.inner else q.block_r
+    block_c = q.block_c if q.inner else min(next_pow2(q.C), max(1, TILE // block_r))
+    q = Plan(q.shape, q.rows, q.cols, q.R, q.C, q.inner, block_r, block_c, 1, -(-q.C // block_c) * block_c)
     n1, n2 = sanitize(f"{base}_split{p.split}"), sanitize(f"{base}_split{p.split}_final")
     src = module_text(
         kind, acc, [reduce_source(n1, p, kind, dtype, acc, chain), reduce_source(n2, q, kind, acc_dtype, tag(dtype))],
