@@ -25,7 +25,9 @@ _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.bool: "*u8", torc
 
 def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int) -> tuple[str, str]:
     """(ptxas -v log, ptx) of the source's ``matmul_kernel`` compiled for sm_90a, with
-    16-byte aligned pointers and strides and unit inner strides (the step's case);
+    16-byte aligned pointers and strides and unit inner strides (the step's case:
+    the operands' and the epilogue operands' last-dim strides are 1, which Triton
+    specializes as constants at launch, so their loads are known contiguous);
     ``a_box`` / ``b_box``: the TMA boxes (None: pointer loads). Needs a process
     that has not imported triton.language under TRITON_INTERPRET=1."""
     import triton
@@ -35,14 +37,16 @@ def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int
     from nova.codegen.triton.source import load_kernel
 
     fn, _ = load_kernel(src, "matmul_kernel")
-    ptrs = {}
+    ptrs, unit = {}, set()
     if ep is not None:
         ptrs = {f"e{k}": _PTR[op.dtype] for k, op in enumerate(ep.operands)}
+        rank = len(ep.shape)
+        unit = {f"es{k}_{kd}" for k, op in enumerate(ep.operands) for kd, d, _ in op.terms(rank) if d == rank - 1}
         ptrs.update({f"o{j}": _PTR[d] for j, (_, _, d) in enumerate(ep.stores)})
     elt = "fp32" if dtype == "float32" else "bf16"
     sig, consts, attrs = {}, {"EVEN": True}, {}
     for i, a in enumerate(fn.arg_names):
-        if a == "EVEN" or a in ("stride_ak", "stride_bn", "stride_cn"):
+        if a == "EVEN" or a in ("stride_ak", "stride_bn", "stride_cn") or a in unit:
             sig[a] = "constexpr"
             consts.setdefault(a, 1)
             continue

@@ -65,7 +65,12 @@ here, into loops, prologues and epilogues.
                207 registers (scripts/epilogue_sm90_check.py: one block per SM
                where the schedule planned two), against 0.45 ms for GELU's
                backward alone (12; 104 registers) plus 0.16 ms for the recompute
-               in its own elementwise kernel. The forward's bias + GELU (9) stays.
+               in its own elementwise kernel. The forward's bias + GELU (9) stays,
+               and so does GELU's backward with its pre-activation's recompute
+               (widen the saved bf16 matmul result, add the bias: 13, "shared
+               recompute" below): 124 registers at 128x128x64 w8 (sm_90a, with the
+               unit inner strides Triton specializes at launch), two blocks per SM.
+               (The 207 and 104 above were counted with those strides unknown.)
                The budget is a matmul epilogue's: a reduction's prologue and
                epilogue (below) run in memory-bound kernels and have none (what a
                long chain costs there is not measured).
@@ -94,11 +99,14 @@ here, into loops, prologues and epilogues.
                gradients, finished only after every row) are never read inside.
                One reduction per group; ops that recompute their flat index stay
                outside.
-  shared       a recompute of the remat stage that only reductions read as
-  prologue     prologue operands (the residual stream a LayerNorm recompute and
-               the LayerNorm's backward both read) is cloned into each reader's
-               prologue where that moves fewer bytes (``share_prologues``): the
-               value is never written.
+  shared       a recompute of the remat stage whose readers can each compute it
+  recompute    (reductions reading it as prologue operands: the residual stream a
+               LayerNorm recompute and the LayerNorm's backward both read;
+               elementwise ops of its shape: the pre-activation cast(mm) + bias
+               that GELU's recompute and GELU's backward, in the backward matmul's
+               epilogue, both read) is cloned into each reader but the first where
+               that moves fewer bytes (``share_recomputes``): a widening chain's
+               f32 value is never written, each reader reads its bf16 input.
   no prologue  a cast feeding a matmul operand stays its own kernel (or joins its
                producer's group). In a training step such a cast's result (a
                LayerNorm output or a weight in bf16) is read by two matmuls, the
@@ -157,7 +165,7 @@ SCALAR_CONE = 16
 # one's result is made that much earlier), which keeps the memory plan's live sets
 # as they were, while reading the shared value once.
 HORIZONTAL_WINDOW = 8
-EPILOGUE_MAX_FLOPS = 12  # an epilogue's FLOPs per element (the module docstring, "budget")
+EPILOGUE_MAX_FLOPS = 13  # an epilogue's FLOPs per element (the module docstring, "budget")
 # Outputs of one group of the scalars run last (a GPT-2 step has 148 step counters):
 # with their inputs about 130 pointer arguments, about 1 KiB of the 4 KiB of kernel
 # parameters CUDA before 12.1 allows
@@ -242,8 +250,9 @@ class Group:
 
 
 class _Grouping:
-    def __init__(self, block: Block):
+    def __init__(self, block: Block, clones: set[Operation] = frozenset()):
         self.block = block
+        self.clones = clones  # share_recomputes' copies: grouped with their readers only
         self.ops = list(block.ops)
         self.pos = {op: i for i, op in enumerate(self.ops)}
         self.virtual: set[Operation] = set()  # scalar ops recomputed by their consumers
@@ -552,6 +561,8 @@ class _Grouping:
                         continue  # two heads
                     if epilogue_head(u) or reduction_head(u):
                         continue  # the head's operand, which is no tile of its epilogue
+                    if op in self.clones or u in self.clones:
+                        continue  # a clone is computed in its reader's kernel, not beside its original
                     node = self.try_merge([node, other]) or node
 
     def groups(self) -> list[Group]:
@@ -706,11 +717,17 @@ def sink_views(block: Block) -> int:
     return moved
 
 
-def _prologue_only(v: SSAValue) -> bool:
-    """Every reader of ``v`` is a reduction reading it as a prologue operand of its shape."""
-    uses = list(v.uses)
-    return bool(uses) and all(reduction_head(u.operation) and u.index in u.operation.PROLOGUE
-                              and prologue_shape(u.operation) == shape_of(v.type) for u in uses)  # fmt: skip
+def _shared_reader(u) -> str | None:
+    """How a reader of a remat recompute ``v`` can compute ``v`` itself: "prologue" (a
+    reduction reading it as a prologue operand of its shape), "elementwise" (an
+    elementwise op of its shape: the recompute joins its group, vertically, or its
+    epilogue when it sits in a contraction's), or None."""
+    r, shape = u.operation, shape_of(u.operation.operands[u.index].type)
+    if reduction_head(r) and u.index in r.PROLOGUE and prologue_shape(r) == shape:
+        return "prologue"
+    if fusible(r) and not r.FLAT_INDEX and shape_of(r.results[0].type) == shape:
+        return "elementwise"
+    return None
 
 
 def _chain_of(op: Operation) -> list[Operation]:
@@ -732,22 +749,35 @@ def _chain_of(op: Operation) -> list[Operation]:
     return sorted(members, key=order.__getitem__)
 
 
-def share_prologues(block: Block) -> int:
-    """A recompute of the remat stage (every op ``nova.remat``) that only reductions
-    read, as prologue operands (the residual stream recomputed for a LayerNorm and
-    read by its backward too), is cloned into each reader, one copy per use, where
-    that moves fewer bytes than one kernel writing the value for all: k readers of
-    a chain reading ``ins`` bytes an element and giving ``out`` read ``k ins``
-    instead of ``ins + out + k out``, so ``(k - 1) ins <= (k + 1) out``; and only
-    within an epilogue's FLOPs (``EPILOGUE_MAX_FLOPS``: each reader computes it
-    again). Only remat's recomputes: remat chose them from values live anyway at
-    that point of the backward, and their readers are the backward's ops beside
-    them, so the memory plan's live sets stay as they were (elsewhere a chain's
-    inputs would live until its last reader instead of its value). Exact: the same
-    ops on the same values. Returns how many chains were cloned."""
-    cloned = 0
+def share_recomputes(block: Block) -> set[Operation]:
+    """A recompute of the remat stage (every op ``nova.remat``) whose readers can each
+    compute it (``_shared_reader``: reductions reading it as prologue operands, the
+    residual stream a LayerNorm recompute and its backward both read; elementwise
+    ops of its shape, the pre-activation ``cast(mm) + bias`` that GELU's recompute
+    and GELU's backward in the backward matmul's epilogue both read) is cloned into
+    each reader but the first, one copy per use, where that moves fewer bytes than
+    one kernel writing the value for all. A chain reading ``ins`` bytes an element
+    and giving ``out``, with k readers: written once, it costs ``ins + out + k out``
+    where every reader is a reduction (the chain is a kernel of its own) and
+    ``ins + out + (k - 1) out`` where one is elementwise (the chain joins that
+    reader's group and is written for the others); cloned, ``k ins``. So cloning
+    needs ``(k - 1) ins <= (k + 1) out``, or ``<= k out``. A widening chain (bf16
+    in, f32 out) always passes: the f32 value is never written. Only within an
+    epilogue's FLOPs (``EPILOGUE_MAX_FLOPS``: each reader computes it again), and
+    only remat's recomputes: remat chose them from values live anyway at that point
+    of the backward, and their readers are the backward's ops beside them, so the
+    memory plan's live sets stay as they were (elsewhere a chain's inputs would
+    live until its last reader instead of its value). Exact: the same ops on the
+    same values. Returns the clones: each is computed where its reader is, so it never
+    joins another group horizontally (beside the chain it copies it would be that
+    chain's kernel again)."""
+    clones: set[Operation] = set()
     for op in reversed(list(block.ops)):
-        if not fusible(op) or op.FLAT_INDEX or len(list(op.results[0].uses)) < 2 or not _prologue_only(op.results[0]):
+        if not fusible(op) or op.FLAT_INDEX:
+            continue
+        uses = list(op.results[0].uses)
+        kinds = [_shared_reader(u) for u in uses]
+        if len(uses) < 2 or None in kinds:
             continue
         chain = _chain_of(op)
         if not all("nova.remat" in m.attributes for m in chain):
@@ -756,19 +786,21 @@ def share_prologues(block: Block) -> int:
         inside = set(chain)
         ins = {v for m in chain for v in m.operands if not (isinstance(v.owner, Operation) and v.owner in inside)}
         in_bytes = sum(_itemsize(v) for v in ins if numel(shape_of(v.type)) == n)  # broadcasts: read from cache
-        k, out = len(list(op.results[0].uses)), _itemsize(op.results[0])
-        if (k - 1) * in_bytes > (k + 1) * out or sum(flops_per_element(m) for m in chain) > EPILOGUE_MAX_FLOPS:
+        k, out = len(uses), _itemsize(op.results[0])
+        written = (k + 1 if "elementwise" not in kinds else k) * out
+        if (k - 1) * in_bytes > written or sum(flops_per_element(m) for m in chain) > EPILOGUE_MAX_FLOPS:
             continue
-        for use in list(op.results[0].uses)[1:]:
+        order = {o: i for i, o in enumerate(block.ops)}
+        for use in sorted(uses, key=lambda u: order[u.operation])[1:]:  # the first reader keeps the chain
             mapping: dict[SSAValue, SSAValue] = {}
             for m in chain:
                 new = m.clone(value_mapper=mapping)
                 for a, b in zip(m.results, new.results, strict=True):
                     mapping[a] = b
                 block.insert_op_before(new, use.operation)
+                clones.add(new)
             use.operation.operands[use.index] = mapping[op.results[0]]
-        cloned += 1
-    return cloned
+    return clones
 
 
 def fuse(module: ModuleOp) -> list[nv.FusedOp]:
@@ -777,8 +809,8 @@ def fuse(module: ModuleOp) -> list[nv.FusedOp]:
     fn = step_func(module)
     block = fn.body.block
     sink_views(block)
-    share_prologues(block)
-    g = _Grouping(block)
+    clones = share_recomputes(block)
+    g = _Grouping(block, clones)
     g.group()
     groups = g.groups()
     placed: dict[int, Operation] = {}  # position -> the op that goes there

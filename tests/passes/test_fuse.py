@@ -565,6 +565,54 @@ def test_a_chain_the_remat_stage_did_not_make_is_computed_once_for_its_readers()
     assert ops[1].operands[0] is ops[2].operands[1] is ops[0].results[0]
 
 
+def _recomputed_pre_activation(remat: bool, narrow: bool = False):
+    """remat's GELU recompute in the backward: pre = cast(mm) + bias (mm bf16, the
+    forward matmul's saved result), read by GELU (its output the weight gradient's
+    operand) and by GELU's backward in the backward matmul's epilogue. ``narrow``:
+    the chain narrows instead (an f32 value cast to bf16, plus a bf16 tensor of its
+    shape: 6 bytes read for 2 written)."""
+    module, fn, b = _step(Slot("batch", "mm", tensor([2, 4, 32], f32 if narrow else bf16)),
+                          Slot("param", "bias", tensor([2, 4, 32], bf16) if narrow else tensor([32], f32)),
+                          Slot("batch", "dy", tensor([8, 16], bf16)), Slot("param", "w", tensor([16, 32], bf16)))  # fmt: skip
+    mm, bias, dy, w = fn.body.block.args
+    chain = [b.cast(mm, bf16 if narrow else f32)]
+    chain.append(b.add(chain[-1], bias))
+    if remat:
+        for v in chain:
+            v.owner.attributes["nova.remat"] = StringAttr("default")
+    pre = chain[-1]
+    gelu = b.one(nv.GeluOp, [pre], {"approximate": "tanh"})
+    gelu.owner.attributes["nova.remat"] = StringAttr("default")
+    dpre = b.reshape(b.matmul(dy, w), [2, 4, 32])
+    dpre = dpre if narrow else b.cast(dpre, f32)
+    dgelu = b.one(nv.GeluBackwardOp, [dpre, pre], {"approximate": "tanh"})
+    set_results(fn, [("loss", "gelu", b.cast(gelu, bf16)), ("loss", "dgelu", dgelu)])
+    return module
+
+
+def test_a_widening_recompute_is_recomputed_in_the_backward_matmuls_epilogue():
+    """The bf16 matmul result widened and biased is cloned into GELU's backward, which
+    joins the backward matmul's epilogue with it: the epilogue reads the bf16 value
+    and the bias, the recompute's kernel yields only GELU's bf16 output, and the f32
+    pre-activation is never written (1 + 12 FLOPs: within the epilogue's budget)."""
+    ops = _fused(_recomputed_pre_activation(remat=True))
+    (ew,) = [o for o in ops if isinstance(o, nv.FusedOp) and o.props()["kind"] == "elementwise"]
+    (ep,) = [o for o in ops if isinstance(o, nv.FusedOp) and o.contraction() is not None]
+    assert _inner(ew) == ["nova.cast", "nova.add", "nova.gelu", "nova.cast"]
+    assert [elem_of(r.type) for r in ew.results] == [bf16]
+    assert _inner(ep) == ["nova.matmul", "nova.reshape", "nova.cast", "nova.cast", "nova.add", "nova.gelu_backward"]
+    assert ew.operands[0] in ep.operands  # both read the bf16 matmul result
+
+
+def test_a_recompute_not_made_by_remat_or_a_narrowing_one_is_computed_once():
+    """Not remat's (its inputs would live longer), or narrowing (f32 read twice costs
+    more than bf16 written once and read): the chain is not cloned, one add of the bias."""
+    for module in (_recomputed_pre_activation(remat=False), _recomputed_pre_activation(remat=True, narrow=True)):
+        ops = _fused(module)
+        inner = [o for op in ops for o in (op.inner_ops() if isinstance(op, nv.FusedOp) else [op])]
+        assert sum(isinstance(o, nv.AddOp) for o in inner) == 1
+
+
 def test_the_reduction_group_verifies_its_structure():
     from xdsl.utils.exceptions import VerifyException
 
