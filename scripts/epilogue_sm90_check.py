@@ -21,14 +21,16 @@ import time
 import torch
 
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.bool: "*u8", torch.int64: "*i64"}
+_DESC = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.bool: "u8", torch.int64: "i64"}
 
 
-def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int) -> tuple[str, str]:
-    """(ptxas -v log, ptx) of the source's ``matmul_kernel`` compiled for sm_90a, with
+def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int, e_box=None) -> tuple[str, str, int]:
+    """(ptxas -v log, ptx, shared memory bytes) of the source's ``matmul_kernel`` compiled for sm_90a, with
     16-byte aligned pointers and strides and unit inner strides (the step's case:
     the operands' and the epilogue operands' last-dim strides are 1, which Triton
     specializes as constants at launch, so their loads are known contiguous);
-    ``a_box`` / ``b_box``: the TMA boxes (None: pointer loads). Needs a process
+    ``a_box`` / ``b_box``: the TMA boxes (None: pointer loads); ``e_box``: the
+    epilogue outputs' descriptor box (None: pointer stores). Needs a process
     that has not imported triton.language under TRITON_INTERPRET=1."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -42,7 +44,8 @@ def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int
         ptrs = {f"e{k}": _PTR[op.dtype] for k, op in enumerate(ep.operands)}
         rank = len(ep.shape)
         unit = {f"es{k}_{kd}" for k, op in enumerate(ep.operands) for kd, d, _ in op.terms(rank) if d == rank - 1}
-        ptrs.update({f"o{j}": _PTR[d] for j, (_, _, d) in enumerate(ep.stores)})
+        ptrs.update({f"o{j}": _PTR[d] if e_box is None else f"tensordesc<{_DESC[d]}{list(e_box)}>"
+                     for j, (_, _, d) in enumerate(ep.stores)})
     elt = "fp32" if dtype == "float32" else "bf16"
     sig, consts, attrs = {}, {"EVEN": True}, {}
     for i, a in enumerate(fn.arg_names):
@@ -58,7 +61,7 @@ def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int
             sig[a] = ptrs[a]
         else:
             sig[a] = f"*{elt}" if a.endswith("_ptr") else "i32"
-        if not a.endswith("_desc"):
+        if not a.endswith("_desc") and not sig[a].startswith("tensordesc"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     log = io.StringIO()
     triton.knobs.nvidia.dump_ptxas_log = True
@@ -68,7 +71,7 @@ def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int
                                options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False))  # fmt: skip
     finally:
         triton.knobs.nvidia.dump_ptxas_log = False
-    return log.getvalue(), k.asm["ptx"]
+    return log.getvalue(), k.asm["ptx"], k.metadata.shared
 
 
 def main() -> None:
@@ -106,11 +109,14 @@ def main() -> None:
         dt = mm._dtype_name(to_torch_dtype(elem_of(head.operands[0].type)))
         prec = "bf16" if dt != "float32" else STEP_MATMUL_PRECISION[args.precision]
         key = dataclasses_replace(cfg)
+        split = key.split_k
         staged = tuple(x for x in ("a", "b") if f"stage_{x}" in cfg.instruction.split("+"))
         tma = "tma" in cfg.instruction
         if staged:  # staged operands are dense K-major copies
             la, lb = ("row" if "a" in staged else la), ("col" if "b" in staged else lb)
-        layout = mm.TmaLayout(la, lb) if tma and "strided" not in (la, lb) else None
+        # the step's epilogue outputs are dense and 16-byte aligned: stored through descriptors
+        layout = mm.TmaLayout(la, lb, e=split == 1) if tma and "strided" not in (la, lb) else None
+        w = cfg.block_n // mm.epilogue_slices(ep, cfg.block_m, cfg.block_n)
         src = mm.matmul_source(key, has_bias=False, precision=prec, out_dtype=dt, in_dtype=dt, tma=layout,
                                prerounded=staged, epilogue=ep)  # fmt: skip
         if src in compiled:  # the same text as a kernel above (Triton's cache: ptxas does not run again)
@@ -119,14 +125,15 @@ def main() -> None:
         a_box = (cfg.block_m, cfg.block_k) if la == "row" else (cfg.block_k, cfg.block_m)
         b_box = (cfg.block_k, cfg.block_n) if lb == "row" else (cfg.block_n, cfg.block_k)
         t0 = time.perf_counter()
-        log, ptx = compile_sm90(src, ep, a_box if layout else None, b_box if layout else None, dt, cfg.num_warps,
-                                cfg.num_stages)  # fmt: skip
+        log, ptx, smem = compile_sm90(src, ep, a_box if layout else None, b_box if layout else None, dt, cfg.num_warps,
+                                cfg.num_stages, (cfg.block_m, w) if layout and layout.e else None)  # fmt: skip
         regs = re.findall(r"Used (\d+) registers", log)
         spills = re.findall(r"(\d+) bytes spill stores", log)
         inner = " ".join(o.name.removeprefix("nova.") for o in ops[0].inner_ops()[1:])
         print(f"{len(ops):4d}x {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} "
               f"sk{cfg.split_k} {cfg.instruction} {la}/{lb}: {mm.epilogue_slices(ep, cfg.block_m, cfg.block_n)} slices, "
-              f"registers {','.join(regs)}, spill stores {','.join(spills)} B, {time.perf_counter() - t0:.1f} s  [{inner}]")
+              f"registers {','.join(regs)}, spill stores {','.join(spills)} B, shared {smem // 1024} KiB, "
+              f"{time.perf_counter() - t0:.1f} s  [{inner}]")
 
 
 def dataclasses_replace(cfg):

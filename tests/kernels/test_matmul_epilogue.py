@@ -109,6 +109,9 @@ def test_bf16_bias_gelu_with_two_outputs(shape, split, tma):
     assert "e_acc = (e_tile).to(tl.bfloat16)" in text  # the matmul's bf16 rounding, as unfused
     assert ("def matmul_kernel_reduce" in text) == (split > 1)
     assert ("a_desc" in text) == tma
+    # the one-pass TMA kernel stores its epilogue outputs through descriptors, masks left to the copy engine
+    assert ("o0.store([pid_m * BLOCK_M" in text and "tl.store(o0" not in text.split("def matmul_kernel_reduce")[0]) \
+        == (tma and split == 1)
 
 
 @pytest.mark.parametrize("instruction", ["mma", "wgmma+tma+stage_a+stage_b"], ids=["rounded-in-registers", "staged"])
@@ -185,6 +188,38 @@ def test_an_output_may_replace_its_epilogue_operand_in_place():
     x_in = buf[:1024].view(torch.bfloat16).view(16, 32)  # the matmul's A and the output share bytes
     with pytest.raises(ValueError, match="overlaps an operand or another output"):
         mm.matmul_epilogue(x_in, w, ep, [p], torch.bfloat16, cfg=cfg(), outs=[buf.view(torch.float32).view(16, 48)])
+
+
+def test_epilogue_outputs_through_descriptors_only_where_the_copy_engine_can_address_them():
+    """TMA one-pass kernels store their epilogue outputs through descriptors; an output
+    whose rows are not 16-byte aligned, or a batched matmul whose M is no multiple of
+    BLOCK_M (a box would reach the next matrix's rows), is stored through pointers.
+    Every case writes exactly the rows it owns: the bytes around the output stay."""
+    from nova.codegen.triton.elementwise import Operand
+
+    def run(x, w, rows, n, outs_base, offset, batched):
+        ep = mm.Epilogue(shape=(rows, n), operands=(Operand((rows, n), torch.float32, load="raw"),),
+                         body="e_y = ex0 + e_tile", stores=(("e_y", "f32", torch.float32),),
+                         out_shapes=((rows, n),))  # fmt: skip
+        p = torch.randn(rows, n)
+        out = outs_base[offset:offset + rows * n].view(rows, n)
+        record: dict = {}
+        mm.matmul_epilogue(x, w, ep, [p], torch.float32, cfg=cfg(tma=True), outs=[out], record=record)
+        want = p + (x.float() @ w.float()).reshape(rows, n)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        return "\n".join(v for k, v in record.items() if k != "tf32_stage")
+
+    torch.manual_seed(0)
+    x, w = torch.randn(24, 32), torch.randn(32, 48)
+    base = torch.full((24 * 48 + 8,), 7.0)
+    assert "o0.store(" in run(x, w, 24, 48, base, 0, False)
+    assert torch.all(base[24 * 48:] == 7.0)
+    base = torch.full((24 * 48 + 8,), 7.0)
+    assert "tl.store(o0" in run(x, w, 24, 48, base, 1, False)  # a base 4 bytes past 16-byte alignment
+    assert base[0] == 7.0 and torch.all(base[24 * 48 + 1:] == 7.0)
+    xb, wb = torch.randn(3, 20, 32), torch.randn(3, 32, 48)  # M = 20: no multiple of 16
+    base = torch.full((60 * 48 + 8,), 7.0)
+    assert "tl.store(o0" in run(xb, wb, 60, 48, base, 0, True)
 
 
 def test_fp32_on_the_fma_path_with_bias_and_gelu():

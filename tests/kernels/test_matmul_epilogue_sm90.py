@@ -100,7 +100,7 @@ def measure() -> dict:
         ep, _ = epilogue_of(_group(kind))
         src = mm.matmul_source(key, has_bias=False, precision="bf16", out_dtype="bfloat16", in_dtype="bfloat16",
                                tma=mm.TmaLayout("row", "col"), epilogue=ep)  # fmt: skip
-        log, ptx = _compile(src, ep, (128, 64), (bn, 64), "bfloat16", 8, stages)
+        log, ptx, _ = _compile(src, ep, (128, 64), (bn, 64), "bfloat16", 8, stages)
         spills = [(int(a), int(b)) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
         out[f"{kind}@{bn}"] = {"sliced": "tl.split(e_split" in src, "spills": spills,
                                "regs": [int(r) for r in re.findall(r"Used (\d+) registers", log)],

@@ -185,13 +185,15 @@ def _epilogue_params(ep: Epilogue) -> tuple[list[str], list[str]]:
 
 
 def epilogue_lines(ep: Epilogue, two_d: bool, masked: bool, cols: str = "offs_n", mask_n: str = "mask_n",
-                   tile: str = "acc") -> list[str]:
+                   tile: str = "acc", box: tuple[str, str] | None = None) -> list[str]:
     """The epilogue's statements. ``two_d``: in the main kernel, over the
     [BLOCK_M, BLOCK_N] tile or a column slice of it (``e_rows`` [BLOCK_M] and
     ``mask_m`` are defined; ``cols``, ``mask_n`` and ``tile`` name the slice's
     columns, their mask and its accumulator); else in the split-K reduction, over a
     flat block of the result (``offs``, ``mask``, the sum ``acc``). ``masked``:
-    ragged edges (EVEN is false)."""
+    ragged edges (EVEN is false). ``box``: (first row, first column) of the slice's
+    box when the outputs are tensor descriptors (``TmaLayout.e``; the copy engine
+    clips the edges, so the stores take no mask)."""
     rank = len(ep.shape)
     last = rank - 1
     lines = [f"e_tile = {tile}", f"e_cols = {cols}" if two_d else f"e_cols = offs % {ep.shape[-1]}"]
@@ -231,6 +233,10 @@ def epilogue_lines(ep: Epilogue, two_d: bool, masked: bool, cols: str = "offs_n"
         lines.append(f"ex{k} = tl.load(e{k} + {off}{mask_of({d for _, d, _ in terms})})")
     lines += [ln for ln in ep.body.strip("\n").splitlines()]
     out = "e_rows[:, None] * " + str(ep.shape[-1]) + " + e_cols[None, :]" if two_d else "offs"
+    if box is not None:
+        for j, (var, vtag, dtype) in enumerate(ep.stores):
+            lines.append(f"o{j}.store([{box[0]}, {box[1]}], {convert(var, vtag, tag(dtype))})")
+        return [ln for ln in lines if ln]
     lines.append(f"e_out = {out}")
     full = mask_of({0, last}) if rank > 1 else mask_of({last})
     for j, (var, vtag, dtype) in enumerate(ep.stores):
@@ -246,7 +252,14 @@ class TmaLayout:
     (otherwise one matrix serves every batch). ``c``: C is stored through a
     descriptor too (rows contiguous, 16-byte aligned; the one-pass kernel without an
     epilogue), in two column halves (half the staging buffer in shared memory), so
-    the store is asynchronous and clipped at the edges by the copy engine."""
+    the store is asynchronous and clipped at the edges by the copy engine. ``e``: the
+    one-pass kernel's epilogue outputs are stored through descriptors (each output
+    read as [rows, N], rows contiguous, 16-byte aligned: ``_tma_e``), a [BLOCK_M,
+    slice] box per column slice: the values go out from the accumulator's own
+    register layout through shared memory, so outputs of different dtypes do not
+    each ask for a store layout of their own (with pointer stores Triton computes
+    the chain they share once per layout: GELU's backward twice, for its f32 and
+    its bf16 result)."""
 
     a: str = "row"
     b: str = "row"
@@ -254,6 +267,7 @@ class TmaLayout:
     b_batched: bool = False
     c: bool = False
     c_batched: bool = False
+    e: bool = False  # the epilogue's outputs through descriptors, one box per column slice
 
 
 def matmul_source(
@@ -307,6 +321,9 @@ def matmul_source(
     c_tma = tma is not None and tma.c
     if c_tma and (fused or split):
         raise ValueError("matmul: C through a descriptor is the one-pass kernel's store (no split, no epilogue)")
+    e_tma = tma is not None and tma.e
+    if e_tma and not fused:
+        raise ValueError("matmul: epilogue outputs through descriptors are the one-pass kernel's (an epilogue, no split)")
     params = ["a_desc", "b_desc"] if tma else ["a_ptr", "b_ptr"]
     if not fused:
         params.append("c_desc" if c_tma else "c_ptr")
@@ -416,7 +433,10 @@ def matmul_source(
 """
     elif fused:
         rows = ("pid_b.to(tl.int64) * M + offs_m" if index_64 else "pid_b * M + offs_m") if batched else "offs_m"
-        store = "\n".join("        " + ln for ln in _sliced_epilogue(epilogue, cfg.block_m, cfg.block_n, rows, idx)) + "\n"
+        # a descriptor's box starts at the tile's first row of [BATCH * M, N] (M a multiple of BLOCK_M when batched)
+        box_row = ("pid_b * M + pid_m * BLOCK_M" if batched else "pid_m * BLOCK_M") if e_tma else None
+        lines = _sliced_epilogue(epilogue, cfg.block_m, cfg.block_n, rows, idx, box_row)
+        store = "\n".join("        " + ln for ln in lines) + "\n"
     else:
         store = f"""\
         c_ptrs = {c_base} + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -542,11 +562,14 @@ def epilogue_slices(ep: Epilogue, block_m: int, block_n: int) -> int:
     return n
 
 
-def _sliced_epilogue(ep: Epilogue, block_m: int, block_n: int, rows: str, idx: str) -> list[str]:
+def _sliced_epilogue(ep: Epilogue, block_m: int, block_n: int, rows: str, idx: str,
+                     box_row: str | None = None) -> list[str]:
     """The main kernel's epilogue, over ``epilogue_slices`` column slices of the
-    accumulator in turn (one slice: the whole tile)."""
+    accumulator in turn (one slice: the whole tile). ``box_row``: the tile's first
+    row when the outputs are descriptors."""
     n = epilogue_slices(ep, block_m, block_n)
     lines = ["e_rows = " + rows]
+    boxes = [(box_row, f"pid_n * BLOCK_N + {h * (block_n // n)}") if box_row else None for h in range(n)]
     if n == 1:
         parts = [("offs_n", "mask_n", "acc")]
     else:  # acc[:, h * w : (h + 1) * w] for each h: split the column index into (h, j), h last
@@ -572,8 +595,8 @@ def _sliced_epilogue(ep: Epilogue, block_m: int, block_n: int, rows: str, idx: s
             parts.append((f"e_n{h}", f"e_mask_n{h}", name))
     for even in (True, False):
         lines.append("if EVEN:" if even else "else:")
-        for cols, mask, tile in parts:
-            lines += ["    " + ln for ln in epilogue_lines(ep, True, not even, cols, mask, tile)]
+        for (cols, mask, tile), box in zip(parts, boxes, strict=True):
+            lines += ["    " + ln for ln in epilogue_lines(ep, True, not even, cols, mask, tile, box)]
     return lines
 
 
@@ -926,6 +949,33 @@ def _tma_c(cfg: LoweringConfig, c3: torch.Tensor):
     return TensorDescriptor(c3[0], [c3.shape[1], c3.shape[2]], [*strides, 1], box)
 
 
+def _tma_e(cfg: LoweringConfig, ep: Epilogue, outs, batched: bool, M: int):
+    """Descriptors of the epilogue's outputs, each read as [rows, N] with a [BLOCK_M,
+    slice] box, when every output allows one: the last dim contiguous, the leading
+    dims one row stride (``view``), base and row stride 16-byte aligned, and (batched)
+    M a multiple of BLOCK_M, so that no box reaches into the next matrix's rows (the
+    copy engine clips only at the tensor's edge). Else None: the pointer stores,
+    any strides."""
+    if batched and M % cfg.block_m:
+        return None
+    w = cfg.block_n // epilogue_slices(ep, cfg.block_m, cfg.block_n)
+    descs = []
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    for x in outs:
+        n, elt = x.shape[-1], x.element_size()
+        if x.stride(-1) != 1 or x.data_ptr() % 16 or w * elt < 16:
+            return None
+        try:
+            x2 = x.view(-1, n)
+        except RuntimeError:  # leading dims of more than one stride
+            return None
+        if x2.stride(0) * elt % 16:
+            return None
+        descs.append(TensorDescriptor(x2, list(x2.shape), [x2.stride(0), 1], [cfg.block_m, w]))
+    return descs
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -1183,6 +1233,9 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     c_desc = _tma_c(cfg, c3) if tma and not split and ep is None else None
     if c_desc is not None:
         tma = (dataclasses.replace(tma[0], c=True, c_batched=c3.shape[0] > 1), tma[1])
+    e_descs = _tma_e(cfg, ep, ep_outs, batched, M) if tma and fused else None
+    if e_descs is not None:
+        tma = (dataclasses.replace(tma[0], e=True), tma[1])
     kern = matmul_kernels(
         cfg, bias is not None, precision, out_name, in_name, batched, index_64, interpreting(), tma and tma[0], staged,
         ep,
@@ -1196,6 +1249,8 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
 
     rank = len(ep.shape) if ep is not None else 0
     ep_ptrs = [storage_view(x) for x in (*ep_inputs, *ep_outs)]
+    if e_descs is not None:
+        ep_ptrs[len(ep_inputs):] = e_descs
     ep_strides = [x.stride(kd) for op, x in zip(ep.operands, ep_inputs) for kd, _, _ in op.terms(rank)] if ep else []
     if split:
         ws = torch.empty((splits, batch, M, N), dtype=torch.float32, device=a.device)
