@@ -8,7 +8,7 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
   *-light       elementwise ops costing more than 4 FLOPs an element (the cost model's
                 table: GELU 8, its backward 12) kept out of epilogues
 
-    python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--out DIR]
+    python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--variants a,b] [--out DIR]
 
 Prints, per variant, the step's measured kernel time and the matmul launches grouped
 by (result type, schedule, ops in the kernel), and whether the losses of every variant
@@ -77,12 +77,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--child")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + " ".join(VARIANTS))
     opts = ap.parse_args()
     if opts.child:
         print("RESULT " + json.dumps(child(opts.child, opts.layers, opts.batch)))
         return
     results = []
-    for v in VARIANTS:
+    for v in opts.variants.split(","):
+        if v not in VARIANTS:
+            raise SystemExit(f"epilogue_variants: unknown variant {v!r} (known: {', '.join(VARIANTS)})")
         run = subprocess.run([sys.executable, __file__, "--child", v, "--layers", str(opts.layers),
                               "--batch", str(opts.batch)], capture_output=True, text=True, timeout=400)
         line = next((ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")), None)
