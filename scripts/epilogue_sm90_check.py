@@ -114,8 +114,10 @@ def main() -> None:
         tma = "tma" in cfg.instruction
         if staged:  # staged operands are dense K-major copies
             la, lb = ("row" if "a" in staged else la), ("col" if "b" in staged else lb)
-        # the step's epilogue outputs are dense and 16-byte aligned: stored through descriptors
-        layout = mm.TmaLayout(la, lb, e=split == 1) if tma and "strided" not in (la, lb) else None
+        # the step's epilogue outputs are dense and 16-byte aligned: of two element sizes, stored
+        # through descriptors (matmul._tma_e)
+        sizes = {d.itemsize for _, _, d in ep.stores}
+        layout = mm.TmaLayout(la, lb, e=split == 1 and len(sizes) > 1) if tma and "strided" not in (la, lb) else None
         w = cfg.block_n // mm.epilogue_slices(ep, cfg.block_m, cfg.block_n)
         src = mm.matmul_source(key, has_bias=False, precision=prec, out_dtype=dt, in_dtype=dt, tma=layout,
                                prerounded=staged, epilogue=ep)  # fmt: skip
