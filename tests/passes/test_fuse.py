@@ -745,13 +745,18 @@ def test_the_report_names_each_group():
     ]
 
 
-def test_scalars_only_the_return_reads_run_last_together(monkeypatch):
+@pytest.mark.parametrize("multi_tensor", [True, False], ids=["multi-tensor", "per-param"])
+def test_scalars_only_the_return_reads_run_last_together(multi_tensor, monkeypatch):
     """Adam's step counters: each update recomputes step + 1 from the old counter, and
     the counters' new values are written last (TAIL_OUTPUTS to a kernel), after every
-    read of the old ones, so every counter and param is written in place."""
+    read of the old ones, so every counter and param is written in place. The three
+    small params' updates are one multi-tensor kernel (``batch_small``), or, with
+    SMALL_ARGS too small for two of them, one kernel each."""
     from nova.transforms.plan_memory import plan_memory
 
     monkeypatch.setattr(fz, "TAIL_OUTPUTS", 2)
+    if not multi_tensor:
+        monkeypatch.setattr(fz, "SMALL_ARGS", 5)
     slots = [Slot("hyper", "ok", tensor([], f32))]
     for k in range(3):
         slots += [Slot("param", f"p{k}", tensor([16], f32)), Slot("state", f"p{k}::step", tensor([], f32))]
@@ -767,12 +772,33 @@ def test_scalars_only_the_return_reads_run_last_together(monkeypatch):
                     ("state", f"p{k}::step", step_out)]  # fmt: skip
     set_results(fn, results)
     ops = _fused(module)
-    assert [o.name for o in ops] == ["nova.fused"] * 5
-    params, tails = ops[:3], ops[3:]
+    n = 1 if multi_tensor else 3
+    assert [o.name for o in ops] == ["nova.fused"] * (n + 2)
+    params, tails = ops[:n], ops[n:]
     assert all(g.iteration_shape() == (16,) and "nova.add" in _inner(g) for g in params)  # step + 1 inside
+    assert sum(len(g.results) for g in params) == 3
     assert [len(g.results) for g in tails] == [2, 1] and all(g.iteration_shape() == () for g in tails)
     plan = plan_memory(module)
     assert {ip.how for ip in plan.inplace} == {"inplace"}
+
+
+def test_only_small_updates_of_one_shape_launch_together():
+    """Updates of two [16] params are one kernel; a [16] update of another shape ([4,
+    4]), a large one (SMALL_GROUP + 1 elements) and a small group that updates nothing
+    stay kernels of their own."""
+    big = fz.SMALL_GROUP + 1
+    slots = [Slot("param", "a", tensor([16], f32)), Slot("param", "b", tensor([16], f32)),
+             Slot("param", "c", tensor([4, 4], f32)), Slot("param", "d", tensor([big], f32)),
+             Slot("param", "e", tensor([16], f32))]  # fmt: skip
+    module, fn, b = _step(*slots)
+    pa, pb, pc, pd, pe = fn.body.block.args
+    upd = [("param", n, b.sub(p, b.mul(p, b.one(nv.ExpOp, [p])))) for n, p in zip("abcd", (pa, pb, pc, pd))]
+    set_results(fn, [*upd, ("param", "e", pe), ("loss", "not_an_update", b.mul(pe, b.one(nv.ExpOp, [pe])))])
+    ops = _fused(module)
+    groups = [o for o in ops if isinstance(o, nv.FusedOp)]
+    assert sorted(len(g.results) for g in groups) == [1, 1, 1, 2]
+    (both,) = [g for g in groups if len(g.results) == 2]
+    assert both.iteration_shape() == (16,) and {pa, pb} <= set(both.operands) and pe not in both.operands
 
 
 def test_last_scalars_of_two_shapes_are_two_groups():
