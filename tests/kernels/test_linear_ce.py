@@ -213,6 +213,28 @@ def test_with_grad_runs_one_logits_matmul_and_one_row_kernel_per_chunk(device, m
     assert rows.count("lce_scale") == rows.count("lce_final") == 1
 
 
+def test_the_lowering_configures_each_distinct_matmul_once(device, monkeypatch):
+    """The dh and dw matmuls' schedules are asked of the configurator once per shape
+    and layout (a full chunk and the last one), not at every launch: two launches of
+    7 rows in chunks of 3 ask for dh and dw of rows 3 and 1, and the accumulation's."""
+    from nova.codegen.triton import linear_ce
+
+    asked = []
+    real = linear_ce.configure_matmul
+    monkeypatch.setattr(linear_ce, "configure_matmul", lambda *a, **kw: asked.append((*a[:3], kw.get("epilogue", False))) or real(*a, **kw))
+    fwd, _ = _ops(f32, None, {"ignore_index": -100, "reduction": "mean", "chunk": 3}, f32)
+    gen = torch.Generator().manual_seed(3)
+    xs = [x.to(device) for x in (torch.randn(N, D, generator=gen), torch.randn(V, D, generator=gen),
+                                 torch.randint(0, V, (N,), generator=gen))]  # fmt: skip
+    kernel = lower_linear_cross_entropy_with_grad(merged(fwd), None, max_block=16)
+    first = kernel.launch([torch.tensor(1.0, device=device), *xs])
+    n = len(asked)
+    again = kernel.launch([torch.tensor(1.0, device=device), *xs])
+    assert len(asked) == n and len(set(asked)) == n
+    assert {(3, D, V, False), (1, D, V, False), (V, D, 3, False), (V, D, 3, True), (V, D, 1, True)} == set(asked)
+    assert all(torch.equal(x, y) for x, y in zip(first, again, strict=True))
+
+
 @pytest.mark.parametrize("split_k", [1, 2], ids=["one-pass", "split-k"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_dw_accumulates_in_the_matmul_epilogue_bit_for_bit(device, dtype, split_k):

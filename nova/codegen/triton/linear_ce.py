@@ -170,14 +170,34 @@ def accumulate(M: int, N: int) -> mm.Epilogue:
                        stores=(("e_acc", "f32", f32),), out_shapes=((M, N),))
 
 
+class Configs:
+    """The configurator's schedule of each distinct matmul of a lowering, asked once
+    (the chunk's and the last chunk's shapes, the operands' layouts): the launches of
+    every step then look it up instead of configuring again."""
+
+    def __init__(self, precision: str):
+        self.precision = precision
+        self.known: dict[tuple, LoweringConfig] = {}
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, epilogue: bool = False):
+        key = (a.shape[-2], b.shape[-1], a.shape[-1], a.dtype, out_dtype, mm.layout(a), mm.layout(b), epilogue,
+               a.device.type)  # fmt: skip
+        cfg = self.known.get(key)
+        if cfg is None:
+            cfg = self.known[key] = configure_matmul(
+                key[0], key[1], key[2], 1, a.dtype, a.dtype, out_dtype, self.precision, key[5], key[6], False,
+                mm.device_spec(a.device), epilogue=epilogue)  # fmt: skip
+        return cfg
+
+
 def accumulate_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, precision: str, ep: mm.Epilogue | None = None,
-                    record: dict | None = None) -> None:
+                    record: dict | None = None, configs: Configs | None = None) -> None:
     """``acc += a @ b`` (f32 ``acc``) through ``accumulate``'s epilogue, configured as the
     launcher configures ``a @ b`` (``mm.matmul(cfg=None)``) but as an epilogue kernel
     (``epilogue=True``: the configurator's rule for kernels storing through pointers);
-    the same tile, BLOCK_K and split, so the same sums per tile."""
-    cfg = configure_matmul(a.shape[-2], b.shape[-1], a.shape[-1], 1, a.dtype, a.dtype, torch.float32, precision,
-                           mm.layout(a), mm.layout(b), False, mm.device_spec(a.device), epilogue=True)
+    the same tile, BLOCK_K and split, so the same sums per tile. ``configs``: the
+    lowering's schedules (asked once per shape)."""
+    cfg = (configs or Configs(precision))(a, b, torch.float32, epilogue=True)
     ep = ep or accumulate(*acc.shape)
     mm.matmul_epilogue(a, b, ep, [acc], torch.float32, cfg=cfg, precision=precision, outs=[acc], record=record)
 
@@ -273,6 +293,7 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
     used: dict[str, str] = {}
     f32 = torch.float32
     dw_add = accumulate(V, D)
+    configs = Configs(prec)
 
     def chunks():
         return ((r0, min(N, r0 + chunk)) for r0 in range(0, N, chunk))
@@ -320,11 +341,11 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
                 k["lce_rows_with_grad"][(r1 - r0,)](z, t[r0:r1], *b, rows[r0:], scale, *db_arg, num_warps=warps)
             if b:
                 k["lce_colsum"][(triton_cdiv(V, _COL_BLOCK),)](dbuf if separate_d else z, db_acc, r1 - r0, num_warps=4)
-            mm.matmul(z, w, cfg=None, precision=prec, out=dh[r0:r1], record=used)
+            mm.matmul(z, w, cfg=configs(z, w, dh.dtype), precision=prec, out=dh[r0:r1], record=used)
             if r0 == 0:  # the first chunk's product is the accumulator's first value: no zeroing
-                mm.matmul(z.t(), h[r0:r1], cfg=None, precision=prec, out=dw_acc, record=used)
+                mm.matmul(z.t(), h[r0:r1], cfg=configs(z.t(), h[r0:r1], f32), precision=prec, out=dw_acc, record=used)
             else:
-                accumulate_into(dw_acc, z.t(), h[r0:r1], prec, dw_add, record=used)
+                accumulate_into(dw_acc, z.t(), h[r0:r1], prec, dw_add, record=used, configs=configs)
         if dw_acc is not dw:
             dw.copy_(dw_acc)  # rounded once
         if b and db_acc is not db[0]:
