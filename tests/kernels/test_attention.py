@@ -248,6 +248,36 @@ def test_backward_caps_a_forward_sized_config():
     assert kv.num_stages == q.num_stages == 2 and "KV_BLOCK_N = tl.constexpr(128)" in kernel.source
 
 
+def test_backward_tiles_set_each_kernel_on_its_own(device):
+    """``tiles`` gives the dK/dV and the dQ kernel their own schedules, used as given
+    (not capped by cfg, a 16x16 config here), capped only to the padded sequence; the
+    kernels launched one by one through ``launch_kernels`` give launch()'s gradients."""
+    fwd, bwd = lowerings()
+    q, k, v = qkv(1, 2, 37, 37, 16, torch.bfloat16, device, seed=8)
+    props = {"causal": True, "scale": 0.25}
+    out, lse = fwd(build(nv.AttentionOp, [q, k, v], props), SMALL).launch([q, k, v])
+    g = rand(*q.shape, dtype=q.dtype, device=device, gen=torch.Generator().manual_seed(2))
+    ins = [g, q, k, v, out, lse]
+    op = build(nv.AttentionBackwardOp, ins, props)
+    kv = LoweringConfig(kind="attention", block_m=16, block_n=32, num_warps=2, num_stages=3)
+    dq_cfg = LoweringConfig(kind="attention", block_m=128, block_n=16, num_warps=4, num_stages=1)
+    kernel = bwd(op, SMALL, tiles={"dkdv": kv, "dq": dq_cfg})
+    got = kernel.config, kernel.extra["dq_config"]
+    assert [(c.block_m, c.block_n, c.num_warps, c.num_stages) for c in got] == [(16, 32, 2, 3), (64, 16, 4, 1)]
+    assert "KV_BLOCK_N = tl.constexpr(32)" in kernel.source and "Q_BLOCK_M = tl.constexpr(64)" in kernel.source
+    grads = kernel.launch(ins)
+    check(grads, IMPLS[nv.AttentionBackwardOp](op, ins), torch.bfloat16, "backward")
+    only_dq = bwd(op, SMALL, tiles={"dq": dq_cfg})  # the other kernel keeps the rule (capped by cfg)
+    assert (only_dq.config.block_m, only_dq.config.block_n) == (16, 16)
+    parts = [torch.full_like(q, float("nan")) for _ in range(3)]
+    delta = torch.empty(2, 37, device=device)
+    for name in ("delta", "dkdv", "dq"):
+        kernel.extra["launch_kernels"](ins, parts, delta, (name,))
+    assert all(torch.equal(a, b) for a, b in zip(parts, grads, strict=True))
+    with pytest.raises(ValueError, match="unknown kernels"):
+        bwd(op, SMALL, tiles={"dk": kv})
+
+
 def test_attention_ops_registered():
     from nova.codegen.triton import attention  # noqa: F401
     from nova.codegen.triton.lowering import LOWERINGS

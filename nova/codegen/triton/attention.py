@@ -64,6 +64,11 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _INT32_MAX = 2**31 - 1
 _DELTA_ELEMS = 4096  # dO and O elements per program of the delta = rowsum(dO * O) pass
+# Optional variants of the generated source, default off (the shipped kernels are the
+# text without them) until scripts/attention_variants.py measures them on the device;
+# flag -> what it changes. ``lower_attention(..., source_flags=)`` and
+# ``lower_attention_backward(..., source_flags=)`` take a set of them.
+SOURCE_FLAGS: dict[str, str] = {}
 _TL = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16", torch.float64: "tl.float64"}
 
 
@@ -96,14 +101,18 @@ _TILES = {
 }
 
 
-def attention_plan(tq: int, tk: int, d: int, dtype: torch.dtype, cfg: LoweringConfig | None, kernel: str = "fwd"):
+def attention_plan(tq: int, tk: int, d: int, dtype: torch.dtype, cfg: LoweringConfig | None, kernel: str = "fwd",
+                   exact: bool = False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("fwd", "dkdv", "dq").
 
     The forward takes ``cfg``'s tiles when it sets block_m and block_n. The
     configurator sizes attention for the forward pass only, and the backward
     kernels hold two to three times the accumulators, so for them ``cfg``'s tiles
-    are an upper bound on the ``_TILES`` defaults (and at most 2 stages). Without
-    ``cfg``: the defaults. Tiles never exceed the padded sequence."""
+    are an upper bound on the ``_TILES`` defaults (and at most 2 stages), unless
+    ``exact``: then a backward kernel takes ``cfg``'s tiles, warps and stages as
+    they are (a schedule chosen for that kernel, e.g. by
+    ``scripts/attention_variants.py``). Without ``cfg``: the defaults. Backward
+    tiles never exceed the padded sequence."""
     cls = "64" if dtype == torch.float64 else "32" if dtype == torch.float32 else "16"
     bd = max(16, next_pow2(d))
     bm, bn, warps = _TILES[kernel][cls][0 if bd <= 64 else 1 if bd <= 128 else 2]
@@ -115,6 +124,9 @@ def attention_plan(tq: int, tk: int, d: int, dtype: torch.dtype, cfg: LoweringCo
                 raise ValueError(f"attention: cfg.{name}={v} must be a power of two >= 16 (tl.dot tile minimum)")
         if kernel == "fwd":
             return cfg.block_m, cfg.block_n, cfg.num_warps or warps, cfg.num_stages or stages
+        if exact:
+            return (max(16, min(cfg.block_m, next_pow2(tq))), max(16, min(cfg.block_n, next_pow2(tk))),
+                    cfg.num_warps or warps, cfg.num_stages or stages)
         if cfg.block_m <= bm and cfg.block_n <= bn:  # cfg's tiles fit: its warps too
             warps = cfg.num_warps or warps
         bm, bn = min(bm, cfg.block_m), min(bn, cfg.block_n)
@@ -154,8 +166,9 @@ def _input_precision(dtype: torch.dtype, precision: str) -> str:
 class _Gen:
     """Text snippets shared by the forward and backward kernels of one shape."""
 
-    def __init__(self, b, h, tq, tk, d, dtype, causal, scale, bm, bn, ip, bias=False):
+    def __init__(self, b, h, tq, tk, d, dtype, causal, scale, bm, bn, ip, bias=False, flags=frozenset()):
         self.b, self.h, self.tq, self.tk, self.d = b, h, tq, tk, d
+        self.flags = frozenset(flags)  # SOURCE_FLAGS variants of the text
         self.bias = bias  # an additive [B, H, Tq, Tk] (broadcast) score bias operand
         self.bd = max(16, next_pow2(d))
         self.dtype, self.causal, self.scale, self.bm, self.bn = dtype, causal, scale, bm, bn
@@ -523,9 +536,18 @@ def _check_inputs(name: str, op, inputs) -> None:
             raise ValueError(f"{name}: input {i} is {tuple(t.shape)} {t.dtype}, the op needs {shape_of(v.type)} {_dtype(v.type)}")
 
 
-def _plan(op, cfg, precision: str, kernel: str) -> tuple[_Gen, int, int]:
+def _check_flags(flags) -> frozenset:
+    flags = frozenset(flags or ())
+    unknown = flags - set(SOURCE_FLAGS)
+    if unknown:
+        raise ValueError(f"attention: unknown source flags {sorted(unknown)}; known: {sorted(SOURCE_FLAGS)}")
+    return flags
+
+
+def _plan(op, cfg, precision: str, kernel: str, exact: bool = False, flags=frozenset()) -> tuple[_Gen, int, int]:
     """The generator of one kernel of ``op`` (its shape, props and tiles), its
-    num_warps and num_stages."""
+    num_warps and num_stages (``exact``: as ``attention_plan``'s; ``flags``: source
+    variants, ``SOURCE_FLAGS``)."""
     backward = isinstance(op, nv.AttentionBackwardOp)
     q_t, k_t = op.operands[1 if backward else 0].type, op.operands[2 if backward else 1].type
     (b, h, tq, d), tk = shape_of(q_t), shape_of(k_t)[2]
@@ -536,9 +558,9 @@ def _plan(op, cfg, precision: str, kernel: str) -> tuple[_Gen, int, int]:
     bias = len(op.operands) == (7 if backward else 4)
     if bias:
         _check_dtype(_dtype(op.operands[-1].type))
-    bm, bn, warps, stages = attention_plan(tq, tk, d, dtype, cfg, kernel)
+    bm, bn, warps, stages = attention_plan(tq, tk, d, dtype, cfg, kernel, exact)
     g = _Gen(b, h, tq, tk, d, dtype, bool(p["causal"]), float(p["scale"]), bm, bn, _input_precision(dtype, precision),
-             bias)
+             bias, _check_flags(flags))
     return g, warps, stages
 
 
@@ -598,10 +620,11 @@ def _bias_args(g: _Gen, bias: list[torch.Tensor]) -> tuple[list, list[int]]:
 
 
 @lowers(nv.AttentionOp)
-def lower_attention(op, cfg: LoweringConfig | None = None, *, precision: str = "fp32", **_) -> Kernel:
+def lower_attention(op, cfg: LoweringConfig | None = None, *, precision: str = "fp32", source_flags=(), **_) -> Kernel:
     """``precision``: the module's policy ("fp32" | "tf32" | "bf16"); "tf32" lets
-    fp32 q k^T and P v run on tf32 tensor cores, anything else keeps them exact."""
-    g, warps, stages = _plan(op, cfg, precision, "fwd")
+    fp32 q k^T and P v run on tf32 tensor cores, anything else keeps them exact.
+    ``source_flags``: optional text variants (``SOURCE_FLAGS``; none by default)."""
+    g, warps, stages = _plan(op, cfg, precision, "fwd", flags=source_flags)
     src = attention_forward_source(g)
     kernel, _ = load_kernel(src, "attention_fwd")
     name = _name("fwd", g)
@@ -626,12 +649,28 @@ def lower_attention(op, cfg: LoweringConfig | None = None, *, precision: str = "
 
 
 @lowers(nv.AttentionBackwardOp)
-def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision: str = "fp32", **_) -> Kernel:
+def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision: str = "fp32",
+                             tiles: dict[str, LoweringConfig] | None = None, source_flags=(), **_) -> Kernel:
     """Three kernels: delta, dK/dV, dQ (see the module docstring); ``precision`` as
     for the forward. ``Kernel.config`` is the dK/dV kernel's schedule; the dQ
-    kernel's is in ``extra["dq_config"]``."""
-    g_kv, kv_warps, kv_stages = _plan(op, cfg, precision, "dkdv")
-    g_q, q_warps, q_stages = _plan(op, cfg, precision, "dq")
+    kernel's is in ``extra["dq_config"]``.
+
+    ``tiles`` ({"dkdv": cfg, "dq": cfg}, either key optional) sets a backward
+    kernel's schedule on its own: its block_m (queries), block_n (keys), warps and
+    stages are used as given (capped only to the padded sequence), not capped by
+    ``cfg``; a kernel not named keeps the rule above. The pipeline never passes it
+    (default behaviour is unchanged); it is how ``scripts/attention_variants.py``
+    measures other schedules. ``source_flags`` as for the forward.
+
+    ``extra["launch_kernels"](inputs, outs, delta, kernels)`` launches only the
+    named kernels ("delta", "dkdv", "dq") into the given outs and delta
+    [B*H, Tq] (each kernel timed alone; ``launch`` is all three in order)."""
+    tiles = tiles or {}
+    unknown = set(tiles) - {"dkdv", "dq"}
+    if unknown:
+        raise ValueError(f"attention backward: tiles for unknown kernels {sorted(unknown)} (dkdv, dq)")
+    g_kv, kv_warps, kv_stages = _plan(op, tiles.get("dkdv", cfg), precision, "dkdv", "dkdv" in tiles, source_flags)
+    g_q, q_warps, q_stages = _plan(op, tiles.get("dq", cfg), precision, "dq", "dq" in tiles, source_flags)
     src = attention_backward_source(g_kv, g_q)
     delta_k, _ = load_kernel(src, "attention_bwd_delta")
     dkdv_k, _ = load_kernel(src, "attention_bwd_dkdv")
@@ -641,30 +680,41 @@ def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision
     stat = torch.float64 if g.f64 else torch.float32
     bh = g.b * g.h
     specs = result_specs(op)  # dq, dk, dv
+
+    def launch_kernels(inputs, outs, delta, kernels=("delta", "dkdv", "dq")):
+        do, q, k, v, o, lse, *bias = inputs
+        z, z_strides = _bias_args(g, bias)
+        dq, dk, dv = outs
+        if "delta" in kernels:
+            delta_k[(math.ceil(g.tq / _delta_rows(g.bd)), bh)](do, o, delta, *_strides4(do), *_strides4(o),
+                                                                num_warps=4)
+        common = [*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do), *lse.stride(), *z_strides]
+        if "dkdv" in kernels:
+            dkdv_k[(math.ceil(g.tk / g_kv.bn), bh)](q, k, v, *z, do, lse, delta, dk, dv, *common, *_strides4(dk),
+                                                     *_strides4(dv), num_warps=kv_warps, num_stages=kv_stages)
+        if "dq" in kernels:
+            dq_k[(math.ceil(g.tq / g_q.bm), bh)](q, k, v, *z, do, lse, delta, dq, *common, *_strides4(dq),
+                                                  num_warps=q_warps, num_stages=q_stages)
+
     empty = bh * g.d == 0 or g.tq == 0 or g.tk == 0  # nothing to launch: zero gradients
 
     def launch(inputs, outs=None):
         _check_inputs(name, op, inputs)
         do, q, k, v, o, lse, *bias = inputs
-        z, z_strides = _bias_args(g, bias)
-        dev = q.device
-        dq, dk, dv = _results(name, specs, outs, dev, strided=(0, 1, 2))
+        z, _ = _bias_args(g, bias)
+        dq, dk, dv = _results(name, specs, outs, q.device, strided=(0, 1, 2))
         if empty:
             return [dq.zero_(), dk.zero_(), dv.zero_()]
         _check_spans(name, 256, do, q, k, v, o, *z, dq, dk, dv)
-        delta = torch.empty((bh, g.tq), dtype=stat, device=dev)
-        delta_k[(math.ceil(g.tq / _delta_rows(g.bd)), bh)](do, o, delta, *_strides4(do), *_strides4(o), num_warps=4)
-        common = [*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do), *lse.stride(), *z_strides]
-        dkdv_k[(math.ceil(g.tk / g_kv.bn), bh)](q, k, v, *z, do, lse, delta, dk, dv, *common, *_strides4(dk),
-                                                 *_strides4(dv), num_warps=kv_warps, num_stages=kv_stages)
-        dq_k[(math.ceil(g.tq / g_q.bm), bh)](q, k, v, *z, do, lse, delta, dq, *common, *_strides4(dq),
-                                              num_warps=q_warps, num_stages=q_stages)
+        delta = torch.empty((bh, g.tq), dtype=stat, device=q.device)
+        launch_kernels(inputs, (dq, dk, dv), delta)
         return [dq, dk, dv]
 
-    return Kernel(name, src, launch, config=_effective(cfg, g_kv, kv_warps, kv_stages),
-                  extra={"precision": g.ip, "dq_config": _effective(cfg, g_q, q_warps, q_stages)},
+    return Kernel(name, src, launch, config=_effective(tiles.get("dkdv", cfg), g_kv, kv_warps, kv_stages),
+                  extra={"precision": g.ip, "dq_config": _effective(tiles.get("dq", cfg), g_q, q_warps, q_stages),
+                         "launch_kernels": launch_kernels},
                   scratch_bytes=0 if empty else nbytes((bh, g.tq), stat))
 
 
-__all__ = ["MAX_HEAD_DIM", "attention_plan", "attention_forward_source", "attention_backward_source",
+__all__ = ["MAX_HEAD_DIM", "SOURCE_FLAGS", "attention_plan", "attention_forward_source", "attention_backward_source",
            "lower_attention", "lower_attention_backward"]
