@@ -13,8 +13,9 @@ unless --full) with random inputs, timed for
   default: true         the schedule the configure stage picks today on this device
                         (configure_op -> lower_attention / lower_attention_backward)
 
-and, with ``--source-flags``, the forward / backward kernels' optional source variants
-(``attention.SOURCE_FLAGS``) at the default and a few other tiles.
+and the forward / backward kernels' optional source variants (``attention.SOURCE_FLAGS``:
+fma_scale, fused_bwd; ``--source-flags`` picks some, none with an empty list) at the
+default schedule (right after the defaults) and at a few other tiles (after the grids).
 
 Every row is checked before it is timed, against a float32 reference (SDPA's math
 backend on the same inputs in f32, lse from the masked scores): max abs error on o and
@@ -67,6 +68,13 @@ DQ_GRID = list(itertools.product((64, 128), (16, 32, 64), (4, 8), (1, 2, 3)))
 # the Triton tutorial's Hopper backward (06-fused-attention, D = 64): 32x128 / 128x32, 4 warps, 5 stages
 DKDV_GRID += [(32, 128, 4, 5), (32, 128, 8, 4), (16, 128, 4, 5)]
 DQ_GRID += [(128, 32, 4, 5), (128, 32, 8, 4)]
+# the source variants (attention.SOURCE_FLAGS) beyond the default schedule: forward tiles;
+# backward (dK/dV tiles, dQ tiles) pairs (a fused backward runs with the dK/dV warps and stages)
+FLAG_FWD = [(128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 4), (64, 128, 4, 3)]
+FLAG_BWD = [((32, 128, 4, 5), (128, 32, 4, 5)), ((32, 128, 4, 3), (128, 32, 4, 3)), ((64, 128, 8, 2), (128, 64, 8, 2)),
+            ((16, 128, 4, 3), (128, 16, 4, 3)), ((32, 64, 4, 3), (64, 32, 4, 3))]
+DRY_FLAG_FWD = [(16, 32, 4, 1)]
+DRY_FLAG_BWD = [((16, 32, 4, 1), (32, 16, 4, 1))]
 DRY_GRIDS = {"fwd": [(32, 16, 4, 1), (16, 32, 4, 2)], "dkdv": [(16, 32, 4, 1)], "dq": [(32, 16, 4, 1)]}
 
 REL_TOL = 2e-2  # of the reference's max |value|: about 2.5 bf16 ulps at that magnitude
@@ -365,18 +373,30 @@ class Bench:
                 ["attention_bwd_dq"])
         measure({"kernel": "nova_delta", "default": True}, bwd_lower(), bwd_run(("delta",)), got_delta, tol_b,
                 ["attention_bwd_delta"])
-        for flags in self.opts.source_flags:  # the source variants at the default schedule
-            measure({"kernel": "nova_fwd", "flags": [flags], "tiles": tiles_of(cfg)}, fwd_lower(cfg, (flags,)),
-                    fwd_run, got_f, tol_f, ["attention_fwd"])
-            measure({"kernel": "nova_bwd", "flags": [flags]}, bwd_lower(None, (flags,)),
-                    bwd_run(("delta", "dkdv", "dq")), got_all, tol_b, ["attention_bwd_delta", "attention_bwd_dkdv",
-                                                                        "attention_bwd_dq"])
-
-        grids = DRY_GRIDS if self.dry else {"fwd": FWD_GRID, "dkdv": DKDV_GRID, "dq": DQ_GRID}
-
         def lc(bm, bn, w, s):
             return LoweringConfig(kind="attention", block_m=bm, block_n=bn, block_k=max(16, 1 << (d - 1).bit_length()),
                                   num_warps=w, num_stages=s)
+
+        def flag_rows(flag, fwd_tiles, bwd_tiles):
+            """``flag`` (a SOURCE_FLAGS variant of the forward or of the backward) at the
+            default schedule (tiles None) and at the given ones."""
+            forward = A.SOURCE_FLAGS[flag].startswith("forward")
+            for tiles in fwd_tiles if forward else bwd_tiles:
+                if forward:
+                    c = cfg if tiles is None else lc(*tiles)
+                    measure({"kernel": "nova_fwd", "flags": [flag], "tiles": tiles_of(c)}, fwd_lower(c, (flag,)),
+                            fwd_run, got_f, tol_f, ["attention_fwd"])
+                else:
+                    tl = None if tiles is None else {"dkdv": lc(*tiles[0]), "dq": lc(*tiles[1])}
+                    names = ["attention_bwd_delta", "attention_bwd_fused" if flag == "fused_bwd" else "attention_bwd_dkdv"]
+                    measure({"kernel": "nova_bwd", "flags": [flag]}, bwd_lower(tl, (flag,)),
+                            bwd_run(("delta", "dkdv", "dq")), got_all, tol_b,
+                            names + ([] if flag == "fused_bwd" else ["attention_bwd_dq"]))
+
+        for flag in self.opts.source_flags:  # the source variants at the default schedule
+            flag_rows(flag, [None], [None])
+
+        grids = DRY_GRIDS if self.dry else {"fwd": FWD_GRID, "dkdv": DKDV_GRID, "dq": DQ_GRID}
         for tiles in grids["fwd"]:
             c = lc(*tiles)
             measure({"kernel": "nova_fwd", "tiles": tiles_of(c)}, fwd_lower(c), fwd_run, got_f, tol_f, ["attention_fwd"])
@@ -388,6 +408,8 @@ class Bench:
             c = lc(*tiles)
             measure({"kernel": "nova_dq", "tiles": tiles_of(c)}, bwd_lower({"dq": c}), bwd_run(("dq",)), got_q, tol_b,
                     ["attention_bwd_dq"])
+        for flag in self.opts.source_flags:  # and at a few other schedules, after the grids
+            flag_rows(flag, DRY_FLAG_FWD if self.dry else FLAG_FWD, DRY_FLAG_BWD if self.dry else FLAG_BWD)
 
     def flag_kw(self, flags) -> dict:
         return {"source_flags": frozenset(flags)} if flags else {}

@@ -41,21 +41,22 @@ def check(outs, refs, dtype, what):
         assert rel_err(o, r) < RTOL[dtype], (what, i, rel_err(o, r))
 
 
-def forward_and_backward(q, k, v, causal, scale, cfg=None, precision="fp32", grad=None, bias=None):
+def forward_and_backward(q, k, v, causal, scale, cfg=None, precision="fp32", grad=None, bias=None, **kw):
     """Runs both lowerings on (q, k, v[, bias]) and checks them against the
-    reference; returns the kernels' (out, lse) and (dq, dk, dv)."""
+    reference; returns the kernels' (out, lse) and (dq, dk, dv). ``kw``: more
+    lowering arguments (source_flags, the backward's tiles)."""
     fwd, bwd = lowerings()
     dtype = q.dtype
     props = {"causal": causal, "scale": scale}
     z = [] if bias is None else [bias]
     op = build(nv.AttentionOp, [q, k, v, *z], props)
-    outs = fwd(op, cfg, precision=precision).launch([q, k, v, *z])
+    outs = fwd(op, cfg, precision=precision, **{k2: a for k2, a in kw.items() if k2 != "tiles"}).launch([q, k, v, *z])
     refs = IMPLS[nv.AttentionOp](op, [q, k, v, *z])
     check(outs, refs, dtype, "forward")
     g = grad if grad is not None else rand(*q.shape, dtype=dtype, device=q.device, gen=torch.Generator().manual_seed(9))
     ins = [g, q, k, v, refs[0], refs[1], *z]
     op = build(nv.AttentionBackwardOp, ins, props)
-    grads = bwd(op, cfg, precision=precision).launch(ins)
+    grads = bwd(op, cfg, precision=precision, **kw).launch(ins)
     check(grads, IMPLS[nv.AttentionBackwardOp](op, ins), dtype, "backward")
     return outs, grads
 
@@ -278,6 +279,34 @@ def test_backward_tiles_set_each_kernel_on_its_own(device):
         bwd(op, SMALL, tiles={"dk": kv})
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_source_flags(device, dtype, causal):
+    """Every optional source variant against the reference: ragged T = 37, D padded
+    (24 -> 32), Tq != Tk; for fused_bwd both equal block counts (16-tiles) and unequal
+    ones (dK/dV over 32-key blocks beside dQ over 16-query blocks: the guarded calls)."""
+    from nova.codegen.triton.attention import SOURCE_FLAGS
+
+    assert set(SOURCE_FLAGS) == {"fma_scale", "fused_bwd"}
+    kv32 = {"dkdv": LoweringConfig(kind="attention", block_m=16, block_n=32, num_warps=4, num_stages=1)}
+    for tq, tk, tiles in ((37, 37, None), (37, 37, kv32), (20, 45, kv32), (45, 20, None)):
+        q, k, v = qkv(1, 2, tq, tk, 24, dtype, device, seed=tq + tk)
+        forward_and_backward(q, k, v, causal, 24**-0.5, SMALL, source_flags={"fma_scale", "fused_bwd"}, tiles=tiles)
+    fwd, bwd = lowerings()
+    op = build(nv.AttentionOp, [q, k, v], {"causal": causal, "scale": 0.25})
+    assert "tl.max(s, axis=1) * " in fwd(op, SMALL, source_flags={"fma_scale"}).source
+    assert "tl.max(s, axis=1) * " not in fwd(op, SMALL).source  # default off: the shipped text
+    bop = build(nv.AttentionBackwardOp, [q, q, k, v, q, torch.empty(1, 2, 45, device=device)],
+                {"causal": causal, "scale": 0.25})
+    assert "attention_bwd_fused" in bwd(bop, SMALL, source_flags={"fused_bwd"}).source
+    assert "attention_bwd_fused" not in bwd(bop, SMALL).source
+    with pytest.raises(ValueError, match="unknown source flags"):
+        fwd(op, SMALL, source_flags={"tma"})
+    z = torch.zeros(1, 1, 1, 20, device=device)
+    with pytest.raises(ValueError, match="fma_scale needs"):
+        fwd(build(nv.AttentionOp, [q, k, v, z], {"causal": causal, "scale": 0.25}), SMALL, source_flags={"fma_scale"})
+
+
 def test_attention_ops_registered():
     from nova.codegen.triton import attention  # noqa: F401
     from nova.codegen.triton.lowering import LOWERINGS
@@ -308,13 +337,25 @@ def sm90_cases():
     ins = [x, x, x, x, x, lse, z]
     op = build(nv.AttentionBackwardOp, ins, props)
     cases.append((lambda op=op: bwd(op, None), ins))
+    # the source variants (SOURCE_FLAGS): the fused backward's device functions, with
+    # unequal block counts (guarded calls) and equal ones
+    x, lse = torch.empty(2, 3, 256, 64, dtype=torch.bfloat16), torch.empty(2, 3, 256)
+    op = build(nv.AttentionOp, [x, x, x], props)
+    cases.append((lambda op=op: fwd(op, None, source_flags={"fma_scale"}), [x, x, x]))
+    ins = [x, x, x, x, x, lse]
+    op = build(nv.AttentionBackwardOp, ins, props)
+    cases.append((lambda op=op: bwd(op, None, source_flags={"fused_bwd"}), ins))
+    kv = LoweringConfig(kind="attention", block_m=32, block_n=128, num_warps=4, num_stages=3)
+    qc = LoweringConfig(kind="attention", block_m=128, block_n=32, num_warps=4, num_stages=3)
+    cases.append((lambda op=op: bwd(op, None, source_flags={"fused_bwd"}, tiles={"dkdv": kv, "dq": qc}), ins))
     return cases
 
 
 def test_kernels_build_for_sm90():
     """The generated text compiles to sm_90 cubins, f64 dots included (no GPU needed)."""
     out = run_sm90_build(__file__).split()
-    assert out.count("attention_fwd") == 4 and out.count("attention_bwd_dkdv") == 4 and out.count("attention_bwd_dq") == 4
+    assert out.count("attention_fwd") == 5 and out.count("attention_bwd_dkdv") == 4 and out.count("attention_bwd_dq") == 4
+    assert out.count("attention_bwd_fused") == 2
 
 
 if __name__ == "__main__":

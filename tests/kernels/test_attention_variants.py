@@ -60,8 +60,12 @@ def test_dry_run_rows_carry_checked_errors(tmp_path):
     mod = script()
     # the grid rows, with the tiles the kernels ran at (the backward's set exactly, not capped)
     for kernel, grid in (("nova_fwd", "fwd"), ("nova_dkdv", "dkdv"), ("nova_dq", "dq")):
-        ran = [tuple(r["effective"].values()) for r in rows if r["kernel"] == kernel and not r["default"]]
+        ran = [tuple(r["effective"].values()) for r in rows if r["kernel"] == kernel and not r["default"]
+               and not r["flags"]]
         assert sorted(ran) == sorted(mod.DRY_GRIDS[grid]), (kernel, ran)
+    # every source variant: at the default schedule and at the dry list's (checked, ok above)
+    flagged = [(r["kernel"], r["flags"][0]) for r in rows if r["flags"]]
+    assert sorted(flagged) == [("nova_bwd", "fused_bwd")] * 2 + [("nova_fwd", "fma_scale")] * 2
     assert doc["summary"]["nova_bwd_best_parts_ms"] > 0 and doc["summary"]["fwd_sdpa_over_nova_best"] > 0
 
 

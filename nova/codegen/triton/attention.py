@@ -33,6 +33,11 @@ Design choices, and why:
   are (P and dS are rounded to the operand dtype before their dots, as FA2 does);
   fp32 operands use ``input_precision="ieee"`` unless the module's precision
   policy is "tf32"; f64 operands use an f64 dot with f64 accumulation.
+* ``SOURCE_FLAGS`` name optional variants of the text (fma_scale: the forward's scale
+  inside one FMA; fused_bwd: dK/dV and dQ in one kernel), off unless a lowering is
+  given ``source_flags``: candidates that ``scripts/attention_variants.py`` measures
+  before a default changes. ``lower_attention_backward(tiles=)`` sets either backward
+  kernel's schedule on its own, for the same script.
 * ``launch(inputs, outs)`` writes into ``outs`` when given; the forward needs no
   scratch, the backward exactly its delta [B*H, Tq] (``Kernel.scratch_bytes``).
   The forward's o and the backward's dq, dk, dv are stored through their own four
@@ -68,7 +73,18 @@ _DELTA_ELEMS = 4096  # dO and O elements per program of the delta = rowsum(dO * 
 # text without them) until scripts/attention_variants.py measures them on the device;
 # flag -> what it changes. ``lower_attention(..., source_flags=)`` and
 # ``lower_attention_backward(..., source_flags=)`` take a set of them.
-SOURCE_FLAGS: dict[str, str] = {}
+SOURCE_FLAGS: dict[str, str] = {
+    # the forward's score scale applied inside the exponent's argument, one FMA per score
+    # (s * c - m) instead of a multiply then a subtract, the row max scaled per row (the
+    # Triton tutorial 06-fused-attention's form); needs scale > 0 and no bias
+    "fma_scale": "forward: exp2(s * scale - m) as one FMA, m = rowmax(s) * scale",
+    # the dK/dV walk of key block i and the dQ walk of query block i in one program
+    # (the tutorial's _attn_bwd): one launch instead of two, and under a causal mask each
+    # program's total work is about constant (key block i walks T - i query blocks,
+    # query block i walks i key blocks) where each kernel alone has a triangle of
+    # program lengths; the dK/dV kernel's warps and stages
+    "fused_bwd": "backward: dK/dV and dQ in one kernel, program i does key block i and query block i",
+}
 _TL = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16", torch.float64: "tl.float64"}
 
 
@@ -305,13 +321,20 @@ def attention_forward_source(g: _Gen) -> str:
         # with a bias a row can be all -inf so far (or for good): exp relative to 0 then
         m_ref = "m_safe" if g.bias else "m_new"
         safe = '\n    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)' if g.bias else ""
+        if "fma_scale" in g.flags:  # raw scores; the scale inside the exponent (checked: > 0, no bias)
+            scores = f"""
+    s = {g.dot("q", "kt")}{where}
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * {g.qk_scale!r})
+    p = {g.exp}(s * {g.qk_scale!r} - m_new[:, None])"""
+        else:
+            scores = f"""
+    s = {g.dot("q", "kt")} * {g.qk_scale!r}{bias}{where}
+    m_new = tl.maximum(m_i, tl.max(s, axis=1)){safe}
+    p = {g.exp}(s - {m_ref}[:, None])"""
         return f"""
 for n0 in range({lo}, {hi}, BLOCK_N):
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    kt = {kt}
-    s = {g.dot("q", "kt")} * {g.qk_scale!r}{bias}{where}
-    m_new = tl.maximum(m_i, tl.max(s, axis=1)){safe}
-    p = {g.exp}(s - {m_ref}[:, None])
+    kt = {kt}{scores}
     alpha = {g.exp}(m_i - {m_ref})
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = {v}
@@ -498,23 +521,43 @@ for n0 in range({lo}, {hi}, BLOCK_N):
     header = g.header("attention backward", {
         "KV_BLOCK_M": g_kv.bm, "KV_BLOCK_N": g_kv.bn, "Q_BLOCK_M": g_q.bm, "Q_BLOCK_N": g_q.bn, "BLOCK_D": g.bd,
     })
-    return (
+    dkdv_params = ["q_ptr", "k_ptr", "v_ptr", *z, "do_ptr", "lse_ptr", "delta_ptr", "dk_ptr", "dv_ptr",
+                   *_strides("q"), *_strides("k"), *_strides("v"), *_strides("do"), *lse_strides, *_strides("dk"),
+                   *_strides("dv")]
+    dq_params = ["q_ptr", "k_ptr", "v_ptr", *z, "do_ptr", "lse_ptr", "delta_ptr", "dq_ptr",
+                 *_strides("q"), *_strides("k"), *_strides("v"), *_strides("do"), *lse_strides, *_strides("dq")]
+    src = (
         header
         + _kernel("attention_bwd_delta", ["do_ptr", "o_ptr", "delta_ptr", *_strides("do"), *_strides("o")], delta_body)
-        + _kernel(
-            "attention_bwd_dkdv",
-            ["q_ptr", "k_ptr", "v_ptr", *z, "do_ptr", "lse_ptr", "delta_ptr", "dk_ptr", "dv_ptr",
-             *_strides("q"), *_strides("k"), *_strides("v"), *_strides("do"), *lse_strides, *_strides("dk"),
-             *_strides("dv")],
-            dkdv_body,
-        )
-        + _kernel(
-            "attention_bwd_dq",
-            ["q_ptr", "k_ptr", "v_ptr", *z, "do_ptr", "lse_ptr", "delta_ptr", "dq_ptr",
-             *_strides("q"), *_strides("k"), *_strides("v"), *_strides("do"), *lse_strides, *_strides("dq")],
-            dq_body,
-        )
+        + _kernel("attention_bwd_dkdv", dkdv_params, dkdv_body)
+        + _kernel("attention_bwd_dq", dq_params, dq_body)
     )
+    if "fused_bwd" in g_kv.flags:
+        src += _fused_backward(g_kv, g_q, dkdv_params, dkdv_body, dq_params, dq_body)
+    return src
+
+
+def _fused_backward(g_kv: _Gen, g_q: _Gen, dkdv_params, dkdv_body: str, dq_params, dq_body: str) -> str:
+    """``fused_bwd``: the two walks as device functions of the program index (their
+    own scopes: the same names hold tiles of other shapes), called by one kernel;
+    program i runs key block i's dK/dV and query block i's dQ, each where it exists."""
+    n_kv, n_q = math.ceil(g_kv.tk / g_kv.bn), math.ceil(g_q.tq / g_q.bm)
+    pid = "tl.program_id(0)"
+
+    def block(name, params, body):
+        assert body.count(pid) == 1
+        return _kernel(name, ["pid", *params], body.replace(pid, "pid"))
+
+    def call(name, params, n):
+        line = f"{name}(pid, {', '.join(params)})"
+        return line if n == max(n_kv, n_q) else f"if pid < {n}:\n    {line}"
+
+    params = [*dq_params[:dq_params.index("dq_ptr") + 1], "dk_ptr", "dv_ptr", *dq_params[dq_params.index("dq_ptr") + 1:],
+              *_strides("dk"), *_strides("dv")]
+    body = "\n".join(["pid = tl.program_id(0)", call("attention_bwd_dkdv_block", dkdv_params, n_kv),
+                      call("attention_bwd_dq_block", dq_params, n_q)])
+    return (block("attention_bwd_dkdv_block", dkdv_params, dkdv_body) + block("attention_bwd_dq_block", dq_params, dq_body)
+            + _kernel("attention_bwd_fused", params, body))
 
 
 # --------------------------------------------------------------------------- lowerings
@@ -544,6 +587,12 @@ def _check_flags(flags) -> frozenset:
     return flags
 
 
+def _check_flags_apply(g: "_Gen") -> None:
+    if "fma_scale" in g.flags and (g.bias or not g.scale > 0):
+        raise ValueError("attention: source flag fma_scale needs scale > 0 and no bias "
+                         f"(scale {g.scale!r}, bias {g.bias})")
+
+
 def _plan(op, cfg, precision: str, kernel: str, exact: bool = False, flags=frozenset()) -> tuple[_Gen, int, int]:
     """The generator of one kernel of ``op`` (its shape, props and tiles), its
     num_warps and num_stages (``exact``: as ``attention_plan``'s; ``flags``: source
@@ -561,6 +610,7 @@ def _plan(op, cfg, precision: str, kernel: str, exact: bool = False, flags=froze
     bm, bn, warps, stages = attention_plan(tq, tk, d, dtype, cfg, kernel, exact)
     g = _Gen(b, h, tq, tk, d, dtype, bool(p["causal"]), float(p["scale"]), bm, bn, _input_precision(dtype, precision),
              bias, _check_flags(flags))
+    _check_flags_apply(g)
     return g, warps, stages
 
 
@@ -663,8 +713,9 @@ def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision
     measures other schedules. ``source_flags`` as for the forward.
 
     ``extra["launch_kernels"](inputs, outs, delta, kernels)`` launches only the
-    named kernels ("delta", "dkdv", "dq") into the given outs and delta
-    [B*H, Tq] (each kernel timed alone; ``launch`` is all three in order)."""
+    named kernels ("delta", "dkdv", "dq"; "fused" under the fused_bwd flag) into
+    the given outs and delta [B*H, Tq] (each kernel timed alone; ``launch`` is
+    delta, dK/dV, dQ in order, or delta and the fused kernel)."""
     tiles = tiles or {}
     unknown = set(tiles) - {"dkdv", "dq"}
     if unknown:
@@ -675,13 +726,16 @@ def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision
     delta_k, _ = load_kernel(src, "attention_bwd_delta")
     dkdv_k, _ = load_kernel(src, "attention_bwd_dkdv")
     dq_k, _ = load_kernel(src, "attention_bwd_dq")
+    fused_k = load_kernel(src, "attention_bwd_fused")[0] if "fused_bwd" in g_kv.flags else None
     g = g_q
     name = _name("bwd", g)
     stat = torch.float64 if g.f64 else torch.float32
     bh = g.b * g.h
     specs = result_specs(op)  # dq, dk, dv
 
-    def launch_kernels(inputs, outs, delta, kernels=("delta", "dkdv", "dq")):
+    every = ("delta", "fused") if fused_k is not None else ("delta", "dkdv", "dq")
+
+    def launch_kernels(inputs, outs, delta, kernels=every):
         do, q, k, v, o, lse, *bias = inputs
         z, z_strides = _bias_args(g, bias)
         dq, dk, dv = outs
@@ -695,6 +749,10 @@ def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision
         if "dq" in kernels:
             dq_k[(math.ceil(g.tq / g_q.bm), bh)](q, k, v, *z, do, lse, delta, dq, *common, *_strides4(dq),
                                                   num_warps=q_warps, num_stages=q_stages)
+        if "fused" in kernels:
+            programs = max(math.ceil(g.tk / g_kv.bn), math.ceil(g.tq / g_q.bm))
+            fused_k[(programs, bh)](q, k, v, *z, do, lse, delta, dq, dk, dv, *common, *_strides4(dq), *_strides4(dk),
+                                    *_strides4(dv), num_warps=kv_warps, num_stages=kv_stages)
 
     empty = bh * g.d == 0 or g.tq == 0 or g.tk == 0  # nothing to launch: zero gradients
 
