@@ -46,7 +46,7 @@ a couple of variants per kernel, host timing (meaningless; the plumbing is the t
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import itertools
 import json
 import math
@@ -117,12 +117,12 @@ def check(got: dict[str, torch.Tensor], refs: dict[str, torch.Tensor], tol: dict
 # --------------------------------------------------------------------------- timing
 
 
-def time_graph(fn, launches: int, repeats: int) -> float:
-    """ms per launch: ``fn`` (already run once) ``launches`` times in one CUDA graph,
-    median over ``repeats`` replays after a warm-up replay."""
+def time_graph(fn, launches: int, repeats: int, stream=None) -> float:
+    """ms per launch: ``fn`` (already run once) ``launches`` times in one CUDA graph
+    (captured on ``stream``), median over ``repeats`` replays after a warm-up replay."""
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=stream):
         for _ in range(launches):
             fn()
     g.replay()
@@ -214,11 +214,11 @@ class Bench:
 
     def timer(self):
         if self.dry:
-            return lambda fn: (time_host(fn, 1, 1), "host")
+            return lambda fn, stream=None: (time_host(fn, 1, 1), "host")
 
-        def timed(fn):
+        def timed(fn, stream=None):
             try:
-                return time_graph(fn, self.opts.launches, self.opts.repeats), "cuda graph"
+                return time_graph(fn, self.opts.launches, self.opts.repeats, stream), "cuda graph"
             except Exception as e:  # noqa: BLE001 - a capture SDPA refuses: eager, and the row says so
                 torch.cuda.synchronize()
                 return time_eager(fn, self.opts.launches, self.opts.repeats), f"eager ({type(e).__name__})"
@@ -230,12 +230,20 @@ class Bench:
         backends = [("math", SDPBackend.MATH)] if self.dry else [("flash", SDPBackend.FLASH_ATTENTION),
                                                                  ("cudnn", SDPBackend.CUDNN_ATTENTION)]
         timed = self.timer()
+        # autograd runs a backward op on its forward op's stream: the forward runs on the
+        # stream the backward's graph is then captured on
+        stream = None if self.dry else torch.cuda.Stream()
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+
+        def ctx():
+            return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
         for name, backend in backends:
             q, k, v = (x.detach().clone().requires_grad_() for x in (self.q, self.k, self.v))
             for kind in ("sdpa_fwd", "sdpa_bwd"):
                 row = {"kernel": kind, "backend": name, "tiles": None}
                 try:
-                    with sdpa_kernel(backend):
+                    with sdpa_kernel(backend), ctx():
                         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
                                                                              scale=self.scale)
                         if kind == "sdpa_fwd":
@@ -255,7 +263,7 @@ class Bench:
                         if res["ok"]:
                             for k2, e in res["max_abs_err"].items():
                                 self.sdpa_err[k2] = max(self.sdpa_err.get(k2, 0.0), e)
-                            row["ms"], row["timing"] = timed(fn)
+                            row["ms"], row["timing"] = timed(fn, stream)
                         row["status"] = "ok" if res["ok"] else "wrong"
                 except Exception as e:  # noqa: BLE001 - recorded
                     row.update(status="unavailable", error=f"{type(e).__name__}: {str(e)[:200]}")
