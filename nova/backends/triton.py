@@ -155,15 +155,21 @@ def planned_scratch(fn: func.FuncOp) -> dict[Operation, int]:
 
 
 def _matmul_scratch(op: Operation, precision: str, cfg_op: Operation | None = None) -> int:
+    """What the launch of ``op`` (a matmul; ``cfg_op`` its group) allocates besides
+    its results: ``mm.scratch_bytes``, with the partials of the group's column sums."""
     a, b = shape_of(op.operands[0].type), shape_of(op.operands[1].type)
     out = shape_of(op.results[0].type)
     batch = 1
     for d in out[:-2]:
         batch *= d
     dtype = to_torch_dtype(elem_of(op.operands[0].type))
+    sums = ()
+    if isinstance(cfg_op, nv.FusedOp):
+        sums = tuple(mm.sum_accumulator(to_torch_dtype(elem_of(o.results[0].type)))
+                     for o in cfg_op.inner_ops() if nv.column_sum(o))  # fmt: skip
     return mm.scratch_bytes(out[-2], out[-1], a[-1], batch, dtype, to_torch_dtype(elem_of(op.operands[1].type)),
                             to_torch_dtype(elem_of(op.results[0].type)), config_of(cfg_op or op),
-                            precision=STEP_MATMUL_PRECISION[precision])  # fmt: skip
+                            precision=STEP_MATMUL_PRECISION[precision], column_sums=sums)  # fmt: skip
 
 
 class TritonProgram:

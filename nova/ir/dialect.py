@@ -126,6 +126,11 @@ class NovaOp(IRDLOperation):
     # prologue in registers instead of loading them (the fuse stage's input fusion,
     # nova.fused kind "reduction"); all of them have one shape, the prologue's
     PROLOGUE: ClassVar[tuple[int, ...]] = ()
+    # a reduction that adds up its operand's elements over its ``dims`` property (with
+    # ``keepdim``): over every dim but the last, without keepdim, it is a column sum
+    # (``column_sum``), which a contraction's epilogue computes tile by tile (the fuse
+    # stage's column-sum rule, nova.fused kind "contraction")
+    SUMS: ClassVar[bool] = False
 
     @classmethod
     def complete(cls, props: dict) -> dict:
@@ -687,6 +692,7 @@ class ReduceOp(NovaOp):
 @irdl_op_definition
 class ReduceSumOp(ReduceOp):
     name = "nova.reduce_sum"
+    SUMS: ClassVar = True
 
 
 @irdl_op_definition
@@ -1292,6 +1298,20 @@ CATEGORIES: dict[str, str] = {
 FUSED_KINDS = ("elementwise", "contraction", "reduction")
 
 
+def column_sum(op: Operation) -> bool:
+    """A column sum: a reduction that adds up (``NovaOp.SUMS``) a floating-point
+    operand of rank >= 2 over every dim but the last, without keepdim (result
+    [N], N the operand's last dim): what a contraction's epilogue can compute from
+    its tiles (the sums of each tile's rows, then of those partials)."""
+    if not isinstance(op, NovaOp) or op.CATEGORY != "reduction" or not op.SUMS or len(op.operands) != 1:
+        return False
+    x = op.operands[0].type
+    if not isinstance(x, TensorType) or not is_float(x) or len(shape_of(x)) < 2:
+        return False
+    p = op.props()
+    return tuple(p["dims"]) == tuple(range(len(shape_of(x)) - 1)) and not p["keepdim"]
+
+
 @irdl_op_definition
 class FusedOp(NovaOp):
     """A group of ops that runs as one kernel. Operands: the group's inputs from
@@ -1309,8 +1329,10 @@ class FusedOp(NovaOp):
     block arguments only; then at most one reshape of its result that keeps the
     last dim (the tile's rows relabelled: [B*T, N] as [B, T, N]); then elementwise
     ops, each result of the iteration shape (the reshape's, else the
-    contraction's) or of one element. Results have the iteration shape, or are the
-    contraction's result (stored as it is).
+    contraction's) or of one element; and column sums (``column_sum``) of inner
+    values of the iteration shape, whose [N] results nothing inside reads (they
+    are finished only after every tile). Results have the iteration shape, are the
+    contraction's result (stored as it is), or are column sums.
 
     ``kind`` "reduction" (input fusion: a reduction with its prologue, and its
     epilogue): one op of category reduction (the head) whose ``PROLOGUE`` operands
@@ -1385,8 +1407,13 @@ class FusedOp(NovaOp):
             return
         contraction = self._verify_contraction(ops) if kind == "contraction" else None
         shape = self.iteration_shape()
+        sums = set()
         for op in ops:
             if op is contraction or (contraction is not None and isinstance(op, ReshapeOp)):
+                continue
+            if contraction is not None and column_sum(op):
+                self._verify_column_sum(op, shape)
+                sums.add(op.results[0])
                 continue
             if not isinstance(op, NovaOp) or op.CATEGORY != "elementwise":
                 raise VerifyException(f"{self.name} ({kind}): holds {op.name}, which is not of category elementwise")
@@ -1395,8 +1422,19 @@ class FusedOp(NovaOp):
                     raise VerifyException(f"{self.name}: {op.name} gives {shape_of(r.type)}, neither the iteration "
                                           f"shape {shape} nor one element")
         for v, r in zip(last.operands, self.results, strict=True):
-            if shape_of(r.type) != shape and (contraction is None or v is not contraction.results[0]):
+            if shape_of(r.type) != shape and (contraction is None or v is not contraction.results[0]) and v not in sums:
                 raise VerifyException(f"{self.name}: result {r.type} does not have the iteration shape {shape}")
+
+    def _verify_column_sum(self, op: Operation, shape: tuple[int, ...]) -> None:
+        """A column sum in a "contraction" group: of an inner value of the
+        iteration shape, its result read by nothing inside."""
+        (x,) = op.operands
+        if isinstance(x, BlockArgument) or shape_of(x.type) != shape:
+            raise VerifyException(f"{self.name} (contraction): {op.name} must sum an inner value of the iteration "
+                                  f"shape {shape}, got {'a block argument' if isinstance(x, BlockArgument) else x.type}")
+        if any(not isinstance(u.operation, YieldOp) for u in op.results[0].uses):
+            raise VerifyException(f"{self.name} (contraction): the column sum {op.name} is read inside the group "
+                                  "(it is finished only after every tile)")
 
     def _verify_contraction(self, ops: list[Operation]) -> Operation:
         """The checks of a "contraction" group's head (see the class docstring)."""
@@ -1637,4 +1675,4 @@ Nova = Dialect("nova", [*NOVA_OPS, *STRUCTURAL_OPS, *COLLECTIVE_OPS], [LoweringC
 
 OP_BY_NAME: dict[str, type[NovaOp]] = {op.name: op for op in NOVA_OPS}
 
-__all__ = [op.__name__ for op in (*NOVA_OPS, *STRUCTURAL_OPS, *COLLECTIVE_OPS)] + ["CHECK_OPS", "COLLECTIVE_OPS", "CATEGORIES", "STRUCTURAL_OPS", "Nova", "NovaOp", "OP_BY_NAME", "prop_value", "make_prop"]
+__all__ = [op.__name__ for op in (*NOVA_OPS, *STRUCTURAL_OPS, *COLLECTIVE_OPS)] + ["column_sum", "CHECK_OPS", "COLLECTIVE_OPS", "CATEGORIES", "STRUCTURAL_OPS", "Nova", "NovaOp", "OP_BY_NAME", "prop_value", "make_prop"]

@@ -346,7 +346,10 @@ def fused_cost(op, ins, outs, cfg, precision) -> Cost:
     ops (scalars it recomputes count once per program, i.e. not at all here). A
     contraction group is its matmul (``matmul_cost``: FLOPs, path, split-K partials
     and staging) with the group's operands and results for bytes and its epilogue's
-    FLOPs added: kind "matmul". A reduction group likewise is its reduction
+    FLOPs added: kind "matmul"; a column sum in its epilogue (``nv.column_sum``) adds
+    one FLOP per element summed, its partials [P, N] written and read once (the
+    value it sums is no result, so it counts no bytes) and its final pass's launch
+    (``column_sum_cost``). A reduction group likewise is its reduction
     (``reduction_cost``: FLOPs, split partials, launches) with the group's operands
     and results for bytes (the prologue's values and the epilogue's input stay in
     registers) and its prologue's and epilogue's FLOPs added: kind "reduction"."""
@@ -362,7 +365,23 @@ def fused_cost(op, ins, outs, cfg, precision) -> Cost:
         return Cost("fused", io_bytes(ins, outs), flops, _float_path([*ins, *outs]))
     alone = matmul_cost(head, tuple(head.operands), tuple(head.results), cfg, precision)
     extra = alone.bytes - io_bytes(head.operands, head.results)  # the partials and the staged copies
-    return Cost("matmul", io_bytes(ins, outs) + extra, alone.flops + flops, alone.path, alone.launches)
+    sums = [column_sum_cost(head, o, cfg) for o in op.inner_ops() if nv.column_sum(o)]
+    return Cost("matmul", io_bytes(ins, outs) + extra + sum(b for b, _ in sums), alone.flops + flops
+                + sum(f for _, f in sums), alone.path, alone.launches + len(sums))  # fmt: skip
+
+
+def column_sum_cost(head: Operation, op: Operation, cfg: LoweringConfig | None) -> tuple[int, int]:
+    """(bytes, FLOPs) of a column sum in ``head``'s epilogue: its partials [P, N]
+    (``matmul.column_sum_rows``: one row per output tile, or per split-K reduction
+    tile; without a config the most of both) in fp32 / fp64, written by the tiles
+    and read by the final pass; one add per element summed."""
+    from nova.codegen.triton.matmul import column_sum_rows, split_k_plan, sum_accumulator
+
+    out = shape_of(head.results[0].type)
+    M, N, K, batch = out[-2], out[-1], shape_of(head.operands[0].type)[-1], numel(out[:-2])
+    splits = split_k_plan(K, cfg)[1] if cfg is not None else None
+    acc = sum_accumulator(to_torch_dtype(elem_of(op.results[0].type))).itemsize
+    return 2 * column_sum_rows(M, batch, cfg, splits) * N * acc, numel(shape_of(op.operands[0].type))
 
 
 @rule(nv.EmbeddingOp)
@@ -469,5 +488,5 @@ def kernel_costs(fn, device: DeviceSpec, precision: str, placements: dict | None
     return out
 
 
-__all__ = ["Cost", "KernelCost", "NoCostRule", "RULES", "cost_of", "kernel_costs", "kernel_steps", "read_bytes",
+__all__ = ["Cost", "KernelCost", "NoCostRule", "RULES", "column_sum_cost", "cost_of", "kernel_costs", "kernel_steps", "read_bytes",
            "io_bytes", "elementwise_flops", "schedule_summary", "config_of"]  # fmt: skip

@@ -458,20 +458,25 @@ class _Grouping:
                         earliest = min(earliest, n.pos)
         return latest, earliest
 
-    def try_merge(self, nodes: list[Node], reshape: Operation | None = None) -> Node | None:
+    def try_merge(self, nodes: list[Node], reshape: Operation | None = None,
+                  column_sum: Operation | None = None) -> Node | None:
         """Merges ``nodes`` (of one iteration shape, the first's; at most one of
         them a contraction's, and ``reshape`` its result's relabelling when it joins
-        now) into one placed at the latest member position that keeps every outside
-        input before it and every outside reader after it; None (and nothing
-        changes) where no member position does."""
+        now; ``column_sum`` a column sum joining a contraction's node, in a node of
+        its own) into one placed at the latest member position that keeps every
+        outside input before it and every outside reader after it; None (and
+        nothing changes) where no member position does."""
         merging = {id(n) for n in nodes}
         if reshape is not None:
             merging.add(id(self.node[reshape]))
         extra = [reshape] if reshape is not None else []
         members = sorted([*(m for n in nodes for m in n.members), *extra], key=self.pos.__getitem__)
-        heads = [n for n in nodes if n.kind != "elementwise"]
+        heads = [n for n in nodes if n.kind != "elementwise" and column_sum not in n.members]
         if len(heads) > 1:
             return None  # one kernel, one head (one accumulator)
+        sums = {m for m in members if m is column_sum or nv.column_sum(m) and self.node[m].kind == "contraction"}
+        if any(isinstance(v.owner, Operation) and v.owner in sums for m in members for v in m.operands):
+            return None  # a column sum is finished after every tile: nothing in the kernel reads it
         bound = {n.bound for n in nodes if n.bound is not None}
         if len(bound) > 1 or bound and (heads or not self.absorbable(members, next(iter(bound)), closed=False)):
             return None  # a node kept for a reduction's prologue stays one it can take
@@ -521,7 +526,32 @@ class _Grouping:
             return None  # one kernel, one head
         if other.kind == "reduction" and reduction_head(owner) and w is not owner.results[0]:
             return None  # only the first result is computed row by row (the rest: after every row)
+        if other.kind == "contraction" and nv.column_sum(owner):
+            return None  # a column sum is finished only after every tile
         return other, reshape
+
+    def join_column_sums(self) -> None:
+        """The column-sum rule (the module docstring, "column sum"): after the
+        grouping, a column sum of a value of a contraction's epilogue joins that
+        group where nothing outside it reads the value (which then is not
+        written)."""
+        for op in self.ops:
+            node = self.node.get(op)
+            if node is None or not nv.column_sum(op) or node.members != [op]:
+                continue
+            (x,) = op.operands
+            owner = x.owner
+            if not isinstance(owner, Operation) or owner not in self.node:
+                continue  # a block argument (the matmul's operand among them)
+            target = self.node[owner]
+            if target.kind != "contraction" or shape_of(x.type) != target.shape or len(target.members) < 2:
+                continue  # a contraction without an epilogue, or a value of another shape than the tile's
+            if epilogue_head(owner) and target.reshape is not None:
+                continue  # the matmul's own result where the epilogue runs over its relabelled rows
+            inside = set(target.members)
+            if any(u.operation is not op and u.operation not in inside for u in x.uses):
+                continue  # written for another reader anyway
+            self.try_merge([target, node], column_sum=op)
 
     # --- the rules ---------------------------------------------------------
     def group(self) -> None:
@@ -855,6 +885,7 @@ def fuse(module: ModuleOp) -> list[nv.FusedOp]:
     clones = share_recomputes(block)
     g = _Grouping(block, clones)
     g.group()
+    g.join_column_sums()
     g.batch_small()
     groups = g.groups()
     placed: dict[int, Operation] = {}  # position -> the op that goes there

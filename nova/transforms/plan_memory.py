@@ -466,15 +466,19 @@ class _Planner:
         before it stores; ``new`` has the iteration shape, so an ``arg`` of its type
         is read at the flat index; in a matmul's epilogue, at the tile's elements,
         which only that tile writes; never an operand of the matmul itself, which
-        every tile of a row or column reads), reading ``arg`` itself only, never
+        every tile of a row or column reads, nor a column sum of the epilogue, which
+        every tile adds to), reading ``arg`` itself only, never
         through a view (a broadcast or transpose reads other lanes' elements)."""
         st = self.steps[t - 1]
         if isinstance(st.op, nv.FusedOp):
             head = st.op.contraction()
             reads = head is not None and any(st.op.operands[st.op.body.block.args.index(v)] is arg
                                              for v in head.operands)  # fmt: skip
-            # a reduction group's kernel reads whole rows (or columns) before it writes: never in place
-            same_index = new in st.outputs and not reads and st.op.reduction() is None
+            # a reduction group's kernel reads whole rows (or columns) before it writes: never in place;
+            # nor a column sum of a matmul's epilogue (an [N] sum of every tile's rows)
+            sums = {r for r, y in zip(st.op.results, st.op.body.block.last_op.operands, strict=True)
+                    if nv.column_sum(y.owner)}  # fmt: skip
+            same_index = new in st.outputs and new not in sums and not reads and st.op.reduction() is None
         else:
             same_index = isinstance(st.op, SAME_INDEX) and len(st.outputs) == 1
         if not same_index or new.type != arg.type:

@@ -220,10 +220,12 @@ def test_gelu_backward_reads_the_saved_pre_activation_in_the_epilogue():
     d = b.one(nv.GeluBackwardOp, [g, pre], {"approximate": "tanh"})
     set_results(fn, [("loss", "bias_grad", b.reduce_sum(d, [0, 1])), ("loss", "d", b.cast(d, bf16))])
     ops = _fused(module)
-    assert [o.name for o in ops] == ["nova.transpose", "nova.fused", "nova.reduce_sum"]
+    assert [o.name for o in ops] == ["nova.transpose", "nova.fused"]
     op = ops[1]
-    assert _inner(op) == ["nova.matmul", "nova.reshape", "nova.cast", "nova.gelu_backward", "nova.cast"]
-    assert len(op.results) == 2 and ops[2].operands[0] is op.results[0]  # the column sum reads the f32 output
+    # the bias gradient's column sum joins too (the column-sum rule, below): the f32 value is not written
+    assert _inner(op) == ["nova.matmul", "nova.reshape", "nova.cast", "nova.gelu_backward", "nova.reduce_sum",
+                          "nova.cast"]  # fmt: skip
+    assert [str(r.type) for r in op.results] == ["tensor<128xf32>", "tensor<2x8x128xbf16>"]
 
 
 def test_a_matmul_result_read_outside_is_one_more_output():
@@ -508,9 +510,127 @@ def test_a_narrowing_cast_stays_in_the_epilogue_of_the_matmul_before_a_reduction
     mm = b.matmul(*fn.body.block.args)
     s = b.create(nv.ReduceSumOp, [b.cast(mm, bf16)], {"dims": (0,), "keepdim": False}).results[0]
     set_results(fn, [("loss", "s", s)])
-    group, red = _fused(module)
-    assert group.contraction() is not None and _inner(group) == ["nova.matmul", "nova.cast"]
-    assert isinstance(red, nv.ReduceSumOp) and red.operands[0] is group.results[0]
+    (group,) = _fused(module)  # the narrow value in the epilogue, and its column sum with it
+    assert group.contraction() is not None and _inner(group) == ["nova.matmul", "nova.cast", "nova.reduce_sum"]
+    assert [str(r.type) for r in group.results] == ["tensor<8xbf16>"]
+
+
+# ----------------------------------------------------------------------------
+# a column sum in a contraction's epilogue
+
+
+def _gelu_backward(batched=False):
+    """The fc layer's backward (GPT-2's shape, small): dy @ w^T as [2, 8, 40], the
+    GELU backward with the saved pre-activation, its bf16 cast; with ``batched`` the
+    same per batch ([2, 8, 24] @ [2, 24, 40])."""
+    if batched:
+        module, fn, b = _step(Slot("param", "dy", tensor([2, 8, 24], bf16)), Slot("param", "w", tensor([2, 24, 40], bf16)),
+                              Slot("param", "pre", tensor([2, 8, 40], f32)))  # fmt: skip
+        dy, w, pre = fn.body.block.args
+        g = b.cast(b.matmul(dy, w), f32)
+    else:
+        module, fn, b = _step(Slot("param", "dy", tensor([16, 24], bf16)), Slot("param", "w", tensor([24, 40], bf16)),
+                              Slot("param", "pre", tensor([2, 8, 40], f32)))  # fmt: skip
+        dy, w, pre = fn.body.block.args
+        g = b.cast(b.reshape(b.matmul(dy, w), [2, 8, 40]), f32)
+    d = b.one(nv.GeluBackwardOp, [g, pre], {"approximate": "tanh"})
+    return module, fn, b, d
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["rows-relabelled", "batched"])
+def test_a_column_sum_of_an_epilogue_value_joins_the_contraction(batched):
+    """The c_fc bias gradient: the sum of GELU's backward over every dim but the last
+    joins the matmul's group (over batch x rows when batched); the f32 value it sums
+    is no longer an output; its [N] sum is (the bf16 cast is, whichever comes first)."""
+    module, fn, b, d = _gelu_backward(batched)
+    s = b.reduce_sum(d, [0, 1])
+    set_results(fn, [("grad", "bias", s), ("loss", "d", b.cast(d, bf16))])
+    (op,) = [o for o in _fused(module) if isinstance(o, nv.FusedOp)]
+    assert op.contraction() is not None and "nova.reduce_sum" in _inner(op)
+    assert [str(r.type) for r in op.results] == ["tensor<40xf32>", "tensor<2x8x40xbf16>"]
+    assert not any(isinstance(o, nv.ReduceSumOp) for o in fn.body.block.ops)
+    assert nv.column_sum(next(o for o in op.inner_ops() if isinstance(o, nv.ReduceSumOp)))
+
+
+def test_a_column_sum_of_an_f64_epilogue_value_joins_and_a_widening_cast_stays_its_prologue():
+    """An f64 value of the epilogue (the matmul's result widened, which is also
+    returned, times an f64 operand) summed over its rows joins; the widened result
+    summed alone does not: the widening cast waits for the sum's prologue (the
+    prologue rule), so the matmul writes the narrow value and the sum widens it."""
+    module, fn, b = _step(Slot("param", "x", tensor([12, 8], f32)), Slot("param", "w", tensor([8, 20], f32)),
+                          Slot("param", "z", tensor([12, 20], f64)))  # fmt: skip
+    x, w, z = fn.body.block.args
+    y = b.cast(b.matmul(x, w), f64)
+    set_results(fn, [("loss", "y", y), ("loss", "s", b.reduce_sum(b.mul(y, z), [0]))])
+    (op,) = _fused(module)
+    assert _inner(op) == ["nova.matmul", "nova.cast", "nova.mul", "nova.reduce_sum"]
+    assert [str(r.type) for r in op.results] == ["tensor<12x20xf64>", "tensor<20xf64>"]
+    module, fn, b = _step(Slot("param", "x", tensor([12, 8], f32)), Slot("param", "w", tensor([8, 20], f32)))
+    x, w = fn.body.block.args
+    set_results(fn, [("loss", "s", b.reduce_sum(b.cast(b.matmul(x, w), f64), [0]))])
+    mm, op = _fused(module)
+    assert isinstance(mm, nv.MatmulOp) and _inner(op) == ["nova.cast", "nova.reduce_sum"]
+
+
+@pytest.mark.parametrize("case", ["last-dim", "one-leading-dim", "keepdim", "max", "read-outside", "operand",
+                                  "read-inside", "beside-the-reshape"])  # fmt: skip
+def test_what_column_sum_stays_outside_the_contraction(case):
+    """A reduction over the last dim, over only some leading dims, with keepdim, a
+    maximum, the sum of a value something outside also reads (it is written anyway),
+    of the matmul's operand, a sum an epilogue op reads back (finished only after
+    every tile), the matmul's [16, 40] result summed beside its reshape: each stays
+    outside the contraction group."""
+    module, fn, b, d = _gelu_backward()
+    dy = fn.body.block.args[0]
+    mm = d.owner.operands[0].owner.operands[0].owner.operands[0]  # gelu_backward <- cast <- reshape <- matmul
+    extra = []
+    if case == "last-dim":
+        s = b.reduce_sum(d, [2])
+    elif case == "one-leading-dim":
+        s = b.reduce_sum(d, [1])
+    elif case == "keepdim":
+        s = b.reduce_sum(d, [0, 1], keepdim=True)
+    elif case == "max":
+        s = b.one(nv.ReduceMaxOp, [d], {"dims": (0, 1), "keepdim": False})
+    elif case == "read-outside":
+        s = b.reduce_sum(d, [0, 1])
+        extra = [("loss", "t", b.transpose(d, [0, 2, 1]))]  # a view's reader: the value is an output
+    elif case == "operand":
+        s = b.reduce_sum(b.cast(dy, f32), [0])
+    elif case == "read-inside":
+        s = b.reduce_sum(d, [0, 1])
+        extra = [("loss", "centred", b.sub(d, s))]  # broadcast over the rows: after every tile
+    else:
+        s = b.reduce_sum(b.cast(mm, f32), [0])
+    set_results(fn, [("grad", "s", s), ("loss", "d", b.cast(d, bf16)), *extra])
+    ops = _fused(module)
+    (group,) = [o for o in ops if isinstance(o, nv.FusedOp) and o.contraction() is not None]
+    assert not any(o.CATEGORY == "reduction" for o in group.inner_ops())
+    sums = [o for o in ops if o.name in ("nova.reduce_sum", "nova.reduce_max")
+            or isinstance(o, nv.FusedOp) and o.reduction() is not None]  # fmt: skip
+    assert len(sums) == 1
+    if case in ("last-dim", "one-leading-dim", "keepdim", "max", "read-outside", "read-inside"):
+        assert str(group.results[0].type) == "tensor<2x8x40xf32>"  # the value it sums is written
+
+
+def test_the_column_sum_in_a_contraction_group_verifies_its_structure():
+    module, fn, b, d = _gelu_backward()
+    set_results(fn, [("grad", "s", b.reduce_sum(d, [0, 1])), ("loss", "d", b.cast(d, bf16))])
+    (op,) = [o for o in _fused(module) if isinstance(o, nv.FusedOp)]
+    module.verify()
+    block = op.body.block
+    red = next(o for o in op.inner_ops() if isinstance(o, nv.ReduceSumOp))
+    inner = OpBuilder(block, before=block.last_op)
+    # read inside the group: refused (the sum is finished after every tile)
+    neg = inner.neg(red.results[0])
+    with pytest.raises(Exception, match="is read inside the group"):
+        module.verify()
+    block.erase_op(neg.owner)
+    module.verify()
+    # the sum of a block argument (the saved pre-activation): no value of the epilogue
+    red.operands[0] = block.args[2]
+    with pytest.raises(Exception, match="must sum an inner value"):
+        module.verify()
 
 
 def test_what_stays_outside_a_reduction_group():

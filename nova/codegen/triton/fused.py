@@ -48,7 +48,7 @@ from nova.codegen.triton.elementwise import (
     numel, pointwise_source, sanitize, shape_name, tag,
 )  # fmt: skip
 from nova.codegen.triton.lowering import Kernel, lowering_for, lowers
-from nova.codegen.triton.matmul import Epilogue
+from nova.codegen.triton.matmul import ColumnSum, Epilogue
 from nova.ir import dialect as nv
 from nova.ir.types import elem_of, shape_of, to_torch_dtype
 from nova.schedule.config import LoweringConfig
@@ -108,7 +108,10 @@ def epilogue_of(op: nv.FusedOp) -> tuple[Epilogue, list[int]]:
     contraction's stored result (``acc`` rounded to the matmul's dtype, as the
     unfused matmul stores it: a bf16 matmul's consumers read bf16 values), then
     the inner ops compose as in ``fused_body``; every value the group yields is
-    written from the tile, the contraction's own result too where it is yielded."""
+    written from the tile, the contraction's own result too where it is yielded,
+    but for a column sum's [N] result (``nv.column_sum``: the template's
+    ``ColumnSum`` of its operand's stored form, summed as the unfused reduction
+    loads it, in fp32 / fp64)."""
     block = op.body.block
     head = op.contraction()
     if head is None or not isinstance(head, nv.MatmulOp):
@@ -126,12 +129,16 @@ def epilogue_of(op: nv.FusedOp) -> tuple[Epilogue, list[int]]:
     stored = tag(_dtype(result))
     lines = [f"e_acc = {convert('e_tile', 'f32', stored)}"]  # the matmul's result as the unfused kernel stores it
     var[result] = ("e_acc", stored)
-    body, helpers = compose(op.inner_ops()[1:], var, prefix="e")
-    yields = block.last_op.operands
+    inner = op.inner_ops()[1:]
+    sum_ops = [o for o in inner if nv.column_sum(o)]  # the verifier: read by nothing inside
+    body, helpers = compose([o for o in inner if o not in sum_ops], var, prefix="e")
+    yields = list(block.last_op.operands)
+    sums = tuple(ColumnSum(*var[v.owner.operands[0]], _dtype(v), j) for j, v in enumerate(yields) if v.owner in sum_ops)
+    tiles = [v for v in yields if v.owner not in sum_ops]
     ep = Epilogue(
         shape=tuple(op.iteration_shape()), operands=tuple(operands), body="\n".join(lines + body),
-        stores=tuple((*var[v], _dtype(v)) for v in yields), out_shapes=tuple(tuple(shape_of(v.type)) for v in yields),
-        helpers=merge_helpers(helpers), flat_index=any(o.FLAT_INDEX for o in op.inner_ops()[1:]),
+        stores=tuple((*var[v], _dtype(v)) for v in tiles), out_shapes=tuple(tuple(shape_of(v.type)) for v in tiles),
+        helpers=merge_helpers(helpers), flat_index=any(o.FLAT_INDEX for o in inner), sums=sums,
     )  # fmt: skip
     return ep, picked
 

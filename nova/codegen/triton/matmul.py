@@ -84,6 +84,15 @@ _TL_DTYPE = {"float32": "tl.float32", "bfloat16": "tl.bfloat16", "float16": "tl.
 _TORCH_TO_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _LOG = get_logger(__name__)
 REDUCE_BLOCK = 1024  # elements per program of the split-K reduction (pure streaming)
+# The split-K reduction of an epilogue with column sums works on [REDUCE_ROWS, REDUCE_COLS]
+# tiles (the sums need whole columns of rows, not a flat block): 64 fp32 = one 256-byte run
+# of a row per load, 2048 elements per program as the flat kernel's two blocks
+REDUCE_ROWS, REDUCE_COLS = 32, 64
+# The column sums' final pass: program j sums the [P, COLSUM_COLS] strip of the partials in
+# COLSUM_ROWS-row chunks, in chunk order, then the chunk's rows by tl.sum's fixed tree. 16
+# columns (64 bytes of fp32 per row) give N / 16 programs: 48 for GPT-2's N = 768, 192 for
+# 3072, so the pass is spread over the SMs instead of a few programs walking all of P
+COLSUM_ROWS, COLSUM_COLS = 64, 16
 _INT32_MAX = 2**31 - 1
 
 
@@ -135,6 +144,35 @@ def _check_config(cfg: LoweringConfig) -> None:
 
 
 @dataclass(frozen=True)
+class ColumnSum:
+    """One column sum of an epilogue: the body variable ``var`` (register type
+    ``vtag``, a value of ``dtype``), summed over the iteration shape's rows into an
+    [N] result of ``dtype``, accumulated in fp32 (fp64 for f64: ``acc``). Each tile's
+    program adds up its rows (masked rows 0) and stores the [N] slice of its row of
+    the partials [P, N] (``acc``); a second pass (``colsum_source``) adds up the P
+    partials of each column in a fixed order: deterministic, no atomics."""
+
+    var: str
+    vtag: str
+    dtype: torch.dtype
+    slot: int
+
+    @property
+    def acc(self) -> str:
+        return tag(self.acc_dtype)
+
+    @property
+    def acc_dtype(self) -> torch.dtype:
+        return sum_accumulator(self.dtype)
+
+
+def sum_accumulator(dtype: torch.dtype) -> torch.dtype:
+    """The partials' dtype of a column sum of ``dtype`` values: fp64 for f64, else
+    fp32 (the reduce template's accumulators)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass(frozen=True)
 class Epilogue:
     """What a matmul kernel does with its fp32 accumulator instead of storing it.
 
@@ -148,7 +186,10 @@ class Epilogue:
     ``flat_index``), assigning the stored variables; ``stores``:
     (variable, register type, dtype) per output, each written contiguously, of
     shape ``out_shapes[j]`` (the iteration shape, or the matmul's result shape:
-    the same elements in the same order). ``helpers``: functions the body calls."""
+    the same elements in the same order). ``helpers``: functions the body calls.
+    ``sums``: column sums (``ColumnSum``) of body values over every row of the
+    iteration shape, [N] outputs each; ``sums[i].slot`` places it among the
+    launch's outputs, the stores filling the other slots in order."""
 
     shape: tuple[int, ...]
     operands: tuple[Operand, ...]
@@ -157,6 +198,15 @@ class Epilogue:
     out_shapes: tuple[tuple[int, ...], ...]
     helpers: str = ""
     flat_index: bool = False
+    sums: tuple[ColumnSum, ...] = ()
+
+    def slots(self) -> tuple[list[int], list[int]]:
+        """(the output slots of the stores, of the sums), in their orders."""
+        taken = [c.slot for c in self.sums]
+        n = len(self.stores) + len(self.sums)
+        if sorted(taken) != sorted(set(taken)) or any(not 0 <= t < n for t in taken):
+            raise ValueError(f"matmul: column sum slots {taken} do not fit {n} outputs")
+        return [j for j in range(n) if j not in taken], taken
 
     def check(self, N: int, rows: int) -> None:
         shape = self.shape
@@ -180,6 +230,7 @@ def _epilogue_params(ep: Epilogue) -> tuple[list[str], list[str]]:
     ``o<j>`` per output, then ``es<k>_<d>`` per moving dim of each operand."""
     rank = len(ep.shape)
     ptrs = [f"e{k}" for k in range(len(ep.operands))] + [f"o{j}" for j in range(len(ep.stores))]
+    ptrs += [f"cs{j}" for j in range(len(ep.sums))]  # the column sums' partials
     strides = [f"es{k}_{kd}" for k, op in enumerate(ep.operands) for kd, _, _ in op.terms(rank)]
     return ptrs, strides
 
@@ -193,7 +244,12 @@ def epilogue_lines(ep: Epilogue, two_d: bool, masked: bool, cols: str = "offs_n"
     flat block of the result (``offs``, ``mask``, the sum ``acc``). ``masked``:
     ragged edges (EVEN is false). ``box``: (first row, first column) of the slice's
     box when the outputs are tensor descriptors (``TmaLayout.e``; the copy engine
-    clips the edges, so the stores take no mask)."""
+    clips the edges, so the stores take no mask). Column sums (``ep.sums``, the
+    two-D form only: ``e_prow`` is the tile's row of the partials) store the tile's
+    sums of its rows, masked rows 0, at the partials' row ``e_prow``, through
+    pointers."""
+    if ep.sums and not two_d:
+        raise ValueError("matmul: column sums need the epilogue over 2-D tiles (the flat split-K reduction has none)")
     rank = len(ep.shape)
     last = rank - 1
     lines = [f"e_tile = {tile}", f"e_cols = {cols}" if two_d else f"e_cols = offs % {ep.shape[-1]}"]
@@ -236,11 +292,19 @@ def epilogue_lines(ep: Epilogue, two_d: bool, masked: bool, cols: str = "offs_n"
     if box is not None:
         for j, (var, vtag, dtype) in enumerate(ep.stores):
             lines.append(f"o{j}.store([{box[0]}, {box[1]}], {convert(var, vtag, tag(dtype))})")
-        return [ln for ln in lines if ln]
-    lines.append(f"e_out = {out}")
-    full = mask_of({0, last}) if rank > 1 else mask_of({last})
-    for j, (var, vtag, dtype) in enumerate(ep.stores):
-        lines.append(f"tl.store(o{j} + e_out, {convert(var, vtag, tag(dtype))}{full})")
+    else:
+        lines.append(f"e_out = {out}")
+        full = mask_of({0, last}) if rank > 1 else mask_of({last})
+        for j, (var, vtag, dtype) in enumerate(ep.stores):
+            lines.append(f"tl.store(o{j} + e_out, {convert(var, vtag, tag(dtype))}{full})")
+    for j, c in enumerate(ep.sums):
+        value = convert(c.var, c.vtag, c.acc)
+        if masked:  # rows past the edge hold values of masked loads: they add 0
+            zero = "tl.zeros_like(e_cs)" if c.acc == "f64" else "0.0"
+            lines += [f"e_cs = {value}", f"e_cs = tl.where(mask_m[:, None], e_cs, {zero})"]
+            value = "e_cs"
+        mask = f", mask={mask_n}" if masked else ""
+        lines.append(f"tl.store(cs{j} + e_prow * {ep.shape[-1]} + e_cols, tl.sum({value}, axis=0){mask})")
     return [ln for ln in lines if ln]
 
 
@@ -506,6 +570,8 @@ batched {'yes' if batched else 'no'}, index {'int64' if index_64 else 'int32'}
     text = header + "\n\n" + helpers + kernel
     if split:
         text += "\n\n" + _reduce_source(name + "_reduce", has_bias, _TL_DTYPE[out_name], epilogue)
+    for j, c in enumerate(epilogue.sums if epilogue is not None else ()):
+        text += "\n\n" + colsum_source(f"{name}_colsum{j}", c.acc, tag(c.dtype))
     return text
 
 
@@ -539,7 +605,9 @@ def epilogue_streams(ep: Epilogue) -> int:
     """The registers an epilogue's tile-sized values take per element, in 16-bit
     halves of a register: each output and each operand read at every element (one
     with a leading and the last dim; a bias row or a scalar is not), by its size
-    (bf16 1, f32 2)."""
+    (bf16 1, f32 2), and each column sum's value in its accumulator type (f32 2:
+    so GELU's backward with its bias gradient's sum slices as it did with the f32
+    output it replaces)."""
     rank = len(ep.shape)
 
     def full(op) -> bool:
@@ -548,6 +616,7 @@ def epilogue_streams(ep: Epilogue) -> int:
 
     halves = [op.dtype.itemsize // 2 or 1 for op in ep.operands if full(op)]
     halves += [d.itemsize // 2 or 1 for _, _, d in ep.stores]
+    halves += [c.acc_dtype.itemsize // 2 for c in ep.sums]  # the value widened to its accumulator
     return max(1, sum(halves))
 
 
@@ -570,6 +639,8 @@ def _sliced_epilogue(ep: Epilogue, block_m: int, block_n: int, rows: str, idx: s
     n = epilogue_slices(ep, block_m, block_n)
     lines = ["e_rows = " + rows]
     boxes = [(box_row, f"pid_n * BLOCK_N + {h * (block_n // n)}") if box_row else None for h in range(n)]
+    if ep.sums:  # the tile's row of the column sums' partials: batch-major, as the tiles' rows
+        lines.append("e_prow = (" + ("pid_b * num_pid_m + pid_m" if "pid_b" in rows else "pid_m") + ")" + idx)
     if n == 1:
         parts = [("offs_n", "mask_n", "acc")]
     else:  # acc[:, h * w : (h + 1) * w] for each h: split the column index into (h, j), h last
@@ -603,8 +674,9 @@ def _sliced_epilogue(ep: Epilogue, block_m: int, block_n: int, rows: str, idx: s
 def _describe(ep: Epilogue | None) -> str:
     if ep is None:
         return "none (C stored)"
+    sums = f", column sums {', '.join(str(c.dtype).removeprefix('torch.') for c in ep.sums)}" if ep.sums else ""
     return (f"over {list(ep.shape)}: {len(ep.operands)} operands, "
-            f"outputs {', '.join(str(d).removeprefix('torch.') for _, _, d in ep.stores)}")
+            f"outputs {', '.join(str(d).removeprefix('torch.') for _, _, d in ep.stores)}{sums}")
 
 
 def _tma_load(desc: str, k_contiguous: bool, batched: bool, offset: str, size: str, k_last: bool) -> str:
@@ -624,6 +696,8 @@ def _reduce_source(name: str, has_bias: bool, out_ty: str, epilogue: Epilogue | 
     """Second split-K pass: sum the partials in split order (deterministic), add the
     bias, cast, store through C's strides (or run the epilogue on the sum). The
     workspace is contiguous [S, B, M, N]."""
+    if epilogue is not None and epilogue.sums:
+        return _reduce_tiles_source(name, epilogue)
     if epilogue is not None:
         ptrs, strides = _epilogue_params(epilogue)
         lines = "\n".join("    " + ln for ln in epilogue_lines(epilogue, False, True))
@@ -658,6 +732,71 @@ def {name}(
     b = offs // (M * N){bias}
     tl.store(c_ptr + b * stride_cb + m * stride_cm + n * stride_cn, acc.to({out_ty}), mask=mask)
 """
+
+
+def _reduce_tiles_source(name: str, ep: Epilogue) -> str:
+    """The split-K reduction of an epilogue with column sums: the same sums of the
+    partials in split order (each element as the flat kernel adds it), over
+    [REDUCE_ROWS, REDUCE_COLS] tiles of the [batch x M, N] result (program (r, n)),
+    so the epilogue runs as in the main kernel's two-D form and each tile stores
+    its row ``r`` of the column sums' partials [cdiv(batch x M, REDUCE_ROWS), N]."""
+    ptrs, strides = _epilogue_params(ep)
+    lines = "\n".join("    " + ln for ln in epilogue_lines(ep, True, True))
+    return f"""\
+@triton.jit(do_not_specialize=["SPLITS"])
+def {name}(
+    ws_ptr, {", ".join(ptrs)}, M, N, ROWS, SPLITS, stride_ws, {"".join(st + ", " for st in strides)}
+):
+    pid_r = tl.program_id(0)
+    offs_m = pid_r.to(tl.int64) * {REDUCE_ROWS} + tl.arange(0, {REDUCE_ROWS})
+    offs_n = tl.program_id(1).to(tl.int64) * {REDUCE_COLS} + tl.arange(0, {REDUCE_COLS})
+    mask_m = offs_m < ROWS
+    mask_n = offs_n < N
+    offs = offs_m[:, None] * N + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    acc = tl.zeros(({REDUCE_ROWS}, {REDUCE_COLS}), dtype=tl.float32)
+    for s in range(0, SPLITS):
+        acc += tl.load(ws_ptr + s * stride_ws + offs, mask=mask, other=0.0)
+    e_rows = offs_m
+    e_prow = pid_r.to(tl.int64)
+{lines}
+"""
+
+
+def colsum_source(name: str, acc: str, out: str) -> str:
+    """The column sums' final pass: ``out[n] = sum over p of partials[p, n]``, the
+    partials [P, N] (register type ``acc``: fp32, fp64 for f64) added in
+    COLSUM_ROWS-row chunks in chunk order into a [COLSUM_ROWS, COLSUM_COLS]
+    accumulator, then its rows by ``tl.sum`` (a fixed tree), rounded once to
+    ``out``: the same order every run (no atomics). Program j owns COLSUM_COLS
+    columns."""
+    ty = {"f32": "tl.float32", "f64": "tl.float64"}[acc]
+    return f"""\
+@triton.jit
+def {name}(part_ptr, out_ptr, P, N):
+    cols = tl.program_id(0).to(tl.int64) * {COLSUM_COLS} + tl.arange(0, {COLSUM_COLS})
+    cmask = cols < N
+    acc = tl.zeros(({COLSUM_ROWS}, {COLSUM_COLS}), dtype={ty})
+    for p0 in range(0, P, {COLSUM_ROWS}):
+        rows = p0 + tl.arange(0, {COLSUM_ROWS}).to(tl.int64)
+        m = (rows < P)[:, None] & cmask[None, :]
+        acc += tl.load(part_ptr + rows[:, None] * N + cols[None, :], mask=m, other=0.0)
+    total = tl.sum(acc, axis=0)
+    tl.store(out_ptr + cols, {convert("total", acc, out)}, mask=cmask)
+"""
+
+
+def column_sum_rows(M: int, batch: int, cfg: LoweringConfig | None, splits: int | None = None) -> int:
+    """P, the rows of a column sum's partials [P, N] for C[batch, M, N] under
+    ``cfg``: one per output tile's rows, batch x cdiv(M, BLOCK_M) (the tile grid
+    and the persistent kernel), or cdiv(batch x M, REDUCE_ROWS) where split-K's
+    reduction runs the epilogue (``splits``: the launch's split count, else the
+    config's plan without K); ``cfg=None`` (the configurator picks at launch):
+    the most of both, BLOCK_M >= 16."""
+    if cfg is None:
+        return max(batch * cdiv(M, 16), cdiv(batch * M, REDUCE_ROWS))
+    split = cfg.split_k > 1 if splits is None else splits > 1
+    return cdiv(batch * M, REDUCE_ROWS) if split else batch * cdiv(M, cfg.block_m)
 
 
 STAGE_BLOCK = 64  # square tile of the staging copy: 64 fp32 = two 128-byte lines per row
@@ -742,6 +881,7 @@ class MatmulKernels:
     main: object  # triton JITFunction
     reduce: object | None  # split-K second pass
     path: str  # the generated source file
+    colsums: tuple = ()  # the final pass of each column sum of the epilogue (colsum_source)
 
 
 @functools.lru_cache(maxsize=None)
@@ -782,7 +922,8 @@ def matmul_kernels(
     )
     main, path = load_kernel(src, "matmul_kernel")
     reduce = load_kernel(src, "matmul_kernel_reduce")[0] if cfg.split_k > 1 else None
-    return MatmulKernels(main, reduce, str(path))
+    sums = tuple(load_kernel(src, f"matmul_kernel_colsum{j}")[0] for j in range(len(epilogue.sums if epilogue else ())))
+    return MatmulKernels(main, reduce, str(path), sums)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -801,7 +942,7 @@ def split_k_plan(K: int, cfg: LoweringConfig) -> tuple[int, int]:
 
 def scratch_bytes(
     M: int, N: int, K: int, batch: int, a_dtype, b_dtype, out_dtype, cfg: LoweringConfig | None,
-    *, precision: str | None = None, device: torch.device | None = None,
+    *, precision: str | None = None, device: torch.device | None = None, column_sums: tuple = (),
 ) -> int:  # fmt: skip
     """The most device memory one ``matmul`` launch of C[batch, M, N] = A @ B with
     ``cfg`` allocates besides C (an upper bound, for the memory plan; ``batch`` is 1
@@ -812,7 +953,9 @@ def scratch_bytes(
       [S, batch, M, N];
     * a staged tf32 config (``stage_a`` / ``stage_b`` in ``cfg.instruction``, fp32
       operands): the dense fp32 copy of A [batch, M, K] and / or of B [batch, K, N]
-      (an operand shared by the batch is staged once: at most this).
+      (an operand shared by the batch is staged once: at most this);
+    * an epilogue's column sums (``column_sums``: their accumulation dtypes,
+      ``ColumnSum.acc_dtype``): each one's partials [P, N] (``column_sum_rows``).
 
     TMA descriptors are host objects passed by value: no device memory. The
     partials are fp32 whatever ``out_dtype`` is, and ``a_dtype`` is ``b_dtype`` (the
@@ -822,10 +965,14 @@ def scratch_bytes(
     (None: the CPU, which stands in for the H200)."""
     if M * N * batch == 0 or K == 0:
         return 0  # nothing is launched
+    sums = 0
+    if column_sums:
+        splits = split_k_plan(K, cfg)[1] if cfg is not None else None
+        sums = sum(column_sum_rows(M, batch, cfg, splits) * N * d.itemsize for d in column_sums)
     if cfg is None:
-        return _configured_scratch_bytes(M, N, K, batch, a_dtype, out_dtype, precision, device)
+        return _configured_scratch_bytes(M, N, K, batch, a_dtype, out_dtype, precision, device) + sums
     f32 = torch.float32.itemsize
-    total = 0
+    total = sums
     splits = split_k_plan(K, cfg)[1]
     if splits > 1:
         total += splits * batch * M * N * f32
@@ -1155,11 +1302,17 @@ def _epilogue_tensors(ep: Epilogue, inputs, outs, a, b, batch, M, N):
         if tuple(x.shape) != tuple(op.shape) or x.dtype != op.dtype or x.device != a.device:
             raise ValueError(f"matmul: epilogue operand {k} is {tuple(x.shape)} {x.dtype} on {x.device}, expected "
                              f"{tuple(op.shape)} {op.dtype} on {a.device}")
+    store_slots, sum_slots = ep.slots()
+    shapes = [None] * (len(store_slots) + len(sum_slots))
+    for j, s, (_, _, d) in zip(store_slots, ep.out_shapes, ep.stores):
+        shapes[j] = (tuple(s), d)
+    for j, c in zip(sum_slots, ep.sums):
+        shapes[j] = ((N,), c.dtype)
     if outs is None:
-        outs = [torch.empty(s, dtype=d, device=a.device) for s, (_, _, d) in zip(ep.out_shapes, ep.stores)]
-    if len(outs) != len(ep.stores):
-        raise ValueError(f"matmul: the epilogue writes {len(ep.stores)} outputs, got {len(outs)}")
-    for j, (o, s, (_, _, d)) in enumerate(zip(outs, ep.out_shapes, ep.stores)):
+        outs = [torch.empty(s, dtype=d, device=a.device) for s, d in shapes]
+    if len(outs) != len(shapes):
+        raise ValueError(f"matmul: the epilogue writes {len(shapes)} outputs, got {len(outs)}")
+    for j, (o, (s, d)) in enumerate(zip(outs, shapes)):
         if tuple(o.shape) != tuple(s) or o.dtype != d or not o.is_contiguous() or o.device != a.device:
             raise ValueError(f"matmul: epilogue output {j} is {tuple(o.shape)} {o.dtype} with strides "
                              f"{tuple(o.stride())} on {o.device}, expected a contiguous {tuple(s)} {d} on {a.device}")
@@ -1169,8 +1322,8 @@ def _epilogue_tensors(ep: Epilogue, inputs, outs, a, b, batch, M, N):
         if any(_overlaps(o, t) for t in others):
             raise ValueError(f"matmul: epilogue output {j} overlaps an operand or another output")
         for x in inputs:  # in place only element for element: the same bytes, read at the same index
-            if _overlaps(o, x) and not (x.data_ptr() == o.data_ptr() and x.is_contiguous()
-                                        and tuple(x.shape) == tuple(ep.shape) and x.dtype == o.dtype):
+            if _overlaps(o, x) and (j in sum_slots or not (x.data_ptr() == o.data_ptr() and x.is_contiguous()
+                                                           and tuple(x.shape) == tuple(ep.shape) and x.dtype == o.dtype)):
                 raise ValueError(f"matmul: epilogue output {j} overlaps an operand it does not replace element "
                                  "for element")
     return outs
@@ -1240,7 +1393,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     c_desc = _tma_c(cfg, c3) if tma and not split and ep is None else None
     if c_desc is not None:
         tma = (dataclasses.replace(tma[0], c=True, c_batched=c3.shape[0] > 1), tma[1])
-    e_descs = _tma_e(cfg, ep, ep_outs, batched, M) if tma and fused else None
+    e_descs = _tma_e(cfg, ep, [ep_outs[j] for j in ep.slots()[0]], batched, M) if tma and fused else None
     if e_descs is not None:
         tma = (dataclasses.replace(tma[0], e=True), tma[1])
     kern = matmul_kernels(
@@ -1255,9 +1408,12 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     total = tiles * splits * batch
 
     rank = len(ep.shape) if ep is not None else 0
-    ep_ptrs = [storage_view(x) for x in (*ep_inputs, *ep_outs)]
-    if e_descs is not None:
-        ep_ptrs[len(ep_inputs):] = e_descs
+    store_slots, sum_slots = ep.slots() if ep is not None else ([], [])
+    sums = ep.sums if ep is not None else ()
+    rows = column_sum_rows(M, batch, cfg, splits)
+    partials = [torch.empty((rows, N), dtype=c.acc_dtype, device=a.device) for c in sums]
+    stored = [storage_view(ep_outs[j]) for j in store_slots]
+    ep_ptrs = [storage_view(x) for x in ep_inputs] + (e_descs if e_descs is not None else stored) + partials
     ep_strides = [x.stride(kd) for op, x in zip(ep.operands, ep_inputs) for kd, _, _ in op.terms(rank)] if ep else []
     if split:
         ws = torch.empty((splits, batch, M, N), dtype=torch.float32, device=a.device)
@@ -1308,7 +1464,11 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     if split:
         n_out = batch * M * N
         rgrid = (cdiv(n_out, REDUCE_BLOCK),)
-        if ep is not None:
+        if sums:  # over [REDUCE_ROWS, REDUCE_COLS] tiles (_reduce_tiles_source)
+            rgrid = (cdiv(batch * M, REDUCE_ROWS), cdiv(N, REDUCE_COLS))
+            rargs = [ws, *ep_ptrs, M, N, batch * M, splits, n_out, *ep_strides]
+            roptions = dict(num_warps=4, enable_fp_fusion=False)
+        elif ep is not None:
             rargs = [ws, *ep_ptrs, M, N, n_out, splits, n_out, *ep_strides]
             roptions = dict(num_warps=4, enable_fp_fusion=False)
         else:
@@ -1321,6 +1481,12 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
             compiled.append(kern.reduce.warmup(*rargs, grid=rgrid, **roptions))
         else:
             kern.reduce[rgrid](*rargs, **roptions)
+    for fn, part, j in zip(kern.colsums, partials, sum_slots, strict=True):  # the partials' ordered sums
+        cargs, cgrid = (part, ep_outs[j], rows, N), (cdiv(N, COLSUM_COLS),)
+        if warmup:
+            compiled.append(fn.warmup(*cargs, grid=cgrid, num_warps=4))
+        else:
+            fn[cgrid](*cargs, num_warps=4)
     if warmup:
         return compiled
     return ep_outs if ep is not None else out
@@ -1329,5 +1495,5 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
 __all__ = [
     "matmul", "precompile", "precompile_specs", "matmul_source", "matmul_kernels", "configure", "device_spec", "layout",
     "split_k_plan", "scratch_bytes", "PRECISIONS", "MatmulKernels", "TmaLayout", "round_to_tf32", "TF32_RN",
-    "stage_source", "stage_tf32", "Epilogue", "matmul_epilogue", "epilogue_lines", "epilogue_slices", "epilogue_streams", "EPILOGUE_SLICE",
+    "stage_source", "stage_tf32", "Epilogue", "ColumnSum", "sum_accumulator", "column_sum_rows", "colsum_source", "matmul_epilogue", "epilogue_lines", "epilogue_slices", "epilogue_streams", "EPILOGUE_SLICE",
 ]
