@@ -20,7 +20,7 @@ import time
 
 import torch
 
-_PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.bool: "*u8", torch.int64: "*i64"}
+_PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.bool: "*u8", torch.int64: "*i64", torch.float64: "*fp64"}
 _DESC = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.bool: "u8", torch.int64: "i64"}
 
 
@@ -46,6 +46,7 @@ def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int
         unit = {f"es{k}_{kd}" for k, op in enumerate(ep.operands) for kd, d, _ in op.terms(rank) if d == rank - 1}
         ptrs.update({f"o{j}": _PTR[d] if e_box is None else f"tensordesc<{_DESC[d]}{list(e_box)}>"
                      for j, (_, _, d) in enumerate(ep.stores)})
+        ptrs.update({f"cs{j}": _PTR[c.acc_dtype] for j, c in enumerate(ep.sums)})  # the column sums' partials
     elt = "fp32" if dtype == "float32" else "bf16"
     sig, consts, attrs = {}, {"EVEN": True}, {}
     for i, a in enumerate(fn.arg_names):

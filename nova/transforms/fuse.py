@@ -40,8 +40,8 @@ here, into loops, prologues and epilogues.
                other operands at the tile's offsets. One reshape of the result
                that keeps its last dim ([B*T, N] read as [B, T, N], a relabelling
                of the tile's rows) may sit in between. What stays outside: an op
-               of another shape (a broadcast to a larger result; a reduction such
-               as a bias gradient), a result read through any other view
+               of another shape (a broadcast to a larger result; a reduction, but
+               for a column sum: below), a result read through any other view
                (transpose, slice, broadcast_to, or a reshape that changes the last
                dim: the tile's elements would land elsewhere), a second
                contraction (one kernel has one accumulator). A horizontal partner
@@ -52,6 +52,37 @@ here, into loops, prologues and epilogues.
                of the group read outside it (the pre-activation the backward
                keeps, the matmul result itself) is one more output, stored from
                the tile.
+  column sum   (a bias gradient in the epilogue) a column sum (``nv.column_sum``:
+               a reduction that adds up, ``NovaOp.SUMS``, a floating-point value
+               over every dim but the last, without keepdim: [N] from [..., N]) of
+               a value of a contraction group's epilogue of the iteration shape
+               (GELU's backward: the c_fc bias gradient) joins that group, after
+               the grouping, where every other reader of the value is in the group:
+               the value is then no output (GPT-2 124M bf16 batch 32, measured on
+               the H200 before this rule: the group 0.62 ms and the sum's kernel
+               0.11 ms a layer, the 402 MB f32 value's write and read about 0.27 ms
+               of that; the fused kernel is not measured on the device yet). The
+               template adds up each output tile's rows in registers (masked rows
+               0) into a partials buffer [P, N] in launch scratch (P: batch x
+               cdiv(M, BLOCK_M) tiles' rows, or split-K's reduction tiles' rows,
+               which run the epilogue there), fp32 (fp64 for an f64 value), and a
+               second small kernel adds the partials up in a fixed order: no atomics,
+               the same bits every run. Every path of the template takes it (the
+               tile grid, the persistent kernel, split-K, batched, ragged edges, the
+               column slices, the interpreter), so no combination is kept out. The
+               numerics: the sum's order is not the standalone reduction's (its
+               split of the rows), so the sum differs from the unfused one by fp32
+               (fp64) rounding, not bit for bit (the other outputs stay exact); a
+               bf16 value's sum is still fp32 rounded once. What stays out: a sum
+               over other dims or with keepdim, a maximum, a sum of a value read
+               outside the group too (written anyway: kept simple, the read it
+               would save is not measured), of the matmul's operand or of any
+               block argument, of the matmul's own result where the epilogue runs
+               over its reshape, of integers; nothing in the group reads a column
+               sum (finished only after every tile), and a widening cast only the
+               sum reads stays the sum's prologue (the rule above). The sum counts
+               in no budget: one add an element, against the f32 store it removes
+               (its time in the epilogue is not measured yet).
   budget       an epilogue's elementwise ops cost at most ``EPILOGUE_MAX_FLOPS``
                an element together (the cost model's ``flops_per_element``: GELU
                8, its backward 12, arithmetic 1, casts 0); a merge that would pass

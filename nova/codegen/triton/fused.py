@@ -29,7 +29,10 @@ parameter and state update; ``plan_memory`` allows exactly that).
 A matmul's epilogue keeps the same guarantees: the matmul's result enters as the
 unfused matmul kernel stores it (the fp32 accumulator converted to the matmul's
 dtype: a bf16 matmul's readers see bf16 values, then widen them), and the kernel
-is compiled without contraction. Where eager PyTorch differs: cuBLAS adds a
+is compiled without contraction. A column sum in the epilogue (the fuse stage's
+column-sum rule) is the exception: it sums the tiles' rows and then their
+partials (matmul.py's ``ColumnSum``), not in the reduce kernel's order, so it
+matches the unfused sum within fp32 (fp64) rounding, deterministically. Where eager PyTorch differs: cuBLAS adds a
 linear's bias to the fp32 accumulator before its one rounding (autocast's
 ``addmm``: bf16 result of acc + bf16(bias)), while Nova's bf16 policy (the
 precision stage) rounds the matmul to bf16 and adds the f32 bias to that, as

@@ -54,6 +54,11 @@ Design choices, and why:
   not per element. Large tiles are worked through in column slices
   (``EPILOGUE_SLICE``: a whole tile's epilogue values beside the accumulator
   spill registers, or cost an SM its second block). Split-K runs it in the reduction kernel, on the summed tile.
+  An epilogue's column sums (``ColumnSum``: a bias gradient, the sum of a body value
+  over every row) are each tile's sums of its rows, stored to a partials buffer
+  [P, N] (one row per tile's rows; split-K's reduction then works on 2-D tiles for
+  it), and a second kernel adds the P partials of each column up in a fixed order:
+  deterministic, no atomics (which would also need a zeroed output).
   Epilogue kernels launch with ``enable_fp_fusion=False``, as the fused
   elementwise kernels do: every op rounds as written (ptxas -v / PTX of offline
   sm_90a builds: GELU's backward has 1152 ``fma.rn.f32`` with contraction on, none
@@ -62,7 +67,7 @@ Design choices, and why:
   stays ``fma.rn.f32`` with contraction off (the same 1024 in a 64x64x32 tile).
 * C may be a given ``out`` (a view into the step's arena beside the operands: only
   overlapping bytes are refused). What a launch allocates besides C (the split-K
-  partials, the staged tf32 copies) is bounded by ``scratch_bytes``, for the memory
+  partials, the staged tf32 copies, column sums' partials) is bounded by ``scratch_bytes``, for the memory
   plan; nothing in a launch waits for the device, so it can be captured in a CUDA graph.
 """
 
