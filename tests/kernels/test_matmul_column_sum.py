@@ -114,12 +114,14 @@ def _run(module, config, precision, tol, sum_tol=None):
     return group, st
 
 
-@pytest.mark.parametrize("path", ["one-pass", "split-k", "persistent", "persistent-tma", "split-k-tma"])
+@pytest.mark.parametrize("path", ["one-pass", "one-pass-tma", "split-k", "persistent", "persistent-tma", "split-k-tma"])
 @pytest.mark.parametrize("shape", [(32, 24, 48, (2, 16)), (20, 40, 40, (4, 5)), (37, 24, 33, (37,))],
                          ids=["even", "ragged", "ragged-2d"])  # fmt: skip
 def test_bf16_gelu_backward_and_its_bias_gradient(shape, path):
     """bf16 operands, the f32 epilogue value summed (GPT-2's c_fc backward), on each
-    path; ragged M and N mask the tails (masked rows add 0)."""
+    path; ragged M and N mask the tails (masked rows add 0). The one-pass TMA kernels
+    store the bf16 output through a descriptor where its rows are 16-byte aligned
+    (N = 33 is not) and the partials through pointers."""
     M, K, N, rows = shape
     config = cfg(split_k=2 if "split" in path else 1, persistent="persistent" in path, tma="tma" in path)
     group, st = _run(_gelu_backward(M, K, N, rows), config, "bf16", 2e-2, 1e-5)
@@ -127,6 +129,8 @@ def test_bf16_gelu_backward_and_its_bias_gradient(shape, path):
     assert "def matmul_kernel_colsum0" in text and "tl.store(cs0 + e_prow" in text
     assert ("def matmul_kernel_reduce" in text) == ("split" in path)
     assert ("tl.range(" in text) == ("persistent" in path)
+    main = text.split("def matmul_kernel_reduce")[0]
+    assert ("o0.store([" in main) == ("tma" in path and "split" not in path and N % 8 == 0)
     # the launch's scratch: the partials [P, N] in fp32 (and split-K's workspace)
     P = mm.cdiv(M, mm.REDUCE_ROWS) if "split" in path else mm.cdiv(M, 16)
     ws = 2 * M * N * 4 if "split" in path else 0
