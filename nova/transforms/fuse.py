@@ -573,10 +573,10 @@ class _Grouping:
             (x,) = op.operands
             owner = x.owner
             if not isinstance(owner, Operation) or owner not in self.node:
-                continue  # a block argument (the matmul's operand among them)
+                continue  # a block argument
             target = self.node[owner]
             if target.kind != "contraction" or shape_of(x.type) != target.shape or len(target.members) < 2:
-                continue  # a contraction without an epilogue, or a value of another shape than the tile's
+                continue  # no epilogue value (the matmul's operand), no epilogue, or not of the tile's shape
             if epilogue_head(owner) and target.reshape is not None:
                 continue  # the matmul's own result where the epilogue runs over its relabelled rows
             inside = set(target.members)
