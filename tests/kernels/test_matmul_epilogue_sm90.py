@@ -5,8 +5,9 @@ register spills, and at 128x128 no more than the 128 registers two 8-warp blocks
 per SM allow (``matmul.EPILOGUE_SLICE``), but for the heaviest (GELU and its
 backward recomputed: 207); GELU's backward with its bias gradient's column sum
 (the step's group, pointer stores: 113 registers against 96 with the f32 value
-stored instead, no spills; the step's kernels with descriptor stores,
-scripts/epilogue_sm90_check.py: 97 and 101 against 96 and 97); no fp contraction in an epilogue, while the fp32 FMA dot keeps its fma
+stored instead, no spills; the step's kernels, scripts/epilogue_sm90_check.py: 99
+and 101, pointer stores (one output element size left), against 96 and 97 through
+descriptors with the f32 value); no fp contraction in an epilogue, while the fp32 FMA dot keeps its fma
 (``matmul.py``'s docstring)."""
 
 from __future__ import annotations
