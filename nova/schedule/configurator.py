@@ -751,6 +751,20 @@ def configure_elementwise(numel: int, dtype, n_inputs: int, device) -> LoweringC
 
 # --------------------------------------------------------------------------- attention
 
+# Attention with a small head (the fp32 output accumulator and score tile of a 64x64
+# tile at D = 64 take 64 registers a thread in one warpgroup) is bound by how well the
+# score tile's softmax (exp, max, sums on the CUDA cores: one exp per 4 D tensor FLOPs)
+# overlaps the MMAs: with one warpgroup per program and four programs on an SM the
+# schedulers run one program's softmax beside another's MMAs. WARPGROUP_TILE_REGS is
+# half of the 128 registers a thread has when 4 x 128 threads share an SM's 65536 (the
+# other half: operands, addresses, the softmax's row values). Measured on the H200
+# (GPT-2: B 32, H 12, T 1024, D 64, bf16, causal; scripts/attention_variants.py,
+# bench/results/runs/attention_variants_eb7626a.json, CUDA-graph timed): the forward at
+# 64x64 w4 s3 0.164 ms (cuDNN's SDPA 0.154), against 0.252 at the previous rule's
+# 128x128 w8 s5 and 0.177 at 128x64 w8 s3; 3 stages beat 2 (0.173) and 4 (0.181).
+WARPGROUP_TILE_REGS = 64
+ATTENTION_STAGES = 3
+
 
 def configure_attention(
     B: int, H: int, T: int, D: int, causal: bool, dtype, device, precision: str | None = None
@@ -792,6 +806,15 @@ def configure_attention(
                if bm <= t_pow2 and bn <= t_pow2 and fits(bm, bn)]  # fmt: skip
     if not options:
         raise ValueError(f"configurator: no attention tile fits {dev.name} for head dim {D}")
+    # small heads on wgmma: one warpgroup per program, the largest tile whose fp32 values fit
+    # WARPGROUP_TILE_REGS registers a thread, so ATTENTION_PROGRAMS programs share an SM and one's
+    # softmax runs while another's MMAs do (docs/configurator.md, "Attention")
+    small = [(bm, bn) for bm, bn in options if bm >= WGMMA_M and family(bm) == "wgmma"
+             and (bm * d + bm * bn) * acc_words <= WARPGROUP * 32 * WARPGROUP_TILE_REGS]  # fmt: skip
+    if small:
+        bm, bn = small[0]
+        stages = 1 if _cdiv(T, bn) <= 1 else ATTENTION_STAGES
+        return _attention_config(B, H, T, D, causal, dev, path, elt, bm, bn, d, WARPGROUP, stages)
     bm, bn = options[0]
     floor = WGMMA_M if family(bm) == "wgmma" else MIN_DOT
     while _cdiv(T, bm) * B * H * 2 <= S and bm // 2 >= floor:
@@ -815,11 +838,17 @@ def configure_attention(
     fit = (_smem_limit(dev, resident) - bm * d * elt) // stage
     stages = 1 if kv_steps <= 1 else max(2, min(fit, kv_steps, MAX_STAGES))
 
+    return _attention_config(B, H, T, D, causal, dev, path, elt, bm, bn, d, warps, stages)
+
+
+def _attention_config(B, H, T, D, causal, dev, path, elt, bm, bn, d, warps, stages) -> LoweringConfig:
+    """The attention LoweringConfig of a chosen tile: its instruction and regime."""
+    fam = "fma" if not _tensor_cores(dev, path) else "wgmma" if dev.has_wgmma and bm % WGMMA_M == 0 else "mma"
     flops = 4 * B * H * T * T * D // (2 if causal else 1)
     nbytes = 4 * B * H * T * D * elt  # Q, K, V read, O written
     instruction = "wgmma+tma" if fam == "wgmma" and dev.has_tma else fam
     regime = "compute-bound" if flops / nbytes >= dev.ridge(path) else "memory-bound"
-    if programs * 2 <= S:
+    if _cdiv(T, bm) * B * H * 2 <= dev.sm_count:
         regime = "launch-bound"
     return LoweringConfig(
         kind="attention",

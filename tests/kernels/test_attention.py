@@ -245,8 +245,10 @@ def test_backward_caps_a_forward_sized_config():
     assert fwd(build(nv.AttentionOp, [x, x, x], {"causal": True, "scale": 0.125}), cfg).config == cfg
     kernel = bwd(build(nv.AttentionBackwardOp, [x, x, x, x, x, lse], {"causal": True, "scale": 0.125}), cfg)
     kv, q = kernel.config, kernel.extra["dq_config"]
-    assert (kv.block_m, kv.block_n, q.block_m, q.block_n) == (32, 128, 128, 32)
-    assert kv.num_stages == q.num_stages == 2 and "KV_BLOCK_N = tl.constexpr(128)" in kernel.source
+    # the table's 16-bit small-head tiles (one warpgroup, 64 along the kept dim), 3 stages
+    assert (kv.block_m, kv.block_n, q.block_m, q.block_n) == (32, 64, 64, 64)
+    assert kv.num_warps == q.num_warps == 4
+    assert kv.num_stages == q.num_stages == 3 and "KV_BLOCK_N = tl.constexpr(64)" in kernel.source
 
 
 def test_backward_tiles_set_each_kernel_on_its_own(device):

@@ -97,7 +97,13 @@ _TL = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16
 # tensor-core (wgmma / mma) path without register spills. The backward kernels
 # hold two [BLOCK_N, D] (dK/dV) or one [BLOCK_M, D] (dQ) fp32 accumulators across
 # their walk, so they take narrow tiles along the walked dim (16-bit, D=128: dK/dV
-# at 64x64 spills 144 bytes, at 32x128 up to 504, at 64x32 none).
+# at 64x64 spills 144 bytes, at 32x128 up to 504, at 64x32 none). 16-bit at D <= 64:
+# one warpgroup, 64 along the kept dim, as the configurator's small-head forward rule
+# (configurator.WARPGROUP_TILE_REGS) and for the same reason; measured on the H200
+# (GPT-2, B 32, H 12, T 1024, D 64, causal; bench/results/runs/
+# attention_variants_eb7626a.json): dK/dV 32x64 w4 s3 0.271 ms (the table's 32x128 w8
+# s2 before: 0.491; 64x64 w4 s3 0.287), dQ 64x64 w4 s3 0.175 (128x32 w8 s2: 0.268);
+# the whole backward with the delta pass 0.47 ms against cuDNN's 0.51.
 _TILES = {
     "fwd": {
         "16": ((128, 64, 8), (128, 64, 8), (64, 32, 8)),
@@ -105,16 +111,19 @@ _TILES = {
         "64": ((32, 16, 4), (32, 16, 4), (16, 16, 4)),
     },
     "dkdv": {
-        "16": ((32, 128, 8), (64, 32, 8), (32, 32, 8)),
+        "16": ((32, 64, 4), (64, 32, 8), (32, 32, 8)),
         "32": ((64, 32, 8), (64, 32, 8), (32, 32, 8)),
         "64": ((64, 32, 8), (32, 16, 8), (16, 16, 8)),
     },
     "dq": {
-        "16": ((128, 32, 8), (128, 32, 8), (32, 32, 8)),
+        "16": ((64, 64, 4), (128, 32, 8), (32, 32, 8)),
         "32": ((64, 32, 8), (64, 32, 8), (32, 32, 8)),
         "64": ((32, 64, 8), (16, 32, 8), (16, 16, 8)),
     },
 }
+# Stages of the backward kernels: 16-bit at D <= 64 three (measured above: dK/dV 0.271
+# ms against 0.302 at two), else two.
+_BWD_STAGES_SMALL_HEAD = 3
 
 
 def attention_plan(tq: int, tk: int, d: int, dtype: torch.dtype, cfg: LoweringConfig | None, kernel: str = "fwd",
@@ -133,7 +142,7 @@ def attention_plan(tq: int, tk: int, d: int, dtype: torch.dtype, cfg: LoweringCo
     bd = max(16, next_pow2(d))
     bm, bn, warps = _TILES[kernel][cls][0 if bd <= 64 else 1 if bd <= 128 else 2]
     # f64 has no multi-stage async-copy pipeline worth its shared memory
-    stages = 1 if dtype == torch.float64 else 3 if kernel == "fwd" else 2
+    stages = 1 if dtype == torch.float64 else 3 if kernel == "fwd" else _BWD_STAGES_SMALL_HEAD if cls == "16" and bd <= 64 else 2
     if cfg is not None and cfg.block_m and cfg.block_n:
         for name, v in (("block_m", cfg.block_m), ("block_n", cfg.block_n)):
             if v < 16 or v & (v - 1):
