@@ -86,8 +86,15 @@ def test_layer_epilogues_are_the_unfused_kernels_bit_for_bit(policy, dtype, resi
 
 @pytest.mark.parametrize("precision", ["bf16", "tf32"])
 def test_a_gpt_step_with_epilogues_is_the_step_without_them(precision, monkeypatch):
+    """Epilogue fusion changes no bit of a GPT step. The column-sum rule is off in both
+    steps: it changes the bias gradient's summation order (tile partials, then their
+    ordered sum), so with it the parameters differ by rounding (on the H200 at fcf4169,
+    with the rule on, the bf16 losses were bit-identical over 3 steps and a parameter
+    was not); its own tests are tests/kernels/test_matmul_column_sum.py."""
     import nova
     from nova.models import GPT, GPTConfig
+
+    monkeypatch.setattr(fz._Grouping, "join_column_sums", lambda self: None)  # steps compile at their first call
 
     torch.manual_seed(0)
     ref = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128, bias=True)).cuda()
