@@ -61,8 +61,10 @@ def test_objects_the_process_froze_stay_frozen(collector_on):
         count = gc.get_freeze_count()
         with paused():
             made = _Node()
-        assert gc.get_freeze_count() == count  # nothing unfrozen, nothing of ours frozen
-        listed = gc.get_objects()  # the generations, not the frozen objects
+        # nothing of ours frozen (the count never grows); it may fall: frozen objects another
+        # thread lets go of while we wait leave the permanent generation (a CI run saw 2)
+        assert gc.get_freeze_count() <= count
+        listed = gc.get_objects()  # the generations, not the frozen objects: nothing unfrozen
         assert not any(o is frozen for o in listed) and any(o is made for o in listed)
     finally:
         gc.unfreeze()
