@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from nova.ir.module import arg_slots, return_op, step_func
+from nova.ir.module import arg_slots, new_step, return_op, step_func
 from nova.ir.types import elem_of, shape_of, to_torch_dtype
 
 
@@ -38,3 +38,14 @@ def run_program(prog, args) -> list[torch.Tensor]:
     for st in prog.steps:
         env.update(zip(st.outputs, st.run([env[v] for v in st.inputs]), strict=True))
     return [env[v] for v in return_op(prog.fn).operands]
+
+
+def policy_step(policy: str, *slots):
+    """(module, fn, builder) of a new step of ``slots`` under precision policy ``policy``."""
+    from xdsl.dialects.builtin import StringAttr
+
+    from nova.ir.builder import OpBuilder
+
+    module, fn = new_step(list(slots))
+    module.attributes["nova.precision"] = StringAttr(policy)
+    return module, fn, OpBuilder(fn.body.block, location="test.py:1")

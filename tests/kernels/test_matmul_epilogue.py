@@ -11,20 +11,19 @@ import copy
 
 import pytest
 import torch
-from xdsl.dialects.builtin import StringAttr, bf16, f32, i1, i64
+from xdsl.dialects.builtin import bf16, f32, i1, i64
 
 from nova.backends.reference import run_function
 from nova.backends.triton import TritonProgram
 from nova.codegen.triton import matmul as mm
 from nova.ir import dialect as nv
-from nova.ir.builder import OpBuilder
-from nova.ir.module import Slot, new_step, set_results, step_func
+from nova.ir.module import Slot, set_results, step_func
 from nova.ir.types import elem_of, shape_of, tensor, to_torch_dtype
 from nova.schedule.config import LoweringConfig
 from nova.transforms import fuse as fz
 from nova.transforms.configure import config_attr
 
-from step_inputs import run_program
+from step_inputs import policy_step, run_program
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
@@ -39,10 +38,7 @@ def cfg(bm=16, bn=16, bk=16, split_k=1, persistent=False, group_m=1, tma=False, 
                           instruction=instruction or ("wgmma+tma" if tma else "mma"))  # fmt: skip
 
 
-def _step(policy, *slots):
-    module, fn = new_step(list(slots))
-    module.attributes["nova.precision"] = StringAttr(policy)
-    return module, fn, OpBuilder(fn.body.block, location="test.py:1")
+_step = policy_step
 
 
 def _args(fn, seed=0):
