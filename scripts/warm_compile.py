@@ -38,7 +38,8 @@ The result is one JSON object on stdout (and, with ``--out DIR``,
 1's cold compile and process 2's phases (``target_cpu_s``: its CPU time over the same
 span, a check on the wall time when other work shares the machine; ``gc``: the cyclic
 garbage collector's runs over the span, by generation, and their seconds).
-``--profile FILE`` writes a cProfile of process 2's compile + first call (in CPU seconds).
+``--profile FILE`` writes a cProfile of process 2's compile + first call (in CPU seconds);
+``--profile-phase cold`` records process 1's instead (every kernel compiled by Triton).
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def options(argv=None) -> argparse.Namespace:
     p.add_argument("--no-step", action="store_true", help="compile without running a step (see the docstring)")
     p.add_argument("--cache-dir", default=None, help="default: a fresh temporary directory (removed after)")
     p.add_argument("--out", default=None, help="a directory for the JSON (warm_compile_<device>_<backend>_b<batch>_l<layers>.json)")
-    p.add_argument("--profile", default=None, help="a cProfile output file for process 2's compile + first call")
+    p.add_argument("--profile", default=None, help="a cProfile output file for one process's compile + first call")
+    p.add_argument("--profile-phase", choices=["cold", "warm"], default="warm",
+                   help="which process --profile records: process 1 (cold caches) or process 2 (default)")
     p.add_argument("--phase", choices=["cold", "warm"], default="cold", help=argparse.SUPPRESS)
     o = p.parse_args(argv)
     if o.device == "cpu" and o.backend == "triton":
@@ -190,6 +193,8 @@ def one_process(o) -> dict:
 
         phases.wrap(triton_backend, "TritonProgram", "lowering")  # the kernels' sources, generated and loaded
         phases.wrap(executable, "Executable", "executable")
+        # the first run of the launch list (the program's first call on this backend)
+        phases.wrap(executable.Executable, "launch", "first_run", sync=True)
         if o.device == "cuda":
             # parts of the first run: Triton's compile() of each kernel at its first launch (a
             # load from Triton's disk cache on a warm one; JITFunction binds it when it builds its
@@ -203,7 +208,7 @@ def one_process(o) -> dict:
     model, opt, batch = build(o, device)
     phases.sync()
     profile = None
-    if o.profile and o.phase == "warm":
+    if o.profile and o.phase == o.profile_phase:
         import cProfile
 
         profile = cProfile.Profile(time.process_time)  # CPU seconds: other work may share the machine
