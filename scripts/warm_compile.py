@@ -192,9 +192,9 @@ def one_process(o) -> dict:
         from nova.runtime import executable
 
         phases.wrap(triton_backend, "TritonProgram", "lowering")  # the kernels' sources, generated and loaded
-        phases.wrap(executable, "Executable", "executable")
         # the first run of the launch list (the program's first call on this backend)
         phases.wrap(executable.Executable, "launch", "first_run", sync=True)
+        phases.wrap(executable, "Executable", "executable")
         if o.device == "cuda":
             # parts of the first run: Triton's compile() of each kernel at its first launch (a
             # load from Triton's disk cache on a warm one; JITFunction binds it when it builds its
