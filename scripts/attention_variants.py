@@ -59,6 +59,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import time_graph  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M = queries, BLOCK_N = keys in every kernel
@@ -115,27 +118,6 @@ def check(got: dict[str, torch.Tensor], refs: dict[str, torch.Tensor], tol: dict
 
 
 # --------------------------------------------------------------------------- timing
-
-
-def time_graph(fn, launches: int, repeats: int, stream=None) -> float:
-    """ms per launch: ``fn`` (already run once) ``launches`` times in one CUDA graph
-    (captured on ``stream``), median over ``repeats`` replays after a warm-up replay."""
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream):
-        for _ in range(launches):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeats):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        ts.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in ts) / launches
 
 
 def time_eager(fn, launches: int, repeats: int) -> float:

@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""Where the time of the fused LM head + cross-entropy goes (an experiment, evidence
+for its chunk size and its matmul schedules): the parts of one chunk of
+``nova.linear_cross_entropy_with_grad`` timed alone, for several chunk sizes,
+beside cuBLAS (torch.matmul) on the same shapes:
+
+  logits      z = h[r0:r1] @ w^T             [chunk, V], K = D   (bf16 out)
+  rows        lce_rows_with_grad over z       the row losses, d over z in place
+  dh          dh[r0:r1] = d @ w               [chunk, D], K = V
+  dw_first    dw_acc = d^T @ h[r0:r1]         [V, D] f32, K = chunk (the first chunk)
+  dw_add      dw_acc += d^T @ h[r0:r1]        the later chunks (accumulate epilogue)
+
+with the schedule the lowering asks the configurator for (``linear_ce.Configs``),
+and ``--dh-split`` / ``--tiles`` alternatives for dh. The per-step estimate is
+N / chunk chunks of (logits + rows + dh + dw_add) + one dw_first - dw_add.
+Random bf16 inputs; ``bench.timing.time_graph`` (CUDA graph, median replay).
+
+    python scripts/lm_head_parts.py [--rows 32768] [--chunks 2048,4096,8192] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import time_graph  # noqa: E402
+from nova.codegen.triton import linear_ce  # noqa: E402
+from nova.codegen.triton import matmul as mm  # noqa: E402
+from nova.codegen.triton.rowwise import LOOP_BLOCK, next_pow2  # noqa: E402
+from nova.codegen.triton.source import load_kernel  # noqa: E402
+from nova.schedule.config import LoweringConfig  # noqa: E402
+
+
+def describe(cfg) -> str:
+    d = cfg.to_dict()
+    return " ".join(f"{k}={v}" for k, v in d.items() if v not in (None, "", 0, 1) or k in ("block_m", "block_n"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=32768)
+    ap.add_argument("--dim", type=int, default=768)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--chunks", default="2048,4096,8192")
+    ap.add_argument("--dh-split", default="1,2,4,8", help="split-K alternatives timed for dh (1: unsplit)")
+    ap.add_argument("--launches", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=None)
+    o = ap.parse_args()
+    dev = torch.device("cuda")
+    bf16, f32 = torch.bfloat16, torch.float32
+    N, D, V = o.rows, o.dim, o.vocab
+    g = torch.Generator(device=dev).manual_seed(0)
+    h = (torch.randn(N, D, device=dev, generator=g) * 0.5).to(bf16)
+    w = (torch.randn(V, D, device=dev, generator=g) * 0.02).to(bf16)
+    t = torch.randint(0, V, (N,), device=dev, generator=g)
+    block = min(LOOP_BLOCK, next_pow2(V))
+    src = linear_ce.linear_ce_source(V, -100, 0.0, False, "tl.bfloat16", "tl.bfloat16", block)
+    rows_k = load_kernel(src, "lce_rows_with_grad")[0]
+    warps = 4 if block <= 1024 else 8
+    prec = "bf16"
+    configs = linear_ce.Configs(prec)
+    result = {"rows": N, "dim": D, "vocab": V, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "chunks": []}  # fmt: skip
+    for chunk in [int(c) for c in o.chunks.split(",")]:
+        z = torch.empty(chunk, V, device=dev, dtype=bf16)
+        dh = torch.empty(chunk, D, device=dev, dtype=bf16)
+        dw = torch.zeros(V, D, device=dev, dtype=f32)
+        loss = torch.empty(chunk, device=dev, dtype=f32)
+        scale = torch.full((1,), 1.0 / N, device=dev, dtype=f32)
+        hc, tc = h[:chunk], t[:chunk]
+        c_logits = configs(hc, w.t(), bf16)
+        c_dh = configs(z, w, bf16)
+        c_dw = configs(z.t(), hc, f32)
+        c_add = configs(z.t(), hc, f32, epilogue=True)
+        ep = linear_ce.accumulate(V, D)
+        mm.matmul(hc, w.t(), cfg=c_logits, precision=prec, out=z)
+        parts = {
+            "logits": (lambda: mm.matmul(hc, w.t(), cfg=c_logits, precision=prec, out=z), c_logits, 2 * chunk * V * D),
+            "rows": (lambda: rows_k[(chunk,)](z, tc, loss, scale, num_warps=warps), None, 0),
+            "dh": (lambda: mm.matmul(z, w, cfg=c_dh, precision=prec, out=dh), c_dh, 2 * chunk * V * D),
+            "dw_first": (lambda: mm.matmul(z.t(), hc, cfg=c_dw, precision=prec, out=dw), c_dw, 2 * chunk * V * D),
+            "dw_add": (lambda: mm.matmul_epilogue(z.t(), hc, ep, [dw], f32, cfg=c_add, precision=prec, outs=[dw]),
+                       c_add, 2 * chunk * V * D),
+            "cublas_logits": (lambda: torch.matmul(hc, w.t(), out=z), None, 2 * chunk * V * D),
+            "cublas_dh": (lambda: torch.matmul(z, w, out=dh), None, 2 * chunk * V * D),
+            "cublas_dw_bf16": (lambda: torch.matmul(z.t(), hc), None, 2 * chunk * V * D),
+        }
+        for s in [int(x) for x in o.dh_split.split(",")]:
+            if s > 1:
+                alt = LoweringConfig.from_dict({**c_dh.to_dict(), "split_k": s})
+                parts[f"dh_split{s}"] = (lambda alt=alt: mm.matmul(z, w, cfg=alt, precision=prec, out=dh), alt,
+                                         2 * chunk * V * D)  # fmt: skip
+        row = {"chunk": chunk, "parts": {}}
+        for name, (fn, cfg, flops) in parts.items():
+            try:
+                fn()
+                ms = time_graph(fn, o.launches, o.repeats)
+                err = None
+            except Exception as e:  # a schedule that does not compile or launch: recorded, not timed
+                ms, err = None, f"{type(e).__name__}: {str(e)[:200]}"
+            row["parts"][name] = {"ms": ms, "tflops": flops / ms / 1e9 if ms and flops else None,
+                                  "config": describe(cfg) if cfg is not None else None, "error": err}  # fmt: skip
+            print(f"chunk {chunk:5d} {name:15s} {('%.3f ms' % ms) if ms else err:>12} "
+                  f"{('%.0f TF/s' % (flops / ms / 1e9)) if ms and flops else '':>10}  {describe(cfg) if cfg else ''}")
+        p = row["parts"]
+        n = -(-N // chunk)
+        if all(p[k]["ms"] for k in ("logits", "rows", "dh", "dw_add", "dw_first")):
+            row["step_ms"] = n * (p["logits"]["ms"] + p["rows"]["ms"] + p["dh"]["ms"] + p["dw_add"]["ms"]) + \
+                p["dw_first"]["ms"] - p["dw_add"]["ms"]
+            row["cublas_step_ms"] = n * (p["cublas_logits"]["ms"] + p["rows"]["ms"] + p["cublas_dh"]["ms"] +
+                                         p["cublas_dw_bf16"]["ms"])  # fmt: skip
+            row["scratch_mib"] = (chunk * V * 2) / 2**20
+            print(f"chunk {chunk:5d}: estimated LM head {row['step_ms']:.2f} ms a step ({n} chunks), with cuBLAS "
+                  f"matmuls {row['cublas_step_ms']:.2f} ms; logits buffer {row['scratch_mib']:.0f} MiB")
+        result["chunks"].append(row)
+        del z, dh, dw
+        torch.cuda.empty_cache()
+    if o.out:
+        o.out.mkdir(parents=True, exist_ok=True)
+        (o.out / "lm_head_parts.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
