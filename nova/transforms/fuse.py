@@ -834,9 +834,10 @@ def _shared_reader(u) -> str | None:
     return None
 
 
-def _chain_of(op: Operation) -> list[Operation]:
-    """``op`` and the elementwise ops of its shape only the chain reads, in block order."""
-    block, shape = op.parent_block(), shape_of(op.results[0].type)
+def _chain_of(op: Operation, order: dict[Operation, float]) -> list[Operation]:
+    """``op`` and the elementwise ops of its shape only the chain reads, in block order
+    (``order``: the block's ops' positions)."""
+    shape = shape_of(op.results[0].type)
     members = {op}
     changed = True
     while changed:
@@ -849,7 +850,6 @@ def _chain_of(op: Operation) -> list[Operation]:
                         and all(u.operation in members for u in p.results[0].uses)):  # fmt: skip
                     members.add(p)
                     changed = True
-    order = {o: i for i, o in enumerate(block.ops)}
     return sorted(members, key=order.__getitem__)
 
 
@@ -876,14 +876,20 @@ def share_recomputes(block: Block) -> set[Operation]:
     joins another group horizontally (beside the chain it copies it would be that
     chain's kernel again)."""
     clones: set[Operation] = set()
-    for op in reversed(list(block.ops)):
-        if not fusible(op) or op.FLAT_INDEX:
+    ops = list(block.ops)
+    # positions, computed once: a clone is placed just before its reader (below), and the
+    # chains found later (earlier in the block) never reach a clone
+    order: dict[Operation, float] = {o: i for i, o in enumerate(ops)}
+    for op in reversed(ops):
+        if not fusible(op) or op.FLAT_INDEX or "nova.remat" not in op.attributes:
             continue
         uses = list(op.results[0].uses)
-        kinds = [_shared_reader(u) for u in uses]
-        if len(uses) < 2 or None in kinds:
+        if len(uses) < 2:
             continue
-        chain = _chain_of(op)
+        kinds = [_shared_reader(u) for u in uses]
+        if None in kinds:
+            continue
+        chain = _chain_of(op, order)
         if not all("nova.remat" in m.attributes for m in chain):
             continue
         n = numel(shape_of(op.results[0].type))
@@ -894,14 +900,15 @@ def share_recomputes(block: Block) -> set[Operation]:
         written = (k + 1 if "elementwise" not in kinds else k) * out
         if (k - 1) * in_bytes > written or sum(flops_per_element(m) for m in chain) > EPILOGUE_MAX_FLOPS:
             continue
-        order = {o: i for i, o in enumerate(block.ops)}
         for use in sorted(uses, key=lambda u: order[u.operation])[1:]:  # the first reader keeps the chain
             mapping: dict[SSAValue, SSAValue] = {}
-            for m in chain:
+            at = order[use.operation]
+            for j, m in enumerate(chain):
                 new = m.clone(value_mapper=mapping)
                 for a, b in zip(m.results, new.results, strict=True):
                     mapping[a] = b
                 block.insert_op_before(new, use.operation)
+                order[new] = at - 0.5 + j / (2 * len(chain))  # before its reader, in the chain's order
                 clones.add(new)
             use.operation.operands[use.index] = mapping[op.results[0]]
     return clones
