@@ -56,12 +56,15 @@ class Launch:
     ins: list[torch.Tensor]
     outs: list[torch.Tensor]
     scratch: torch.Tensor | None = None  # a planned arena slice for the launch's scratch
+    kernel: bool = False  # a generated kernel's launch (not a copy, not a collective): compile_ahead walks it
+    caller_outs: tuple[int, ...] = ()  # the outputs that are the caller's tensors (parameters, state), in place
 
-    def __call__(self) -> None:
+    def __call__(self, outs: list[torch.Tensor] | None = None) -> None:
+        outs = self.outs if outs is None else outs
         if self.scratch is None:
-            self.run(self.ins, self.outs)
+            self.run(self.ins, outs)
         else:
-            self.run(self.ins, self.outs, scratch=self.scratch)
+            self.run(self.ins, outs, scratch=self.scratch)
 
 
 def _empty(v: SSAValue, device) -> torch.Tensor:
@@ -113,6 +116,7 @@ class Executable:
         self.inputs: list[torch.Tensor] = []  # the batch slots
         self.outputs: list[torch.Tensor] = []  # one per result
         self.runs = 0  # eager runs of the bound list (the graph is captured after one)
+        self.ahead: dict | None = None  # compile_ahead's figures, once it has walked the list
 
     # --- binding -----------------------------------------------------------
     def _arena_view(self, v: SSAValue, offset: int) -> torch.Tensor:
@@ -186,7 +190,9 @@ class Executable:
                 env[st.outputs[0]] = self._storage(st.outputs[0], ext)
                 continue
             outs = [self._storage(r, ext) for r in st.outputs]
-            launch = Launch(st.op.name, run, ins, outs)
+            caller = tuple(i for i, r in enumerate(st.outputs) if self.plan.placements[r].kind == "inplace")
+            launch = Launch(st.op.name, run, ins, outs, kernel=run is st.run and (st.kernel is not None or st.sources
+                            is not None), caller_outs=caller)  # fmt: skip
             if st.op in self.plan.scratch_at:  # its scratch is planned in the arena too
                 off, size = self.plan.scratch_at[st.op]
                 launch.scratch = self.arena[off:off + size]
@@ -248,6 +254,8 @@ class Executable:
         if len(batch) != len(self.inputs):
             raise ValueError(f"the step takes {len(self.inputs)} batch tensors, got {len(batch)}")
         cuda = self.device.type == "cuda"
+        if self.ahead is None:  # before the batch is copied in: the walk may overwrite any of the arena
+            self.compile_ahead()
         k, self._row = self._row, (self._row + 1) % SCALAR_ROWS
         event = self._row_events[k]
         if event is not None and copy_out is None:
@@ -278,6 +286,55 @@ class Executable:
         for launch in self.launches:
             launch()
         self.runs += 1
+
+    def compile_ahead(self) -> None:
+        """Every kernel of the list compiled on a thread pool before the first run
+        (``nova.runtime.compile_ahead``): the list walked once with no kernel compiled
+        or launched for the first time; a launch writing the caller's tensors writes
+        views of the arena instead (nothing in the arena is live before a call
+        copies its batch in), so the walk leaves parameters and state as they were. Once per
+        executable (kernels stay compiled); not for a program with collectives (their
+        readers wait on them), nor off CUDA or under the interpreter."""
+        import time
+
+        from nova.config import triton_interpreted
+        from nova.ir import dialect as nv
+        from nova.runtime.compile_ahead import ahead, threads
+
+        self.ahead = {}  # walked (or not to be): once
+        workers = threads()
+        if self.device.type != "cuda" or triton_interpreted() or workers < 2:
+            return
+        if any(isinstance(st.op, nv.COLLECTIVE_OPS) for st in self.program.steps):
+            _LOG.info("kernels compile at their first launch: the step has collectives")
+            return
+        t0 = time.perf_counter()
+        walked, kernels = self._walk(ahead(workers))
+        self.ahead = {"launches": walked, "kernels": kernels, "threads": workers, "seconds": time.perf_counter() - t0}
+        _LOG.info("compiled %d kernels of %d launches on %d threads in %.1f s", kernels, walked, workers,
+                  self.ahead["seconds"])  # fmt: skip
+
+    def _walk(self, context) -> tuple[int, int]:
+        """Every kernel launch of the list once inside ``context`` (``compile_ahead.ahead``),
+        the caller's tensors among its outputs replaced by views of the arena. Returns
+        (launches walked, kernels the context submitted)."""
+        walked = 0
+        with context as stats:
+            for launch in self.launches:
+                if not launch.kernel:
+                    continue
+                outs, end = list(launch.outs), 0
+                for i in launch.caller_outs:
+                    o = outs[i]
+                    n = o.numel() * o.element_size()
+                    if end + n > self.arena.numel():
+                        break  # (never for a step that updates in place: its arena holds the gradients)
+                    outs[i] = self.arena[end:end + n].view(o.dtype).view(o.shape)
+                    end = _align(end + n, 256)
+                else:
+                    launch(outs)
+                    walked += 1
+        return walked, stats["submitted"]
 
     def _write_scalars(self, hyper: Sequence[float], seeds: Sequence[int], k: int) -> None:
         """Row ``k`` of the pinned host rows (free: ``launch`` saw to it) to the device."""

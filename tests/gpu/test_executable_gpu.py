@@ -182,3 +182,37 @@ def test_fused_lm_head_matches_unfused_linear_cross_entropy():
         # both took one SGD step of lr 1 from the same weights: the updates are the gradients
         err = ((p - q).norm() / grads[n].norm()).item()
         assert err < TOL["bf16"], f"{n}: update differs by {err:.3e} of the gradient"
+
+
+def test_kernels_compiled_ahead_on_threads_train_as_compiled_one_by_one(monkeypatch):
+    """The first call compiles every kernel on a thread pool before it runs
+    (``nova.runtime.compile_ahead``); a second step of the same shapes finds them
+    compiled, so its walk launches them for real on an arena of garbage, the in-place
+    updates included (into views of the arena). Both train bit for bit as a step
+    whose walk is off (NOVA_COMPILE_THREADS=1), all three on the same kernels: a walk
+    that touched a parameter or a state tensor would show."""
+    from nova.models import GPT, gpt_tiny
+
+    torch.manual_seed(0)
+    a = GPT(gpt_tiny(n_layer=2, n_embd=48, n_head=3, block_size=24, vocab_size=96)).cuda()  # shapes no other test has
+    models = [a, copy.deepcopy(a), copy.deepcopy(a)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    steps = [nova.compile(m, o, precision="bf16") for m, o in zip(models, opts, strict=True)]
+    batches = _batches(3, B=2, T=24, V=96)
+    first = {n: p.detach().clone() for n, p in a.named_parameters()}
+    losses: list[list[torch.Tensor]] = [[], [], []]
+    for k, threads in enumerate(("4", "4", "1")):
+        monkeypatch.setenv("NOVA_COMPILE_THREADS", threads)
+        losses[k].append(steps[k](*batches[0]))
+    ahead = [s._last.executable.ahead for s in steps]
+    assert ahead[0]["kernels"] > 10 and ahead[0]["threads"] == 4, ahead[0]
+    assert ahead[1]["kernels"] == 0 and ahead[1]["launches"] == ahead[0]["launches"], ahead[1]
+    assert ahead[2] == {}, "NOVA_COMPILE_THREADS=1: no walk"
+    for x, y in batches[1:]:
+        for s, ls in zip(steps, losses, strict=True):
+            ls.append(s(x, y))
+    for i in range(3):
+        assert torch.equal(losses[0][i], losses[1][i]) and torch.equal(losses[0][i], losses[2][i]), i
+    for (n, p), q, r in zip(a.named_parameters(), models[1].parameters(), models[2].parameters(), strict=True):
+        assert torch.equal(p, q) and torch.equal(p, r), n
+    assert any(not torch.equal(p, first[n]) for n, p in a.named_parameters()), "the steps trained"

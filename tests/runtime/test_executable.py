@@ -186,3 +186,39 @@ def test_a_parameter_given_new_storage_with_data_is_bound_again():
     assert not torch.equal(p, before), "the step did not update the parameter's new storage"
     for (n, a), b in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_the_compile_ahead_walk_leaves_parameters_and_state_as_they_were():
+    """``Executable.compile_ahead`` walks the launch list once before the first run (on
+    CUDA, inside ``compile_ahead.ahead``: new kernels neither compile nor launch, kernels
+    already compiled do launch, on whatever the arena holds). Here every launch runs for
+    real in the interpreter, the worst case: the in-place updates must write views of
+    the arena, not the parameters and the optimizer state, and the next step must be the
+    step of a twin that never walked."""
+    import contextlib
+
+    model = _model()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_twin = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    step, step_twin = nova.compile(model, opt, backend="triton"), nova.compile(twin, opt_twin, backend="triton")
+    batches = _batches(2)
+    for s in (step, step_twin):
+        s(*batches[0])
+    exe = step._last.executable
+    assert exe.ahead == {}, "on the CPU the walk is off"
+    updates = [la for la in exe.launches if la.caller_outs]
+    assert updates and all(la.kernel for la in updates), "the optimizer's in-place updates are kernel launches"
+    before = [p.detach().clone() for p in model.parameters()]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+    walked, _ = exe._walk(contextlib.nullcontext({"submitted": 0}))
+    assert walked == sum(la.kernel for la in exe.launches)
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, b)
+    for p, s in zip(model.parameters(), state, strict=True):
+        for k, v in s.items():
+            assert torch.equal(opt.state[p][k], v), k
+    loss, loss_twin = step(*batches[1]), step_twin(*batches[1])
+    assert torch.equal(loss, loss_twin)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
