@@ -9,6 +9,9 @@
   NOVA_STEP_CACHE=0          do not read or write the step cache (<cache dir>/steps:
                              a second compile of the same model skips every stage
                              after autodiff; nova.runtime.cache); on by default
+  NOVA_COMPILE_THREADS=N     threads compiling a step's Triton kernels before its first
+                             run (default: the CPUs, at most 16; 1: each at its first
+                             launch; nova.runtime.compile_ahead)
   TRITON_INTERPRET=1         (Triton's own) run generated kernels on the CPU
 """
 

@@ -320,6 +320,9 @@ class _Grouping:
         # nor the remat stage's recomputes (``nova.remat``): moved up into their forward
         # producer's group, they would be computed early and kept, what remat undid
         self.late: set[Operation] = {op for op in self.ops if "nova.remat" in op.attributes}
+        # and share_recomputes' copies, placed just before their readers: moved up into
+        # their producer's group, they would be computed there and written for the reader
+        self.late |= set(clones)
         fn = block.parent_op()
         self.updates: set[Operation] = set()  # the ops writing the new value of a param or state
         for slot, v in zip(result_slots(fn), return_op(fn).operands, strict=True):
@@ -868,11 +871,15 @@ def share_recomputes(block: Block) -> set[Operation]:
     needs ``(k - 1) ins <= (k + 1) out``, or ``<= k out``. A widening chain (bf16
     in, f32 out) always passes: the f32 value is never written. Only within an
     epilogue's FLOPs (``EPILOGUE_MAX_FLOPS``: each reader computes it again), and
-    only remat's recomputes: remat chose them from values live anyway at that point
-    of the backward, and their readers are the backward's ops beside them, so the
-    memory plan's live sets stay as they were (elsewhere a chain's inputs would
-    live until its last reader instead of its value). Exact: the same ops on the
-    same values. Returns the clones: each is computed where its reader is, so it never
+    only remat's recomputes or widening chains. Remat chose its recomputes from
+    values live anyway at that point of the backward, and their readers are the
+    backward's ops beside them, so the memory plan's live sets stay as they were;
+    elsewhere a chain's inputs live until its last reader instead of its value,
+    which only a widening chain (fewer bytes in than out an element) makes smaller:
+    the pre-activation ``cast(mm) + bias`` of the last layer's MLP, which remat
+    leaves to be saved (its backward comes next), then keeps its bf16 matmul
+    result alive through the loss instead of the f32 sum. Exact: the same ops on
+    the same values. Returns the clones: each is computed where its reader is, so it never
     joins another group horizontally (beside the chain it copies it would be that
     chain's kernel again)."""
     clones: set[Operation] = set()
@@ -881,7 +888,7 @@ def share_recomputes(block: Block) -> set[Operation]:
     # chains found later (earlier in the block) never reach a clone
     order: dict[Operation, float] = {o: i for i, o in enumerate(ops)}
     for op in reversed(ops):
-        if not fusible(op) or op.FLAT_INDEX or "nova.remat" not in op.attributes:
+        if not fusible(op) or op.FLAT_INDEX:
             continue
         uses = list(op.results[0].uses)
         if len(uses) < 2:
@@ -890,13 +897,13 @@ def share_recomputes(block: Block) -> set[Operation]:
         if None in kinds:
             continue
         chain = _chain_of(op, order)
-        if not all("nova.remat" in m.attributes for m in chain):
-            continue
         n = numel(shape_of(op.results[0].type))
         inside = set(chain)
         ins = {v for m in chain for v in m.operands if not (isinstance(v.owner, Operation) and v.owner in inside)}
         in_bytes = sum(_itemsize(v) for v in ins if numel(shape_of(v.type)) == n)  # broadcasts: read from cache
         k, out = len(uses), _itemsize(op.results[0])
+        if in_bytes >= out and not all("nova.remat" in m.attributes for m in chain):
+            continue  # neither remat's recompute nor widening
         written = (k + 1 if "elementwise" not in kinds else k) * out
         if (k - 1) * in_bytes > written or sum(flops_per_element(m) for m in chain) > EPILOGUE_MAX_FLOPS:
             continue

@@ -29,13 +29,16 @@ from nova.ir.builder import OpBuilder
 from nova.ir.module import step_func
 from nova.ir.types import elem_of, shape_of, tensor
 
-# rows of tokens per chunk: the chunk's [2048, 50304] logits are 206 MB in bf16 (412 MB
-# in f32), against 3.3 GB (6.6 GB) for the [32768, 50304] of GPT-2 at batch 32. The
-# backward's buffers (logits chunk + f32 dw accumulator and partial, ~500 MB at 2048)
-# are planned into the arena at the start of the backward, where 4096 rows (~690 MB)
-# no longer fit the gap and raised GPT-2's b32 plan by 0.25 GiB; a [2048, V, 768]
-# matmul still gives 16 x 197 tiles of 128 x 256, some 24 waves on the H200's 132 SMs
-DEFAULT_CHUNK = 2048
+# rows of tokens per chunk: the chunk's [4096, 50304] logits are 412 MB in bf16, against
+# 3.3 GB for the [32768, 50304] of GPT-2 at batch 32. The backward's buffers (logits
+# chunk + f32 dw accumulator) are planned into the arena at the start of the backward:
+# at 4096 rows they raise GPT-2's b32 plan by 0.19 GiB over 2048 (8.65 vs 8.46 GiB
+# predicted, within the 9 GiB of issue 9). Measured per step on the H200
+# (scripts/lm_head_parts.py): 15.7 ms of LM head at 2048 rows, 13.5 at 4096, 13.1 at 8192
+# (786 MB of logits): the dh = d @ w matmul, [chunk, 768] with K = V, has 3 x chunk / 128
+# output tiles to fill 132 SMs, and each chunk adds the [V, 768] f32 dw accumulator's
+# read and write to its weight-gradient matmul (0.10 ms a chunk)
+DEFAULT_CHUNK = 4096
 _SIXTEEN_BIT = ("bf16", "f16")
 
 

@@ -15,6 +15,7 @@ import torch
 
 import nova
 from nova.models import GPT, GPTConfig
+from nova.transforms.fuse_loss import DEFAULT_CHUNK
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -100,7 +101,7 @@ def test_cached_gpt2_list_is_what_the_pipeline_extracts():
     steps = {(s["precision"], s["batch"]): s for s in doc["steps"]}
     assert set(steps) == {(p, b) for p in sm.PRECISIONS for b in sm.BATCHES}
     for (p, b), s in steps.items():
-        assert sum(r["count"] for r in s["shapes"]) == s["launches"] == 12 * 12 + 3 * (b * 1024 // 2048)
+        assert sum(r["count"] for r in s["shapes"]) == s["launches"] == 12 * 12 + 3 * -(-b * 1024 // DEFAULT_CHUNK)
     fresh = sm.extract(dict(sm.GPT2, n_layer=2), 8, "bf16")
 
     def table(step, layers):

@@ -70,7 +70,9 @@ def _recompute_group():
     """GELU's backward beside the remat stage's recompute of the pre-activation
     (from the saved bf16 matmul output) and of the GELU output: three outputs. The
     step no longer forms it (21 FLOPs an element, past ``fuse.EPILOGUE_MAX_FLOPS``: its
-    207 registers here are one reason); built past the budget to keep that figure."""
+    207 registers here are one reason); built past the budget to keep that figure, and
+    without share_recomputes (which now clones the widening pre-activation into each
+    reader instead)."""
     N = 3072
     slots = [Slot("batch", "dy", tensor([32768, 768], bf16)), Slot("param", "w", tensor([768, N], bf16)),
              Slot("param", "bias", tensor([N], f32)), Slot("batch", "saved", tensor([32768, N], bf16))]  # fmt: skip
@@ -84,10 +86,11 @@ def _recompute_group():
     d = b.one(nv.GeluBackwardOp, [g, pre], {"approximate": "tanh"})
     set_results(fn, [("loss", "again", again), ("loss", "d", d), ("loss", "db", b.cast(d, bf16))])
     budget, fz.EPILOGUE_MAX_FLOPS = fz.EPILOGUE_MAX_FLOPS, float("inf")
+    share, fz.share_recomputes = fz.share_recomputes, lambda block: set()
     try:
         fz.fuse(module)
     finally:
-        fz.EPILOGUE_MAX_FLOPS = budget
+        fz.EPILOGUE_MAX_FLOPS, fz.share_recomputes = budget, share
     (group,) = [op for op in step_func(module).body.block.ops if isinstance(op, nv.FusedOp)]
     return group
 

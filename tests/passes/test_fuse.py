@@ -710,6 +710,23 @@ def _recomputed_pre_activation(remat: bool, narrow: bool = False):
     return module
 
 
+def _last_mlp():
+    """GPT-2's last MLP as the fuse stage sees it, nothing remat's: mm = x @ w1 (bf16),
+    pre = cast(mm) + bias (f32), GELU's bf16 output read by the next matmul, whose
+    result the backward reads at once: GELU's backward of (out @ w) and pre."""
+    module, fn, b = _step(Slot("batch", "x", tensor([8, 16], bf16)), Slot("param", "w1", tensor([16, 32], bf16)),
+                          Slot("param", "bias", tensor([32], f32)), Slot("param", "w2", tensor([32, 16], bf16)),
+                          Slot("param", "w", tensor([16, 32], bf16)))  # fmt: skip
+    x, w1, bias, w2, w = fn.body.block.args
+    pre = b.add(b.cast(b.reshape(b.matmul(x, w1), [2, 4, 32]), f32), bias)
+    y = b.cast(b.one(nv.GeluOp, [pre], {"approximate": "tanh"}), bf16)
+    out = b.matmul(b.reshape(y, [8, 32]), w2)
+    dpre = b.cast(b.reshape(b.matmul(out, w), [2, 4, 32]), f32)
+    dgelu = b.one(nv.GeluBackwardOp, [dpre, pre], {"approximate": "tanh"})
+    set_results(fn, [("loss", "out", out), ("loss", "dgelu", dgelu)])
+    return module
+
+
 def test_a_widening_recompute_is_recomputed_in_the_backward_matmuls_epilogue():
     """The bf16 matmul result widened and biased is cloned into GELU's backward, which
     joins the backward matmul's epilogue with it: the epilogue reads the bf16 value
@@ -724,13 +741,34 @@ def test_a_widening_recompute_is_recomputed_in_the_backward_matmuls_epilogue():
     assert ew.operands[0] in ep.operands  # both read the bf16 matmul result
 
 
-def test_a_recompute_not_made_by_remat_or_a_narrowing_one_is_computed_once():
-    """Not remat's (its inputs would live longer), or narrowing (f32 read twice costs
-    more than bf16 written once and read): the chain is not cloned, one add of the bias."""
-    for module in (_recomputed_pre_activation(remat=False), _recomputed_pre_activation(remat=True, narrow=True)):
-        ops = _fused(module)
-        inner = [o for op in ops for o in (op.inner_ops() if isinstance(op, nv.FusedOp) else [op])]
-        assert sum(isinstance(o, nv.AddOp) for o in inner) == 1
+def test_a_narrowing_recompute_is_computed_once():
+    """Narrowing (f32 read twice costs more than bf16 written once and read): the chain
+    is not cloned, one add of the bias."""
+    ops = _fused(_recomputed_pre_activation(remat=True, narrow=True))
+    inner = [o for op in ops for o in (op.inner_ops() if isinstance(op, nv.FusedOp) else [op])]
+    assert sum(isinstance(o, nv.AddOp) for o in inner) == 1
+
+
+def test_a_widening_chain_remat_did_not_make_is_computed_where_each_reader_is():
+    """Not remat's recompute but widening (bf16 + a broadcast bias in, f32 out: GPT-2's
+    last MLP, whose pre-activation remat leaves saved): cloned too, since its inputs
+    are smaller than its value; and the clone stays with GELU's backward in the
+    backward matmul's epilogue (never moved up into its producer's group, where it
+    would be written for it): no op of the step yields the f32 pre-activation."""
+    ops = _fused(_recomputed_pre_activation(remat=False))
+    inner = [o for op in ops for o in (op.inner_ops() if isinstance(op, nv.FusedOp) else [op])]
+    assert sum(isinstance(o, nv.AddOp) for o in inner) == 2
+    (ep,) = [o for o in ops if isinstance(o, nv.FusedOp) and o.contraction() is not None]
+    assert _inner(ep) == ["nova.matmul", "nova.reshape", "nova.cast", "nova.cast", "nova.add", "nova.gelu_backward"]
+    (ew,) = [o for o in ops if isinstance(o, nv.FusedOp) and o.props()["kind"] == "elementwise"]
+    assert _inner(ew) == ["nova.cast", "nova.add", "nova.gelu", "nova.cast"]
+    assert [elem_of(r.type) for r in ew.results] == [bf16], "the f32 pre-activation is written"
+    # the forward matmul's epilogue takes the chain and GELU; the clone stays in the backward's
+    ops = _fused(_last_mlp())
+    fwd, bwd = [o for o in ops if isinstance(o, nv.FusedOp) and o.contraction() is not None]
+    assert _inner(fwd) == ["nova.matmul", "nova.reshape", "nova.cast", "nova.add", "nova.gelu", "nova.cast"]
+    assert _inner(bwd) == ["nova.matmul", "nova.reshape", "nova.cast", "nova.cast", "nova.add", "nova.gelu_backward"]
+    assert [elem_of(r.type) for r in fwd.results] == [bf16, bf16], "the f32 pre-activation is written"
 
 
 def test_the_reduction_group_verifies_its_structure():
