@@ -7,6 +7,9 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
   persistent    epilogue kernels in the persistent flattened loop too
   *-light       elementwise ops costing more than 4 FLOPs an element (the cost model's
                 table: GELU 8, its backward 12) kept out of epilogues
+  tile:FIELDS   the shipped configurator, every epilogue kernel's schedule overridden
+                by FIELDS (colon-separated: BMxBN, sS stages, wW warps, gG group_m),
+                e.g. tile:128x256:s3 (a schedule that does not compile fails its row)
 
     python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--variants a,b] [--out DIR]
 
@@ -37,6 +40,22 @@ def child(variant: str, layers: int, batch: int) -> dict:
     from nova.transforms import fuse as fz
 
     cf.PERSISTENT_EPILOGUES = variant.startswith("persistent")
+    if variant.startswith("tile:"):
+        import dataclasses
+
+        over: dict = {}
+        for f in variant.split(":")[1:]:
+            if "x" in f:
+                over["block_m"], over["block_n"] = map(int, f.split("x"))
+            else:
+                over[{"s": "num_stages", "w": "num_warps", "g": "group_m"}[f[0]]] = int(f[1:])
+        shipped = cf.configure_matmul
+
+        def configure_matmul(*a, **k):
+            cfg = shipped(*a, **k)
+            epilogue = k.get("epilogue", a[12] if len(a) > 12 else False)  # configure._configure_matmul: positional
+            return dataclasses.replace(cfg, **over) if epilogue else cfg
+        cf.configure_matmul = configure_matmul
     if variant.endswith("light"):
         real = fz._Grouping._producer
 
@@ -84,7 +103,7 @@ def main() -> None:
         return
     results = []
     for v in opts.variants.split(","):
-        if v not in VARIANTS:
+        if v not in VARIANTS and not v.startswith("tile:"):
             raise SystemExit(f"epilogue_variants: unknown variant {v!r} (known: {', '.join(VARIANTS)})")
         run = subprocess.run([sys.executable, __file__, "--child", v, "--layers", str(opts.layers),
                               "--batch", str(opts.batch)], capture_output=True, text=True, timeout=400)
