@@ -369,6 +369,9 @@ def test_elementwise(device):
     assert (big.block, big.num_warps, big.regime) == (1024, 4, "memory-bound")  # two 16-byte loads per thread
     tiny = configure_elementwise(100, "float32", 2, "H200")
     assert tiny.regime == "launch-bound" and tiny.num_warps == 1
+    # a multi-tensor update of biases (768 each): one element per thread, 24 programs of a warp
+    update = configure_elementwise(768, "float32", 40, "H200")
+    assert (update.block, update.num_warps, update.regime) == (32, 1, "launch-bound")
 
 
 @pytest.mark.parametrize("device", sorted(DEVICES))
