@@ -32,16 +32,24 @@ class Settings:
 
     @staticmethod
     def from_env() -> "Settings":
-        size = os.environ.get("NOVA_PROGRAM_CACHE_SIZE", "8")
-        try:
-            n = int(size)
-        except ValueError:
-            raise ValueError(f"NOVA_PROGRAM_CACHE_SIZE must be a positive integer, got {size!r}") from None
-        if n < 1:
-            raise ValueError(f"NOVA_PROGRAM_CACHE_SIZE must be a positive integer, got {size!r}")
         return Settings(verify_each_stage=os.environ.get("NOVA_VERIFY_EACH_STAGE", "0") not in ("", "0"),
-                        program_cache_size=n,
+                        program_cache_size=positive_int_env("NOVA_PROGRAM_CACHE_SIZE", 8),
                         step_cache=os.environ.get("NOVA_STEP_CACHE", "1") not in ("", "0"))  # fmt: skip
+
+
+def positive_int_env(name: str, default: int) -> int:
+    """The environment variable ``name`` as a positive integer (``default`` when unset);
+    anything else is an error that names it."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}") from None
+    if n < 1:
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
+    return n
 
 
 SETTINGS = Settings.from_env()

@@ -43,20 +43,13 @@ _LOCAL = threading.local()  # .preloading: the hook's own preload call is a real
 
 def threads() -> int:
     """``NOVA_COMPILE_THREADS``, or the CPUs this process may use (at most 16)."""
-    raw = os.environ.get("NOVA_COMPILE_THREADS")
-    if raw is None:
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except AttributeError:  # not on Linux
-            cpus = os.cpu_count() or 1
-        return max(1, min(16, cpus))
+    from nova.config import positive_int_env
+
     try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"NOVA_COMPILE_THREADS must be a positive integer, got {raw!r}") from None
-    if n < 1:
-        raise ValueError(f"NOVA_COMPILE_THREADS must be a positive integer, got {raw!r}")
-    return n
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return positive_int_env("NOVA_COMPILE_THREADS", max(1, min(16, cpus)))
 
 
 @contextmanager
