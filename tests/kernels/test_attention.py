@@ -316,6 +316,36 @@ def test_attention_ops_registered():
     assert nv.AttentionOp in LOWERINGS and nv.AttentionBackwardOp in LOWERINGS
 
 
+def test_tf32_attention_rounds_its_dot_operands_to_nearest(device):
+    """Under the tf32 policy every dot operand is rounded to nearest-even tf32 first, as
+    the step's matmuls round theirs: inputs already tf32 (rounded on the host) then give
+    the same bits as the raw fp32 inputs, forward and backward (the incoming gradient
+    and o, read outside the dots too, are the same tensors on both sides). The
+    tensor cores alone would truncate instead (the interpreter keeps fp32)."""
+    from nova.codegen.triton.matmul import round_to_tf32
+
+    fwd, bwd = lowerings()
+    q, k, v = qkv(1, 2, 37, 37, 16, torch.float32, device, seed=4)
+    r = [round_to_tf32(x) for x in (q, k, v)]
+    assert not any(torch.equal(a, b) for a, b in zip((q, k, v), r))
+    props = {"causal": True, "scale": 0.25}
+    op = build(nv.AttentionOp, [q, k, v], props)
+    assert "tf32_rn(" not in fwd(op, SMALL).source  # the fp32 policy: exact dots
+    kern = fwd(op, SMALL, precision="tf32")
+    assert kern.source.count("tf32_rn(") == 2 * kern.source.count("tl.dot(") + 1  # + its definition
+    raw, rounded = kern.launch([q, k, v]), kern.launch(r)
+    assert all(torch.equal(a, b) for a, b in zip(raw, rounded))
+    o, lse = raw
+    ref_o, _ = IMPLS[nv.AttentionOp](op, [q, k, v])
+    assert 0 < rel_err(o, ref_o) < 5e-3  # tf32's rounding, not fp32's
+    g = round_to_tf32(rand(*q.shape, dtype=torch.float32, device=q.device, gen=torch.Generator().manual_seed(9)))
+    ins = [g, q, k, v, o, lse]
+    kern = bwd(build(nv.AttentionBackwardOp, ins, props), SMALL, precision="tf32")
+    assert kern.source.count("tf32_rn(") == 2 * kern.source.count("tl.dot(") + 1
+    grads, grads_r = kern.launch(ins), kern.launch([g, *r, o, lse])
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_r))
+
+
 def sm90_cases():
     """Forward and backward for 16-bit (wgmma), fp32 under tf32, and f64 (f64 dot)."""
     fwd, bwd = lowerings()

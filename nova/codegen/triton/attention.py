@@ -32,7 +32,11 @@ Design choices, and why:
 * Contractions use tl.dot with fp32 accumulation. 16-bit operands go in as they
   are (P and dS are rounded to the operand dtype before their dots, as FA2 does);
   fp32 operands use ``input_precision="ieee"`` unless the module's precision
-  policy is "tf32"; f64 operands use an f64 dot with f64 accumulation.
+  policy is "tf32": then every dot operand (q, k, v, do and the P / dS tiles) is
+  first rounded to nearest-even tf32 in registers (``tf32_rn``: the matmul
+  template's ``TF32_RN``), as the step's tf32 matmuls round theirs ("tf32-rn"),
+  since the tensor cores alone truncate; f64 operands use an f64 dot with f64
+  accumulation.
 * ``SOURCE_FLAGS`` name optional variants of the text (fma_scale: the forward's scale
   inside one FMA; fused_bwd: dK/dV and dQ in one kernel), off unless a lowering is
   given ``source_flags``: candidates that ``scripts/attention_variants.py`` measures
@@ -57,11 +61,15 @@ import textwrap
 import torch
 
 from nova.codegen.triton.lowering import Kernel, lowers
+from nova.codegen.triton.matmul import TF32_RN
 from nova.codegen.triton.rowwise import nbytes, next_pow2, result_specs, results
 from nova.codegen.triton.source import load_kernel
 from nova.ir import dialect as nv
 from nova.ir.types import elem_of, shape_of, to_torch_dtype
 from nova.schedule.config import LoweringConfig
+
+# fp32 -> tf32, round to nearest even: the matmul template's operand rounding as a function
+_TF32_RN_FN = "\n\n@triton.jit\ndef tf32_rn(x):\n" + textwrap.indent(TF32_RN.format(x="x"), "    ") + "\n    return x\n"
 
 MAX_HEAD_DIM = 256
 PRECISIONS = ("fp32", "tf32", "bf16")  # the module's precision policy (nova.precision)
@@ -207,6 +215,8 @@ class _Gen:
         self.lse_to_exp = 1.0 if self.f64 else _LOG2E  # natural lse -> the exp domain
 
     def dot(self, a: str, b: str, acc: str | None = None) -> str:
+        if self.ip == "tf32":  # rounded to nearest, not truncated by the tensor cores
+            a, b = f"tf32_rn({a})", f"tf32_rn({b})"
         args = [a, b] + ([acc] if acc else [])
         if self.dtype in (torch.float32, torch.float64):
             args.append(f'input_precision="{self.ip}"')
@@ -227,6 +237,7 @@ class _Gen:
             f"dot precision {self.ip}\n"
             "import triton\nimport triton.language as tl\n\n"
             + "".join(f"{k} = tl.constexpr({v})\n" for k, v in constants.items())
+            + (_TF32_RN_FN if self.ip == "tf32" else "")
         )
 
     def mask(self, *parts: str | None) -> str | None:
