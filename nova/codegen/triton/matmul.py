@@ -697,6 +697,26 @@ def _tma_load(desc: str, k_contiguous: bool, batched: bool, offset: str, size: s
     return text if k_contiguous == k_last else f"tl.trans({text})"
 
 
+def _reduce_kernel(name: str, params: str, body: str) -> str:
+    """A split-K reduction kernel: ``body`` under its signature (SPLITS unspecialized)."""
+    return f"""\
+@triton.jit(do_not_specialize=["SPLITS"])
+def {name}(
+    {params}
+):
+{body}"""
+
+
+# the flat reduction's sum: element offs of the [B, M, N] result, the partials added in split order
+_FLAT_SUM = f"""\
+    offs = tl.program_id(0).to(tl.int64) * {REDUCE_BLOCK} + tl.arange(0, {REDUCE_BLOCK})
+    mask = offs < TOTAL
+    acc = tl.zeros(({REDUCE_BLOCK},), dtype=tl.float32)
+    for s in range(0, SPLITS):
+        acc += tl.load(ws_ptr + s * stride_ws + offs, mask=mask, other=0.0)
+"""
+
+
 def _reduce_source(name: str, has_bias: bool, out_ty: str, epilogue: Epilogue | None = None) -> str:
     """Second split-K pass: sum the partials in split order (deterministic), add the
     bias, cast, store through C's strides (or run the epilogue on the sum). The
@@ -706,37 +726,19 @@ def _reduce_source(name: str, has_bias: bool, out_ty: str, epilogue: Epilogue | 
     if epilogue is not None:
         ptrs, strides = _epilogue_params(epilogue)
         lines = "\n".join("    " + ln for ln in epilogue_lines(epilogue, False, True))
-        return f"""\
-@triton.jit(do_not_specialize=["SPLITS"])
-def {name}(
-    ws_ptr, {", ".join(ptrs)}, M, N, TOTAL, SPLITS, stride_ws, {"".join(st + ", " for st in strides)}
-):
-    offs = tl.program_id(0).to(tl.int64) * {REDUCE_BLOCK} + tl.arange(0, {REDUCE_BLOCK})
-    mask = offs < TOTAL
-    acc = tl.zeros(({REDUCE_BLOCK},), dtype=tl.float32)
-    for s in range(0, SPLITS):
-        acc += tl.load(ws_ptr + s * stride_ws + offs, mask=mask, other=0.0)
-{lines}
-"""
+        params = f"ws_ptr, {', '.join(ptrs)}, M, N, TOTAL, SPLITS, stride_ws, {''.join(st + ', ' for st in strides)}"
+        return _reduce_kernel(name, params, _FLAT_SUM + lines + "\n")
     bias_param = "bias_ptr, stride_bias, " if has_bias else ""
     bias = (
         "\n    acc += tl.load(bias_ptr + n * stride_bias, mask=mask, other=0.0).to(tl.float32)" if has_bias else ""
     )
-    return f"""\
-@triton.jit(do_not_specialize=["SPLITS"])
-def {name}(
-    ws_ptr, c_ptr, {bias_param}M, N, TOTAL, SPLITS, stride_ws, stride_cb, stride_cm, stride_cn,
-):
-    offs = tl.program_id(0).to(tl.int64) * {REDUCE_BLOCK} + tl.arange(0, {REDUCE_BLOCK})
-    mask = offs < TOTAL
-    acc = tl.zeros(({REDUCE_BLOCK},), dtype=tl.float32)
-    for s in range(0, SPLITS):
-        acc += tl.load(ws_ptr + s * stride_ws + offs, mask=mask, other=0.0)
+    params = f"ws_ptr, c_ptr, {bias_param}M, N, TOTAL, SPLITS, stride_ws, stride_cb, stride_cm, stride_cn,"
+    return _reduce_kernel(name, params, _FLAT_SUM + f"""\
     n = offs % N
     m = (offs // N) % M
     b = offs // (M * N){bias}
     tl.store(c_ptr + b * stride_cb + m * stride_cm + n * stride_cn, acc.to({out_ty}), mask=mask)
-"""
+""")
 
 
 def _reduce_tiles_source(name: str, ep: Epilogue) -> str:
@@ -747,11 +749,8 @@ def _reduce_tiles_source(name: str, ep: Epilogue) -> str:
     its row ``r`` of the column sums' partials [cdiv(batch x M, REDUCE_ROWS), N]."""
     ptrs, strides = _epilogue_params(ep)
     lines = "\n".join("    " + ln for ln in epilogue_lines(ep, True, True))
-    return f"""\
-@triton.jit(do_not_specialize=["SPLITS"])
-def {name}(
-    ws_ptr, {", ".join(ptrs)}, M, N, ROWS, SPLITS, stride_ws, {"".join(st + ", " for st in strides)}
-):
+    params = f"ws_ptr, {', '.join(ptrs)}, M, N, ROWS, SPLITS, stride_ws, {''.join(st + ', ' for st in strides)}"
+    return _reduce_kernel(name, params, f"""\
     pid_r = tl.program_id(0)
     offs_m = pid_r.to(tl.int64) * {REDUCE_ROWS} + tl.arange(0, {REDUCE_ROWS})
     offs_n = tl.program_id(1).to(tl.int64) * {REDUCE_COLS} + tl.arange(0, {REDUCE_COLS})
@@ -765,7 +764,7 @@ def {name}(
     e_rows = offs_m
     e_prow = pid_r.to(tl.int64)
 {lines}
-"""
+""")
 
 
 def colsum_source(name: str, acc: str, out: str) -> str:
