@@ -45,6 +45,7 @@ import argparse
 import concurrent.futures as cf
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import multiprocessing
@@ -64,6 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python bench/matmul.py` from a checkout without an install
     sys.path.insert(0, str(REPO))
 
+from bench.timing import time_graph  # noqa: E402
 from nova.cli.errors import UsageError  # noqa: E402
 from nova.schedule.config import LoweringConfig  # noqa: E402
 from nova.schedule.configurator import STEP_MATMUL_PRECISION  # noqa: E402
@@ -206,23 +208,9 @@ class GpuTimer:
         target_ms, max_inner, reps = timing
         for i in range(min(n_sets, 2)):  # warm-up: binary load, allocator, cuBLAS heuristics
             launch(i)
-        torch.cuda.synchronize()
         inner = max(n_sets, min(max_inner, math.ceil(target_ms / max(est_ms, 1e-3))))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for j in range(inner):
-                launch(j % n_sets)
-        graph.replay()  # warm-up replay
-        pairs = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            pairs.append((start, end))
-        torch.cuda.synchronize()
-        del graph
-        return statistics.median(s.elapsed_time(e) / inner for s, e in pairs)
+        calls = itertools.count()  # the graph's calls walk the input sets in turn
+        return time_graph(lambda: launch(next(calls) % n_sets), inner, reps)
 
 
 class WallTimer:

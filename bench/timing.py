@@ -1,5 +1,5 @@
-"""Device time of a launch, shared by the experiment scripts (scripts/*_variants.py,
-scripts/lm_head_parts.py): ``fn`` captured ``launches`` times into one CUDA graph,
+"""Device time of a launch, shared by ``nova bench matmul`` (bench/matmul.py's GpuTimer)
+and the experiment scripts (scripts/attention_variants.py, scripts/lm_head_parts.py): ``fn`` captured ``launches`` times into one CUDA graph,
 replayed ``repeats`` times between CUDA events after one warm-up replay; the median
 replay over ``launches`` is the time of one launch without the host's launch cost."""
 
