@@ -35,9 +35,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-from nova.log import get_logger
-
-_LOG = get_logger(__name__)
 _LOCAL = threading.local()  # .preloading: the hook's own preload call is a real compile request
 
 
