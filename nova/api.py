@@ -822,6 +822,10 @@ class CompiledStep:
         head = [f"program: {type(self.model).__name__}, batch {batch}, precision {self.precision}, backend "
                 f"{self.backend}" + (f", scheduled for {last.device.name}" if last.device is not None else "")
                 + f"; runs as: {self.mode}"]  # fmt: skip
+        ahead = prog.executable.ahead if prog.executable is not None else None
+        if ahead:  # nova.runtime.compile_ahead walked its launch list
+            head.append(f"kernels compiled before the first run: {ahead['kernels']} on {ahead['threads']} threads in "
+                        f"{ahead['seconds']:.1f} s ({ahead['launches']} launches walked)")  # fmt: skip
         memory = [*report(c.memory), *remat.report(c.remat), *distributed.report(c)]
         if plots is not None:
             path = Path(plots) / "memory_timeline.png"
