@@ -164,6 +164,33 @@ def test_with_grad_is_the_forward_and_backward_bit_for_bit(device, case):
     assert kernel.arena_scratch_bytes > lower_linear_cross_entropy_backward(bwd, None, max_block=16).arena_scratch_bytes
 
 
+def test_a_tf32_head_writes_its_logits_gradient_rounded_and_gives_the_same_bits(device, monkeypatch):
+    """An f32 head under the tf32 policy without a bias: the row kernel writes d rounded to
+    tf32 (``PREROUND_TF32``) and dh's matmul takes it as ``prerounded``: every result bit
+    for bit the lowering that lets the matmuls round d; with a bias (its column sum reads
+    the unrounded d) nothing is rounded early."""
+    from nova.codegen.triton import linear_ce
+
+    props = {"ignore_index": -100, "reduction": "mean", "chunk": 3}
+    gen = torch.Generator().manual_seed(11)
+    xs = [x.to(device) for x in (torch.randn(N, D, generator=gen), torch.randn(V, D, generator=gen),
+                                 torch.randint(0, V, (N,), generator=gen))]  # fmt: skip
+    g = torch.tensor(1.3, device=device)
+    fwd, _ = _ops(f32, None, props, f32)
+    outs = []
+    for early in (True, False):
+        monkeypatch.setattr(linear_ce, "PREROUND_TF32", early)
+        kernel = lower_linear_cross_entropy_with_grad(merged(fwd), None, precision="tf32", max_block=16)
+        assert ("tf32_rn(d)" in kernel.source) == early
+        outs.append(kernel.launch([g, *xs]))
+    for name, a, b in zip(("loss", "dh", "dw"), *outs):
+        assert same_bits(a, b), name
+    monkeypatch.setattr(linear_ce, "PREROUND_TF32", True)
+    with_bias, _ = _ops(f32, f32, props, f32)
+    assert "tf32_rn(" not in lower_linear_cross_entropy_with_grad(merged(with_bias), None, precision="tf32").source
+    assert "tf32_rn(" not in lower_linear_cross_entropy_with_grad(merged(fwd), None, precision="fp32").source
+
+
 def test_with_grad_with_out_of_range_targets(device):
     """Bad targets: the loss NaN, the gradients the plain softmax, as the separate lowerings."""
     props = {"ignore_index": -100, "reduction": "mean", "chunk": 3}

@@ -242,6 +242,35 @@ def test_tf32_staged_path_rounds_and_transposes(device, a_layout, b_layout, batc
         assert 1e-5 < rel_err(c, reference(a, b, bias)) < 5e-4
 
 
+def test_a_prerounded_operand_is_neither_staged_nor_rounded_again(device, monkeypatch):
+    """``prerounded=("a",)``: a 2-D A the caller already rounded to tf32 (K contiguous,
+    the staged layout) is read in place by a staged config, and the register path does
+    not round it again: the same bits as rounding it in the matmul, one staging copy
+    fewer."""
+    torch.manual_seed(8)
+    a = mm.round_to_tf32(torch.randn(40, 72, device=device))
+    b = torch.randn(72, 24, device=device)
+    staged_shapes = []
+    real = mm.stage_tf32
+    monkeypatch.setattr(mm, "stage_tf32", lambda src, dst: staged_shapes.append(tuple(src.shape)) or real(src, dst))
+    for instruction in ("wgmma+tma+stage_a+stage_b", "wgmma+stage_a+stage_b", "mma"):
+        config = dataclasses.replace(cfg(bm=16, bn=16, bk=32), instruction=instruction)
+        staged_shapes.clear()
+        want = mm.matmul(a, b, cfg=config, precision="tf32-rn")
+        copies = len(staged_shapes)
+        got = mm.matmul(a, b, cfg=config, precision="tf32-rn", prerounded=("a",))
+        assert torch.equal(got, want), instruction
+        assert len(staged_shapes) - copies == copies - (1 if "stage_a" in instruction else 0), instruction
+    # an A the staged layout does not hold (K strided) is still staged; elsewhere the flag changes nothing
+    staged_shapes.clear()
+    config = dataclasses.replace(cfg(bm=16, bn=16, bk=32), instruction="wgmma+stage_a+stage_b")
+    at = a.t().contiguous().t()
+    assert torch.equal(mm.matmul(at, b, cfg=config, precision="tf32-rn", prerounded=("a",)),
+                       mm.matmul(at, b, cfg=config, precision="tf32-rn"))
+    assert len(staged_shapes) == 4
+    assert torch.equal(mm.matmul(a, b, precision="ieee", prerounded=("a",)), mm.matmul(a, b, precision="ieee"))
+
+
 def test_tf32_stage_kernel_is_a_rounding_transpose(device):
     torch.manual_seed(7)
     src = torch.randn(2, 70, 130, device=device)

@@ -61,15 +61,12 @@ import textwrap
 import torch
 
 from nova.codegen.triton.lowering import Kernel, lowers
-from nova.codegen.triton.matmul import TF32_RN
+from nova.codegen.triton.matmul import TF32_RN_FN
 from nova.codegen.triton.rowwise import nbytes, next_pow2, result_specs, results
 from nova.codegen.triton.source import load_kernel
 from nova.ir import dialect as nv
 from nova.ir.types import elem_of, shape_of, to_torch_dtype
 from nova.schedule.config import LoweringConfig
-
-# fp32 -> tf32, round to nearest even: the matmul template's operand rounding as a function
-_TF32_RN_FN = "\n\n@triton.jit\ndef tf32_rn(x):\n" + textwrap.indent(TF32_RN.format(x="x"), "    ") + "\n    return x\n"
 
 MAX_HEAD_DIM = 256
 PRECISIONS = ("fp32", "tf32", "bf16")  # the module's precision policy (nova.precision)
@@ -237,7 +234,7 @@ class _Gen:
             f"dot precision {self.ip}\n"
             "import triton\nimport triton.language as tl\n\n"
             + "".join(f"{k} = tl.constexpr({v})\n" for k, v in constants.items())
-            + (_TF32_RN_FN if self.ip == "tf32" else "")
+            + (TF32_RN_FN if self.ip == "tf32" else "")
         )
 
     def mask(self, *parts: str | None) -> str | None:

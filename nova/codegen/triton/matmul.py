@@ -125,6 +125,11 @@ TF32_RN = """\
 {x} = {x}_bits.to(tl.float32, bitcast=True)"""
 
 
+# TF32_RN as a device function, for generated kernels that round dot operands of their own
+# (attention's dots, the LM head's logits gradient): ``tf32_rn(x)``
+TF32_RN_FN = "\n\n@triton.jit\ndef tf32_rn(x):\n" + textwrap.indent(TF32_RN.format(x="x"), "    ") + "\n    return x\n"
+
+
 def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
     """``TF32_RN`` on the host: fp32 ``x`` rounded to nearest-even tf32 (for tests and
     for reference results)."""
@@ -562,7 +567,7 @@ persistent {'yes' if persistent else 'no'}
 batched {'yes' if batched else 'no'}, index {'int64' if index_64 else 'int32'}
         # epilogue {_describe(epilogue)}
         # operands {'through tensor descriptors (TMA): ' + repr(tma) if tma else 'through pointers'}\
-{', staged (tf32-rounded, K-major): ' + ' '.join(prerounded) if prerounded else ''}
+{', rounded to tf32 before the kernel (staged, or by the caller): ' + ' '.join(prerounded) if prerounded else ''}
         import triton
         import triton.language as tl
 
@@ -1221,6 +1226,7 @@ def matmul(
     *,
     num_programs: int | None = None,
     record: dict[str, str] | None = None,
+    prerounded: tuple[str, ...] = (),
 ) -> torch.Tensor:
     """``a @ b (+ bias)`` for 2-D or 3-D (batched; a batch of 1 or a 2-D operand
     broadcasts) float32 / bfloat16 / float16 tensors with any strides.
@@ -1234,8 +1240,13 @@ def matmul(
     Configurator's choice. ``num_programs`` caps a persistent grid (default: #SMs).
     ``record`` (a dict) receives {generated file path, or "tf32_stage": source text}
     of every kernel launched.
+    ``prerounded``: the operands ("a", "b") whose values the caller already rounded to
+    nearest tf32 (``round_to_tf32``'s bits); under "tf32-rn" the kernel does not round
+    them again, and a staged config does not copy a 2-D A whose K is contiguous (the
+    staged layout already): the same bits, rounding being idempotent.
     """
-    return _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup=False, record=record)
+    return _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup=False, record=record,
+                prerounded=prerounded)
 
 
 def matmul_epilogue(
@@ -1333,7 +1344,7 @@ def _epilogue_tensors(ep: Epilogue, inputs, outs, a, b, batch, M, N):
     return outs
 
 
-def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, record=None, epilogue=None):
+def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, record=None, epilogue=None, prerounded=()):
     batched, batch, M, N, K, shape, in_name, out_name, out_dtype, precision = _validate(
         a, b, bias, out, out_dtype, precision, allow_meta=warmup
     )
@@ -1370,15 +1381,18 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     c3 = out if out.dim() == 3 else out.unsqueeze(0)
     staged = ()
     tokens = cfg.instruction.split("+")
+    rounded = tuple(x for x in ("a", "b") if x in prerounded) if in_name == "float32" and precision == "tf32-rn" else ()
+    stage_a = "stage_a" in tokens and not ("a" in rounded and a3.shape[0] == 1 and a3.stride(2) == 1)
     if "stage_a" in tokens or "stage_b" in tokens:
         if in_name != "float32" or precision != "tf32-rn":
             raise ValueError(
                 f"matmul: a staged config ({cfg.instruction}) is the rounded tf32 path: it needs float32 "
                 f"operands and precision 'tf32-rn', got {in_name} and {precision!r}"
             )
-        a3, b3, staged = _stage_operands(a3, b3, "stage_a" in tokens, "stage_b" in tokens, launch=not warmup)
-        if record is not None and "tf32_stage" not in record:
+        a3, b3, staged = _stage_operands(a3, b3, stage_a, "stage_b" in tokens, launch=not warmup)
+        if record is not None and "tf32_stage" not in record and staged:
             record["tf32_stage"] = kernel_source(_stage_kernel(interpreting()))
+    staged = tuple(x for x in ("a", "b") if x in staged or x in rounded)  # what the kernel does not round
     k_split, splits = split_k_plan(K, cfg)
     split = splits > 1
     if not split and cfg.split_k > 1:  # K too short to split: the one-pass kernel
