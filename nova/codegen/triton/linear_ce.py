@@ -20,7 +20,8 @@ that stores the row's loss and writes d over the logits (one log-sum-exp pass),
 then the backward's matmuls; every result bit for bit the separate ops'. Peak
 memory is O(chunk x V), not O(N x V).
 Statistics are f32; 16-bit heads run their matmuls in bf16 / f16 with f32
-accumulation.
+accumulation. An f32 head under the tf32 policy without a bias writes d rounded to
+nearest tf32 (``PREROUND_TF32``), which dh's matmul takes as ``prerounded``.
 
 ``launch(inputs, outs)`` writes into ``outs`` when given. An f32 dw or dbias is
 its own accumulator, and a bias of the head's type needs no second copy of d
