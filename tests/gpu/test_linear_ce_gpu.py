@@ -65,3 +65,37 @@ def test_dw_epilogue_accumulation_is_matmul_then_add_bit_for_bit():
     want = acc + mm.matmul(d.t(), h, out_dtype=torch.float32)  # the launcher's config (persistent, C by TMA)
     accumulate_into(acc, d.t(), h, "ieee")  # the epilogue kernel's (tile grid, pointer stores)
     assert torch.equal(_bits(acc), _bits(want))
+
+
+def test_a_tf32_head_prerounding_its_logits_gradient_is_bit_for_bit(monkeypatch):
+    """An f32 head under the tf32 policy at GPT-2's vocabulary: the row kernel writing d
+    rounded to tf32 and dh's staged matmul reading it in place (``PREROUND_TF32``) give
+    the bits of the lowering that copies d rounded for dh; fewer staging copies."""
+    from nova.codegen.triton import linear_ce
+
+    props = {"ignore_index": -1, "reduction": "mean", "label_smoothing": 0.0, "chunk": 2048}
+    slots = [Slot("batch", "g", tensor([], f32)), Slot("param", "h", tensor([N, D], f32)),
+             Slot("param", "w", tensor([V, D], f32)), Slot("batch", "t", tensor([N], i64))]
+    _, fn = new_step(slots)
+    b = OpBuilder(fn.body.block)
+    g, *xs = fn.body.block.args
+    both = b.create(nv.LinearCrossEntropyWithGradOp, [g, *xs], props, tensor([], f32))
+    torch.manual_seed(1)
+    ins = [torch.randn(N, D, device="cuda"), torch.randn(V, D, device="cuda") * 0.05,
+           torch.randint(0, V, (N,), device="cuda")]  # fmt: skip
+    grad = torch.tensor(1.0, device="cuda")
+    copies = []
+    real = mm.stage_tf32
+    monkeypatch.setattr(mm, "stage_tf32", lambda src, dst: copies.append(tuple(src.shape)) or real(src, dst))
+    outs, counts = [], []
+    for early in (True, False):
+        monkeypatch.setattr(linear_ce, "PREROUND_TF32", early)
+        copies.clear()
+        outs.append(lower_linear_cross_entropy_with_grad(both, None, precision="tf32").launch([grad, *ins]))
+        counts.append(len(copies))
+    for name, x, y in zip(("loss", "dh", "dw"), *outs):
+        assert torch.equal(_bits(x), _bits(y)), name
+    z = torch.empty(2048, V, device="cuda")
+    dh_stages_a = "stage_a" in linear_ce.Configs("tf32-rn")(z, ins[1], torch.float32).instruction
+    chunks = -(-N // 2048)
+    assert counts[1] - counts[0] == (chunks if dh_stages_a else 0), (counts, dh_stages_a)
