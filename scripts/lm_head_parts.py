@@ -4,24 +4,28 @@ for its chunk size and its matmul schedules): the parts of one chunk of
 ``nova.linear_cross_entropy_with_grad`` timed alone, for several chunk sizes,
 beside cuBLAS (torch.matmul) on the same shapes:
 
-  logits      z = h[r0:r1] @ w^T             [chunk, V], K = D   (bf16 out)
+  logits      z = h[r0:r1] @ w^T             [chunk, V], K = D   (the head's type)
   rows        lce_rows_with_grad over z       the row losses, d over z in place
   dh          dh[r0:r1] = d @ w               [chunk, D], K = V
   dw_first    dw_acc = d^T @ h[r0:r1]         [V, D] f32, K = chunk (the first chunk)
   dw_add      dw_acc += d^T @ h[r0:r1]        the later chunks (accumulate epilogue)
 
 with the schedule the lowering asks the configurator for (``linear_ce.Configs``),
-and ``--dh-split`` / ``--tiles`` alternatives for dh. The per-step estimate is
+and ``--dh-split`` alternatives for dh. ``--precision tf32``: an f32 head under the
+tf32 policy ("tf32-rn" matmuls, cuBLAS with TF32 allowed), the row kernel writing d
+rounded to tf32 and dh taking it ``prerounded`` (``linear_ce.PREROUND_TF32``), beside
+``dh_copied`` (the same matmul rounding, and staging, d itself). The per-step estimate is
 N / chunk chunks of (logits + rows + dh + dw_add) + one dw_first - dw_add.
-Random bf16 inputs; ``bench.timing.time_graph`` (CUDA graph, median replay).
+Random inputs; ``bench.timing.time_graph`` (CUDA graph, median replay).
 
-    python scripts/lm_head_parts.py [--rows 32768] [--chunks 2048,4096,8192] [--out DIR]
+    python scripts/lm_head_parts.py [--rows 32768] [--chunks 2048,4096,8192] [--precision bf16|tf32] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +52,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--chunks", default="2048,4096,8192")
     ap.add_argument("--dh-split", default="1,2,4,8", help="split-K alternatives timed for dh (1: unsplit)")
+    ap.add_argument("--precision", choices=["bf16", "tf32"], default="bf16", help="the head's: bf16, or f32 under tf32")
     ap.add_argument("--launches", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", type=Path, default=None)
@@ -56,26 +61,31 @@ def main() -> None:
     bf16, f32 = torch.bfloat16, torch.float32
     N, D, V = o.rows, o.dim, o.vocab
     g = torch.Generator(device=dev).manual_seed(0)
-    h = (torch.randn(N, D, device=dev, generator=g) * 0.5).to(bf16)
-    w = (torch.randn(V, D, device=dev, generator=g) * 0.02).to(bf16)
+    tf32 = o.precision == "tf32"
+    head = f32 if tf32 else bf16
+    torch.backends.cuda.matmul.allow_tf32 = tf32  # cuBLAS's rows: the precision of the head's policy
+    h = (torch.randn(N, D, device=dev, generator=g) * 0.5).to(head)
+    w = (torch.randn(V, D, device=dev, generator=g) * 0.02).to(head)
     t = torch.randint(0, V, (N,), device=dev, generator=g)
     block = min(LOOP_BLOCK, next_pow2(V))
-    src = linear_ce.linear_ce_source(V, -100, 0.0, False, "tl.bfloat16", "tl.bfloat16", block)
+    ty = "tl.float32" if tf32 else "tl.bfloat16"
+    src = linear_ce.linear_ce_source(V, -100, 0.0, False, ty, ty, block, preround=tf32 and linear_ce.PREROUND_TF32)
     rows_k = load_kernel(src, "lce_rows_with_grad")[0]
     warps = 4 if block <= 1024 else 8
-    prec = "bf16"
+    prec = "tf32-rn" if tf32 else "bf16"
+    rounded = ("a",) if tf32 and linear_ce.PREROUND_TF32 else ()
     configs = linear_ce.Configs(prec)
-    result = {"rows": N, "dim": D, "vocab": V, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "chunks": []}  # fmt: skip
+    result = {"rows": N, "dim": D, "vocab": V, "precision": o.precision, "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "commit": os.environ.get("NOVA_COMMIT"), "chunks": []}  # fmt: skip
     for chunk in [int(c) for c in o.chunks.split(",")]:
-        z = torch.empty(chunk, V, device=dev, dtype=bf16)
-        dh = torch.empty(chunk, D, device=dev, dtype=bf16)
+        z = torch.empty(chunk, V, device=dev, dtype=head)
+        dh = torch.empty(chunk, D, device=dev, dtype=head)
         dw = torch.zeros(V, D, device=dev, dtype=f32)
         loss = torch.empty(chunk, device=dev, dtype=f32)
         scale = torch.full((1,), 1.0 / N, device=dev, dtype=f32)
         hc, tc = h[:chunk], t[:chunk]
-        c_logits = configs(hc, w.t(), bf16)
-        c_dh = configs(z, w, bf16)
+        c_logits = configs(hc, w.t(), head)
+        c_dh = configs(z, w, head)
         c_dw = configs(z.t(), hc, f32)
         c_add = configs(z.t(), hc, f32, epilogue=True)
         ep = linear_ce.accumulate(V, D)
@@ -83,19 +93,22 @@ def main() -> None:
         parts = {
             "logits": (lambda: mm.matmul(hc, w.t(), cfg=c_logits, precision=prec, out=z), c_logits, 2 * chunk * V * D),
             "rows": (lambda: rows_k[(chunk,)](z, tc, loss, scale, num_warps=warps), None, 0),
-            "dh": (lambda: mm.matmul(z, w, cfg=c_dh, precision=prec, out=dh), c_dh, 2 * chunk * V * D),
+            "dh": (lambda: mm.matmul(z, w, cfg=c_dh, precision=prec, out=dh, prerounded=rounded), c_dh,
+                   2 * chunk * V * D),
             "dw_first": (lambda: mm.matmul(z.t(), hc, cfg=c_dw, precision=prec, out=dw), c_dw, 2 * chunk * V * D),
             "dw_add": (lambda: mm.matmul_epilogue(z.t(), hc, ep, [dw], f32, cfg=c_add, precision=prec, outs=[dw]),
                        c_add, 2 * chunk * V * D),
             "cublas_logits": (lambda: torch.matmul(hc, w.t(), out=z), None, 2 * chunk * V * D),
             "cublas_dh": (lambda: torch.matmul(z, w, out=dh), None, 2 * chunk * V * D),
-            "cublas_dw_bf16": (lambda: torch.matmul(z.t(), hc), None, 2 * chunk * V * D),
+            "cublas_dw": (lambda: torch.matmul(z.t(), hc), None, 2 * chunk * V * D),
         }
+        if rounded:
+            parts["dh_copied"] = (lambda: mm.matmul(z, w, cfg=c_dh, precision=prec, out=dh), c_dh, 2 * chunk * V * D)
         for s in [int(x) for x in o.dh_split.split(",")]:
             if s > 1:
                 alt = LoweringConfig.from_dict({**c_dh.to_dict(), "split_k": s})
-                parts[f"dh_split{s}"] = (lambda alt=alt: mm.matmul(z, w, cfg=alt, precision=prec, out=dh), alt,
-                                         2 * chunk * V * D)  # fmt: skip
+                parts[f"dh_split{s}"] = (lambda alt=alt: mm.matmul(z, w, cfg=alt, precision=prec, out=dh,
+                                                                   prerounded=rounded), alt, 2 * chunk * V * D)  # fmt: skip
         row = {"chunk": chunk, "parts": {}}
         for name, (fn, cfg, flops) in parts.items():
             try:
@@ -114,8 +127,8 @@ def main() -> None:
             row["step_ms"] = n * (p["logits"]["ms"] + p["rows"]["ms"] + p["dh"]["ms"] + p["dw_add"]["ms"]) + \
                 p["dw_first"]["ms"] - p["dw_add"]["ms"]
             row["cublas_step_ms"] = n * (p["cublas_logits"]["ms"] + p["rows"]["ms"] + p["cublas_dh"]["ms"] +
-                                         p["cublas_dw_bf16"]["ms"])  # fmt: skip
-            row["scratch_mib"] = (chunk * V * 2) / 2**20
+                                         p["cublas_dw"]["ms"])  # fmt: skip
+            row["scratch_mib"] = (chunk * V * head.itemsize) / 2**20
             print(f"chunk {chunk:5d}: estimated LM head {row['step_ms']:.2f} ms a step ({n} chunks), with cuBLAS "
                   f"matmuls {row['cublas_step_ms']:.2f} ms; logits buffer {row['scratch_mib']:.0f} MiB")
         result["chunks"].append(row)
@@ -123,7 +136,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     if o.out:
         o.out.mkdir(parents=True, exist_ok=True)
-        (o.out / "lm_head_parts.json").write_text(json.dumps(result, indent=1))
+        (o.out / f"lm_head_parts_{o.precision}.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
