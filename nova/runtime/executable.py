@@ -219,6 +219,8 @@ class Executable:
         self.bound = ptrs
         self.arguments = [env[a] for a in self.block.args]
         self.runs = 0
+        if self.ahead is None:  # the first bind, before any batch is copied in: the walk may overwrite the arena
+            self.compile_ahead()
 
     def release(self) -> None:
         """Frees the arena, the launch list and the graph (another program of the same
@@ -254,8 +256,6 @@ class Executable:
         if len(batch) != len(self.inputs):
             raise ValueError(f"the step takes {len(self.inputs)} batch tensors, got {len(batch)}")
         cuda = self.device.type == "cuda"
-        if self.ahead is None:  # before the batch is copied in: the walk may overwrite any of the arena
-            self.compile_ahead()
         k, self._row = self._row, (self._row + 1) % SCALAR_ROWS
         event = self._row_events[k]
         if event is not None and copy_out is None:

@@ -715,15 +715,6 @@ def configure_column_reduction(kept: int, reduced: int, dtype, device, kind: str
     )
 
 
-# A launch-bound elementwise kernel (its grid leaves half the SMs idle) goes down to
-# one element per thread, not one 16-byte vector: a multi-tensor AdamW update of the
-# biases and LayerNorm weights (fuse's batch_small: ~400 ops an element over 12
-# tensors of 768) at one vector per thread, 6 programs of one warp, ran 43 us a
-# launch on the H200 (explain_gpt2 at 623915d), four elements' serial work a thread
-# with nothing to hide its latency behind; [2304] and [3072] updates 29 us.
-LAUNCH_ONE_PER_THREAD = True
-
-
 def configure_elementwise(numel: int, dtype, n_inputs: int, device) -> LoweringConfig:
     """A pointwise kernel over ``numel`` elements reading ``n_inputs`` tensors and
     writing one: ``block`` = elements per program."""
@@ -741,11 +732,13 @@ def configure_elementwise(numel: int, dtype, n_inputs: int, device) -> LoweringC
     warps = WARPGROUP  # one warp per SM sub-partition
     block = warps * 32 * per_thread
     # small tensors: halve the block while the grid leaves half the SMs idle, down
-    # to one warp with one element per thread: in that regime the bytes are few and a
-    # program's time is its threads' serial work (LAUNCH_ONE_PER_THREAD)
+    # to one warp with one element per thread, not one 16-byte vector: in that regime
+    # the bytes are few and a program's time is its threads' serial work (a multi-tensor
+    # AdamW update of the biases and LayerNorm weights, fuse's batch_small, ~400 ops an
+    # element over 12 tensors of 768, ran 43 us a launch on the H200 at one vector per
+    # thread, 6 programs of one warp: explain_gpt2 at 623915d)
     launch_bound = False
-    floor = 32 if LAUNCH_ONE_PER_THREAD else 32 * vec
-    while _cdiv(numel, block) * 2 <= S and block > floor:
+    while _cdiv(numel, block) * 2 <= S and block > 32:
         block //= 2
         launch_bound = True
     warps = max(1, min(warps, block // (32 * vec)))

@@ -299,6 +299,7 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
     # d written rounded to tf32 where its only readers are the tf32 matmuls (no bias column sum):
     # dh's staged config then reads it in place instead of copying the [chunk, V] f32 buffer
     preround = PREROUND_TF32 and head == torch.float32 and prec == "tf32-rn" and not has_bias
+    d_rounded = ("a",) if preround else ()  # dh = d @ w's prerounded operand
     src = linear_ce_source(V, ignore, ls, has_bias, logit_ty, _TL[head], block, preround)
     k = {n: load_kernel(src, n)[0] for n in ("lce_rows", "lce_rows_backward", "lce_rows_with_grad", "lce_final",
                                              "lce_scale", "lce_colsum")}  # fmt: skip
@@ -356,8 +357,8 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
                 k["lce_rows_with_grad"][(r1 - r0,)](z, t[r0:r1], *b, rows[r0:], scale, *db_arg, num_warps=warps)
             if b:
                 k["lce_colsum"][(triton_cdiv(V, _COL_BLOCK),)](dbuf if separate_d else z, db_acc, r1 - r0, num_warps=4)
-            rounded = ("a",) if preround else ()
-            mm.matmul(z, w, cfg=configs(z, w, dh.dtype), precision=prec, out=dh[r0:r1], record=used, prerounded=rounded)
+            mm.matmul(z, w, cfg=configs(z, w, dh.dtype), precision=prec, out=dh[r0:r1], record=used,
+                      prerounded=d_rounded)
             if r0 == 0:  # the first chunk's product is the accumulator's first value: no zeroing
                 mm.matmul(z.t(), h[r0:r1], cfg=configs(z.t(), h[r0:r1], f32), precision=prec, out=dw_acc, record=used)
             else:
