@@ -1,0 +1,108 @@
+"""Where a GPT-2 step's wall time goes between kernels: ``python scripts/graph_gaps.py
+[--batch 32] [--steps 3] [--out DIR]``. Runs Nova's step (CUDA graph replay, the
+default) and torch.compile's under torch.profiler (CUDA activity: CUPTI traces the
+kernels inside a graph), orders every kernel by its start, and reports per step the
+kernels' busy time (the union of their intervals), the idle time between them and
+the largest gaps with the kernels on either side. Writes graph_gaps_b<batch>.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import nova
+from nova.models import GPT, GPTConfig
+
+
+def _timeline(run, steps: int) -> list[tuple[float, float, str]]:
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    ev = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+          if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(ev)
+
+
+def _gaps(ev, steps: int, top: int) -> dict:
+    span = ev[-1][1] - ev[0][0]
+    busy, gaps, end = 0.0, [], ev[0][0]
+    prev = "(start)"
+    for s, e, name in ev:
+        if s > end:
+            gaps.append((s - end, prev, name))
+        busy += max(0.0, e - max(s, end))
+        if e > end:
+            end, prev = e, name
+    gaps.sort(reverse=True)
+    small = sum(g for g, _, _ in gaps if g < 5)
+    return {"span_ms_per_step": span / 1e3 / steps, "busy_ms_per_step": busy / 1e3 / steps,
+            "idle_ms_per_step": sum(g for g, _, _ in gaps) / 1e3 / steps,
+            "idle_in_gaps_under_5us_ms_per_step": small / 1e3 / steps, "gaps": len(gaps) / steps,
+            "largest_gaps_us": [(round(g, 2), a[:90], b[:90]) for g, a, b in gaps[:top]]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", type=Path, default=Path("."))
+    opts = ap.parse_args()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    x = torch.randint(0, 50304, (opts.batch, 1024), device="cuda")
+    y = torch.randint(0, 50304, (opts.batch, 1024), device="cuda")
+    doc = {"batch": opts.batch, "device": torch.cuda.get_device_name(), "engines": {}}
+    for engine in ("nova", "torch.compile"):
+        with torch.device("cuda"):
+            model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        if engine == "nova":
+            step = nova.compile(model, opt, precision="bf16")
+
+            def run():
+                step(x, y)
+        else:
+            fwd = torch.compile(model)
+
+            def run():
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = fwd(x, y)
+                loss.backward()
+                opt.step()
+
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
+        for _ in range(3):
+            run()
+        for s, e in zip(starts, ends):
+            s.record()
+            run()
+            e.record()
+        torch.cuda.synchronize()
+        events_ms = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+        g = _gaps(_timeline(run, opts.steps), opts.steps, opts.top)
+        g["event_ms_median"] = events_ms[len(events_ms) // 2]
+        doc["engines"][engine] = g
+        print(f"== {engine}: events {g['event_ms_median']:.2f} ms/step; profiled span {g['span_ms_per_step']:.2f}, "
+              f"busy {g['busy_ms_per_step']:.2f}, idle {g['idle_ms_per_step']:.2f} ms/step in {g['gaps']:.0f} gaps "
+              f"({g['idle_in_gaps_under_5us_ms_per_step']:.2f} ms in gaps under 5 us)")
+        for gap, a, b in g["largest_gaps_us"]:
+            print(f"  {gap:9.2f} us  {a}  ->  {b}")
+        del model, opt, run
+        torch.cuda.empty_cache()
+    opts.out.mkdir(parents=True, exist_ok=True)
+    (opts.out / f"graph_gaps_b{opts.batch}.json").write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
