@@ -1,8 +1,9 @@
 """Where the GPU time of one GPT-2 training step goes, kernel by kernel, for Nova
 and torch.compile side by side (torch.profiler, CUDA activity only):
-``python scripts/kernel_profile.py [--model 124m|355m] [--batch 8] [--steps 3] [--out DIR]``.
+``python scripts/kernel_profile.py [--model 124m|355m|mlp46m] [--precision bf16|tf32] [--batch 8]
+[--steps 3] [--out DIR]`` (mlp46m: the Nova paper's MLP LM, bench/gpt2.py's).
 Prints the kernels grouped by name (total ms per step, launches per step) and
-writes ``kernel_profile_b<batch>.json`` to ``--out``. Nova runs its launch list
+writes ``kernel_profile_<model>[_tf32]_b<batch>.json`` to ``--out``. Nova runs its launch list
 (no CUDA graph) so that every kernel is its own profiler event."""
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import nova
-from nova.models import GPT, GPTConfig
+from nova.models import GPT, GPTConfig, MLPLM, MLPLMConfig
 
-PRESETS = {"124m": (12, 12, 768), "355m": (24, 16, 1024)}  # layers, heads, width (bench/gpt2.py's presets)
+PRESETS = {"124m": (12, 12, 768), "355m": (24, 16, 1024), "mlp46m": (6, 0, 384)}  # layers, heads, width (bench/gpt2.py's)
 
 
 def _family(name: str) -> str:
@@ -51,19 +52,26 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--model", choices=sorted(PRESETS), default="124m")
+    ap.add_argument("--precision", choices=["bf16", "tf32"], default="bf16")
     opts = ap.parse_args()
     torch.manual_seed(0)
     n_layer, n_head, n_embd = PRESETS[opts.model]
-    cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    if opts.model == "mlp46m":
+        cfg = MLPLMConfig(vocab_size=50304, block_size=1024, n_layer=n_layer, n_embd=n_embd)
+    else:
+        cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    tf32 = opts.precision == "tf32"
     x = torch.randint(0, 50304, (opts.batch, 1024), device="cuda")
     y = torch.randint(0, 50304, (opts.batch, 1024), device="cuda")
-    doc = {"model": opts.model, "batch": opts.batch, "device": torch.cuda.get_device_name(), "engines": {}}
+    doc = {"model": opts.model, "precision": opts.precision, "batch": opts.batch, "device": torch.cuda.get_device_name(), "engines": {}}
     for engine in ("nova", "torch.compile"):
         with torch.device("cuda"):
-            model = GPT(cfg)
+            model = MLPLM(cfg) if opts.model == "mlp46m" else GPT(cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        # tf32: the global flags for torch.compile (as bench/gpt2.py sets them), off for Nova (its argument)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32 and engine != "nova"
         if engine == "nova":
-            step = nova.compile(model, opt, precision="bf16", cuda_graph=False)
+            step = nova.compile(model, opt, precision=opts.precision, cuda_graph=False)
 
             def run():
                 step(x, y)
@@ -72,7 +80,7 @@ def main() -> None:
 
             def run():
                 opt.zero_grad(set_to_none=True)
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=not tf32):
                     loss = fwd(x, y)
                 loss.backward()
                 opt.step()
@@ -92,7 +100,7 @@ def main() -> None:
         del model, opt, run
         torch.cuda.empty_cache()
     opts.out.mkdir(parents=True, exist_ok=True)
-    (opts.out / f"kernel_profile_{opts.model}_b{opts.batch}.json").write_text(json.dumps(doc, indent=1))
+    (opts.out / f"kernel_profile_{opts.model}{'_tf32' if tf32 else ''}_b{opts.batch}.json").write_text(json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def test_a_tf32_head_prerounding_its_logits_gradient_is_bit_for_bit(monkeypatch)
     grad = torch.tensor(1.0, device="cuda")
     copies = []
     real = mm.stage_tf32
-    monkeypatch.setattr(mm, "stage_tf32", lambda src, dst: copies.append(tuple(src.shape)) or real(src, dst))
+    monkeypatch.setattr(mm, "stage_tf32", lambda src, dst, record=None: copies.append(tuple(src.shape)) or real(src, dst, record))
     outs, counts = [], []
     for early in (True, False):
         monkeypatch.setattr(linear_ce, "PREROUND_TF32", early)

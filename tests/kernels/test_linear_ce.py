@@ -191,6 +191,45 @@ def test_a_tf32_head_writes_its_logits_gradient_rounded_and_gives_the_same_bits(
     assert "tf32_rn(" not in lower_linear_cross_entropy_with_grad(merged(fwd), None, precision="fp32").source
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_tf32_head_rounds_its_weight_once_and_gives_the_same_bits(device, monkeypatch, bias):
+    """An f32 head under the tf32 policy (``HOIST_WEIGHT_TF32``): the weight rounded to tf32
+    once a launch, w and w^T dense (both K contiguous), which every chunk's logits and dh
+    take as ``prerounded``: every result bit for bit the lowering whose matmuls round w
+    themselves, the forward's too; under fp32 nothing is rounded."""
+    from nova.codegen.triton import linear_ce
+    from nova.codegen.triton import matmul as mm
+
+    props = {"ignore_index": -100, "reduction": "mean", "chunk": 3}
+    gen = torch.Generator().manual_seed(12)
+    xs = [x.to(device) for x in (torch.randn(N, D, generator=gen), torch.randn(V, D, generator=gen),
+                                 torch.randint(0, V, (N,), generator=gen))]  # fmt: skip
+    if bias:
+        xs.append(torch.randn(V, generator=gen).to(device))
+    g = torch.tensor(0.7, device=device)
+    fwd, _ = _ops(f32, f32 if bias else None, props, f32)
+    copies = []
+    real = mm.stage_tf32
+    monkeypatch.setattr(mm, "stage_tf32",
+                        lambda src, dst, record=None: copies.append(tuple(src.shape)) or real(src, dst, record))
+    outs, weights = [], []
+    for hoist in (True, False):
+        monkeypatch.setattr(linear_ce, "HOIST_WEIGHT_TF32", hoist)
+        copies.clear()
+        both = lower_linear_cross_entropy_with_grad(merged(fwd), None, precision="tf32", max_block=16)
+        got = both.launch([g, *xs])
+        weights.append(sorted(c for c in copies if set(c[1:]) == {V, D}))
+        got += lower_linear_cross_entropy(fwd, None, precision="tf32", max_block=16).launch(xs)
+        outs.append(got)
+    for name, a, b in zip(("loss", "dh", "dw", "dbias", "forward loss")[:len(outs[0])], *outs):
+        assert same_bits(a, b), name
+    assert weights[0] == [(1, D, V), (1, V, D)]  # once each, whatever the chunks' configs stage
+    monkeypatch.setattr(linear_ce, "HOIST_WEIGHT_TF32", True)
+    copies.clear()
+    lower_linear_cross_entropy_with_grad(merged(fwd), None, precision="fp32", max_block=16).launch([g, *xs])
+    assert copies == []
+
+
 def test_with_grad_with_out_of_range_targets(device):
     """Bad targets: the loss NaN, the gradients the plain softmax, as the separate lowerings."""
     props = {"ignore_index": -100, "reduction": "mean", "chunk": 3}

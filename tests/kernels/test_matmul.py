@@ -252,7 +252,7 @@ def test_a_prerounded_operand_is_neither_staged_nor_rounded_again(device, monkey
     b = torch.randn(72, 24, device=device)
     staged_shapes = []
     real = mm.stage_tf32
-    monkeypatch.setattr(mm, "stage_tf32", lambda src, dst: staged_shapes.append(tuple(src.shape)) or real(src, dst))
+    monkeypatch.setattr(mm, "stage_tf32", lambda src, dst, record=None: staged_shapes.append(tuple(src.shape)) or real(src, dst, record))
     for instruction in ("wgmma+tma+stage_a+stage_b", "wgmma+stage_a+stage_b", "mma"):
         config = dataclasses.replace(cfg(bm=16, bn=16, bk=32), instruction=instruction)
         staged_shapes.clear()
@@ -269,6 +269,35 @@ def test_a_prerounded_operand_is_neither_staged_nor_rounded_again(device, monkey
                        mm.matmul(at, b, cfg=config, precision="tf32-rn"))
     assert len(staged_shapes) == 4
     assert torch.equal(mm.matmul(a, b, precision="ieee", prerounded=("a",)), mm.matmul(a, b, precision="ieee"))
+
+
+def test_a_prerounded_b_in_the_staged_layout_is_read_in_place(device, monkeypatch):
+    """``prerounded=("b",)``: a B the caller rounded to tf32 and holds K-major (the [K, N]
+    view of a dense [N, K]: the staged layout) is not copied by a staged config, and
+    the register path does not round it again: the same bits, one staging copy fewer;
+    an N-major B is still staged."""
+    torch.manual_seed(9)
+    a = torch.randn(40, 72, device=device)
+    bt = mm.round_to_tf32(torch.randn(24, 72, device=device))  # dense [N, K]
+    b = bt.t()  # [K, N], K contiguous
+    staged_shapes = []
+    real = mm.stage_tf32
+    monkeypatch.setattr(mm, "stage_tf32",
+                        lambda src, dst, record=None: staged_shapes.append(tuple(src.shape)) or real(src, dst, record))
+    for instruction in ("wgmma+tma+stage_a+stage_b", "wgmma+stage_b", "mma"):
+        config = dataclasses.replace(cfg(bm=16, bn=16, bk=32), instruction=instruction)
+        staged_shapes.clear()
+        want = mm.matmul(a, b, cfg=config, precision="tf32-rn")
+        copies = len(staged_shapes)
+        got = mm.matmul(a, b, cfg=config, precision="tf32-rn", prerounded=("b",))
+        assert torch.equal(got, want), instruction
+        assert len(staged_shapes) - copies == copies - (1 if "stage_b" in instruction else 0), instruction
+    staged_shapes.clear()
+    config = dataclasses.replace(cfg(bm=16, bn=16, bk=32), instruction="wgmma+stage_b")
+    bn = b.contiguous()  # N contiguous: not the staged layout
+    assert torch.equal(mm.matmul(a, bn, cfg=config, precision="tf32-rn", prerounded=("b",)),
+                       mm.matmul(a, bn, cfg=config, precision="tf32-rn"))
+    assert len(staged_shapes) == 2
 
 
 def test_tf32_stage_kernel_is_a_rounding_transpose(device):

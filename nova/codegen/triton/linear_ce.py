@@ -55,6 +55,13 @@ _COL_BLOCK = 128  # columns per program of the bias-gradient column sum
 # written a 4096-row chunk at GPT-2's vocabulary); dw = d^T @ h still stages d^T (a
 # transposing copy), rounding again: the same bits. Not yet measured on the H200.
 PREROUND_TF32 = True
+# An f32 head under the tf32 policy: the weight is rounded to tf32 once a launch, into
+# the two layouts tf32 wgmma reads (K contiguous): w itself for the logits h @ w^T, and
+# w^T dense for dh = d @ w; every chunk's matmuls take them as ``prerounded`` instead
+# of each staging its own copy (the staged configs copied the [V, D] weight, 154 MB read
+# and written at GPT-2's size, for every chunk's logits and dh). The same bits: rounding
+# is idempotent, and the copies are the staging pass's own.
+HOIST_WEIGHT_TF32 = True
 
 
 def _logit(z_ptr: str, cvar: str, mask: str, other: str, has_bias: bool, logit_ty: str) -> str:
@@ -214,10 +221,12 @@ def accumulate_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, precisi
     mm.matmul_epilogue(a, b, ep, [acc], torch.float32, cfg=cfg, precision=precision, outs=[acc], record=record)
 
 
-def _matmul_scratch(M: int, N: int, K: int, dtype, out_dtype, precision: str, cfg, a_layouts, b_layouts) -> int:
+def _matmul_scratch(M: int, N: int, K: int, dtype, out_dtype, precision: str, cfg, a_layouts, b_layouts,
+                    b_rounded: bool = False) -> int:
     """The most bytes ``mm.matmul`` allocates besides its ``out`` for one [M, K] @ [K, N]:
     the split-K partials and the tf32 staging copies it plans (its ``_run``), over the
-    layouts the operands may have (h and w come with the strides they have)."""
+    layouts the operands may have (h and w come with the strides they have);
+    ``b_rounded``: B comes prerounded in the staged layout (not copied)."""
     worst = 0
     for la in a_layouts:
         for lb in b_layouts:
@@ -225,7 +234,7 @@ def _matmul_scratch(M: int, N: int, K: int, dtype, out_dtype, precision: str, cf
                                     mm.device_spec(lowering_device()))
             splits = mm.split_k_plan(K, c)[1] if c.split_k > 1 else 1
             tokens = c.instruction.split("+")
-            staged = ("stage_a" in tokens) * M * K + ("stage_b" in tokens) * K * N
+            staged = ("stage_a" in tokens) * M * K + ("stage_b" in tokens and not b_rounded) * K * N
             worst = max(worst, 4 * (staged + (splits * M * N if splits > 1 else 0)))
     return worst
 
@@ -253,16 +262,25 @@ def _held(N, D, V, chunk, head, bias_dtype, separate_d: bool, kind: str) -> list
     return parts
 
 
+def _hoisted(head, prec: str) -> bool:
+    """Whether the launch rounds the weight to tf32 once (``HOIST_WEIGHT_TF32``)."""
+    return HOIST_WEIGHT_TF32 and head == torch.float32 and prec == "tf32-rn"
+
+
 def _scratch(N, D, V, chunk, head, bias_dtype, separate_d: bool, kind: str, prec: str, cfg) -> int:
-    """Kernel.scratch_bytes: what the launch takes (``_held``), plus the largest
-    matmul's own scratch (the matmuls run one at a time)."""
+    """Kernel.scratch_bytes: what the launch takes (``_held``), the weight's rounded
+    copies (``_hoisted``: one for the forward, two with the gradients), plus the
+    largest matmul's own scratch (the matmuls run one at a time)."""
     rows = {chunk, N % chunk or chunk}  # a full chunk and the last one
     f32 = torch.float32
-    mms = [_matmul_scratch(r, V, D, head, head, prec, cfg, _LAYOUTS, _LAYOUTS) for r in rows]  # the logits
+    hoist = _hoisted(head, prec)
+    lw = ("col",) if hoist else _LAYOUTS  # w^T rounded: K contiguous
+    mms = [_matmul_scratch(r, V, D, head, head, prec, cfg, _LAYOUTS, lw, hoist) for r in rows]  # the logits
     if kind != FORWARD:
-        mms += [_matmul_scratch(r, D, V, head, head, prec, None, ("row",), _LAYOUTS) for r in rows]  # dh = d @ w
+        mms += [_matmul_scratch(r, D, V, head, head, prec, None, ("row",), lw, hoist) for r in rows]  # dh = d @ w
         mms += [_matmul_scratch(V, D, r, head, f32, prec, None, ("col",), _LAYOUTS) for r in rows]  # d^T @ h
-    return Scratch.size(*_held(N, D, V, chunk, head, bias_dtype, separate_d, kind)) + max(mms)
+    copies = (1 if kind == FORWARD else 2) * V * D * 4 if hoist else 0
+    return Scratch.size(*_held(N, D, V, chunk, head, bias_dtype, separate_d, kind)) + copies + max(mms)
 
 
 def _shapes(op):
@@ -300,6 +318,8 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
     # dh's staged config then reads it in place instead of copying the [chunk, V] f32 buffer
     preround = PREROUND_TF32 and head == torch.float32 and prec == "tf32-rn" and not has_bias
     d_rounded = ("a",) if preround else ()  # dh = d @ w's prerounded operand
+    hoist = _hoisted(head, prec)
+    w_rounded = ("b",) if hoist else ()  # the logits' and dh's B: the weight, rounded once
     src = linear_ce_source(V, ignore, ls, has_bias, logit_ty, _TL[head], block, preround)
     k = {n: load_kernel(src, n)[0] for n in ("lce_rows", "lce_rows_backward", "lce_rows_with_grad", "lce_final",
                                              "lce_scale", "lce_colsum")}  # fmt: skip
@@ -316,8 +336,17 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
 
     def logits(h, w, r0, r1, buf):
         z = buf[: r1 - r0]
-        mm.matmul(h[r0:r1], w.t(), cfg=cfg, precision=prec, out=z, record=used)
+        mm.matmul(h[r0:r1], w.t(), cfg=cfg, precision=prec, out=z, record=used, prerounded=w_rounded)
         return z
+
+    def rounded(w, transposed: bool):
+        """w (``transposed``: w^T, dense [D, V]) rounded to tf32 into a new buffer (launch
+        scratch, like the staging copies it replaces): K contiguous for the logits
+        (w^T's view) and for dh (w's view of the dense w^T)."""
+        src = w.t() if transposed else w
+        dst = torch.empty(tuple(src.shape), dtype=f32, device=w.device)
+        mm.stage_tf32(src.unsqueeze(0), dst.unsqueeze(0), record=used)
+        return dst
 
     def forward(inputs, outs, sc: Scratch):
         h, w, t, *b = inputs
@@ -325,6 +354,7 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
         (out,) = results(name, specs, outs, dev)
         rows = sc.take((N,), f32)
         buf = sc.take((chunk, V), head)  # the one logits buffer every chunk reuses
+        w = rounded(w, False) if hoist else w
         for r0, r1 in chunks():
             z = logits(h, w, r0, r1, buf)
             k["lce_rows"][(r1 - r0,)](z, t[r0:r1], *b, rows[r0:], num_warps=warps)
@@ -348,8 +378,10 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
         buf = sc.take((chunk, V), head)
         dbuf = sc.take((chunk, V), bias_dtype) if separate_d else None
         db_acc = accumulator(db[0], sc).zero_() if b else None
+        # dh's B: w, or under the hoist the [V, D] view of the rounded dense w^T (K contiguous)
+        wl, wd = (rounded(w, False), rounded(w, True).t()) if hoist else (w, w)
         for r0, r1 in chunks():
-            z = logits(h, w, r0, r1, buf)
+            z = logits(h, wl, r0, r1, buf)
             db_arg = [dbuf] if separate_d else []
             if rows is None:
                 k["lce_rows_backward"][(r1 - r0,)](z, t[r0:r1], *b, scale, *db_arg, num_warps=warps)
@@ -357,8 +389,8 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
                 k["lce_rows_with_grad"][(r1 - r0,)](z, t[r0:r1], *b, rows[r0:], scale, *db_arg, num_warps=warps)
             if b:
                 k["lce_colsum"][(triton_cdiv(V, _COL_BLOCK),)](dbuf if separate_d else z, db_acc, r1 - r0, num_warps=4)
-            mm.matmul(z, w, cfg=configs(z, w, dh.dtype), precision=prec, out=dh[r0:r1], record=used,
-                      prerounded=d_rounded)
+            mm.matmul(z, wd, cfg=configs(z, wd, dh.dtype), precision=prec, out=dh[r0:r1], record=used,
+                      prerounded=d_rounded + w_rounded)
             if r0 == 0:  # the first chunk's product is the accumulator's first value: no zeroing
                 mm.matmul(z.t(), h[r0:r1], cfg=configs(z.t(), h[r0:r1], f32), precision=prec, out=dw_acc, record=used)
             else:

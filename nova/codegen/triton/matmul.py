@@ -848,11 +848,14 @@ def _stage_kernel(interpreted: bool):  # the flag keys the cache: @triton.jit bu
     return load_kernel(stage_source(), "stage_kernel")[0]
 
 
-def stage_tf32(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    """``dst[...] = round_to_tf32(src)`` for 3-D fp32 tensors of one shape (any strides)."""
+def stage_tf32(src: torch.Tensor, dst: torch.Tensor, record: dict | None = None) -> torch.Tensor:
+    """``dst[...] = round_to_tf32(src)`` for 3-D fp32 tensors of one shape (any strides);
+    ``record`` (``matmul``'s) receives the staging kernel's source as "tf32_stage"."""
     if src.shape != dst.shape or src.dim() != 3 or src.dtype != torch.float32 or dst.dtype != torch.float32:
         raise ValueError(f"stage_tf32: needs two 3-D float32 tensors of one shape, got {src.shape} and {dst.shape}")
     kern = _stage_kernel(interpreting())
+    if record is not None and "tf32_stage" not in record:
+        record["tf32_stage"] = kernel_source(kern)
     B, R, C = src.shape
     tiles_c = cdiv(C, STAGE_BLOCK)
     grid = (cdiv(R, STAGE_BLOCK) * tiles_c, B)
@@ -1242,8 +1245,9 @@ def matmul(
     of every kernel launched.
     ``prerounded``: the operands ("a", "b") whose values the caller already rounded to
     nearest tf32 (``round_to_tf32``'s bits); under "tf32-rn" the kernel does not round
-    them again, and a staged config does not copy a 2-D A whose K is contiguous (the
-    staged layout already): the same bits, rounding being idempotent.
+    them again, and a staged config does not copy a 2-D A whose K is contiguous, or a
+    2-D B whose K is contiguous (a [K, N] view of a dense [N, K]: the staged layouts
+    already): the same bits, rounding being idempotent.
     """
     return _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup=False, record=record,
                 prerounded=prerounded)
@@ -1382,14 +1386,16 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     staged = ()
     tokens = cfg.instruction.split("+")
     rounded = tuple(x for x in ("a", "b") if x in prerounded) if in_name == "float32" and precision == "tf32-rn" else ()
+    # a prerounded operand already in the staged layout (one matrix, K contiguous) is read in place
     stage_a = "stage_a" in tokens and not ("a" in rounded and a3.shape[0] == 1 and a3.stride(2) == 1)
+    stage_b = "stage_b" in tokens and not ("b" in rounded and b3.shape[0] == 1 and b3.stride(1) == 1)
     if "stage_a" in tokens or "stage_b" in tokens:
         if in_name != "float32" or precision != "tf32-rn":
             raise ValueError(
                 f"matmul: a staged config ({cfg.instruction}) is the rounded tf32 path: it needs float32 "
                 f"operands and precision 'tf32-rn', got {in_name} and {precision!r}"
             )
-        a3, b3, staged = _stage_operands(a3, b3, stage_a, "stage_b" in tokens, launch=not warmup)
+        a3, b3, staged = _stage_operands(a3, b3, stage_a, stage_b, launch=not warmup)
         if record is not None and "tf32_stage" not in record and staged:
             record["tf32_stage"] = kernel_source(_stage_kernel(interpreting()))
     staged = tuple(x for x in ("a", "b") if x in staged or x in rounded)  # what the kernel does not round
