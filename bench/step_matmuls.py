@@ -112,6 +112,7 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
 
     from nova.backends.triton import VIEW_OPS, _view, config_of
     from nova.codegen.triton import matmul as mm
+    from nova.codegen.triton import linear_ce as lce
     from nova.ir import dialect as nv
     from nova.ir.module import step_func
     from nova.ir.types import elem_of, numel, shape_of, to_torch_dtype
@@ -182,6 +183,11 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
             buf = torch.empty((chunk, V), dtype=head, device="meta")
             dh = torch.empty((N, D), dtype=head, device="meta")
             acc = torch.empty((V, D), dtype=torch.float32, device="meta")  # dw's f32 accumulator
+            # under tf32 the launch rounds w once into a dense w (the logits' B: w^T) and a dense
+            # w^T (dh's B: its [V, D] view, K contiguous), linear_ce.HOIST_WEIGHT_TF32
+            hoist = lce.hoists_weight(head, prec)
+            wl = torch.empty((V, D), dtype=head, device="meta") if hoist else w
+            wd = torch.empty((D, V), dtype=head, device="meta").t() if hoist else w
 
             def at_launch(src, a, b, o, extra, epilogue=False):
                 # matmul(cfg=None): the launcher's configure call from the operands' strides (dw's +=:
@@ -194,9 +200,9 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
                 r1 = min(N, r0 + chunk)
                 z = buf[: r1 - r0]
                 extra = {"chunk_rows": r1 - r0}
-                out.append(_launch(f"{name}:logits", h[r0:r1], w.t(), head, False, prec, cfg, op_args, extra))
+                out.append(_launch(f"{name}:logits", h[r0:r1], wl.t(), head, False, prec, cfg, op_args, extra))
                 if backward:
-                    out.append(at_launch(f"{name}:dh", z, w, dh[r0:r1], extra))
+                    out.append(at_launch(f"{name}:dh", z, wd, dh[r0:r1], extra))
                     out.append(at_launch(f"{name}:dw", z.t(), h[r0:r1], acc, extra, epilogue=r0 > 0))  # acc += in it
     return out
 

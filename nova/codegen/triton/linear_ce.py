@@ -265,7 +265,7 @@ def _held(N, D, V, chunk, head, bias_dtype, separate_d: bool, kind: str) -> list
     return parts
 
 
-def _hoisted(head, prec: str) -> bool:
+def hoists_weight(head, prec: str) -> bool:
     """Whether the launch rounds the weight to tf32 once (``HOIST_WEIGHT_TF32``)."""
     return HOIST_WEIGHT_TF32 and head == torch.float32 and prec == "tf32-rn"
 
@@ -276,7 +276,7 @@ def _scratch(N, D, V, chunk, head, bias_dtype, separate_d: bool, kind: str, prec
     largest matmul's own scratch (the matmuls run one at a time)."""
     rows = {chunk, N % chunk or chunk}  # a full chunk and the last one
     f32 = torch.float32
-    hoist = _hoisted(head, prec)
+    hoist = hoists_weight(head, prec)
     lw = ("col",) if hoist else _LAYOUTS  # w^T rounded: K contiguous
     mms = [_matmul_scratch(r, V, D, head, head, prec, cfg, _LAYOUTS, lw, hoist) for r in rows]  # the logits
     if kind != FORWARD:
@@ -321,7 +321,7 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
     # dh's staged config then reads it in place instead of copying the [chunk, V] f32 buffer
     preround = PREROUND_TF32 and head == torch.float32 and prec == "tf32-rn" and not has_bias
     d_rounded = ("a",) if preround else ()  # dh = d @ w's prerounded operand
-    hoist = _hoisted(head, prec)
+    hoist = hoists_weight(head, prec)
     w_rounded = ("b",) if hoist else ()  # the logits' and dh's B: the weight, rounded once
     src = linear_ce_source(V, ignore, ls, has_bias, logit_ty, _TL[head], block, preround)
     k = {n: load_kernel(src, n)[0] for n in ("lce_rows", "lce_rows_backward", "lce_rows_with_grad", "lce_final",
