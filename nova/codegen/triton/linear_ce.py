@@ -272,12 +272,12 @@ def hoists_weight(head, prec: str) -> bool:
 
 def _scratch(N, D, V, chunk, head, bias_dtype, separate_d: bool, kind: str, prec: str, cfg) -> int:
     """Kernel.scratch_bytes: what the launch takes (``_held``), the weight's rounded
-    copies (``_hoisted``: one for the forward, two with the gradients), plus the
+    copies (``hoists_weight``: one for the forward, two with the gradients), plus the
     largest matmul's own scratch (the matmuls run one at a time)."""
     rows = {chunk, N % chunk or chunk}  # a full chunk and the last one
     f32 = torch.float32
     hoist = hoists_weight(head, prec)
-    lw = ("col",) if hoist else _LAYOUTS  # w^T rounded: K contiguous
+    lw = ("col",) if hoist else _LAYOUTS  # B of the logits and of dh, rounded once: K contiguous
     mms = [_matmul_scratch(r, V, D, head, head, prec, cfg, _LAYOUTS, lw, hoist) for r in rows]  # the logits
     if kind != FORWARD:
         mms += [_matmul_scratch(r, D, V, head, head, prec, None, ("row",), lw, hoist) for r in rows]  # dh = d @ w
