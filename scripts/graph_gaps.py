@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import nova
-from nova.models import GPT, GPTConfig
+from kernel_profile import model_config, step_runner
 
 
 def _timeline(run, steps: int) -> list[tuple[float, float, str]]:
@@ -57,29 +56,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("."))
     opts = ap.parse_args()
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    cfg = model_config("124m")
     x = torch.randint(0, 50304, (opts.batch, 1024), device="cuda")
     y = torch.randint(0, 50304, (opts.batch, 1024), device="cuda")
     doc = {"batch": opts.batch, "device": torch.cuda.get_device_name(), "engines": {}}
     for engine in ("nova", "torch.compile"):
-        with torch.device("cuda"):
-            model = GPT(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        if engine == "nova":
-            step = nova.compile(model, opt, precision="bf16")
-
-            def run():
-                step(x, y)
-        else:
-            fwd = torch.compile(model)
-
-            def run():
-                opt.zero_grad(set_to_none=True)
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = fwd(x, y)
-                loss.backward()
-                opt.step()
-
+        model, opt, run = step_runner(engine, cfg, "bf16", x, y, cuda_graph=True)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
         for _ in range(3):

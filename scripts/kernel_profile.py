@@ -45,6 +45,42 @@ def _kernels(run, steps: int) -> tuple[dict, float]:
     return {k: {"ms": round(v[0], 4), "launches": round(v[1], 2)} for k, v in by_name.items()}, total
 
 
+def model_config(name: str):
+    """The GPTConfig (or the 46M MLP LM's MLPLMConfig) of a preset."""
+    n_layer, n_head, n_embd = PRESETS[name]
+    if name == "mlp46m":
+        return MLPLMConfig(vocab_size=50304, block_size=1024, n_layer=n_layer, n_embd=n_embd)
+    return GPTConfig(vocab_size=50304, block_size=1024, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+
+
+def step_runner(engine: str, cfg, precision: str, x, y, cuda_graph: bool):
+    """(model, optimizer, run): one training step of ``engine`` ("nova" or "torch.compile",
+    autocast under bf16, the global tf32 flags under tf32 as bench/gpt2.py sets them) on a
+    fresh CUDA model of ``cfg`` with fused AdamW."""
+    with torch.device("cuda"):
+        model = MLPLM(cfg) if isinstance(cfg, MLPLMConfig) else GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    tf32 = precision == "tf32"
+    # tf32: the global flags for torch.compile, off for Nova (its argument)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32 and engine != "nova"
+    if engine == "nova":
+        step = nova.compile(model, opt, precision=precision, cuda_graph=cuda_graph)
+
+        def run():
+            step(x, y)
+    else:
+        fwd = torch.compile(model)
+
+        def run():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=not tf32):
+                loss = fwd(x, y)
+            loss.backward()
+            opt.step()
+
+    return model, opt, run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
@@ -55,36 +91,13 @@ def main() -> None:
     ap.add_argument("--precision", choices=["bf16", "tf32"], default="bf16")
     opts = ap.parse_args()
     torch.manual_seed(0)
-    n_layer, n_head, n_embd = PRESETS[opts.model]
-    if opts.model == "mlp46m":
-        cfg = MLPLMConfig(vocab_size=50304, block_size=1024, n_layer=n_layer, n_embd=n_embd)
-    else:
-        cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    cfg = model_config(opts.model)
     tf32 = opts.precision == "tf32"
     x = torch.randint(0, 50304, (opts.batch, 1024), device="cuda")
     y = torch.randint(0, 50304, (opts.batch, 1024), device="cuda")
     doc = {"model": opts.model, "precision": opts.precision, "batch": opts.batch, "device": torch.cuda.get_device_name(), "engines": {}}
     for engine in ("nova", "torch.compile"):
-        with torch.device("cuda"):
-            model = MLPLM(cfg) if opts.model == "mlp46m" else GPT(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        # tf32: the global flags for torch.compile (as bench/gpt2.py sets them), off for Nova (its argument)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32 and engine != "nova"
-        if engine == "nova":
-            step = nova.compile(model, opt, precision=opts.precision, cuda_graph=False)
-
-            def run():
-                step(x, y)
-        else:
-            fwd = torch.compile(model)
-
-            def run():
-                opt.zero_grad(set_to_none=True)
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=not tf32):
-                    loss = fwd(x, y)
-                loss.backward()
-                opt.step()
-
+        model, opt, run = step_runner(engine, cfg, opts.precision, x, y, cuda_graph=False)
         kernels, total = _kernels(run, opts.steps)
         families: dict = defaultdict(lambda: [0.0, 0.0])
         for k, v in kernels.items():
