@@ -7,6 +7,7 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
   persistent    epilogue kernels in the persistent flattened loop too
   *-light       elementwise ops costing more than 4 FLOPs an element (the cost model's
                 table: GELU 8, its backward 12) kept out of epilogues
+  *-nobackward  more than 8 (GELU's backward kept out, the forward's GELU in)
   tile:FIELDS   the shipped configurator, every epilogue kernel's schedule overridden
                 by FIELDS (colon-separated: BMxBN, sS stages, wW warps, gG group_m),
                 e.g. tile:128x256:s3 (a schedule that does not compile fails its row)
@@ -27,7 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light")
+VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "tile-grid-nobackward")
+KEPT_OUT_ABOVE = {"light": 4, "nobackward": 8}  # variant suffix -> FLOPs an element an epilogue op may cost
 
 
 def child(variant: str, layers: int, batch: int) -> dict:
@@ -56,17 +58,23 @@ def child(variant: str, layers: int, batch: int) -> dict:
             epilogue = k.get("epilogue", a[12] if len(a) > 12 else False)  # configure._configure_matmul: positional
             return dataclasses.replace(cfg, **over) if epilogue else cfg
         cf.configure_matmul = configure_matmul
-    if variant.endswith("light"):
+    limit = KEPT_OUT_ABOVE.get(variant.rsplit("-", 1)[-1])
+    if limit is not None:
         real = fz._Grouping._producer
 
         def producer(self, w, node):
             found = real(self, w, node)
             if found is not None and found[0].kind == "contraction" and any(
-                    cost._ELEMENTWISE_FLOPS.get(type(m), 1) > 4 for m in node.members):
+                    cost._ELEMENTWISE_FLOPS.get(type(m), 1) > limit for m in node.members):
                 return None
             if found is not None and node.kind == "contraction" and any(
-                    cost._ELEMENTWISE_FLOPS.get(type(m), 1) > 4 for m in found[0].members):
+                    cost._ELEMENTWISE_FLOPS.get(type(m), 1) > limit for m in found[0].members):
                 return None
+            if (found is not None and found[0].kind == "contraction" and len(node.members) == 1
+                    and fz._itemsize(node.members[0].results[0]) > fz._itemsize(w)
+                    and all(cost._ELEMENTWISE_FLOPS.get(type(u.operation), 1) > limit
+                            for u in node.members[0].results[0].uses)):  # fmt: skip
+                return None  # a widening cast only kept-out ops read: with them (the matmul stores bf16)
             return found
         fz._Grouping._producer = producer
     torch.manual_seed(0)
