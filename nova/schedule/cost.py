@@ -243,21 +243,33 @@ def _lm_head_shapes(op, backward: bool):
     return N, D, V, e, bias, chunk, math.ceil(N / chunk)
 
 
+def _weight_rounding(V: int, D: int, e: int, precision: str, copies: int) -> tuple[int, int]:
+    """(bytes, launches) of an f32 head's weight rounded to tf32 under the tf32 policy,
+    once a launch (``linear_ce.HOIST_WEIGHT_TF32``): w read and a rounded copy written,
+    ``copies`` times (w for the logits; with the gradients also a dense w^T for dh)."""
+    if e != 4 or precision != "tf32":
+        return 0, 0
+    return copies * 2 * V * D * 4, copies
+
+
 @rule(nv.LinearCrossEntropyOp)
 def lm_head_cost(op, ins, outs, cfg, precision) -> Cost:
     """The fused LM head's forward, chunk by chunk: the logits matmul h[chunk] @ w^T
     (2 N V D FLOPs in all; w read once per chunk, each chunk's logits written once
     to the [chunk, V] buffer and read once by the row kernel), the row kernel's
     online log-sum-exp (5 FLOPs a logit, the row loss written in f32) and the final
-    in-order sum: 2 launches per chunk + 1."""
+    in-order sum: 2 launches per chunk + 1 (+ the weight's rounding under tf32,
+    ``_weight_rounding``)."""
     N, D, V, e, bias, chunk, n_c = _lm_head_shapes(op, False)
+    rounding, copies = _weight_rounding(V, D, e, precision, 1)
     nbytes = (N * D * e + n_c * V * D * e  # h once, w once per chunk
               + 2 * N * V * e  # the logits: written by the matmul, read by the row kernel
               + (n_c * V * _itemsize(bias) if bias is not None else 0)
-              + 2 * N * 8 + 2 * N * 4 + sum(_size(r) for r in outs))  # targets and row losses, twice each
+              + 2 * N * 8 + 2 * N * 4 + sum(_size(r) for r in outs)  # targets and row losses, twice each
+              + rounding)
     flops = 2 * N * V * D + _ROW_FLOPS["cross_entropy"] * N * V
     dtype = to_torch_dtype(elem_of(op.operands[0].type))
-    return Cost("lm_head", nbytes, flops, _contraction_path(dtype, precision), 2 * n_c + 1)
+    return Cost("lm_head", nbytes, flops, _contraction_path(dtype, precision), 2 * n_c + 1 + copies)
 
 
 @rule(nv.LinearCrossEntropyBackwardOp)
@@ -268,9 +280,11 @@ def lm_head_backward_cost(op, ins, outs, cfg, precision) -> Cost:
     written again by the matmul's epilogue), the bias gradient's column sum when
     there is a bias: 6 N V D FLOPs; d is written and read five times (matmul out,
     row kernel in/out, both gradient matmuls in), w twice per chunk, h twice;
-    launches: the scale, 4 per chunk (5 with a bias), the rounding copy of a 16-bit dw."""
+    launches: the scale, 4 per chunk (5 with a bias), the rounding copy of a 16-bit dw
+    (and the weight's two tf32 roundings under tf32, ``_weight_rounding``)."""
     N, D, V, e, bias, chunk, n_c = _lm_head_shapes(op, True)
     has_bias = bias is not None
+    rounding, copies = _weight_rounding(V, D, e, precision, 2)
     z_passes = 5 + (1 if has_bias else 0)
     nbytes = (2 * N * D * e + 2 * n_c * V * D * e  # h and w: logits and gradient matmuls
               + z_passes * N * V * e  # the logits chunk buffer
@@ -278,9 +292,10 @@ def lm_head_backward_cost(op, ins, outs, cfg, precision) -> Cost:
               + V * D * 4 + max(0, n_c - 1) * 2 * V * D * 4  # dw: written, then read and written per chunk
               + (V * D * (4 + e) if e != 4 else 0)  # the rounding copy of a 16-bit dw
               + (2 * n_c * V * 4 if has_bias else 0)  # the bias gradient's f32 accumulator
-              + 2 * N * 8 + 16)  # targets (scale kernel and row kernel), the scale
+              + 2 * N * 8 + 16  # targets (scale kernel and row kernel), the scale
+              + rounding)
     flops = 6 * N * V * D + _ROW_BACKWARD_FLOPS["cross_entropy"] * N * V
-    launches = 1 + n_c * (4 + has_bias) + (e != 4) + (has_bias and e != 4)
+    launches = 1 + n_c * (4 + has_bias) + (e != 4) + (has_bias and e != 4) + copies
     dtype = to_torch_dtype(elem_of(op.operands[1].type))
     return Cost("lm_head", nbytes, flops, _contraction_path(dtype, precision), int(launches))
 

@@ -230,6 +230,29 @@ def test_lm_head_with_grad_saves_the_second_logits_matmul():
     assert both.predicted_s < fwd.predicted_s + bwd.predicted_s
 
 
+def test_an_f32_lm_head_under_tf32_counts_its_weight_rounding():
+    """Under tf32 an f32 head's weight is rounded once a launch (linear_ce.HOIST_WEIGHT_TF32):
+    w read and written rounded, once for the forward, twice (w, w^T) with the gradients;
+    nothing of it under fp32 or for a bf16 head."""
+    from nova.ir.types import tensor as t
+
+    N, D, V, chunk = 4096, 768, 50304, 2048
+    slots = [Slot("batch", "h", t([N, D], f32)), Slot("param", "w", t([V, D], f32)), Slot("batch", "y", t([N], nv.i64)),
+             Slot("batch", "g", t([], f32))]
+    props = {"label_smoothing": 0.0, "chunk": chunk, "ignore_index": -100, "reduction": "mean"}
+    module, fn, b = _step(*slots)
+    h, w, y, g = fn.body.block.args
+    fwd = b.one(nv.LinearCrossEntropyOp, [h, w, y], props, tensor([], f32))
+    bwd = b.create(nv.LinearCrossEntropyBackwardOp, [g, h, w, y], props)
+    ins = [tuple(o.operands) for o in (fwd.owner, bwd)]
+    outs = [tuple(o.results) for o in (fwd.owner, bwd)]
+    for op, i, o, copies in zip((fwd.owner, bwd), ins, outs, (1, 2)):
+        tf32 = cost.RULES[type(op)](op, i, o, None, "tf32")
+        fp32 = cost.RULES[type(op)](op, i, o, None, "fp32")
+        assert tf32.bytes - fp32.bytes == copies * 2 * V * D * 4, op.name
+        assert tf32.launches - fp32.launches == copies, op.name
+
+
 def test_every_op_that_can_become_a_kernel_has_a_rule():
     missing = [c.name for c in [*nv.NOVA_OPS, nv.FusedOp] if c not in cost.RULES and c not in nv.AUTODIFF_ONLY]
     assert missing == []
