@@ -14,8 +14,10 @@ with the schedule the lowering asks the configurator for (``linear_ce.Configs``)
 and ``--dh-split`` alternatives for dh. ``--precision tf32``: an f32 head under the
 tf32 policy ("tf32-rn" matmuls, cuBLAS with TF32 allowed), the row kernel writing d
 rounded to tf32 and dh taking it ``prerounded`` (``linear_ce.PREROUND_TF32``), beside
-``dh_copied`` (the same matmul rounding, and staging, d itself). The per-step estimate is
-N / chunk chunks of (logits + rows + dh + dw_add) + one dw_first - dw_add.
+``dh_copied`` (the same matmul rounding, and staging, d itself); the logits and dh
+take the weight rounded once (``linear_ce.HOIST_WEIGHT_TF32``), its two copies timed as
+``weight``. The per-step estimate is N / chunk chunks of (logits + rows + dh + dw_add)
++ one dw_first - dw_add (+ weight under tf32).
 Random inputs; ``bench.timing.time_graph`` (CUDA graph, median replay).
 
     python scripts/lm_head_parts.py [--rows 32768] [--chunks 2048,4096,8192] [--precision bf16|tf32] [--out DIR]
@@ -74,6 +76,12 @@ def main() -> None:
     warps = 4 if block <= 1024 else 8
     prec = "tf32-rn" if tf32 else "bf16"
     rounded = ("a",) if tf32 and linear_ce.PREROUND_TF32 else ()
+    # the weight as the lowering gives it to the logits and dh under tf32 (linear_ce.HOIST_WEIGHT_TF32): rounded
+    # once a launch, w and a dense w^T (the "weight" part below times those two copies)
+    hoist = linear_ce.hoists_weight(head, prec)
+    w_rounded = ("b",) if hoist else ()
+    wl = mm.round_to_tf32(w) if hoist else w
+    wd = mm.round_to_tf32(w).t().contiguous().t() if hoist else w
     configs = linear_ce.Configs(prec)
     result = {"rows": N, "dim": D, "vocab": V, "precision": o.precision, "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "commit": os.environ.get("NOVA_COMMIT"), "chunks": []}  # fmt: skip
@@ -84,16 +92,17 @@ def main() -> None:
         loss = torch.empty(chunk, device=dev, dtype=f32)
         scale = torch.full((1,), 1.0 / N, device=dev, dtype=f32)
         hc, tc = h[:chunk], t[:chunk]
-        c_logits = configs(hc, w.t(), head)
-        c_dh = configs(z, w, head)
+        c_logits = configs(hc, wl.t(), head)
+        c_dh = configs(z, wd, head)
         c_dw = configs(z.t(), hc, f32)
         c_add = configs(z.t(), hc, f32, epilogue=True)
         ep = linear_ce.accumulate(V, D)
-        mm.matmul(hc, w.t(), cfg=c_logits, precision=prec, out=z)
+        mm.matmul(hc, wl.t(), cfg=c_logits, precision=prec, out=z, prerounded=w_rounded)
         parts = {
-            "logits": (lambda: mm.matmul(hc, w.t(), cfg=c_logits, precision=prec, out=z), c_logits, 2 * chunk * V * D),
+            "logits": (lambda: mm.matmul(hc, wl.t(), cfg=c_logits, precision=prec, out=z, prerounded=w_rounded),
+                       c_logits, 2 * chunk * V * D),
             "rows": (lambda: rows_k[(chunk,)](z, tc, loss, scale, num_warps=warps), None, 0),
-            "dh": (lambda: mm.matmul(z, w, cfg=c_dh, precision=prec, out=dh, prerounded=rounded), c_dh,
+            "dh": (lambda: mm.matmul(z, wd, cfg=c_dh, precision=prec, out=dh, prerounded=rounded + w_rounded), c_dh,
                    2 * chunk * V * D),
             "dw_first": (lambda: mm.matmul(z.t(), hc, cfg=c_dw, precision=prec, out=dw), c_dw, 2 * chunk * V * D),
             "dw_add": (lambda: mm.matmul_epilogue(z.t(), hc, ep, [dw], f32, cfg=c_add, precision=prec, outs=[dw]),
@@ -103,12 +112,16 @@ def main() -> None:
             "cublas_dw": (lambda: torch.matmul(z.t(), hc), None, 2 * chunk * V * D),
         }
         if rounded:
-            parts["dh_copied"] = (lambda: mm.matmul(z, w, cfg=c_dh, precision=prec, out=dh), c_dh, 2 * chunk * V * D)
+            parts["dh_copied"] = (lambda: mm.matmul(z, wd, cfg=c_dh, precision=prec, out=dh, prerounded=w_rounded),
+                                  c_dh, 2 * chunk * V * D)
+        if hoist:  # once a launch, not a chunk: the weight's two rounded copies
+            parts["weight"] = (lambda: (mm.stage_tf32(w.unsqueeze(0), wl.unsqueeze(0)),
+                                        mm.stage_tf32(w.t().unsqueeze(0), wd.t().unsqueeze(0))), None, 0)
         for s in [int(x) for x in o.dh_split.split(",")]:
             if s > 1:
                 alt = LoweringConfig.from_dict({**c_dh.to_dict(), "split_k": s})
-                parts[f"dh_split{s}"] = (lambda alt=alt: mm.matmul(z, w, cfg=alt, precision=prec, out=dh,
-                                                                   prerounded=rounded), alt, 2 * chunk * V * D)  # fmt: skip
+                parts[f"dh_split{s}"] = (lambda alt=alt: mm.matmul(z, wd, cfg=alt, precision=prec, out=dh,
+                                                                   prerounded=rounded + w_rounded), alt, 2 * chunk * V * D)  # fmt: skip
         row = {"chunk": chunk, "parts": {}}
         for name, (fn, cfg, flops) in parts.items():
             try:
@@ -125,7 +138,7 @@ def main() -> None:
         n = -(-N // chunk)
         if all(p[k]["ms"] for k in ("logits", "rows", "dh", "dw_add", "dw_first")):
             row["step_ms"] = n * (p["logits"]["ms"] + p["rows"]["ms"] + p["dh"]["ms"] + p["dw_add"]["ms"]) + \
-                p["dw_first"]["ms"] - p["dw_add"]["ms"]
+                p["dw_first"]["ms"] - p["dw_add"]["ms"] + (p["weight"]["ms"] if hoist else 0)
             row["cublas_step_ms"] = n * (p["cublas_logits"]["ms"] + p["rows"]["ms"] + p["cublas_dh"]["ms"] +
                                          p["cublas_dw"]["ms"])  # fmt: skip
             row["scratch_mib"] = (chunk * V * head.itemsize) / 2**20

@@ -35,13 +35,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+from nova.config import positive_int_env
+
 _LOCAL = threading.local()  # .preloading: the hook's own preload call is a real compile request
 
 
 def threads() -> int:
     """``NOVA_COMPILE_THREADS``, or the CPUs this process may use (at most 16)."""
-    from nova.config import positive_int_env
-
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux

@@ -848,14 +848,19 @@ def _stage_kernel(interpreted: bool):  # the flag keys the cache: @triton.jit bu
     return load_kernel(stage_source(), "stage_kernel")[0]
 
 
+def _record_stage(record: dict | None) -> None:
+    """``record`` (``matmul``'s) receives the staging kernel's source as "tf32_stage"."""
+    if record is not None and "tf32_stage" not in record:
+        record["tf32_stage"] = kernel_source(_stage_kernel(interpreting()))
+
+
 def stage_tf32(src: torch.Tensor, dst: torch.Tensor, record: dict | None = None) -> torch.Tensor:
     """``dst[...] = round_to_tf32(src)`` for 3-D fp32 tensors of one shape (any strides);
     ``record`` (``matmul``'s) receives the staging kernel's source as "tf32_stage"."""
     if src.shape != dst.shape or src.dim() != 3 or src.dtype != torch.float32 or dst.dtype != torch.float32:
         raise ValueError(f"stage_tf32: needs two 3-D float32 tensors of one shape, got {src.shape} and {dst.shape}")
     kern = _stage_kernel(interpreting())
-    if record is not None and "tf32_stage" not in record:
-        record["tf32_stage"] = kernel_source(kern)
+    _record_stage(record)
     B, R, C = src.shape
     tiles_c = cdiv(C, STAGE_BLOCK)
     grid = (cdiv(R, STAGE_BLOCK) * tiles_c, B)
@@ -1396,8 +1401,8 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
                 f"operands and precision 'tf32-rn', got {in_name} and {precision!r}"
             )
         a3, b3, staged = _stage_operands(a3, b3, stage_a, stage_b, launch=not warmup)
-        if record is not None and "tf32_stage" not in record and staged:
-            record["tf32_stage"] = kernel_source(_stage_kernel(interpreting()))
+        if staged:
+            _record_stage(record)
     staged = tuple(x for x in ("a", "b") if x in staged or x in rounded)  # what the kernel does not round
     k_split, splits = split_k_plan(K, cfg)
     split = splits > 1
