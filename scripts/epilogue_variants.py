@@ -11,6 +11,8 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
   tile:FIELDS   the shipped configurator, every epilogue kernel's schedule overridden
                 by FIELDS (colon-separated: BMxBN, sS stages, wW warps, gG group_m),
                 e.g. tile:128x256:s3 (a schedule that does not compile fails its row)
+  colsplit:N    the shipped configurator, every column reduction (bias gradients, and
+                GELU's backward computed in the c_fc one's prologue) split N ways
 
     python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--variants a,b] [--out DIR]
 
@@ -58,6 +60,12 @@ def child(variant: str, layers: int, batch: int) -> dict:
             epilogue = k.get("epilogue", a[12] if len(a) > 12 else False)  # configure._configure_matmul: positional
             return dataclasses.replace(cfg, **over) if epilogue else cfg
         cf.configure_matmul = configure_matmul
+    if variant.startswith("colsplit:"):
+        import dataclasses
+
+        column = cf.configure_column_reduction
+        cf.configure_column_reduction = lambda *a, **k: dataclasses.replace(column(*a, **k),
+                                                                          split_k=int(variant.split(":")[1]))
     limit = KEPT_OUT_ABOVE.get(variant.rsplit("-", 1)[-1])
     if limit is not None:
         real = fz._Grouping._producer
@@ -90,7 +98,7 @@ def child(variant: str, layers: int, batch: int) -> dict:
     m = step.profile(repeat=3)
     rows = collections.defaultdict(lambda: [0, 0.0])
     for k, t in zip(m.kernels, m.measured_s):
-        if k.kind in ("matmul", "fused", "elementwise"):
+        if k.kind in ("matmul", "fused", "elementwise", "reduction"):
             key = f"{k.kind:11s} {k.shape:32s} {k.config:36s} ops {k.ops}"
             rows[key][0] += 1
             rows[key][1] += t * 1e3
@@ -111,7 +119,7 @@ def main() -> None:
         return
     results = []
     for v in opts.variants.split(","):
-        if v not in VARIANTS and not v.startswith("tile:"):
+        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:")):
             raise SystemExit(f"epilogue_variants: unknown variant {v!r} (known: {', '.join(VARIANTS)})")
         run = subprocess.run([sys.executable, __file__, "--child", v, "--layers", str(opts.layers),
                               "--batch", str(opts.batch)], capture_output=True, text=True, timeout=400)

@@ -126,6 +126,12 @@ class NovaOp(IRDLOperation):
     # prologue in registers instead of loading them (the fuse stage's input fusion,
     # nova.fused kind "reduction"); all of them have one shape, the prologue's
     PROLOGUE: ClassVar[tuple[int, ...]] = ()
+    # a reduction with a prologue whose kernel computes every prologue element exactly
+    # once (reduce.py: each element of the input is one lane of one tile): it can also
+    # store prologue values for readers outside the group (a GELU backward's gradient,
+    # summed into the bias gradient and written for the next matmuls), and compute
+    # other elementwise ops of the prologue shape from them, stored too
+    PROLOGUE_STORES: ClassVar[bool] = False
     # a reduction that adds up its operand's elements over its ``dims`` property (with
     # ``keepdim``): over every dim but the last, without keepdim, it is a column sum
     # (``column_sum``), which a contraction's epilogue computes tile by tile (the fuse
@@ -668,6 +674,7 @@ class CatOp(NovaOp):
 class ReduceOp(NovaOp):
     CATEGORY: ClassVar = "reduction"
     PROLOGUE: ClassVar = (0,)
+    PROLOGUE_STORES: ClassVar = True
     input = operand_def(TensorType)
     dims = prop_def(DenseArrayBase)
     keepdim = prop_def(BoolProp)
@@ -1344,7 +1351,12 @@ class FusedOp(NovaOp):
     ``EPILOGUE``): elementwise ops of the shape of the head's first result, which
     is the prologue shape (a row-wise op), or of one element, reading no other
     result of the head. Results: the head's results and epilogue values. The
-    iteration shape is the prologue shape."""
+    iteration shape is the prologue shape. A head that computes each prologue
+    element once (``PROLOGUE_STORES``) also stores prologue values: they may be
+    yielded and read by any inner op, and every other op of the group is a
+    prologue op too (of the prologue shape, or of one element; it may read
+    nothing of the head), computed at each element and stored where yielded:
+    results are then the head's and prologue values."""
 
     name = "nova.fused"
     CATEGORY: ClassVar = "fused"
@@ -1485,12 +1497,25 @@ class FusedOp(NovaOp):
                 prologue.add(o)
                 stack.extend(v.owner for v in o.operands if isinstance(v.owner, Operation))
         yielded = set(self.body.block.last_op.operands)
+        stores = bool(head.PROLOGUE and head.PROLOGUE_STORES)
         for op in ops:
             if op is head:
                 continue
             if not isinstance(op, NovaOp) or op.CATEGORY != "elementwise":
                 raise VerifyException(f"{self.name} (reduction): holds {op.name}, which is neither its head nor of "
                                       "category elementwise")
+            if stores:  # every inner op is a prologue op, its values stored where yielded
+                if any(v in head.results for v in op.operands):
+                    raise VerifyException(f"{self.name} (reduction): {op.name} reads {head.name}'s result, which "
+                                          "its prologue cannot")
+                for r in op.results:
+                    if shape_of(r.type) != pro_shape and numel(shape_of(r.type)) != 1:
+                        raise VerifyException(f"{self.name} (reduction): {op.name} gives {shape_of(r.type)}, neither "
+                                              f"the prologue shape {pro_shape} nor one element")
+                    if r in yielded and shape_of(r.type) != pro_shape:
+                        raise VerifyException(f"{self.name} (reduction): yields {op.name}'s one-element value (a "
+                                              f"prologue stores values of its shape {pro_shape} only)")
+                continue
             part, shape = ("prologue", pro_shape) if op in prologue else ("epilogue", epi_shape)
             if part == "epilogue" and (not head.EPILOGUE or epi_shape != pro_shape and head.PROLOGUE):
                 raise VerifyException(f"{self.name} (reduction): {op.name} is an epilogue, which {head.name} does not "

@@ -96,15 +96,18 @@ here, into loops, prologues and epilogues.
                207 registers (scripts/epilogue_sm90_check.py: one block per SM
                where the schedule planned two), against 0.45 ms for GELU's
                backward alone (12; 104 registers) plus 0.16 ms for the recompute
-               in its own elementwise kernel. The forward's bias + GELU (9) stays,
-               and so does GELU's backward with its pre-activation's recompute
-               (widen the saved bf16 matmul result, add the bias: 13, "shared
-               recompute" below): 124 registers at 128x128x64 w8 (sm_90a, with the
-               unit inner strides Triton specializes at launch), two blocks per SM.
-               (The 207 and 104 above were counted with those strides unknown.)
-               The budget is a matmul epilogue's: a reduction's prologue and
-               epilogue (below) run in memory-bound kernels and have none (what a
-               long chain costs there is not measured).
+               in its own elementwise kernel. The forward's bias + GELU (9) stays
+               (with a residual add, 10). GELU's backward with its pre-activation's
+               recompute (13) no longer does: in the epilogue (124 registers at
+               128x128x64 w8, two blocks per SM) it cost the dh matmul 0.535 ms a
+               layer against 0.233 ms bare plus 0.243 ms for GELU's backward in an
+               elementwise kernel of its own (H200, batch 32, bench/results/runs/
+               epilogue_variants_nobackward_00dabef.json); it goes to the bias
+               gradient's sum instead ("stored prologue" below), or a kernel of its
+               own. A widening cast of the matmul's result that only such ops read
+               goes with them (the matmul writes the narrow value). The budget is a
+               matmul epilogue's: a reduction's prologue and epilogue (below) run in
+               memory-bound kernels and have none.
   prologue     (input fusion) elementwise ops whose only reader is a reduction
                that takes a prologue (``PROLOGUE``: reduce_sum / reduce_max's input,
                layer_norm's x, layer_norm_backward's grad and x), at such an operand,
@@ -119,6 +122,20 @@ here, into loops, prologues and epilogues.
                reduction's first result waits for the prologue instead of joining
                that epilogue (the producer then writes the narrow value: half the
                bytes written and read), any other joins the epilogue.
+  stored       a reduction whose kernel computes each prologue element once
+  prologue     (``PROLOGUE_STORES``: reduce_sum / reduce_max) also stores prologue
+               values for readers outside its group, and computes other elementwise
+               ops of the prologue shape from them: an op past any epilogue's budget
+               (GELU's backward, 12) that such a reduction reads (the c_fc bias
+               gradient) is bound to its prologue though others read it too, and
+               joins with its producers (the widened dh, the recomputed
+               pre-activation) and its readers of that shape (its bf16 cast for the
+               next matmuls, remat's GELU recompute of the same pre-activation,
+               "shared recompute" below): one reduce kernel reading dh, the saved
+               matmul result and the bias, writing the bias gradient, GELU's bf16
+               backward and the bf16 GELU the weight gradient reads. A shared value
+               merging into such a group is stored from it. Row-wise heads (layer_norm
+               and its backward read a row twice) store no prologue value.
   reduction    (row epilogue) an elementwise op reading the first result of a
   epilogue     row-wise reduction that takes an epilogue (``EPILOGUE``: layer_norm
                and its backward), with that result's shape, joins its group, and
@@ -137,7 +154,13 @@ here, into loops, prologues and epilogues.
                that GELU's recompute and GELU's backward, in the backward matmul's
                epilogue, both read) is cloned into each reader but the first where
                that moves fewer bytes (``share_recomputes``): a widening chain's
-               f32 value is never written, each reader reads its bf16 input.
+               f32 value is never written, each reader reads its bf16 input. Not
+               where its readers can all be one kernel with it (elementwise of its
+               shape, one past any epilogue's budget, and their other inputs made
+               before the first: GELU's recompute and GELU's backward): computed once.
+  views        a view (reshape, transpose, broadcast_to, slice) of a kernel's result
+               moves up to just after that kernel (``hoist_views``), so that a group
+               reading through it can be placed as early as its real inputs allow.
   no prologue  a cast feeding a matmul operand stays its own kernel (or joins its
                producer's group). In a training step such a cast's result (a
                LayerNorm output or a weight in bf16) is read by two matmuls, the
@@ -189,7 +212,7 @@ from nova.ir import dialect as nv
 from nova.ir.module import result_slots, return_op, step_func
 from nova.ir.types import elem_of, numel, shape_of, tensor, to_torch_dtype
 from nova.schedule.cost import flops_per_element
-from nova.transforms.plan_memory import UPDATED_ROLES
+from nova.transforms.plan_memory import UPDATED_ROLES, VIEW_OPS
 
 # A recomputed scalar runs once per thread of every program of each consumer
 # kernel (0-d values in Triton are not per element): 16 ops (a pow is some 40
@@ -202,7 +225,7 @@ SCALAR_CONE = 16
 # one's result is made that much earlier), which keeps the memory plan's live sets
 # as they were, while reading the shared value once.
 HORIZONTAL_WINDOW = 8
-EPILOGUE_MAX_FLOPS = 13  # an epilogue's FLOPs per element (the module docstring, "budget")
+EPILOGUE_MAX_FLOPS = 11  # an epilogue's FLOPs per element (the module docstring, "budget")
 # Outputs of one group of the scalars run last (a GPT-2 step has 148 step counters):
 # with their inputs about 130 pointer arguments, about 1 KiB of the 4 KiB of kernel
 # parameters CUDA before 12.1 allows
@@ -239,6 +262,13 @@ def reduction_head(op: Operation) -> bool:
 def prologue_shape(head: Operation) -> tuple[int, ...] | None:
     """The shape of a reduction head's prologue operands (None: it takes none)."""
     return shape_of(head.operands[head.PROLOGUE[0]].type) if head.PROLOGUE else None
+
+
+def stores_prologue(head: Operation) -> bool:
+    """A reduction head whose kernel stores prologue values for readers outside its
+    group (``PROLOGUE_STORES``; it takes no epilogue): its group may hold any
+    elementwise op of the prologue shape, computed at each element and stored."""
+    return bool(head.PROLOGUE) and head.PROLOGUE_STORES and epilogue_shape(head) is None
 
 
 def epilogue_shape(head: Operation) -> tuple[int, ...] | None:
@@ -347,7 +377,8 @@ class _Grouping:
                 self.node[op] = Node([op], self.pos[op], shape_of(op.results[0].type), kind="contraction")
                 continue
             if reduction_head(op):
-                self.node[op] = Node([op], self.pos[op], epilogue_shape(op), kind="reduction")
+                shape = prologue_shape(op) if stores_prologue(op) else epilogue_shape(op)
+                self.node[op] = Node([op], self.pos[op], shape, kind="reduction")
                 continue
             ok = fusible(op) and op not in self.tail
             self.node[op] = Node([op], self.pos[op], shape_of(op.results[0].type) if ok else None, ok)
@@ -358,10 +389,13 @@ class _Grouping:
     def _prologue_reader(self, op: Operation) -> Operation | None:
         """The reduction head whose prologue ``op`` can be, or None: every reader of
         its result is that head, at a ``PROLOGUE`` operand of ``op``'s shape, or an
-        op that can be that head's prologue (``prologue_of``, readers first)."""
+        op that can be that head's prologue (``prologue_of``, readers first); or,
+        for a head that stores its prologue's values (``stores_prologue``), ``op``
+        costs more than any epilogue may (``EPILOGUE_MAX_FLOPS``: it is a kernel of
+        its own or this prologue) and its other readers read the stored value."""
         if op.FLAT_INDEX or not op.results[0].uses:
             return None
-        heads = set()
+        heads, outside = set(), False
         for u in op.results[0].uses:
             r = u.operation
             if reduction_head(r) and u.index in r.PROLOGUE:
@@ -369,22 +403,27 @@ class _Grouping:
             elif r in self.prologue_of:
                 heads.add(self.prologue_of[r])
             else:
-                return None
+                outside = True
         if len(heads) != 1:
             return None
         (head,) = heads
+        if outside and not (stores_prologue(head) and flops_per_element(op) > EPILOGUE_MAX_FLOPS):
+            return None
         return head if shape_of(op.results[0].type) == prologue_shape(head) else None
 
     def absorbable(self, members: list[Operation], head: Operation, closed: bool = True) -> bool:
         """Whether ``members`` can be ``head``'s prologue: elementwise ops of its
         prologue shape whose values only the members and ``head`` (at ``PROLOGUE``
         operands) read, or (not ``closed``: a part of the prologue, still growing)
-        other ops that can be its prologue."""
+        other ops that can be its prologue; any reader, where the head stores its
+        prologue's values (``stores_prologue``)."""
         inside = set(members)
         shape = prologue_shape(head)
         for m in members:
             if not fusible(m) or m.FLAT_INDEX or shape_of(m.results[0].type) != shape:
                 return False
+            if stores_prologue(head):
+                continue
             for u in m.results[0].uses:
                 r = u.operation
                 if r in inside or r is head and u.index in head.PROLOGUE:
@@ -415,15 +454,26 @@ class _Grouping:
             return False
         if prologue and not self.absorbable(sorted(prologue, key=self.pos.__getitem__), head):
             return False
-        shape = epilogue_shape(head)
+        stores = stores_prologue(head)  # the other members: ops of the prologue computed and stored
+        shape = prologue_shape(head) if stores else epilogue_shape(head)
         for m in members:
             if m is head or m in prologue:
                 continue
             if shape is None or m.FLAT_INDEX or shape_of(m.results[0].type) != shape:
                 return False
-            if any(v in head.results[1:] for v in m.operands):
+            if any(v in head.results[0 if stores else 1:] for v in m.operands):
                 return False
         return True
+
+    def _widens_for_heavy_readers(self, op: Operation, w: SSAValue) -> bool:
+        """A widening op (its result wider than ``w``) whose readers are all elementwise
+        ops past any epilogue's budget (GELU's backward): in the epilogue it would make
+        the contraction write the wide value for them; outside, their kernel reads the
+        narrow one."""
+        if _itemsize(op.results[0]) <= _itemsize(w):
+            return False
+        readers = [u.operation for u in op.results[0].uses]
+        return bool(readers) and all(fusible(r) and flops_per_element(r) > EPILOGUE_MAX_FLOPS for r in readers)
 
     # --- scalars recomputed where they are read ----------------------------
     def _is_virtual(self, v: SSAValue) -> bool:
@@ -614,6 +664,8 @@ class _Grouping:
                 found = self._producer(w, node)
                 if found is not None:
                     other, reshape = found
+                    if other.kind == "contraction" and self._widens_for_heavy_readers(op, w):
+                        continue  # it joins its readers' kernel, which then reads the narrow value
                     kept_for = node.bound
                     if kept_for is not None and other.kind != "elementwise":
                         # a head's epilogue, or the prologue of the reduction reading it: the
@@ -824,6 +876,36 @@ def sink_views(block: Block) -> int:
     return moved
 
 
+def hoist_views(block: Block) -> int:
+    """Each view (``VIEW_OPS``: a strided view in the backend, no kernel) of a kernel's
+    result moves up to just after that kernel, in block order: a group reading through
+    it may then be placed as early as its real inputs allow (GELU's backward, which
+    reads the input-gradient matmul's result through a reshape, with remat's GELU
+    recompute, which the weight gradient reads before that reshape was placed). Exact,
+    and the memory plan's live ranges stay as they were (a view's bytes are its
+    root's, live until the view's last reader). A view of a block argument or of
+    another view stays where it is (that one could be a copy). Returns how many moved."""
+    ops = list(block.ops)
+    after: dict[Operation, list[Operation]] = {}
+    for op in ops:
+        if isinstance(op, VIEW_OPS) and isinstance(op.operands[0].owner, Operation) \
+                and not isinstance(op.operands[0].owner, VIEW_OPS):  # fmt: skip
+            after.setdefault(op.operands[0].owner, []).append(op)
+    hoisted = {v for vs in after.values() for v in vs}
+    order: list[Operation] = []
+    for op in ops:
+        if op not in hoisted:
+            order.append(op)
+            order += after.get(op, [])
+    moved = sum(1 for i, op in enumerate(order) if op in hoisted and ops[i] is not op)
+    if moved:
+        for op in ops:
+            block.detach_op(op)
+        for op in order:
+            block.add_op(op)
+    return moved
+
+
 def _shared_reader(u) -> str | None:
     """How a reader of a remat recompute ``v`` can compute ``v`` itself: "prologue" (a
     reduction reading it as a prologue operand of its shape), "elementwise" (an
@@ -854,6 +936,37 @@ def _chain_of(op: Operation, order: dict[Operation, float]) -> list[Operation]:
                     members.add(p)
                     changed = True
     return sorted(members, key=order.__getitem__)
+
+
+def _one_kernel_for_readers(op: Operation, uses: list, kinds: list, order: dict[Operation, float]) -> bool:
+    """Whether the readers of ``op``'s value can all be one kernel with it, so that it
+    is neither written nor cloned: every reader elementwise of its shape, one of them
+    past any epilogue's budget (GELU's backward: its kernel, an elementwise one or a
+    reduction's prologue, has no budget the others could pass), and everything the
+    later readers read besides (through elementwise producers of the shape, which join
+    them) made before the first reader, where the kernel can then be placed (remat's
+    GELU recompute, before the weight gradient that reads it, and GELU's backward of
+    the input gradient computed before it)."""
+    if set(kinds) != {"elementwise"} or not any(flops_per_element(u.operation) > EPILOGUE_MAX_FLOPS for u in uses):
+        return False
+    first = min(order[u.operation] for u in uses)
+    shape = shape_of(op.results[0].type)
+    seen: set[Operation] = {op}
+    stack = [u.operation for u in uses]
+    while stack:
+        r = stack.pop()
+        if r in seen:
+            continue
+        seen.add(r)
+        for v in r.operands:
+            p = v.owner
+            if not isinstance(p, Operation) or p in seen:
+                continue
+            if fusible(p) and not p.FLAT_INDEX and shape_of(p.results[0].type) == shape:
+                stack.append(p)
+            elif order[p] >= first:
+                return False
+    return True
 
 
 def share_recomputes(block: Block) -> set[Operation]:
@@ -904,6 +1017,8 @@ def share_recomputes(block: Block) -> set[Operation]:
         k, out = len(uses), _itemsize(op.results[0])
         if in_bytes >= out and not all("nova.remat" in m.attributes for m in chain):
             continue  # neither remat's recompute nor widening
+        if _one_kernel_for_readers(op, uses, kinds, order):
+            continue  # one kernel computes it for every reader: nothing written, nothing computed twice
         written = (k + 1 if "elementwise" not in kinds else k) * out
         if (k - 1) * in_bytes > written or sum(flops_per_element(m) for m in chain) > EPILOGUE_MAX_FLOPS:
             continue
@@ -927,6 +1042,7 @@ def fuse(module: ModuleOp) -> list[nv.FusedOp]:
     fn = step_func(module)
     block = fn.body.block
     sink_views(block)
+    hoist_views(block)
     clones = share_recomputes(block)
     g = _Grouping(block, clones)
     g.group()

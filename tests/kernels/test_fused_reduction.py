@@ -118,6 +118,43 @@ def test_a_chain_with_broadcast_and_transposed_operands_is_the_reductions_prolog
     assert [o.name for o in g.inner_ops()][-1] == cls.name
 
 
+@pytest.mark.parametrize("split", [None, 3], ids=["one-pass", "split"])
+@pytest.mark.parametrize("rows", [(2, 8), (3, 5)], ids=["even", "ragged"])
+def test_gelu_backward_is_summed_and_stored_from_the_bias_gradients_prologue(rows, split):
+    """The c_fc layer's backward after a bare matmul: the bf16 incoming gradient widened,
+    the pre-activation recomputed from the saved bf16 matmul result and the bias, GELU's
+    backward summed into the bias gradient, its bf16 cast stored for the next matmuls,
+    and the f32 pre-activation stored too (here returned): one reduce kernel, each
+    element computed and stored once."""
+    n = 24
+    module, fn, b = _step(Slot("batch", "dh", tensor([*rows, n], bf16)), Slot("batch", "mm", tensor([*rows, n], bf16)),
+                          Slot("param", "bias", tensor([n], f32)))  # fmt: skip
+    dh, mm, bias = fn.body.block.args
+    pre = b.add(b.cast(mm, f32), bias)
+    d = b.one(nv.GeluBackwardOp, [b.cast(dh, f32), pre], {"approximate": "tanh"})
+    set_results(fn, [("grad", "bias", b.reduce_sum(d, [0, 1])), ("loss", "d", b.cast(d, bf16)), ("loss", "pre", pre)])
+    cfg = None if split is None else LoweringConfig(kind="reduction", block=8, split_k=split, num_warps=4)
+    (g,) = _check(module, cfg, tol=2e-2)
+    full = f"{rows[0]}x{rows[1]}x{n}"
+    assert sorted(str(r.type) for r in g.results) == sorted([f"tensor<{n}xf32>", f"tensor<{full}xbf16>",
+                                                             f"tensor<{full}xf32>"])  # fmt: skip
+    head, fusion = fk.fusion_of(g)
+    assert sorted(how for how, _ in fusion.outputs) == ["head", "prologue", "prologue"]
+    prog = TritonProgram(fn, "bf16")
+    assert [type(st.op) for st in prog.steps if st.run is not None] == [nv.FusedOp]  # one launch
+
+
+def test_a_prologue_store_of_a_maximum_over_inner_rows():
+    """A row maximum (the reduced axis contiguous: the tile's fast axis is the columns)
+    storing the exp its prologue computes, as the rows of a softmax would."""
+    module, fn, b = _step(Slot("batch", "x", tensor([5, 40], f32)))
+    e = b.one(nv.ExpOp, [fn.body.block.args[0]])
+    m = b.create(nv.ReduceMaxOp, [b.add(e, e)], {"dims": (1,), "keepdim": True}).results[0]
+    set_results(fn, [("loss", "m", m), ("loss", "e", e)])
+    (g,) = _check(module, LoweringConfig(kind="reduction", block=16, split_k=2, num_warps=4))
+    assert len(g.results) == 2
+
+
 # ----------------------------------------------------------------------------
 # layer_norm with its epilogue
 

@@ -60,10 +60,16 @@ def _group(kind: str):
     else:  # GELU's backward: h is its incoming gradient, saved the pre-activation
         d = b.one(nv.GeluBackwardOp, [h, saved], {"approximate": "tanh"})
         results = [("loss", "d", d), ("loss", "db", b.cast(d, bf16))]
-        if kind == "gelu_backward_sum":  # the step's: the c_fc bias gradient's column sum instead of d
+        if kind == "gelu_backward_sum":  # the c_fc bias gradient's column sum instead of d
             results[0] = ("grad", "bias", b.reduce_sum(d, [0, 1]))
     set_results(fn, results)
-    fz.fuse(module)
+    # GELU's backward (12 FLOPs an element) is past the shipped budget (the step computes it
+    # in the bias gradient's sum): built with room for it, to keep its figures
+    budget, fz.EPILOGUE_MAX_FLOPS = fz.EPILOGUE_MAX_FLOPS, 13
+    try:
+        fz.fuse(module)
+    finally:
+        fz.EPILOGUE_MAX_FLOPS = budget
     (group,) = [op for op in step_func(module).body.block.ops if isinstance(op, nv.FusedOp)]
     return group
 

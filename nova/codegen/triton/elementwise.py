@@ -430,7 +430,10 @@ class Fusion:
     group's operand k as it is, or ("prologue", i) value i of ``prologue``; the
     ``epilogue`` on the head's first result, its value j stored as ``stores[j]``;
     and which of the group's results each one is, ``outputs[r]`` = ("head", i) the
-    head's result i (stored as the unfused op stores it), or ("epilogue", j).
+    head's result i (stored as the unfused op stores it), ("epilogue", j), or
+    ("prologue", j): the prologue's value ``prologue_stores[j]`` = (index into
+    ``prologue.values``, dtype), stored at every element the prologue computes (a
+    template that computes each once: ``NovaOp.PROLOGUE_STORES``).
     ``plain(n_operands, n_results)``: the unfused op."""
 
     reads: tuple[tuple[str, int], ...]
@@ -438,6 +441,7 @@ class Fusion:
     prologue: Chain | None = None
     epilogue: Chain | None = None
     stores: tuple[torch.dtype, ...] = ()
+    prologue_stores: tuple[tuple[int, torch.dtype], ...] = ()
 
     @staticmethod
     def plain(n_operands: int, n_results: int) -> Fusion:

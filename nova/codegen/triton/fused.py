@@ -167,7 +167,10 @@ def fusion_of(op: nv.FusedOp) -> tuple[nv.NovaOp, Fusion]:
     where the template would load the head's operand, the epilogue (the other inner
     ops, and the one-element prologue values they read, recomputed) on the head's
     first result as the unfused op stores it (``<q>in``), the same expressions and
-    roundings as ``fused_body``."""
+    roundings as ``fused_body``. Under a head that stores prologue values
+    (``NovaOp.PROLOGUE_STORES``: the dialect's verifier makes every other inner op
+    a prologue op), the prologue is every inner op, and each value of it the group
+    yields is one more of the chain's values, stored at each element."""
     head = op.reduction()
     if head is None:
         raise UnsupportedError(f"{op.name}: not a reduction group")
@@ -185,12 +188,16 @@ def fusion_of(op: nv.FusedOp) -> tuple[nv.NovaOp, Fusion]:
                 stack.extend(v.owner for v in o.operands if v.owner in order)
         return seen
 
-    prologue = closure(head.operands)
+    stores_mode = bool(head.PROLOGUE and head.PROLOGUE_STORES)
+    prologue = {o for o in inner if o is not head} if stores_mode else closure(head.operands)
     epilogue = [o for o in inner if o is not head and o not in prologue]
     epilogue = sorted(set(epilogue) | closure([v for o in epilogue for v in o.operands if v.owner in prologue]),
                       key=order.__getitem__)  # fmt: skip
     pro_chain = None
     reads: list[tuple[str, int]] = []
+    yields = list(block.last_op.operands)
+    pro_stores: list[tuple[int, object]] = []
+    pro_stored: dict = {}  # a yielded prologue value -> its index in pro_stores
     if prologue:
         var: dict = {}
         operands, inputs, lines, helpers = _chain(sorted(prologue, key=order.__getitem__), block, "p", var)
@@ -201,10 +208,14 @@ def fusion_of(op: nv.FusedOp) -> tuple[nv.NovaOp, Fusion]:
                 values.append(var[v])
             else:
                 reads.append(("input", list(block.args).index(v)))
+        for v in yields:
+            if stores_mode and v.owner in prologue and v not in pro_stored:
+                pro_stored[v] = len(pro_stores)
+                pro_stores.append((len(values), _dtype(v)))
+                values.append(var[v])
         pro_chain = Chain("p", tuple(operands), tuple(inputs), "\n".join(lines), tuple(values), merge_helpers(helpers))
     else:
         reads = [("input", list(block.args).index(v)) for v in head.operands]
-    yields = list(block.last_op.operands)
     outputs: list[tuple[str, int]] = []
     epi_chain, stores = None, []
     stored = {}
@@ -225,9 +236,11 @@ def fusion_of(op: nv.FusedOp) -> tuple[nv.NovaOp, Fusion]:
             outputs.append(("head", list(head.results).index(v)))
         elif v in stored:
             outputs.append(("epilogue", stored[v]))
+        elif v in pro_stored:
+            outputs.append(("prologue", pro_stored[v]))
         else:
             raise UnsupportedError(f"{op.name}: yields a value its {head.name} kernel does not compute")
-    return head, Fusion(tuple(reads), tuple(outputs), pro_chain, epi_chain, tuple(stores))
+    return head, Fusion(tuple(reads), tuple(outputs), pro_chain, epi_chain, tuple(stores), tuple(pro_stores))
 
 
 # attributes that say where an op is (its source line) and where its results live in

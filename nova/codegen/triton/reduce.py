@@ -139,11 +139,15 @@ def _decompose(var: str, dims: Sequence[int], shape: Sequence[int], prefix: str)
     return lines
 
 
-def _prologue_lines(p: Plan, chain: Chain, neutral: str, acc: str) -> list[str]:
+def _prologue_lines(p: Plan, chain: Chain, neutral: str, acc: str, read: int = 0,
+                    stores: Sequence[tuple[int, str]] = ()) -> list[str]:  # fmt: skip
     """Inside the column loop: each prologue operand loaded at the tile's elements
     (through its own strides; its shape right-aligned to the input's), the chain,
-    then ``x``: the head's input as the unfused kernel would have loaded it, the
-    masked lanes the reduction's neutral value (as the unfused load's ``other``)."""
+    the stores of the chain's values ``stores`` ((value index, stored type) each,
+    into ``pout<j>``, contiguous of the input's shape, at the tile's elements), then
+    ``x``: the head's input (the chain's value ``read``) as the unfused kernel would
+    have loaded it, the masked lanes the reduction's neutral value (as the unfused
+    load's ``other``)."""
     rank = len(p.shape)
     lines = []
     for k, op in enumerate(chain.operands):
@@ -156,20 +160,33 @@ def _prologue_lines(p: Plan, chain: Chain, neutral: str, acc: str) -> list[str]:
         off = f"({' + '.join(rows) or 'rows * 0'})[:, None] + ({' + '.join(cols) or 'cols * 0'})[None, :]"
         lines.append(f"px{k} = tl.load(pptr{k} + {off}, mask=m, other=0)")
     lines += chain.body.splitlines()
-    ((var, vtag),) = chain.values
+    if stores:
+        step = [1] * rank  # the contiguous strides of the input's shape
+        for d in range(rank - 2, -1, -1):
+            step[d] = step[d + 1] * p.shape[d + 1]
+        rows = [f"r{d} * {step[d]}" for d in p.rows if p.shape[d] > 1]
+        cols = [f"c{d} * {step[d]}" for d in p.cols if p.shape[d] > 1]
+        lines.append(f"pout_off = ({' + '.join(rows) or 'rows * 0'})[:, None] + ({' + '.join(cols) or 'cols * 0'})[None, :]")
+        for j, (k, out_tag) in enumerate(stores):
+            var, vtag = chain.values[k]
+            lines.append(f"tl.store(pout{j} + pout_off, {convert(var, vtag, out_tag)}, mask=m)")
+    var, vtag = chain.values[read]
     return [*lines, f"x = tl.where(m, {convert(var, vtag, acc)}, {neutral})"]
 
 
 def reduce_source(
-    name: str, p: Plan, kind: str, in_dtype: torch.dtype, out_tag: str, chain: Chain | None = None
-) -> str:
+    name: str, p: Plan, kind: str, in_dtype: torch.dtype, out_tag: str, chain: Chain | None = None,
+    read: int = 0, stores: Sequence[tuple[int, str]] = (),
+) -> str:  # fmt: skip
     """Triton source of one pass. Arguments: input, output, the strides of every
     moving input dim, then IDX64. With ``p.split > 1`` the output is the [S, R]
     workspace in the accumulator type and program (r, s) covers columns
     [s * chunk, (s + 1) * chunk). With a prologue ``chain`` (nova.fused
-    "reduction") the input elements are computed in registers instead of loaded:
-    the arguments are the chain's operands, the output, each operand's strides
-    (of its moving dims), then IDX64."""
+    "reduction") the input elements are computed in registers instead of loaded
+    (the chain's value ``read``): the arguments are the chain's operands, the
+    output, the prologue's stored values' outputs (``stores``: value index and
+    stored type each; every element is one lane of one program, so each is written
+    once), each operand's strides (of its moving dims), then IDX64."""
     src = tag(in_dtype)
     if src not in _ACC:
         raise UnsupportedError(f"{name}: cannot reduce {in_dtype} tensors")
@@ -188,9 +205,10 @@ def reduce_source(
     else:
         rank = len(p.shape)
         params = [f"pptr{k}" for k in range(len(chain.operands))] + ["out_ptr"]
+        params += [f"pout{j}" for j in range(len(stores))]
         params += [f"ps{k}_{kd}" for k, op in enumerate(chain.operands) for kd, _, _ in op.terms(rank)]
         params.append("IDX64: tl.constexpr")
-        loads = _prologue_lines(p, chain, neutral, acc)
+        loads = _prologue_lines(p, chain, neutral, acc, read, stores)
     row_off = " + ".join(f"r{d} * s{d}" for d in p.rows if p.shape[d] > 1) or "rows * 0"
     col_off = " + ".join(f"c{d} * s{d}" for d in p.cols if p.shape[d] > 1) or "cols * 0"
     lines = [
@@ -245,6 +263,7 @@ class Reduction:
     acc_dtype: torch.dtype
     num_warps: int
     chain: Chain | None = None  # a prologue (nova.fused "reduction"): the input computed from these operands
+    stores: tuple[tuple[int, torch.dtype], ...] = ()  # the prologue's values it stores: (value index, dtype)
 
     @property
     def scratch_bytes(self) -> int:
@@ -274,11 +293,19 @@ class Reduction:
             big = big or span(t) > INT32_MAX
         return [storage_view(t) for t in x], strides, big, x[0].device
 
-    def __call__(self, x, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Reduces ``x`` (with a prologue: the list of its operands) into ``out``."""
+    def __call__(self, x, out: torch.Tensor | None = None, side: list | None = None) -> torch.Tensor:
+        """Reduces ``x`` (with a prologue: the list of its operands) into ``out``;
+        the prologue's stored values into ``side`` (one tensor or None each, of the
+        input's shape; None entries are allocated in place in the list)."""
         p = self.plan
         xs, strides, big, device = self._inputs(x)
         out = result_tensor(self.name, out, self.out_shape, self.out_dtype, device)
+        if len(side or ()) != len(self.stores):
+            raise ValueError(f"{self.name}: takes {len(self.stores)} prologue outputs, got {len(side or ())}")
+        for j, (_, dtype) in enumerate(self.stores):
+            side[j] = result_tensor(f"{self.name} (prologue output {j})", side[j], p.shape, dtype, device)
+        side = list(side or ())
+        big = big or bool(side) and numel(p.shape) > INT32_MAX
         if out.numel() == 0:
             return out
         big = big or p.R + p.block_r > INT32_MAX or p.C + p.chunk > INT32_MAX
@@ -287,10 +314,10 @@ class Reduction:
         # the fused kernel rounds as the unfused ones do
         opts = {"num_warps": self.num_warps, "enable_fp_fusion": False}
         if p.split == 1:
-            self.fns[0][grid](*xs, out, *strides, IDX64=big, **opts)
+            self.fns[0][grid](*xs, out, *side, *strides, IDX64=big, **opts)
             return out
         ws = torch.empty((p.split, p.R), dtype=self.acc_dtype, device=device)
-        self.fns[0][grid](*xs, ws, *strides, IDX64=big, **opts)
+        self.fns[0][grid](*xs, ws, *side, *strides, IDX64=big, **opts)
         q = self.second
         ws_strides = [ws.stride(d) for d in range(2) if ws.shape[d] > 1]
         ws_big = ws.numel() + q.block_r > INT32_MAX
@@ -301,10 +328,12 @@ class Reduction:
 def reduction(
     kind: str, shape: Sequence[int], dims: Sequence[int], keepdim: bool, dtype: torch.dtype,
     cfg: LoweringConfig | None = None, chain: Chain | None = None, name: str | None = None,
+    read: int = 0, stores: Sequence[tuple[int, torch.dtype]] = (),
 ) -> Reduction:  # fmt: skip
     """The kernels of ``sum``/``max`` of a ``dtype`` tensor of ``shape`` over ``dims``;
-    with a prologue ``chain`` (one value: the input element, of ``dtype``), the input
-    computed from the chain's operands (named ``name``)."""
+    with a prologue ``chain`` (its value ``read``: the input element, of ``dtype``),
+    the input computed from the chain's operands (named ``name``), and the chain's
+    values ``stores`` ((value index, dtype) each) stored at every element."""
     shape = tuple(int(s) for s in shape)
     p = plan(shape, dims, cfg)
     if kind == "max" and p.C == 0:
@@ -317,10 +346,15 @@ def reduction(
     warps = cfg.num_warps if cfg is not None else 4
     acc_dtype = _ACC_TORCH[acc]
     helpers = chain.helpers if chain is not None else ""
+    stores = tuple(stores)
+    if stores and chain is None:
+        raise UnsupportedError(f"{base}: stores prologue values without a prologue")
+    tagged = tuple((k, tag(d)) for k, d in stores)
     if p.split == 1:
         n1 = sanitize(base)
-        src = module_text(kind, acc, [reduce_source(n1, p, kind, dtype, tag(dtype), chain)], helpers)
-        return Reduction(base, src, p, (load(src, n1), None), None, dtype, dtype, out_shape, acc_dtype, warps, chain)
+        src = module_text(kind, acc, [reduce_source(n1, p, kind, dtype, tag(dtype), chain, read, tagged)], helpers)
+        return Reduction(base, src, p, (load(src, n1), None), None, dtype, dtype, out_shape, acc_dtype, warps, chain,
+                         stores)  # fmt: skip
     q = plan((p.split, p.R), (0,), None)  # pass 2: the [S, R] workspace over S, in one pass
     # rows narrow enough for FINAL_PROGRAMS programs (the workspace is small: its pass is latency-bound)
     block_r = min(q.block_r, max(16, next_pow2(-(-p.R // FINAL_PROGRAMS)))) if not q.inner else q.block_r
@@ -328,10 +362,12 @@ def reduction(
     q = Plan(q.shape, q.rows, q.cols, q.R, q.C, q.inner, block_r, block_c, 1, -(-q.C // block_c) * block_c)
     n1, n2 = sanitize(f"{base}_split{p.split}"), sanitize(f"{base}_split{p.split}_final")
     src = module_text(
-        kind, acc, [reduce_source(n1, p, kind, dtype, acc, chain), reduce_source(n2, q, kind, acc_dtype, tag(dtype))],
+        kind, acc, [reduce_source(n1, p, kind, dtype, acc, chain, read, tagged),
+                    reduce_source(n2, q, kind, acc_dtype, tag(dtype))],
         helpers,
-    )
-    return Reduction(base, src, p, (load(src, n1), load(src, n2)), q, dtype, dtype, out_shape, acc_dtype, warps, chain)
+    )  # fmt: skip
+    return Reduction(base, src, p, (load(src, n1), load(src, n2)), q, dtype, dtype, out_shape, acc_dtype, warps, chain,
+                     stores)  # fmt: skip
 
 
 @lowers(nv.ReduceSumOp, nv.ReduceMaxOp)
@@ -345,22 +381,30 @@ def lower_reduce(
     dtype = to_torch_dtype(elem_of(op.operands[0].type))
     p = op.props()
     kind = "sum" if isinstance(op, nv.ReduceSumOp) else "max"
-    chain = None
+    chain, read, stores = None, 0, ()
     if fusion is not None:
-        if fusion.epilogue is not None or fusion.outputs != (("head", 0),):
+        if fusion.epilogue is not None or ("head", 0) not in fusion.outputs or any(
+                how not in ("head", "prologue") for how, _ in fusion.outputs):  # fmt: skip
             raise UnsupportedError(f"{op.name}: the reduce template takes a prologue only, no epilogue")
         if fusion.prologue is not None and fusion.reads[0][0] == "prologue":
-            chain = fusion.prologue
+            chain, read, stores = fusion.prologue, fusion.reads[0][1], fusion.prologue_stores
+        elif fusion.prologue_stores:
+            raise UnsupportedError(f"{op.name}: stores prologue values but reads its input as it is")
     if not p["dims"]:
         if chain is not None:
             raise UnsupportedError(f"{op.name}: a prologue before a reduction over no dims (a copy)")
         return copy_kernel(shape, dtype, cfg)
-    r = reduction(kind, shape, p["dims"], p["keepdim"], dtype, cfg, chain, name)
+    r = reduction(kind, shape, p["dims"], p["keepdim"], dtype, cfg, chain, name, read, stores)
 
     def launch(xs, outs=None, device=None):
-        if chain is not None:
+        if chain is None:
+            return [r(xs[fusion.direct(0)] if fusion is not None else xs[0], only_out(outs))]
+        if not stores:
             return [r([xs[k] for k in chain.inputs], only_out(outs))]
-        return [r(xs[fusion.direct(0)] if fusion is not None else xs[0], only_out(outs))]
+        given = list(outs) if outs is not None else [None] * len(fusion.outputs)
+        side = [given[fusion.outputs.index(("prologue", j))] for j in range(len(stores))]
+        head = r([xs[k] for k in chain.inputs], given[fusion.head_output(0)], side)
+        return [head if how == "head" else side[j] for how, j in fusion.outputs]
 
     return Kernel(name=r.name, source=r.source, launch=launch, config=cfg, extra={"split": r.plan.split},
                   scratch_bytes=r.scratch_bytes)  # fmt: skip
