@@ -461,8 +461,8 @@ class _Grouping:
                 continue
             if shape is None or m.FLAT_INDEX or shape_of(m.results[0].type) != shape:
                 return False
-            if any(v in head.results[0 if stores else 1:] for v in m.operands):
-                return False
+            if any(v in head.results[0 if stores else 1:] for v in (*m.operands, *self.inputs[m])):
+                return False  # (``inputs``: the scalars it recomputes read too)
         return True
 
     def _widens_for_heavy_readers(self, op: Operation, w: SSAValue) -> bool:
