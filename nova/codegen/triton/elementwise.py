@@ -469,10 +469,8 @@ class Fusion:
 # Cephes tanhf (|x| < 0.625: odd polynomial, else 1 - 2 / (exp(2|x|) + 1)): ~2 ulp.
 # Horner's steps are explicit fmas (the kernels compile without fp contraction, so
 # that separate ops round as written; inside one op that is the op's own rounding),
-# and exp(2|x|) is one exp2 (the same bits: 2 log2(e) is exact in fp32). With the
-# fmas of ``_gelu_code`` / ``_gelu_backward_code``, the GPT-2 124M step's matmul
-# epilogues (sm_90a PTX, 128x128 tiles, scripts/epilogue_sm90_check.py's compile):
-# bias + GELU 2733 -> 2220 instructions, GELU's backward 4331 -> 3626.
+# and exp(2|x|) is one exp2 (the same bits: 2 log2(e) is exact in fp32). (GELU's tanh
+# approximation does not use it: ``_gelu_code``.)
 _TANH_F32 = """
 @triton.jit
 def _tanh_f32(x):
@@ -625,16 +623,32 @@ _UNARY: dict[type, Callable[[Sequence[str], str, str], str]] = {
 _INTEGER_BINARY: dict[type, str] = {nv.AddOp: "+", nv.SubOp: "-", nv.MulOp: "*"}
 
 
+# The tanh approximation's 0.5 x (1 + tanh(u)), u = beta (x + kappa x^3), written as
+# x sigmoid(2u) = x s, s = 1 / (1 + exp(-2u)) (1 + tanh(u) = 2 sigmoid(2u), exactly): one
+# exp2 and one reciprocal an element, no tanh (whose two branches and division made
+# GELU's backward ~40 FP instructions an element, the GPT-2 step's c_fc bias-gradient
+# kernel issue-bound: scripts' offline sm_90a compile). It also drops 1 + tanh(u)'s
+# cancellation for x << 0 (torch's form loses relative accuracy there; the two agree
+# within an fp32 rounding of |x|). The backward's derivative,
+# s + x s (1 - s) 2 beta (1 + 3 kappa x^2), reuses s: a kernel holding GELU and its
+# backward (the fuse stage's c_fc backward) computes u, the exp2 and s once.
+_GELU_2U = 2.0 * _GELU_BETA
+_NEG_2U_LOG2E = -2.0 * _GELU_BETA * math.log2(math.e)
+
+
+def _gelu_sigmoid(x: str, y: str, ct: str) -> str:
+    """Lines setting ``<y>_x_sq`` and ``<y>_s`` = sigmoid(2u) of ``x``."""
+    c = lambda v: const(v, ct)  # noqa: E731
+    neg_2u = (f"tl.exp2({c(_NEG_2U_LOG2E)} * tl.fma({c(_KAPPA)} * {y}_x_sq, {x}, {x}))" if ct == "f32"
+              else f"tl.exp({c(-_GELU_2U)} * tl.fma({c(_KAPPA)} * {y}_x_sq, {x}, {x}))")  # fmt: skip
+    return f"{y}_x_sq = {x} * {x}\n{y}_s = {c(1.0)} / ({c(1.0)} + {neg_2u})\n"
+
+
 def _gelu_code(approximate: str, ct: str):
     c = lambda v: const(v, ct)  # noqa: E731
     if approximate == "none":
         return lambda a, y: f"{y} = {a[0]} * {c(0.5)} * ({c(1.0)} + tl.math.erf({a[0]} * {c(_SQRT1_2)}))"
-    # 0.5 x (1 + tanh(beta (x + kappa x^3))), with explicit fmas (``_TANH_F32``'s note)
-    return lambda a, y: (
-        f"{y}_inner = {c(_GELU_BETA)} * tl.fma({c(_KAPPA)} * ({a[0]} * {a[0]}), {a[0]}, {a[0]})\n"
-        f"{y}_half = {c(0.5)} * {a[0]}\n"
-        f"{y} = tl.fma({y}_half, _tanh_{ct}({y}_inner), {y}_half)"
-    )
+    return lambda a, y: _gelu_sigmoid(a[0], y, ct) + f"{y} = {a[0]} * {y}_s"
 
 
 def _gelu_backward_code(approximate: str, ct: str):
@@ -645,17 +659,10 @@ def _gelu_backward_code(approximate: str, ct: str):
             f"{y}_pdf = {c(_GELU_ALPHA)} * tl.exp({a[1]} * {a[1]} * {c(-0.5)})\n"
             f"{y} = {a[0]} * ({y}_cdf + {a[1]} * {y}_pdf)"
         )
-    # grad * (0.5 (1 + t) + 0.5 x (1 - t^2) beta (1 + 3 kappa x^2)), t the forward's tanh (the
-    # same inner expression as ``_gelu_code``, so a kernel holding both computes t once)
-    return lambda a, y: (
-        f"{y}_x_sq = {a[1]} * {a[1]}\n"
-        f"{y}_inner = {c(_GELU_BETA)} * tl.fma({c(_KAPPA)} * {y}_x_sq, {a[1]}, {a[1]})\n"
-        f"{y}_t = _tanh_{ct}({y}_inner)\n"
-        f"{y}_left = {c(0.5)} * {a[1]}\n"
-        f"{y}_left_derivative = tl.fma({c(0.5)}, {y}_t, {c(0.5)})\n"
-        f"{y}_right_derivative = {y}_left * tl.fma(-{y}_t, {y}_t, {c(1.0)})\n"
-        f"{y} = {a[0]} * tl.fma({y}_right_derivative, tl.fma({c(3.0 * _KAPPA * _GELU_BETA)}, {y}_x_sq, "
-        f"{c(_GELU_BETA)}), {y}_left_derivative)"
+    # grad * (s + x s (1 - s) 2 beta (1 + 3 kappa x^2))
+    return lambda a, y: _gelu_sigmoid(a[1], y, ct) + (
+        f"{y}_slope = tl.fma({c(3.0 * _KAPPA * _GELU_2U)}, {y}_x_sq, {c(_GELU_2U)})\n"
+        f"{y} = {a[0]} * tl.fma({a[1]} * {y}_s * ({c(1.0)} - {y}_s), {y}_slope, {y}_s)"
     )
 
 
@@ -690,7 +697,7 @@ def _arith(op) -> Expr:
         return Expr(("compute",), ct, lambda a, y: body(a, y, ct), (_tanh_helper(ct),) if isinstance(op, nv.TanhOp) else ())
     approx = op.props()["approximate"]
     code = _gelu_code(approx, ct) if isinstance(op, nv.GeluOp) else _gelu_backward_code(approx, ct)
-    return Expr(("compute",) * n, ct, code, (_tanh_helper(ct),) if approx == "tanh" else ())
+    return Expr(("compute",) * n, ct, code)
 
 
 @expression(nv.CastOp)
