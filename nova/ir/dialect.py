@@ -132,6 +132,11 @@ class NovaOp(IRDLOperation):
     # summed into the bias gradient and written for the next matmuls), and compute
     # other elementwise ops of the prologue shape from them, stored too
     PROLOGUE_STORES: ClassVar[bool] = False
+    # a row-wise reduction with an epilogue whose kernel also sums epilogue values over
+    # its rows (``column_sum``s of them in its group: a bias gradient of the residual
+    # gradient a LayerNorm backward's epilogue adds), in per-program partials it adds up
+    # with its own column sums
+    EPILOGUE_SUMS: ClassVar[bool] = False
     # a reduction that adds up its operand's elements over its ``dims`` property (with
     # ``keepdim``): over every dim but the last, without keepdim, it is a column sum
     # (``column_sum``), which a contraction's epilogue computes tile by tile (the fuse
@@ -862,6 +867,7 @@ class LayerNormBackwardOp(NovaOp):
     CATEGORY: ClassVar = "reduction"
     PROLOGUE: ClassVar = (0, 1)
     EPILOGUE: ClassVar = True
+    EPILOGUE_SUMS: ClassVar = True
     grad = operand_def(TensorType)
     input = operand_def(TensorType)
     weight = operand_def(TensorType)
@@ -1356,7 +1362,10 @@ class FusedOp(NovaOp):
     yielded and read by any inner op, and every other op of the group is a
     prologue op too (of the prologue shape, or of one element; it may read
     nothing of the head), computed at each element and stored where yielded:
-    results are then the head's and prologue values."""
+    results are then the head's and prologue values. A row-wise head that sums its
+    epilogue's values (``EPILOGUE_SUMS``) may be followed by column sums
+    (``column_sum``) of epilogue values of its row shape, which nothing inside reads:
+    results are then also those sums."""
 
     name = "nova.fused"
     CATEGORY: ClassVar = "fused"
@@ -1376,10 +1385,17 @@ class FusedOp(NovaOp):
         return self.body.block.first_op if self.props()["kind"] == "contraction" else None
 
     def reduction(self) -> Operation | None:
-        """The head of a "reduction" group (its one op of category reduction), else None."""
+        """The head of a "reduction" group (its first op of category reduction; any
+        later one is a column sum of its epilogue's values), else None."""
         if self.props()["kind"] != "reduction":
             return None
         return next((o for o in self.body.block.ops if isinstance(o, NovaOp) and o.CATEGORY == "reduction"), None)
+
+    def epilogue_sums(self) -> list[Operation]:
+        """A "reduction" group's column sums of its epilogue's values (every op of
+        category reduction but the head)."""
+        head = self.reduction()
+        return [o for o in self.inner_ops() if o is not head and isinstance(o, NovaOp) and o.CATEGORY == "reduction"]
 
     def iteration_shape(self) -> tuple[int, ...]:
         """The shape the group's elementwise ops run over (a contraction group's
@@ -1475,10 +1491,14 @@ class FusedOp(NovaOp):
     def _verify_reduction(self, ops: list[Operation]) -> None:
         """The checks of a "reduction" group (see the class docstring)."""
         heads = [op for op in ops if isinstance(op, NovaOp) and op.CATEGORY == "reduction"]
-        if len(heads) != 1 or not (heads[0].PROLOGUE or heads[0].EPILOGUE):
+        if not heads or not (heads[0].PROLOGUE or heads[0].EPILOGUE):
             raise VerifyException(f"{self.name} (reduction): needs exactly one reduction that takes a prologue or an "
                                   f"epilogue, got {[op.name for op in heads]}")
-        (head,) = heads
+        head, sums = heads[0], heads[1:]
+        if sums and not head.EPILOGUE_SUMS:
+            raise VerifyException(f"{self.name} (reduction): needs exactly one reduction that takes a prologue or an "
+                                  f"epilogue, got {[op.name for op in heads]} ({head.name} sums no epilogue value)")
+        ops = [op for op in ops if op not in sums]
         pro_shape = shape_of(head.operands[head.PROLOGUE[0]].type) if head.PROLOGUE else None
         epi_shape = shape_of(head.results[0].type)
         for j, v in enumerate(head.operands):
@@ -1532,6 +1552,15 @@ class FusedOp(NovaOp):
             if any(v in head.results[1:] for v in op.operands):
                 raise VerifyException(f"{self.name} (reduction): {op.name} reads a result of {head.name} other than "
                                       "its first")
+        for op in sums:  # column sums of epilogue values, finished after every row
+            x = op.operands[0] if len(op.operands) == 1 else None
+            inner = x is not None and not isinstance(x, BlockArgument) and x.owner in ops
+            if not column_sum(op) or not inner or x.owner is head or x.owner in prologue or shape_of(x.type) != epi_shape:
+                raise VerifyException(f"{self.name} (reduction): {op.name} must be a column sum of an epilogue value of "
+                                      f"{head.name}'s row shape {epi_shape}")
+            if any(not isinstance(u.operation, YieldOp) for u in op.results[0].uses):
+                raise VerifyException(f"{self.name} (reduction): the column sum {op.name} is read inside the group "
+                                      "(it is finished only after every row)")
 
 
 @irdl_op_definition

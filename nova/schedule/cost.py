@@ -367,7 +367,10 @@ def fused_cost(op, ins, outs, cfg, precision) -> Cost:
     (``column_sum_cost``). A reduction group likewise is its reduction
     (``reduction_cost``: FLOPs, split partials, launches) with the group's operands
     and results for bytes (the prologue's values and the epilogue's input stay in
-    registers) and its prologue's and epilogue's FLOPs added: kind "reduction"."""
+    registers) and its prologue's and epilogue's FLOPs added, and for each column
+    sum of an epilogue value (``FusedOp.epilogue_sums``) one FLOP per element summed
+    (its partial rows stay in the kernel's final pass, like the head's own):
+    kind "reduction"."""
     head = op.contraction()
     reduction = op.reduction()
     body = [o for o in op.inner_ops() if o is not head and o.CATEGORY == "elementwise"]
@@ -375,6 +378,7 @@ def fused_cost(op, ins, outs, cfg, precision) -> Cost:
     if reduction is not None:
         alone = RULES[type(reduction)](reduction, tuple(reduction.operands), tuple(reduction.results), cfg, precision)
         extra = alone.bytes - io_bytes(reduction.operands, reduction.results)  # a split's partials
+        flops += sum(numel(shape_of(o.operands[0].type)) for o in op.epilogue_sums())
         return Cost("reduction", io_bytes(ins, outs) + extra, alone.flops + flops, alone.path, alone.launches)
     if head is None:
         return Cost("fused", io_bytes(ins, outs), flops, _float_path([*ins, *outs]))

@@ -145,8 +145,16 @@ here, into loops, prologues and epilogues.
                casts of the sum. The kernel computes them on the row in registers;
                the reduction's other results (mean, rstd, the weight and bias
                gradients, finished only after every row) are never read inside.
-               One reduction per group; ops that recompute their flat index stay
-               outside.
+               One reduction per group, but for column sums (``nv.column_sum``) of
+               an epilogue value of a head that sums them (``EPILOGUE_SUMS``:
+               LayerNorm's backward, the residual gradient its epilogue adds, the
+               projections' bias gradients), which join after the grouping though
+               the value is read outside too (it is written anyway; the sum's read
+               of it, 100 MB of f32 a launch at GPT-2 batch 32, is saved): the
+               kernel adds it up over its rows into per-program partials beside
+               its weight and bias gradients (the sum's order is not the reduce
+               kernel's: within fp32 rounding of it, the same bits every run). Ops
+               that recompute their flat index stay outside.
   shared       a recompute of the remat stage whose readers can each compute it
   recompute    (reductions reading it as prologue operands: the residual stream a
                LayerNorm recompute and the LayerNorm's backward both read;
@@ -365,6 +373,7 @@ class _Grouping:
         self.tail = [op for op in self.ops if op not in self.virtual and fusible(op) and _scalar(op.results[0])
                      and all(u.operation is ret for u in op.results[0].uses)]  # fmt: skip
         self.node: dict[Operation, Node] = {}
+        self.row_sums: set[Operation] = set()  # column sums joined to a row-wise head's group
         self.prologue_of: dict[Operation, Operation] = {}
         for op in reversed(self.ops):  # readers first
             head = self._prologue_reader(op) if op not in self.virtual and fusible(op) else None
@@ -432,11 +441,13 @@ class _Grouping:
                     return False
         return True
 
-    def _reduction_ok(self, members: list[Operation]) -> bool:
+    def _reduction_ok(self, members: list[Operation], column_sum: Operation | None = None) -> bool:
         """A would-be group holding a reduction head: what nova.fused "reduction"
         allows (the dialect's verifier says the same): the ops the head reads are an
         absorbable prologue, the rest an epilogue of the head's first result's shape
-        that reads no other result of it, nothing recomputing its flat index."""
+        that reads no other result of it, nothing recomputing its flat index (and
+        ``column_sum``, joining now, a column sum of one of its values)."""
+        members = [m for m in members if m is not column_sum and not self._row_sum(m)]
         heads = [m for m in members if self.node[m].kind == "reduction" and reduction_head(m)]
         if len(heads) != 1:
             return False
@@ -558,13 +569,14 @@ class _Grouping:
         heads = [n for n in nodes if n.kind != "elementwise" and column_sum not in n.members]
         if len(heads) > 1:
             return None  # one kernel, one head (one accumulator)
-        sums = {m for m in members if m is column_sum or nv.column_sum(m) and self.node[m].kind == "contraction"}
+        sums = {m for m in members if m is column_sum or m in self.row_sums
+                or nv.column_sum(m) and self.node[m].kind == "contraction"}  # fmt: skip
         if any(isinstance(v.owner, Operation) and v.owner in sums for m in members for v in m.operands):
             return None  # a column sum is finished after every tile: nothing in the kernel reads it
         bound = {n.bound for n in nodes if n.bound is not None}
         if len(bound) > 1 or bound and (heads or not self.absorbable(members, next(iter(bound)), closed=False)):
             return None  # a node kept for a reduction's prologue stays one it can take
-        if heads and heads[0].kind == "reduction" and not self._reduction_ok(members):
+        if heads and heads[0].kind == "reduction" and not self._reduction_ok(members, column_sum):
             return None
         latest, earliest = self._window(members, merging)
         latest = max([latest, *(self.pos[m] - 1 for m in members if m in self.late)])
@@ -614,11 +626,44 @@ class _Grouping:
             return None  # a column sum is finished only after every tile
         return other, reshape
 
+    def _row_sum(self, op: Operation) -> bool:
+        """``op`` is a column sum already joined to a row-wise head's group."""
+        return op in self.row_sums
+
+    def _join_row_sum(self, op: Operation, x: SSAValue, target: Node) -> None:
+        """A column sum of an epilogue value of a row-wise head that sums them
+        (``EPILOGUE_SUMS``: LayerNorm's backward, the residual gradient its epilogue
+        adds) joins its group: the kernel adds the value up over its rows into
+        per-program partials beside its own weight and bias gradients. The value may
+        be read outside too (it is written anyway: the sum's read of it is saved)."""
+        head = next((m for m in target.members if reduction_head(m)), None)
+        if head is None or not head.EPILOGUE_SUMS or x.owner is head or x.owner not in target.members:
+            return
+        if shape_of(x.type) != epilogue_shape(head) or not fusible(x.owner):
+            return
+        prologue = prologue_shape(head)
+        if prologue is not None and x.owner in self._closure(head, target.members):
+            return  # a prologue value
+        if self.try_merge([target, self.node[op]], column_sum=op) is not None:
+            self.row_sums.add(op)
+
+    def _closure(self, head: Operation, members: list[Operation]) -> set[Operation]:
+        """The members ``head`` reads, directly or not (its prologue)."""
+        inside, seen = set(members), set()
+        stack = [v.owner for v in head.operands if isinstance(v.owner, Operation) and v.owner in inside]
+        while stack:
+            o = stack.pop()
+            if o not in seen:
+                seen.add(o)
+                stack.extend(v.owner for v in o.operands if isinstance(v.owner, Operation) and v.owner in inside)
+        return seen
+
     def join_column_sums(self) -> None:
         """The column-sum rule (the module docstring, "column sum"): after the
         grouping, a column sum of a value of a contraction's epilogue joins that
         group where nothing outside it reads the value (which then is not
-        written)."""
+        written); one of an epilogue value of a row-wise head that sums them joins
+        its group (``_join_row_sum``)."""
         for op in self.ops:
             node = self.node.get(op)
             if node is None or not nv.column_sum(op) or node.members != [op]:
@@ -628,6 +673,9 @@ class _Grouping:
             if not isinstance(owner, Operation) or owner not in self.node:
                 continue  # a block argument
             target = self.node[owner]
+            if target.kind == "reduction":
+                self._join_row_sum(op, x, target)
+                continue
             if target.kind != "contraction" or shape_of(x.type) != target.shape or len(target.members) < 2:
                 continue  # no epilogue value (the matmul's operand), no epilogue, or not of the tile's shape
             if epilogue_head(owner) and target.reshape is not None:

@@ -188,7 +188,7 @@ def test_layer_norm_looping_over_column_blocks_takes_its_epilogue(elem):
 # layer_norm_backward with its prologue and epilogue
 
 
-def _ln_backward(n=40, rows=(2, 3), dropout=True):
+def _ln_backward(n=40, rows=(2, 3), dropout=True, bias_sum=False):
     """A GPT block's LayerNorm backward: the incoming gradient a bf16 matmul result
     widened, the residual gradient added, a dropout mask applied, the sum cast."""
     m = rows[0] * rows[1]
@@ -203,8 +203,9 @@ def _ln_backward(n=40, rows=(2, 3), dropout=True):
     total = b.add(res, dx)
     if dropout:
         total = b.mul(total, b.cast(keep, f32))
+    sums = [("grad", "proj_bias", b.reduce_sum(total, [0, 1]))] if bias_sum else []
     set_results(fn, [("grad", "w", dw), ("grad", "b", db), ("loss", "total", total),
-                     ("loss", "t16", b.cast(total, bf16))])  # fmt: skip
+                     ("loss", "t16", b.cast(total, bf16)), *sums])  # fmt: skip
     return module
 
 
@@ -213,6 +214,43 @@ def test_layer_norm_backward_widens_its_gradient_and_adds_the_residual_gradient(
     (g,) = _check(_ln_backward(n), tol=2e-2)
     names = [o.name for o in g.inner_ops()]
     assert names[:2] == ["nova.cast", "nova.layer_norm_backward"] and names[-1] == "nova.cast"
+
+
+@pytest.mark.parametrize("looping", [False, True], ids=["in-registers", "looping"])
+@pytest.mark.parametrize("n", [32, 40], ids=["full", "ragged"])
+def test_layer_norm_backward_sums_its_epilogue_value_over_its_rows(n, looping):
+    """The projection's bias gradient, the column sum of the residual gradient the
+    LayerNorm backward's epilogue adds, joins the group (``EPILOGUE_SUMS``): summed in
+    the kernel's per-program partials beside the weight and bias gradients, then in
+    their final pass. The other outputs stay bit-identical to the unfused kernels'; the
+    sum, in another order than the reduce kernel's, within fp32 rounding of it, and
+    the same bits run after run."""
+    module = _ln_backward(n, rows=(3, 7), bias_sum=True)
+    fn = step_func(module)
+    unfused = module.clone()
+    cfg = LoweringConfig(kind="reduction", block=16, num_warps=4) if looping else None
+    fz.fuse(module)
+    module.verify()
+    (g,) = [op for op in fn.body.block.ops if isinstance(op, nv.FusedOp) and op.reduction() is not None]
+    assert [o.name for o in g.epilogue_sums()] == ["nova.reduce_sum"]
+    assert not any(isinstance(op, nv.ReduceSumOp) for op in fn.body.block.ops)
+    if cfg is not None:
+        g.attributes["nova.lowering_config"] = config_attr(cfg)
+        for op in step_func(unfused).body.block.ops:
+            if isinstance(op, nv.LayerNormBackwardOp):
+                op.attributes["nova.lowering_config"] = config_attr(cfg)
+    args = _args(fn)
+    got = run_program(TritonProgram(fn, "bf16"), args)
+    again = run_program(TritonProgram(fn, "bf16"), args)
+    want = run_program(TritonProgram(step_func(unfused), "bf16"), args)
+    ref = run_function(fn, args, "bf16")
+    for k, (x, y, r, z) in enumerate(zip(got, want, ref, again, strict=True)):
+        assert torch.equal(x, z)
+        if k == len(got) - 1:  # the column sum
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(x, y)
+        torch.testing.assert_close(x.double(), r.double(), rtol=2e-2, atol=2e-2)
 
 
 def test_layer_norm_backward_looping_takes_its_prologue_and_epilogue():
@@ -257,10 +295,13 @@ def test_a_reduction_group_whose_head_takes_no_fusion_is_refused(monkeypatch):
 def test_a_gpt_step_with_reduction_groups_is_the_step_without_them(monkeypatch):
     """A small GPT (with biases, dropout) in bf16 on the Triton backend: with the
     reduction groups, the loss and every parameter after two AdamW steps are
-    bit-identical to the same step with every reduction alone."""
+    bit-identical to the same step with every reduction alone. The LayerNorm
+    backward's epilogue column sums are off in both (they change the bias gradient's
+    summation order: the test below)."""
     import nova
     from nova.models import GPT, GPTConfig
 
+    monkeypatch.setattr(fz._Grouping, "_join_row_sum", lambda self, op, x, target: None)
     torch.manual_seed(0)
     ref = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32, bias=True, dropout=0.1))
     plain, fused = copy.deepcopy(ref), copy.deepcopy(ref)
@@ -284,3 +325,32 @@ def test_a_gpt_step_with_reduction_groups_is_the_step_without_them(monkeypatch):
     assert set(heads) == {nv.LayerNormOp, nv.LayerNormBackwardOp, nv.ReduceSumOp}
     assert not any(isinstance(op, nv.FusedOp) and op.reduction() is not None
                    for op in step_func(unfused._last.compilation.module).body.block.ops)
+
+
+def test_a_gpt_step_with_the_layer_norm_backwards_bias_sums_matches_the_reference():
+    """A small GPT (with biases) in bf16 on the Triton backend: the attention and MLP
+    projections' bias gradients (column sums of the residual gradient) join the
+    LayerNorm backward groups whose epilogue adds it (no reduce kernel of their own),
+    two AdamW steps stay within the epilogue tests' tolerances of the reference
+    executor, and a second run is bit-identical."""
+    import nova
+    from nova.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32, bias=True))
+    mine, again = copy.deepcopy(ref), copy.deepcopy(ref)
+    oracle = nova.compile(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), backend="reference", precision="bf16")
+    steps = [nova.compile(m, torch.optim.AdamW(m.parameters(), lr=1e-3), backend="triton", precision="bf16")
+             for m in (mine, again)]  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y = torch.randint(0, 64, (2, 8), generator=g), torch.randint(0, 64, (2, 8), generator=g)
+        want = oracle(x, y).item()
+        for step in steps:
+            assert abs(step(x, y).item() - want) <= 1e-4 * abs(want)
+    for p, q, r in zip(mine.parameters(), again.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert (p - r).abs().max().item() <= 2 * 2 * 1e-3 * 1.01  # as test_matmul_epilogue's GPT step
+    ops = step_func(steps[0]._last.compilation.module).body.block.ops
+    summing = [op for op in ops if isinstance(op, nv.FusedOp) and op.epilogue_sums()]
+    assert len(summing) >= 2 and all(isinstance(op.reduction(), nv.LayerNormBackwardOp) for op in summing)

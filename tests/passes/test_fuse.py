@@ -525,7 +525,7 @@ def test_a_layer_norm_output_read_elsewhere_is_one_more_output_and_its_stats_sta
     assert any(isinstance(o, nv.SqrtOp) for o in ops)
 
 
-def _ln_backward_step(dy_elem=bf16):
+def _ln_backward_step(dy_elem=bf16, summed=None):
     """A LayerNorm backward as a GPT block's: dy from a matmul (a widening cast of its
     bf16 result between), the residual gradient added, the sum cast to bf16."""
     module, fn, b = _step(Slot("batch", "h", tensor([6, 16], bf16)), Slot("param", "wt", tensor([16, 8], bf16)),
@@ -537,8 +537,11 @@ def _ln_backward_step(dy_elem=bf16):
     dy = b.reshape(b.cast(mm, f32), [2, 3, 8])
     dx, dw, db = b.create(nv.LayerNormBackwardOp, [dy, x, w, mean, rstd], {}).results
     total = b.add(res, dx)
+    sums = []  # ``summed``: a column sum of the residual gradient ("total"), of dx ("dx"), over batch only ("rows")
+    if summed is not None:
+        sums = [("grad", "proj_bias", b.reduce_sum(dx if summed == "dx" else total, [0] if summed == "rows" else [0, 1]))]
     set_results(fn, [("grad", "w", dw), ("grad", "b", db), ("loss", "total", total),
-                     ("loss", "t16", b.cast(total, bf16)), ("loss", "mm", mm)])  # fmt: skip
+                     ("loss", "t16", b.cast(total, bf16)), ("loss", "mm", mm), *sums])  # fmt: skip
     return module, fn, mm
 
 
@@ -552,6 +555,44 @@ def test_a_layer_norm_backward_widens_its_gradient_and_adds_the_residual_gradien
     assert isinstance(mm.owner, nv.MatmulOp) and mm.owner in ops
     assert [str(r.type) for r in op.results] == ["tensor<8xf32>", "tensor<8xf32>", "tensor<2x3x8xf32>",
                                                   "tensor<2x3x8xbf16>"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["epilogue-value", "head-result", "over-some-rows"])
+def test_a_column_sum_of_a_layer_norm_backwards_epilogue_value_joins_it(case):
+    """The projection's bias gradient (the residual gradient summed over tokens) joins
+    the LayerNorm backward's group whose epilogue adds that gradient, though the value
+    is read outside too (``EPILOGUE_SUMS``); the sum of the head's own result, or over
+    only some of the rows, stays a reduce kernel of its own."""
+    module, fn, mm = _ln_backward_step(summed={"epilogue-value": "total", "head-result": "dx",
+                                               "over-some-rows": "rows"}[case])  # fmt: skip
+    ops = _fused(module)
+    (op,) = [o for o in ops if isinstance(o, nv.FusedOp)]
+    joined = case == "epilogue-value"
+    assert [o.name for o in op.epilogue_sums()] == (["nova.reduce_sum"] if joined else [])
+    assert any(isinstance(o, nv.ReduceSumOp) for o in ops) != joined
+    if joined:  # the weight, bias and projection bias gradients; the summed value still written for its readers
+        types = [str(r.type) for r in op.results]
+        assert types.count("tensor<8xf32>") == 3 and "tensor<2x3x8xf32>" in types
+
+
+def test_the_layer_norm_backward_group_verifies_its_column_sums():
+    from xdsl.utils.exceptions import VerifyException
+
+    module, fn, mm = _ln_backward_step(summed="total")
+    fz.fuse(module)
+    (op,) = [o for o in fn.body.block.ops if isinstance(o, nv.FusedOp)]
+    op.verify()
+    (red,) = op.epilogue_sums()
+    block = op.body.block
+    x = red.operands[0]  # an epilogue op reading the sum (broadcast over the rows): finished only after every row
+    back = nv.AddOp.create(operands=[x, red.results[0]], result_types=[x.type])
+    block.insert_op_before(back, block.last_op)
+    with pytest.raises(VerifyException, match="is read inside the group"):
+        op.verify()
+    block.erase_op(back)
+    red.operands[0] = block.args[-1]  # a block argument (the residual gradient read in), no epilogue value
+    with pytest.raises(VerifyException, match="must be a column sum of an epilogue value"):
+        op.verify()
 
 
 def test_a_narrowing_cast_stays_in_the_epilogue_of_the_matmul_before_a_reduction():

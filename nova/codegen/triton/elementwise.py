@@ -433,7 +433,9 @@ class Fusion:
     head's result i (stored as the unfused op stores it), ("epilogue", j), or
     ("prologue", j): the prologue's value ``prologue_stores[j]`` = (index into
     ``prologue.values``, dtype), stored at every element the prologue computes (a
-    template that computes each once: ``NovaOp.PROLOGUE_STORES``).
+    template that computes each once: ``NovaOp.PROLOGUE_STORES``), or ("sum", j): the
+    column sum ``sums[j]`` = (index into ``epilogue.values``, dtype) of an epilogue
+    value over the rows (``NovaOp.EPILOGUE_SUMS``).
     ``plain(n_operands, n_results)``: the unfused op."""
 
     reads: tuple[tuple[str, int], ...]
@@ -442,6 +444,7 @@ class Fusion:
     epilogue: Chain | None = None
     stores: tuple[torch.dtype, ...] = ()
     prologue_stores: tuple[tuple[int, torch.dtype], ...] = ()
+    sums: tuple[tuple[int, torch.dtype], ...] = ()
 
     @staticmethod
     def plain(n_operands: int, n_results: int) -> Fusion:

@@ -190,7 +190,8 @@ def fusion_of(op: nv.FusedOp) -> tuple[nv.NovaOp, Fusion]:
 
     stores_mode = bool(head.PROLOGUE and head.PROLOGUE_STORES)
     prologue = {o for o in inner if o is not head} if stores_mode else closure(head.operands)
-    epilogue = [o for o in inner if o is not head and o not in prologue]
+    sum_ops = op.epilogue_sums()  # column sums of epilogue values (the verifier: nothing inside reads them)
+    epilogue = [o for o in inner if o is not head and o not in prologue and o not in sum_ops]
     epilogue = sorted(set(epilogue) | closure([v for o in epilogue for v in o.operands if v.owner in prologue]),
                       key=order.__getitem__)  # fmt: skip
     pro_chain = None
@@ -217,7 +218,7 @@ def fusion_of(op: nv.FusedOp) -> tuple[nv.NovaOp, Fusion]:
     else:
         reads = [("input", list(block.args).index(v)) for v in head.operands]
     outputs: list[tuple[str, int]] = []
-    epi_chain, stores = None, []
+    epi_chain, stores, summed = None, [], []
     stored = {}
     if epilogue:
         in_tag = tag(_dtype(head.results[0]))
@@ -225,10 +226,13 @@ def fusion_of(op: nv.FusedOp) -> tuple[nv.NovaOp, Fusion]:
         operands, inputs, lines, helpers = _chain(epilogue, block, "q", var)
         values = []
         for v in yields:
-            if v.owner in order and v.owner is not head:
+            if v.owner in order and v.owner is not head and v.owner not in sum_ops:
                 stored[v] = len(values)
                 values.append(var[v])
                 stores.append(_dtype(v))
+        for s in sum_ops:  # the summed values follow the stored ones
+            summed.append((len(values), _dtype(s.results[0])))
+            values.append(var[s.operands[0]])
         epi_chain = Chain("q", tuple(operands), tuple(inputs), "\n".join(lines), tuple(values),
                           merge_helpers(helpers), in_tag)  # fmt: skip
     for v in yields:
@@ -238,9 +242,14 @@ def fusion_of(op: nv.FusedOp) -> tuple[nv.NovaOp, Fusion]:
             outputs.append(("epilogue", stored[v]))
         elif v in pro_stored:
             outputs.append(("prologue", pro_stored[v]))
+        elif v.owner in sum_ops:
+            outputs.append(("sum", sum_ops.index(v.owner)))
         else:
             raise UnsupportedError(f"{op.name}: yields a value its {head.name} kernel does not compute")
-    return head, Fusion(tuple(reads), tuple(outputs), pro_chain, epi_chain, tuple(stores), tuple(pro_stores))
+    if sum_ops and epi_chain is None:
+        raise UnsupportedError(f"{op.name}: column sums without an epilogue")
+    return head, Fusion(tuple(reads), tuple(outputs), pro_chain, epi_chain, tuple(stores), tuple(pro_stores),
+                        tuple(summed))  # fmt: skip
 
 
 # attributes that say where an op is (its source line) and where its results live in

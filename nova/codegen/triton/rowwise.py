@@ -317,9 +317,20 @@ class RowFusion:
         return [c for c in (self.f.prologue, self.f.epilogue) if c is not None]
 
     def params(self) -> list[str]:
-        """Pointers: each chain's operands, then the epilogue's outputs."""
+        """Pointers: each chain's operands, then the epilogue's outputs, then the
+        partial rows [P, n] of its column sums (``Fusion.sums``)."""
         out = [f"{c.prefix}ptr{k}" for c in self._chains() for k in range(len(c.operands))]
-        return out + [f"qout{j}" for j in range(len(self.f.stores))]
+        return out + [f"qout{j}" for j in range(len(self.f.stores))] + [f"qsum{j}" for j in range(len(self.f.sums))]
+
+    def sum_init(self) -> str:
+        """Before a program's rows (per column block): the column sums' accumulators."""
+        return "\n".join(f"qacc{j} = tl.zeros((BLOCK,), {self.acc})" for j in range(len(self.f.sums)))
+
+    def sum_store(self, cvar: str, mask: str | None) -> str:
+        """After a program's rows: its partial row of each column sum, at columns ``cvar``."""
+        m = f", mask={mask}" if mask else ""
+        return "\n".join(f"tl.store(qsum{j} + pid.to(tl.int64) * {self.n} + {cvar}, qacc{j}{m})"
+                         for j in range(len(self.f.sums)))  # fmt: skip
 
     def stride_params(self) -> list[str]:
         return [f"{c.prefix}s{k}_{kd}" for c in self._chains() for k, op in enumerate(c.operands)
@@ -379,8 +390,13 @@ class RowFusion:
             return ""
         lines = [f"qin = {convert(value, _TAG_OF[self.acc], c.in_tag)}", *self._loads(c, cvar, mask)]
         m = f", mask={mask}" if mask else ""
-        for j, ((var, vtag), dtype) in enumerate(zip(c.values, self.f.stores, strict=True)):
+        for j, dtype in enumerate(self.f.stores):
+            var, vtag = c.values[j]
             lines.append(f"tl.store(qout{j} + row * {self.n} + {cvar}, {convert(var, vtag, tag(dtype))}{m})")
+        for j, (k, _) in enumerate(self.f.sums):  # the value as stored, widened as the unfused sum loads it
+            var, vtag = c.values[k]
+            value = convert(var, vtag, _TAG_OF[self.acc])
+            lines.append(f"qacc{j} += tl.where({mask}, {value}, 0.0)" if mask else f"qacc{j} += {value}")
         return "\n".join(lines)
 
     @property
@@ -397,7 +413,8 @@ def _fusion_outputs(name: str, fusion: Fusion | None, specs, outs, device) -> tu
     if fusion is None:
         res = results(name, specs, outs, device)
         return res, res
-    out_specs = [specs[i] if how == "head" else (specs[0][0], fusion.stores[i]) for how, i in fusion.outputs]
+    out_specs = [specs[i] if how == "head" else ((specs[0][0][-1],), fusion.sums[i][1]) if how == "sum"
+                 else (specs[0][0], fusion.stores[i]) for how, i in fusion.outputs]  # fmt: skip
     res = results(name, out_specs, outs, device)
     return [res[fusion.head_output(i)] if fusion.stored(i) else None for i in range(len(specs))], res
 
@@ -407,6 +424,13 @@ def _epilogue_outs(res: list, fusion: Fusion | None) -> list:
     if fusion is None:
         return []
     return [res[fusion.outputs.index(("epilogue", j))] for j in range(len(fusion.stores))]
+
+
+def _sum_outs(res: list, fusion: Fusion | None) -> list:
+    """The epilogue's column sums among a launch's results, in ``Fusion.sums`` order."""
+    if fusion is None:
+        return []
+    return [res[fusion.outputs.index(("sum", j))] for j in range(len(fusion.sums))]
 
 
 # --------------------------------------------------------------------------- softmax / log_softmax
@@ -729,6 +753,7 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: 
             w = tl.load(w_ptr + cols * swc{ld(0.0)}).to({acc})
             part_w = tl.zeros((BLOCK,), {acc})
             part_b = tl.zeros((BLOCK,), {acc})
+        """, rf.sum_init(), f"""
             for row in tl.range(row_start, row_end, num_stages={LN_BWD_ROW_STAGES}):
         """, (row_head, 1), (xg_at("cols", mask), 1), (f"""
             xhat = {xhat}
@@ -742,7 +767,7 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: 
         """, 1), f"""
             tl.store(pw_row + cols, part_w{stm})
             tl.store(pb_row + cols, part_b{stm})
-        """)
+        """, rf.sum_store("cols", mask))
     else:
         # Phase A: the row sums c1, c2 of every row, into [rows] buffers. Phase B, per
         # column block: grad_input of every row and the block's partial sums, held in
@@ -769,8 +794,7 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: 
             w = tl.load(w_ptr + c * swc, mask=c < {n}, other=0.0).to({acc})
             part_w = tl.zeros((BLOCK,), {acc})
             part_b = tl.zeros((BLOCK,), {acc})
-            for row in range(row_start, row_end):
-        """, 0), (row_head, 2), (load2, 2), (f"""
+        """, 0), (rf.sum_init(), 1), ("for row in range(row_start, row_end):", 1), (row_head, 2), (load2, 2), (f"""
             c1 = tl.load(c1_ptr + row)
             c2 = tl.load(c2_ptr + row)
             {grad}
@@ -780,7 +804,7 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: 
         """, 2), (f"""
             tl.store(pw_row + c, part_w, mask=c < {n})
             tl.store(pb_row + c, part_b, mask=c < {n})
-        """, 1))
+        """, 1), (rf.sum_store("c", m), 1))
     params = [*(["g_ptr"] if rf.direct(0) else []), *(["x_ptr"] if rf.direct(1) else []), "w_ptr", "mean_ptr",
               "rstd_ptr", *(["d_ptr"] if rf.stored(0) else []), "pw_ptr", "pb_ptr"]  # fmt: skip
     params += ["c1_ptr", "c2_ptr"] if looping else []
@@ -791,25 +815,27 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: 
                *stat_strides, *rf.stride_params(), "ROWS_PER_PROG"]  # fmt: skip
     header = _header("layer_norm_backward", f"shape {list(shape)}, {_plan_line(dtype, block, looping)}", {"BLOCK": block})
     helpers = ("\n" + rf.helpers.strip("\n") + "\n") if rf.helpers else ""
+    sums = [_TL[d] for _, d in rf.f.sums]
     return (header + helpers + _kernel("layer_norm_backward_kernel", params, _code(head, body))
-            + colsum_source("layer_norm_backward_colsum", n, acc, out))
+            + colsum_source("layer_norm_backward_colsum", n, acc, [out, out, *sums]))
 
 
-def colsum_source(name: str, n: int, acc: str, out: str) -> str:
-    """ow[j] = sum_p pw[p, j] and ob[j] = sum_p pb[p, j], over p in a fixed order."""
-    return _kernel(name, ["pw_ptr", "pb_ptr", "ow_ptr", "ob_ptr", "P"], f"""
+def colsum_source(name: str, n: int, acc: str, outs: list[str]) -> str:
+    """o_k[j] = sum_p p_k[p, j] for each partial buffer k ([P, n]: the weight and bias
+    gradients' g * xhat and g, then any epilogue column sums), over p in a fixed
+    order; ``outs[k]``: o_k's element type."""
+    k = range(len(outs))
+    loads = "\n".join(f"            acc{i} += tl.sum(tl.load(p{i}_ptr + offs, mask=m, other=0.0), axis=0)" for i in k)
+    return _kernel(name, [*(f"p{i}_ptr" for i in k), *(f"o{i}_ptr" for i in k), "P"], f"""
         cols = tl.program_id(0) * {_COLSUM_N} + tl.arange(0, {_COLSUM_N})
         ps = tl.arange(0, {_COLSUM_P})
-        acc_w = tl.zeros(({_COLSUM_N},), {acc})
-        acc_b = tl.zeros(({_COLSUM_N},), {acc})
+        {"; ".join(f"acc{i} = tl.zeros(({_COLSUM_N},), {acc})" for i in k)}
         for p0 in range(0, P, {_COLSUM_P}):
             p = p0 + ps
             m = (p[:, None] < P) & (cols[None, :] < {n})
             offs = p[:, None].to(tl.int64) * {n} + cols[None, :]
-            acc_w += tl.sum(tl.load(pw_ptr + offs, mask=m, other=0.0), axis=0)
-            acc_b += tl.sum(tl.load(pb_ptr + offs, mask=m, other=0.0), axis=0)
-        tl.store(ow_ptr + cols, acc_w.to({out}), mask=cols < {n})
-        tl.store(ob_ptr + cols, acc_b.to({out}), mask=cols < {n})
+{loads}
+        {"; ".join(f"tl.store(o{i}_ptr + cols, acc{i}.to({o}), mask=cols < {n})" for i, o in zip(k, outs))}
     """)
 
 
@@ -854,6 +880,7 @@ def lower_layer_norm_backward(
     stat = torch.float64 if dtype == torch.float64 else torch.float32
     # pw and pb [progs, n]; a looping kernel also keeps two row sums per row; the gradients a group does not yield
     scratch = (2 * nbytes((progs, n), stat) + (2 * nbytes((rows.count,), stat) if looping else 0)) if n else 0
+    scratch += len(rf.f.sums) * nbytes((progs, n), stat) if n else 0  # the epilogue column sums' partial rows
     scratch += sum(nbytes(*specs[i]) for i in (1, 2) if not rf.stored(i))
 
     def launch(inputs, outs=None):
@@ -872,15 +899,16 @@ def lower_layer_norm_backward(
         _check_span(name, n, block, w.stride(0), *(t.stride(-1) for t in (g, x) if t is not None))
         pw = torch.empty((progs, n), dtype=stat, device=dev)
         pb = torch.empty((progs, n), dtype=stat, device=dev)
+        psums = [torch.empty((progs, n), dtype=stat, device=dev) for _ in rf.f.sums]
         row_sums = [torch.empty((rows.count,), dtype=stat, device=dev) for _ in range(2)] if looping else []
         stat_strides = [t.stride(k) for t in (mean, rstd) for k in rows.live]
         ptrs, strides = rf.args(inputs)
         main[(progs,)](
             *(t for t in (g, x) if t is not None), w, mean, rstd, *([dx] if dx is not None else []), pw, pb,
-            *row_sums, *ptrs, *_epilogue_outs(res, fusion), *(rows.args(g) if g is not None else []),
+            *row_sums, *ptrs, *_epilogue_outs(res, fusion), *psums, *(rows.args(g) if g is not None else []),
             *(rows.args(x) if x is not None else []), w.stride(0), *stat_strides, *strides, per, **opts,
         )  # fmt: skip
-        colsum[(-(-n // _COLSUM_N),)](pw, pb, dw, db, progs, num_warps=4)
+        colsum[(-(-n // _COLSUM_N),)](pw, pb, *psums, dw, db, *_sum_outs(res, fusion), progs, num_warps=4)
         return res
 
     return Kernel(name, src, launch, config=_effective(cfg, block, warps), extra={"looping": looping},
