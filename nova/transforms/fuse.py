@@ -453,13 +453,7 @@ class _Grouping:
             return False
         (head,) = heads
         inside = set(members)
-        prologue: set[Operation] = set()
-        stack = [v.owner for v in head.operands if isinstance(v.owner, Operation) and v.owner in inside]
-        while stack:
-            o = stack.pop()
-            if o not in prologue:
-                prologue.add(o)
-                stack.extend(v.owner for v in o.operands if isinstance(v.owner, Operation) and v.owner in inside)
+        prologue = self._closure(head, members)
         if any(isinstance(v.owner, Operation) and v.owner in inside for j, v in enumerate(head.operands)
                if j not in head.PROLOGUE):  # fmt: skip
             return False
