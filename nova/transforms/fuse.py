@@ -447,7 +447,7 @@ class _Grouping:
         absorbable prologue, the rest an epilogue of the head's first result's shape
         that reads no other result of it, nothing recomputing its flat index (and
         ``column_sum``, joining now, a column sum of one of its values)."""
-        members = [m for m in members if m is not column_sum and not self._row_sum(m)]
+        members = [m for m in members if m is not column_sum and m not in self.row_sums]
         heads = [m for m in members if self.node[m].kind == "reduction" and reduction_head(m)]
         if len(heads) != 1:
             return False
@@ -619,10 +619,6 @@ class _Grouping:
         if other.kind == "contraction" and nv.column_sum(owner):
             return None  # a column sum is finished only after every tile
         return other, reshape
-
-    def _row_sum(self, op: Operation) -> bool:
-        """``op`` is a column sum already joined to a row-wise head's group."""
-        return op in self.row_sums
 
     def _join_row_sum(self, op: Operation, x: SSAValue, target: Node) -> None:
         """A column sum of an epilogue value of a row-wise head that sums them
