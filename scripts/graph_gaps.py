@@ -3,7 +3,10 @@
 default) and torch.compile's under torch.profiler (CUDA activity: CUPTI traces the
 kernels inside a graph), orders every kernel by its start, and reports per step the
 kernels' busy time (the union of their intervals), the idle time between them and
-the largest gaps with the kernels on either side. Writes graph_gaps_b<batch>.json."""
+the largest gaps with the kernels on either side. Nova runs twice, as its graph and as
+its launch list (``cuda_graph=False``), and the kernels whose time differs most between
+the two are listed (the kernel sums of scripts/kernel_profile.py are the list's; the
+bench times the graph). Writes graph_gaps_b<batch>.json."""
 
 from __future__ import annotations
 
@@ -15,6 +18,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kernel_profile import model_config, step_runner
+
+
+def _by_name(ev, steps: int) -> dict[str, float]:
+    """Kernel time per step (ms) by kernel name."""
+    out: dict[str, float] = {}
+    for s, e, name in ev:
+        out[name] = out.get(name, 0.0) + (e - s) / 1e3 / steps
+    return out
 
 
 def _timeline(run, steps: int) -> list[tuple[float, float, str]]:
@@ -60,8 +71,9 @@ def main() -> None:
     x = torch.randint(0, 50304, (opts.batch, 1024), device="cuda")
     y = torch.randint(0, 50304, (opts.batch, 1024), device="cuda")
     doc = {"batch": opts.batch, "device": torch.cuda.get_device_name(), "engines": {}}
-    for engine in ("nova", "torch.compile"):
-        model, opt, run = step_runner(engine, cfg, "bf16", x, y, cuda_graph=True)
+    names = {}
+    for engine, graph in (("nova", True), ("nova launch list", False), ("torch.compile", True)):
+        model, opt, run = step_runner(engine.split()[0], cfg, "bf16", x, y, cuda_graph=graph)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
         for _ in range(3):
@@ -72,8 +84,10 @@ def main() -> None:
             e.record()
         torch.cuda.synchronize()
         events_ms = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
-        g = _gaps(_timeline(run, opts.steps), opts.steps, opts.top)
+        ev = _timeline(run, opts.steps)
+        g = _gaps(ev, opts.steps, opts.top)
         g["event_ms_median"] = events_ms[len(events_ms) // 2]
+        names[engine] = _by_name(ev, opts.steps)
         doc["engines"][engine] = g
         print(f"== {engine}: events {g['event_ms_median']:.2f} ms/step; profiled span {g['span_ms_per_step']:.2f}, "
               f"busy {g['busy_ms_per_step']:.2f}, idle {g['idle_ms_per_step']:.2f} ms/step in {g['gaps']:.0f} gaps "
@@ -82,6 +96,12 @@ def main() -> None:
             print(f"  {gap:9.2f} us  {a}  ->  {b}")
         del model, opt, run
         torch.cuda.empty_cache()
+    g, li = names["nova"], names["nova launch list"]
+    diff = sorted(((g.get(k, 0.0) - li.get(k, 0.0), k) for k in set(g) | set(li)), key=lambda d: -abs(d[0]))
+    doc["nova_graph_minus_list_ms"] = {k: round(d, 4) for d, k in diff[:opts.top]}
+    print(f"== nova, graph minus launch list: kernels {sum(g.values()) - sum(li.values()):+.3f} ms/step")
+    for d, k in diff[:15]:
+        print(f"  {d:+8.3f} ms  graph {g.get(k, 0.0):8.3f}  list {li.get(k, 0.0):8.3f}  {k[:90]}")
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / f"graph_gaps_b{opts.batch}.json").write_text(json.dumps(doc, indent=1))
 
