@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests|gpt2|bench|bench-gpt2|profile|gaps|warm|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests|gpt2|bench|bench-gpt2|profile|gaps|ws|warm|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -32,6 +32,10 @@ fi
 if [[ $what == gaps ]]; then  # the graph's kernels beside the launch list's, and the idle time between them (GPT-2 124M bf16)
   shift
   timeout 400 python3 scripts/graph_gaps.py --out "$OUT" "$@" 2>&1 | tee "$OUT/graph_gaps.log" | tail -80
+fi
+if [[ $what == ws ]]; then  # warp-specialized persistent matmuls beside cuBLAS (an experiment: scripts/matmul_ws.py)
+  shift
+  timeout 560 python3 scripts/matmul_ws.py --out "$OUT" "$@" 2>&1 | tee "$OUT/matmul_ws.log" | tail -60
 fi
 if [[ $what == warm ]]; then  # the warm compile in a second process, GPT-2 124M bf16 at batch 8 and 32 (issue 8: < 5 s)
   shift

@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""Does Triton 3.6's warp specialization of a persistent Hopper matmul reach cuBLAS on
+the GPT-2 124M bf16 step's big shapes (batch 32)? An experiment before any change to the
+template. For each shape: cuBLAS (torch.matmul on the step's layouts) and a persistent
+TMA kernel whose tile loop is ``tl.range(..., warp_specialize=True)`` (Triton partitions
+it: a producer warp group issuing the loads, two consumer groups of ``num_warps`` for the
+MMAs and the store), over tiles, stages and how C is stored (a descriptor, or pointers).
+
+Each kernel runs in its own child process (every shape) under a time limit: a warp-specialized
+persistent kernel built from Nova's template did not finish in 200 s on the H200 at
+db6f021 (a hang, not diagnosed), and a hang must cost one kernel's rows, not the run. A row's
+result is checked against torch.matmul (fp32 accumulate, bf16 out: max |diff| printed).
+
+    python scripts/matmul_ws.py [--reps 20] [--limit 90] [--out DIR]
+    python scripts/matmul_ws.py --offline    # compile for sm_90a only (no GPU)
+
+Writes matmul_ws.json to --out (commit from NOVA_COMMIT). Needs CUDA (Hopper)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+# (M, N, K, B layout: col = the weight [N, K] read transposed, row = [K, N]), uses per step
+SHAPES = [(32768, 2304, 768, "col", 12), (32768, 3072, 768, "col", 12), (32768, 768, 3072, "col", 12),
+          (32768, 768, 768, "col", 12), (32768, 3072, 768, "row", 12), (32768, 768, 3072, "row", 12)]
+# (BM, BN, BK, stages, warps per consumer group, C store, stages given to tl.range)
+# C store: desc (a host-built descriptor), ptr (pointers), dev (every descriptor built on the device)
+KERNELS = [(128, 256, 64, 3, 4, "dev", True), (128, 256, 64, 3, 4, "ptr", True), (128, 256, 64, 3, 4, "ptr", False),
+           (128, 128, 64, 4, 4, "dev", True), (128, 128, 64, 4, 4, "ptr", True), (128, 256, 64, 4, 4, "ptr", True),
+           (128, 256, 64, 3, 4, "desc", True)]
+
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def ws_matmul(a_desc, b_desc, c_desc, c_ptr, M, N, K, NUM_SMS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, GROUP_M: tl.constexpr, B_T: tl.constexpr, C_DESC: tl.constexpr,
+              STAGES: tl.constexpr):
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    tiles = num_pid_m * num_pid_n
+    for tile in tl.range(tl.program_id(0), tiles, NUM_SMS, warp_specialize=True, num_stages=STAGES):
+        group = tile // (GROUP_M * num_pid_n)
+        first_m = group * GROUP_M
+        rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % rows)
+        pid_n = (tile % (GROUP_M * num_pid_n)) // rows
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([pid_m * BM, ki * BK])
+            if B_T:
+                b = b_desc.load([pid_n * BN, ki * BK]).T
+            else:
+                b = b_desc.load([ki * BK, pid_n * BN])
+            acc = tl.dot(a, b, acc)
+        c = acc.to(tl.bfloat16)
+        if C_DESC:
+            c_desc.store([pid_m * BM, pid_n * BN], c)
+        else:
+            offs_m = pid_m * BM + tl.arange(0, BM)
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], c, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+
+@triton.jit
+def ws_matmul_dev(a_ptr, b_ptr, c_ptr, M, N, K, NUM_SMS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, GROUP_M: tl.constexpr, B_T: tl.constexpr, STAGES: tl.constexpr):
+    """ws_matmul with its descriptors made on the device (``tl.make_tensor_descriptor``, as
+    Triton's own warp-specialization tests do), C stored through one."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
+    if B_T:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1], block_shape=[BK, BN])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    tiles = num_pid_m * num_pid_n
+    for tile in tl.range(tl.program_id(0), tiles, NUM_SMS, warp_specialize=True, num_stages=STAGES):
+        group = tile // (GROUP_M * num_pid_n)
+        first_m = group * GROUP_M
+        rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % rows)
+        pid_n = (tile % (GROUP_M * num_pid_n)) // rows
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([pid_m * BM, ki * BK])
+            if B_T:
+                b = b_desc.load([pid_n * BN, ki * BK]).T
+            else:
+                b = b_desc.load([ki * BK, pid_n * BN])
+            acc = tl.dot(a, b, acc)
+        c_desc.store([pid_m * BM, pid_n * BN], acc.to(tl.bfloat16))
+
+
+def offline() -> None:
+    """Each kernel compiled for sm_90a here (no GPU): partitioned or not, and its shared memory."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for BM, BN, BK, stages, warps, store, range_stages in KERNELS:
+        for b_t in (True, False):
+            bbox = [BN, BK] if b_t else [BK, BN]
+            dev = store == "dev"
+            sig = ({"a_ptr": "*bf16", "b_ptr": "*bf16"} if dev else
+                   {"a_desc": f"tensordesc<bf16[{BM}, {BK}]>", "b_desc": f"tensordesc<bf16{bbox}>",
+                    "c_desc": f"tensordesc<bf16[{BM}, {BN}]>"})
+            sig.update({"c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"})
+            consts = {"NUM_SMS": 132, "BM": BM, "BN": BN, "BK": BK, "GROUP_M": 8, "B_T": b_t}
+            if not dev:
+                consts["C_DESC"] = store == "desc"
+            consts["STAGES"] = stages if range_stages else None
+            sig.update({k: "constexpr" for k in consts})
+            head = f"{BM}x{BN}x{BK} s{stages} w{warps} c_{store} range_stages_{range_stages} b_t {b_t}"
+            try:
+                k = triton.compile(ASTSource(ws_matmul_dev if dev else ws_matmul, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
+                                   options=dict(num_warps=warps, num_stages=stages))
+            except RuntimeError as e:
+                print(f"{head}: does not compile ({e})")
+                continue
+            print(f"{head}: "
+                  f"partitioned {'ttg.warp_specialize' in k.asm['ttgir']}, warps {k.metadata.num_warps}, "
+                  f"shared {k.metadata.shared // 1024} KiB")
+
+
+def child(kernel: tuple, reps: int) -> None:
+    """One kernel on every shape, a JSON row printed per shape."""
+    import torch
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    BM, BN, BK, stages, warps, store, range_stages = kernel
+    # device-built descriptors live in a global scratch the launcher allocates
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    st = stages if range_stages else None
+    torch.manual_seed(0)
+    for M, N, K, bl, uses in SHAPES:
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) if bl == "col" else \
+            torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+        c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        a_d = TensorDescriptor.from_tensor(a, [BM, BK])
+        b_d = TensorDescriptor.from_tensor(w, [BN, BK] if bl == "col" else [BK, BN])
+        c_d = TensorDescriptor.from_tensor(c, [BM, BN])
+
+        def run():
+            if store == "dev":
+                return ws_matmul_dev[(sms,)](a, w, c, M, N, K, sms, BM, BN, BK, 8, bl == "col", st,
+                                             num_warps=warps, num_stages=stages)
+            return ws_matmul[(sms,)](a_d, b_d, c_d, c, M, N, K, sms, BM, BN, BK, 8, bl == "col", store == "desc", st,
+                                     num_warps=warps, num_stages=stages)
+
+        compiled = run()  # the launch returns the compiled kernel
+        torch.cuda.synchronize()
+        ref = a @ (w.t() if bl == "col" else w)
+        row = {"M": M, "N": N, "K": K, "b": bl, "uses": uses, "kernel": "%dx%dx%d s%d w%d c_%s range_stages_%s" % kernel,
+               "ms": _timed(run, reps), "cublas_ms": _timed(lambda: a @ (w.t() if bl == "col" else w), reps),
+               "max_diff": float((c.float() - ref.float()).abs().max()),
+               "warp_specialized": "ttg.warp_specialize" in compiled.asm["ttgir"]}
+        row["vs_cublas"] = row["cublas_ms"] / row["ms"]
+        print(json.dumps(row), flush=True)
+
+
+def _timed(fn, reps: int) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for s, e in ev:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in ev)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--limit", type=int, default=90, help="seconds a child (one kernel on every shape) may take")
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--offline", action="store_true", help="compile each kernel for sm_90a, run nothing (no GPU needed)")
+    opts = ap.parse_args()
+    if opts.offline:
+        offline()
+        return
+    if opts.child:
+        child(tuple(json.loads(opts.child)), opts.reps)
+        return
+    rows = []
+    for kern in KERNELS:
+        name = "%dx%dx%d s%d w%d c_%s range_stages_%s" % kern
+        try:
+            p = subprocess.run([sys.executable, __file__, "--child", json.dumps(kern), "--reps", str(opts.reps)],
+                               capture_output=True, text=True, timeout=opts.limit)
+            out, err = p.stdout, p.stderr if p.returncode else ""
+        except subprocess.TimeoutExpired as e:  # the rows printed before the limit still count
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+            err = f"did not finish in {opts.limit} s"
+        got = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+        for r in got:
+            print(f"{r['kernel']:44s} {r['M']}x{r['N']}x{r['K']} {r['b']}: {r['ms']:.4f} ms, cuBLAS {r['cublas_ms']:.4f} "
+                  f"({r['vs_cublas']:.2f}x), partitioned {r['warp_specialized']}, max diff {r['max_diff']:.3g}", flush=True)
+        if err:
+            print(f"{name}: {err.strip()[-300:]} (after {len(got)} of {len(SHAPES)} shapes)", flush=True)
+            got.append({"kernel": name, "error": err.strip()[-300:]})
+        rows += got
+    opts.out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    doc = {"commit": os.environ.get("NOVA_COMMIT", "unknown"), "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "rows": rows}
+    (opts.out / "matmul_ws.json").write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()
