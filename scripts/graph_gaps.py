@@ -6,7 +6,8 @@ kernels' busy time (the union of their intervals), the idle time between them an
 the largest gaps with the kernels on either side. Nova runs twice, as its graph and as
 its launch list (``cuda_graph=False``), and the kernels whose time differs most between
 the two are listed (the kernel sums of scripts/kernel_profile.py are the list's; the
-bench times the graph). Writes graph_gaps_b<batch>.json."""
+bench times the graph). The SM clock and the power are sampled while the timed steps
+run. Writes graph_gaps_b<batch>.json."""
 
 from __future__ import annotations
 
@@ -18,6 +19,34 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kernel_profile import model_config, step_runner
+
+
+def _sampled(fn) -> tuple[list, list]:
+    """Runs ``fn`` while a thread samples the GPU's SM clock (MHz) and power (mW) every
+    5 ms through NVML (``torch.cuda.clock_rate`` / ``power_draw``; empty lists where
+    NVML is not installed): is a step's time the kernels' or the clock's?"""
+    import threading
+    import time
+
+    clocks, power, done = [], [], threading.Event()
+
+    def poll():
+        while not done.is_set():
+            try:
+                clocks.append(torch.cuda.clock_rate())
+                power.append(torch.cuda.power_draw())
+            except Exception:  # noqa: BLE001  (no NVML here: nothing sampled)
+                return
+            time.sleep(0.005)
+
+    t = threading.Thread(target=poll)
+    t.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        t.join()
+    return clocks, power
 
 
 def _by_name(ev, steps: int) -> dict[str, float]:
@@ -62,7 +91,8 @@ def _gaps(ev, steps: int, top: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="steps profiled")
+    ap.add_argument("--timed", type=int, default=20, help="steps timed by events (and the clock sampled)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", type=Path, default=Path("."))
     opts = ap.parse_args()
@@ -74,22 +104,28 @@ def main() -> None:
     names = {}
     for engine, graph in (("nova", True), ("nova launch list", False), ("torch.compile", True)):
         model, opt, run = step_runner(engine.split()[0], cfg, "bf16", x, y, cuda_graph=graph)
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(opts.timed)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(opts.timed)]
         for _ in range(3):
             run()
-        for s, e in zip(starts, ends):
-            s.record()
-            run()
-            e.record()
-        torch.cuda.synchronize()
+
+        def window():
+            for s, e in zip(starts, ends):
+                s.record()
+                run()
+                e.record()
+            torch.cuda.synchronize()
+        clocks, power = _sampled(window)
         events_ms = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
         ev = _timeline(run, opts.steps)
         g = _gaps(ev, opts.steps, opts.top)
         g["event_ms_median"] = events_ms[len(events_ms) // 2]
+        g["sm_clock_mhz_median"] = sorted(clocks)[len(clocks) // 2] if clocks else None
+        g["power_w_median"] = sorted(power)[len(power) // 2] / 1e3 if power else None
         names[engine] = _by_name(ev, opts.steps)
         doc["engines"][engine] = g
-        print(f"== {engine}: events {g['event_ms_median']:.2f} ms/step; profiled span {g['span_ms_per_step']:.2f}, "
+        print(f"== {engine}: events {g['event_ms_median']:.2f} ms/step (SM clock {g['sm_clock_mhz_median']} MHz, "
+              f"power {g['power_w_median']} W, medians over the timed window); profiled span {g['span_ms_per_step']:.2f}, "
               f"busy {g['busy_ms_per_step']:.2f}, idle {g['idle_ms_per_step']:.2f} ms/step in {g['gaps']:.0f} gaps "
               f"({g['idle_in_gaps_under_5us_ms_per_step']:.2f} ms in gaps under 5 us)")
         for gap, a, b in g["largest_gaps_us"]:
