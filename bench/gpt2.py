@@ -71,6 +71,7 @@ if str(REPO) not in sys.path:  # `python bench/gpt2.py` from a checkout without 
     sys.path.insert(0, str(REPO))
 
 import nova  # noqa: E402
+from bench.timing import median_or_none, sampled  # noqa: E402
 from nova.cli.errors import RunFailed, UsageError  # noqa: E402
 from nova.models import GPT, MLPLM, GPTConfig, MLPLMConfig  # noqa: E402
 
@@ -272,7 +273,8 @@ def measure(engine: str, cfg: dict, state: dict, device: torch.device, batches: 
     row = dict(engine=engine, precision=cfg["precision"], batch=cfg["batch"], seq=cfg["seq"], layers=cfg["layers"],
                width=cfg["width"], heads=cfg["heads"], tok_s=None, step_ms_median=None, host_ms=None, peak_gib=None,
                peak_timed_gib=None, baseline_gib=None, compile_s=None, compile_warm_s=None, first_step_s=None,
-               oom=False, error=None, max_rel_loss_diff=None, losses=[], step_ms=[])
+               oom=False, error=None, max_rel_loss_diff=None, losses=[], step_ms=[], sm_clock_mhz_median=None,
+               power_w_median=None)
     cuda = device.type == "cuda"
     _flags(cfg["precision"], engine)
     _free(device)
@@ -299,18 +301,28 @@ def measure(engine: str, cfg: dict, state: dict, device: torch.device, batches: 
             starts = [torch.cuda.Event(enable_timing=True) for _ in range(cfg["steps"])]
             ends = [torch.cuda.Event(enable_timing=True) for _ in range(cfg["steps"])]
         walls = []
-        for i in range(cfg["steps"]):
-            x, y = batches.next()
-            if cuda:
-                starts[i].record()
-            else:
-                t0 = time.perf_counter()
-            losses.append(step(x, y))
-            if cuda:
-                ends[i].record()
-            else:
-                walls.append((time.perf_counter() - t0) * 1e3)
-        _sync(device)  # once per timed window
+
+        def window():
+            for i in range(cfg["steps"]):
+                x, y = batches.next()
+                if cuda:
+                    starts[i].record()
+                else:
+                    t0 = time.perf_counter()
+                losses.append(step(x, y))
+                if cuda:
+                    ends[i].record()
+                else:
+                    walls.append((time.perf_counter() - t0) * 1e3)
+            _sync(device)  # once per timed window
+
+        # the SM clock and power while the window runs (NVML; none without it)
+        if cuda:
+            clocks, power = sampled(window)
+        else:
+            window()
+            clocks = power = []
+        row["sm_clock_mhz_median"], row["power_w_median"] = median_or_none(clocks), median_or_none(power)
         row["step_ms"] = [s.elapsed_time(e) for s, e in zip(starts, ends)] if cuda else walls
         row["losses"] = [float(v) for v in losses]
         assert len(row["losses"]) == n_steps
@@ -489,14 +501,15 @@ def _commit() -> str:
 
 def summary(doc: dict) -> str:
     lines = [f"{'engine':<14} {'tok/s':>10} {'ms/step':>9} {'peak GiB':>9} {'compile s':>10} {'warm s':>8} "
-             f"{'max rel loss diff':>18} {'host ms':>8} {'predicted GiB':>13}"]
+             f"{'max rel loss diff':>18} {'host ms':>8} {'predicted GiB':>13} {'SM MHz':>7} {'W':>5}"]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in doc["rows"]:
         tok = "OOM" if r["oom"] else "error" if r["error"] else fmt(r["tok_s"], ",.0f")
         lines.append(f"{r['engine']:<14} {tok:>10} {fmt(r['step_ms_median'], '.1f'):>9} {fmt(r['peak_gib'], '.2f'):>9} "
                      f"{fmt(r['compile_s'], '.1f'):>10} {fmt(r['compile_warm_s'], '.1f'):>8} "
                      f"{fmt(r['max_rel_loss_diff'], '.2e'):>18} {fmt(r.get('host_ms'), '.3f'):>8} "
-                     f"{fmt(r.get('predicted_peak_gib'), '.2f'):>13}")
+                     f"{fmt(r.get('predicted_peak_gib'), '.2f'):>13} {fmt(r.get('sm_clock_mhz_median'), '.0f'):>7} "
+                     f"{fmt(r.get('power_w_median'), '.0f'):>5}")
     return "\n".join(lines)
 
 

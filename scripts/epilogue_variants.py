@@ -9,8 +9,9 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
                 table: GELU 8, its backward 12) kept out of epilogues
   *-nobackward  more than 8 (GELU's backward kept out, the forward's GELU in)
   tile:FIELDS   the shipped configurator, every epilogue kernel's schedule overridden
-                by FIELDS (colon-separated: BMxBN, sS stages, wW warps, gG group_m),
-                e.g. tile:128x256:s3 (a schedule that does not compile fails its row)
+                by FIELDS (colon-separated: BMxBN, sS stages, wW warps, gG group_m, p the
+                persistent flattened loop), e.g. tile:128x256:s3 or tile:128x128:s4:p
+                (a schedule that does not compile fails its row)
   colsplit:N    the shipped configurator, every column reduction (bias gradients, and
                 GELU's backward computed in the c_fc one's prologue) split N ways
 
@@ -51,6 +52,8 @@ def child(variant: str, layers: int, batch: int) -> dict:
         for f in variant.split(":")[1:]:
             if "x" in f:
                 over["block_m"], over["block_n"] = map(int, f.split("x"))
+            elif f == "p":
+                over["persistent"] = True
             else:
                 over[{"s": "num_stages", "w": "num_warps", "g": "group_m"}[f[0]]] = int(f[1:])
         shipped = cf.configure_matmul

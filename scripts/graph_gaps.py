@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -20,33 +21,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from kernel_profile import model_config, step_runner
 
-
-def _sampled(fn) -> tuple[list, list]:
-    """Runs ``fn`` while a thread samples the GPU's SM clock (MHz) and power (mW) every
-    5 ms through NVML (``torch.cuda.clock_rate`` / ``power_draw``; empty lists where
-    NVML is not installed): is a step's time the kernels' or the clock's?"""
-    import threading
-    import time
-
-    clocks, power, done = [], [], threading.Event()
-
-    def poll():
-        while not done.is_set():
-            try:
-                clocks.append(torch.cuda.clock_rate())
-                power.append(torch.cuda.power_draw())
-            except Exception:  # noqa: BLE001  (no NVML here: nothing sampled)
-                return
-            time.sleep(0.005)
-
-    t = threading.Thread(target=poll)
-    t.start()
-    try:
-        fn()
-    finally:
-        done.set()
-        t.join()
-    return clocks, power
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import median_or_none, sampled  # noqa: E402
 
 
 def _by_name(ev, steps: int) -> dict[str, float]:
@@ -115,13 +91,12 @@ def main() -> None:
                 run()
                 e.record()
             torch.cuda.synchronize()
-        clocks, power = _sampled(window)
+        clocks, power = sampled(window)
         events_ms = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
         ev = _timeline(run, opts.steps)
         g = _gaps(ev, opts.steps, opts.top)
         g["event_ms_median"] = events_ms[len(events_ms) // 2]
-        g["sm_clock_mhz_median"] = sorted(clocks)[len(clocks) // 2] if clocks else None
-        g["power_w_median"] = sorted(power)[len(power) // 2] / 1e3 if power else None
+        g["sm_clock_mhz_median"], g["power_w_median"] = median_or_none(clocks), median_or_none(power)
         names[engine] = _by_name(ev, opts.steps)
         doc["engines"][engine] = g
         print(f"== {engine}: events {g['event_ms_median']:.2f} ms/step (SM clock {g['sm_clock_mhz_median']} MHz, "

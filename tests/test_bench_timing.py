@@ -1,0 +1,56 @@
+"""bench/timing.py's ``sampled``: the clock and power readings beside a timed window
+(NVML through torch.cuda on the H200; here faked, and absent)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from nova.cli.bench import load_benchmark
+
+load_benchmark("gpt2")  # puts the repository on sys.path, as `nova bench` does
+from bench.timing import median_or_none, sampled  # noqa: E402
+
+
+def test_the_window_runs_once_with_samples_taken_while_it_runs(monkeypatch):
+    reads = []
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda: reads.append(time.perf_counter()) or 1755)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda: 612_000)  # mW
+    ran = []
+
+    def window():
+        ran.append(time.perf_counter())
+        time.sleep(0.05)
+        ran.append(time.perf_counter())
+
+    clocks, power = sampled(window, period_s=0.005)
+    assert len(ran) == 2
+    assert len(clocks) >= 3 and set(clocks) == {1755} and set(power) == {612.0}
+    assert all(t <= ran[1] + 0.05 for t in reads)  # the thread stops with the window
+    assert median_or_none(clocks) == 1755 and median_or_none([]) is None
+
+
+def test_without_nvml_nothing_is_sampled_and_the_window_still_runs(monkeypatch):
+    def no_nvml():
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", no_nvml)
+    ran = []
+    assert sampled(lambda: ran.append(1)) == ([], [])
+    assert ran == [1]
+
+
+def test_an_error_in_the_window_stops_the_sampler_and_propagates(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda: 1000)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda: 1000)
+
+    def fails():
+        raise RuntimeError("boom")
+
+    before = threading.active_count()
+    with pytest.raises(RuntimeError, match="boom"):
+        sampled(fails)
+    assert threading.active_count() == before  # the sampler thread has ended
