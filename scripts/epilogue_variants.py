@@ -8,6 +8,9 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
   *-light       elementwise ops costing more than 4 FLOPs an element (the cost model's
                 table: GELU 8, its backward 12) kept out of epilogues
   *-nobackward  more than 8 (GELU's backward kept out, the forward's GELU in)
+  *-noresidual  the residual adds (f32, both operands full-size, neither a broadcast
+                bias) kept out: the projections store bf16, the add is its own kernel
+                or joins its reader
   tile:FIELDS   the shipped configurator, every epilogue kernel's schedule overridden
                 by FIELDS (colon-separated: BMxBN, sS stages, wW warps, gG group_m, p the
                 persistent flattened loop), e.g. tile:128x256:s3 or tile:128x128:s4:p
@@ -31,16 +34,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "tile-grid-nobackward")
+VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "tile-grid-nobackward",
+            "tile-grid-noresidual")
 KEPT_OUT_ABOVE = {"light": 4, "nobackward": 8}  # variant suffix -> FLOPs an element an epilogue op may cost
 
 
-def child(variant: str, layers: int, batch: int) -> dict:
-    os.environ["NOVA_STEP_CACHE"] = "0"
-    import torch
-
-    import nova
-    from nova.models import GPT, GPTConfig
+def apply_variant(variant: str) -> None:
+    """Patches the configurator and the fuse stage of this process as ``variant`` says."""
     from nova.schedule import configurator as cf, cost
     from nova.transforms import fuse as fz
 
@@ -70,24 +70,43 @@ def child(variant: str, layers: int, batch: int) -> dict:
         cf.configure_column_reduction = lambda *a, **k: dataclasses.replace(column(*a, **k),
                                                                           split_k=int(variant.split(":")[1]))
     limit = KEPT_OUT_ABOVE.get(variant.rsplit("-", 1)[-1])
+    kept_out = None
     if limit is not None:
+        def kept_out(m):
+            return cost._ELEMENTWISE_FLOPS.get(type(m), 1) > limit
+    if variant.endswith("-noresidual"):
+        from nova.ir import dialect as nv
+        from nova.ir.types import elem_of, shape_of
+
+        def kept_out(m):  # a residual add: f32, both operands the full shape, neither a broadcast (a bias)
+            full = shape_of(m.results[0].type) if isinstance(m, nv.AddOp) else None
+            return (full is not None and str(elem_of(m.results[0].type)) == "f32"
+                    and all(shape_of(v.type) == full and not isinstance(v.owner, nv.BroadcastToOp) for v in m.operands))
+    if kept_out is not None:
         real = fz._Grouping._producer
 
         def producer(self, w, node):
             found = real(self, w, node)
-            if found is not None and found[0].kind == "contraction" and any(
-                    cost._ELEMENTWISE_FLOPS.get(type(m), 1) > limit for m in node.members):
+            if found is not None and found[0].kind == "contraction" and any(kept_out(m) for m in node.members):
                 return None
-            if found is not None and node.kind == "contraction" and any(
-                    cost._ELEMENTWISE_FLOPS.get(type(m), 1) > limit for m in found[0].members):
+            if found is not None and node.kind == "contraction" and any(kept_out(m) for m in found[0].members):
                 return None
             if (found is not None and found[0].kind == "contraction" and len(node.members) == 1
                     and fz._itemsize(node.members[0].results[0]) > fz._itemsize(w)
-                    and all(cost._ELEMENTWISE_FLOPS.get(type(u.operation), 1) > limit
-                            for u in node.members[0].results[0].uses)):  # fmt: skip
+                    and all(kept_out(u.operation) for u in node.members[0].results[0].uses)):  # fmt: skip
                 return None  # a widening cast only kept-out ops read: with them (the matmul stores bf16)
             return found
         fz._Grouping._producer = producer
+
+
+def child(variant: str, layers: int, batch: int) -> dict:
+    os.environ["NOVA_STEP_CACHE"] = "0"
+    import torch
+
+    import nova
+    from nova.models import GPT, GPTConfig
+
+    apply_variant(variant)
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=layers, n_head=12, n_embd=768)
     with torch.device("cuda"):
