@@ -29,8 +29,10 @@ from pathlib import Path
 SHAPES = [(32768, 2304, 768, "col", 12), (32768, 3072, 768, "col", 12), (32768, 768, 3072, "col", 12),
           (32768, 768, 768, "col", 12), (32768, 3072, 768, "row", 12), (32768, 768, 3072, "row", 12)]
 # (BM, BN, BK, stages, warps per consumer group, C store, stages given to tl.range)
-# C store: desc (a host-built descriptor), ptr (pointers), dev (every descriptor built on the device)
-KERNELS = [(128, 256, 64, 3, 4, "dev", True), (128, 256, 64, 3, 4, "ptr", True), (128, 256, 64, 3, 4, "ptr", False),
+# C store: desc (a host-built descriptor), ptr (pointers), dev (every descriptor built on the device),
+# rt (pointers, the grid size a runtime argument as in Nova's template)
+KERNELS = [(128, 256, 64, 3, 4, "dev", True), (128, 256, 64, 3, 4, "ptr", True), (128, 256, 64, 3, 4, "rt", True),
+           (128, 256, 64, 3, 4, "ptr", False),
            (128, 128, 64, 4, 4, "dev", True), (128, 128, 64, 4, 4, "ptr", True), (128, 256, 64, 4, 4, "ptr", True)]
 # ("desc", a host-built C descriptor: Triton 3.6's partitioning fails on its store, --offline shows it)
 
@@ -40,9 +42,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _tiles(a_desc, b_desc, c_desc, c_ptr, M, N, K, NUM_SMS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+def _tiles(a_desc, b_desc, c_desc, c_ptr, M, N, K, NUM_SMS, BM: tl.constexpr, BN: tl.constexpr,
            BK: tl.constexpr, GROUP_M: tl.constexpr, B_T: tl.constexpr, C_DESC: tl.constexpr, STAGES: tl.constexpr):
-    """The persistent tile loop, warp-specialized: C = A B in bf16, through ``c_desc`` or pointers."""
+    """The persistent tile loop, warp-specialized: C = A B in bf16, through ``c_desc`` or pointers
+    (``NUM_SMS`` the grid: a constexpr, or a runtime value as Nova's template passes it)."""
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
@@ -78,6 +81,14 @@ def ws_matmul(a_desc, b_desc, c_desc, c_ptr, M, N, K, NUM_SMS: tl.constexpr, BM:
     _tiles(a_desc, b_desc, c_desc, c_ptr, M, N, K, NUM_SMS, BM, BN, BK, GROUP_M, B_T, C_DESC, STAGES)
 
 
+@triton.jit(do_not_specialize=["NUM_PROGS"])
+def ws_matmul_rt(a_desc, b_desc, c_ptr, M, N, K, NUM_PROGS, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 GROUP_M: tl.constexpr, B_T: tl.constexpr, STAGES: tl.constexpr):
+    """ws_matmul with the grid size a runtime argument, kept out of Triton's integer
+    specialization (Nova's template's ``NUM_PROGS``), C through pointers."""
+    _tiles(a_desc, b_desc, a_desc, c_ptr, M, N, K, NUM_PROGS, BM, BN, BK, GROUP_M, B_T, False, STAGES)
+
+
 @triton.jit
 def ws_matmul_dev(a_ptr, b_ptr, c_ptr, M, N, K, NUM_SMS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, GROUP_M: tl.constexpr, B_T: tl.constexpr, STAGES: tl.constexpr):
@@ -100,19 +111,24 @@ def offline() -> None:
     for BM, BN, BK, stages, warps, store, range_stages in KERNELS:
         for b_t in (True, False):
             bbox = [BN, BK] if b_t else [BK, BN]
-            dev = store == "dev"
+            dev, rt = store == "dev", store == "rt"
             sig = ({"a_ptr": "*bf16", "b_ptr": "*bf16"} if dev else
-                   {"a_desc": f"tensordesc<bf16[{BM}, {BK}]>", "b_desc": f"tensordesc<bf16{bbox}>",
-                    "c_desc": f"tensordesc<bf16[{BM}, {BN}]>"})
+                   {"a_desc": f"tensordesc<bf16[{BM}, {BK}]>", "b_desc": f"tensordesc<bf16{bbox}>"})
+            if not (dev or rt):
+                sig["c_desc"] = f"tensordesc<bf16[{BM}, {BN}]>"
             sig.update({"c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"})
-            consts = {"NUM_SMS": 132, "BM": BM, "BN": BN, "BK": BK, "GROUP_M": 8, "B_T": b_t}
-            if not dev:
+            if rt:
+                sig["NUM_PROGS"] = "i32"
+            consts = {} if rt else {"NUM_SMS": 132}
+            consts.update({"BM": BM, "BN": BN, "BK": BK, "GROUP_M": 8, "B_T": b_t})
+            if not (dev or rt):
                 consts["C_DESC"] = store == "desc"
             consts["STAGES"] = stages if range_stages else None
             sig.update({k: "constexpr" for k in consts})
             head = f"{BM}x{BN}x{BK} s{stages} w{warps} c_{store} range_stages_{range_stages} b_t {b_t}"
             try:
-                k = triton.compile(ASTSource(ws_matmul_dev if dev else ws_matmul, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
+                fn = ws_matmul_dev if dev else ws_matmul_rt if rt else ws_matmul
+                k = triton.compile(ASTSource(fn, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
                                    options=dict(num_warps=warps, num_stages=stages))
             except RuntimeError as e:
                 print(f"{head}: does not compile ({e})")
@@ -146,6 +162,9 @@ def child(kernel: tuple, reps: int) -> None:
             if store == "dev":
                 return ws_matmul_dev[(sms,)](a, w, c, M, N, K, sms, BM, BN, BK, 8, bl == "col", st,
                                              num_warps=warps, num_stages=stages)
+            if store == "rt":
+                return ws_matmul_rt[(sms,)](a_d, b_d, c, M, N, K, sms, BM, BN, BK, 8, bl == "col", st,
+                                            num_warps=warps, num_stages=stages)
             return ws_matmul[(sms,)](a_d, b_d, c_d, c, M, N, K, sms, BM, BN, BK, 8, bl == "col", store == "desc", st,
                                      num_warps=warps, num_stages=stages)
 
