@@ -9,8 +9,9 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
                 table: GELU 8, its backward 12) kept out of epilogues
   *-nobackward  more than 8 (GELU's backward kept out, the forward's GELU in)
   *-noresidual  the residual adds (f32, both operands full-size, neither a broadcast
-                bias) kept out: the projections store bf16, the add is its own kernel
-                or joins its reader
+                bias) kept out: the projections store their f32 biased output (the
+                bias add is in f32), the residual add is its own kernel or joins its
+                reader
   tile:FIELDS   the shipped configurator, every epilogue kernel's schedule overridden
                 by FIELDS (colon-separated: BMxBN, sS stages, wW warps, gG group_m, p the
                 persistent flattened loop), e.g. tile:128x256:s3 or tile:128x128:s4:p
