@@ -25,6 +25,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import triton
+import triton.language as tl
+
 # (M, N, K, B layout: col = the weight [N, K] read transposed, row = [K, N]), uses per step
 SHAPES = [(32768, 2304, 768, "col", 12), (32768, 3072, 768, "col", 12), (32768, 768, 3072, "col", 12),
           (32768, 768, 768, "col", 12), (32768, 3072, 768, "row", 12), (32768, 768, 3072, "row", 12)]
@@ -35,10 +38,6 @@ KERNELS = [(128, 256, 64, 3, 4, "dev", True), (128, 256, 64, 3, 4, "ptr", True),
            (128, 256, 64, 3, 4, "ptr", False),
            (128, 128, 64, 4, 4, "dev", True), (128, 128, 64, 4, 4, "ptr", True), (128, 256, 64, 4, 4, "ptr", True)]
 # ("desc", a host-built C descriptor: Triton 3.6's partitioning fails on its store, --offline shows it)
-
-
-import triton
-import triton.language as tl
 
 
 @triton.jit
