@@ -27,7 +27,10 @@ fi
 if [[ $what == profile ]]; then  # kernel time per step, Nova beside torch.compile, and the host time of a call
   shift
   timeout 400 python3 scripts/kernel_profile.py --out "$OUT" "$@" 2>&1 | tee "$OUT/kernel_profile.log" | tail -150
-  timeout 150 python3 scripts/host_profile.py --calls 20 2>&1 | tee "$OUT/host_profile.log" | head -45
+  # the host profile at the profile's batch (host_profile.py takes --batch, not the model options)
+  hb=(); args=("$@")
+  for i in "${!args[@]}"; do [[ ${args[$i]} == --batch ]] && hb=(--batch "${args[$((i + 1))]}"); done
+  timeout 150 python3 scripts/host_profile.py --calls 20 "${hb[@]}" 2>&1 | tee "$OUT/host_profile.log" | head -45
 fi
 if [[ $what == gaps ]]; then  # the graph's kernels beside the launch list's, and the idle time between them (GPT-2 124M bf16)
   shift
