@@ -2,7 +2,9 @@
 and the experiment scripts (scripts/attention_variants.py, scripts/lm_head_parts.py): ``fn`` captured ``launches`` times into one CUDA graph,
 replayed ``repeats`` times between CUDA events after one warm-up replay; the median
 replay over ``launches`` is the time of one launch without the host's launch cost.
-``sampled`` runs a timed window while a thread reads the GPU's SM clock and power."""
+``time_events`` is the median of single launches between CUDA events (the host's launch
+cost included where the device waits for it); ``sampled`` runs a timed window while a
+thread reads the GPU's SM clock and power."""
 
 from __future__ import annotations
 
@@ -33,6 +35,21 @@ def time_graph(fn, launches: int, repeats: int, stream=None) -> float:
     torch.cuda.synchronize()
     del g
     return statistics.median(s.elapsed_time(e) for s, e in ts) / launches
+
+
+def time_events(fn, reps: int, warmup: int = 3) -> float:
+    """Median ms of ``fn`` launched ``reps`` times, each between two CUDA events, after
+    ``warmup`` untimed calls (the first compiles)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for s, e in ev:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in ev)
 
 
 def sampled(fn, period_s: float = 0.005) -> tuple[list[int], list[float]]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests|gpt2|bench|bench-gpt2|profile|gaps|ws|warm|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests|gpt2|bench|bench-gpt2|profile|gaps|ws|adamw|warm|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -39,6 +39,10 @@ fi
 if [[ $what == ws ]]; then  # warp-specialized persistent matmuls beside cuBLAS (an experiment: scripts/matmul_ws.py)
   shift
   timeout 560 python3 scripts/matmul_ws.py --out "$OUT" "$@" 2>&1 | tee "$OUT/matmul_ws.log" | tail -60
+fi
+if [[ $what == adamw ]]; then  # a multi-tensor AdamW from a pointer table beside per-tensor launches (scripts/multi_tensor_adamw.py)
+  shift
+  timeout 200 python3 scripts/multi_tensor_adamw.py --out "$OUT" "$@" 2>&1 | tee "$OUT/multi_tensor_adamw.log" | tail -20
 fi
 if [[ $what == warm ]]; then  # the warm compile in a second process, GPT-2 124M bf16 at batch 8 and 32 (issue 8: < 5 s)
   shift

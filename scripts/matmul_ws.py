@@ -20,13 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import time_events  # noqa: E402
 
 # (M, N, K, B layout: col = the weight [N, K] read transposed, row = [K, N]), uses per step
 SHAPES = [(32768, 2304, 768, "col", 12), (32768, 3072, 768, "col", 12), (32768, 768, 3072, "col", 12),
@@ -171,26 +173,11 @@ def child(kernel: tuple, reps: int) -> None:
         torch.cuda.synchronize()
         ref = a @ (w.t() if bl == "col" else w)
         row = {"M": M, "N": N, "K": K, "b": bl, "uses": uses, "kernel": "%dx%dx%d s%d w%d c_%s range_stages_%s" % kernel,
-               "ms": _timed(run, reps), "cublas_ms": _timed(lambda: a @ (w.t() if bl == "col" else w), reps),
+               "ms": time_events(run, reps), "cublas_ms": time_events(lambda: a @ (w.t() if bl == "col" else w), reps),
                "max_diff": float((c.float() - ref.float()).abs().max()),
                "warp_specialized": "ttg.warp_specialize" in compiled.asm["ttgir"]}
         row["vs_cublas"] = row["cublas_ms"] / row["ms"]
         print(json.dumps(row), flush=True)
-
-
-def _timed(fn, reps: int) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in ev)
 
 
 def main() -> None:
