@@ -4,7 +4,8 @@ the GPT-2 124M bf16 step's big shapes (batch 32)? An experiment before any chang
 template. For each shape: cuBLAS (torch.matmul on the step's layouts) and a persistent
 TMA kernel whose tile loop is ``tl.range(..., warp_specialize=True)`` (Triton partitions
 it: a producer warp group issuing the loads, two consumer groups of ``num_warps`` for the
-MMAs and the store), over tiles, stages and how C is stored (a descriptor, or pointers).
+MMAs and the store), over tiles, stages, how C is stored (pointers, or a device-built descriptor) and whether the grid
+size is a constant.
 
 Each kernel runs in its own child process (every shape) under a time limit: a warp-specialized
 persistent kernel built from Nova's template did not finish in 200 s on the H200 at
@@ -34,12 +35,12 @@ from bench.timing import time_events  # noqa: E402
 SHAPES = [(32768, 2304, 768, "col", 12), (32768, 3072, 768, "col", 12), (32768, 768, 3072, "col", 12),
           (32768, 768, 768, "col", 12), (32768, 3072, 768, "row", 12), (32768, 768, 3072, "row", 12)]
 # (BM, BN, BK, stages, warps per consumer group, C store, stages given to tl.range)
-# C store: desc (a host-built descriptor), ptr (pointers), dev (every descriptor built on the device),
-# rt (pointers, the grid size a runtime argument as in Nova's template)
+# C store: ptr (host-built A and B descriptors, C through pointers), dev (every descriptor built on the
+# device, C through one), rt (as ptr, the grid size a runtime argument as in Nova's template). A
+# host-built C descriptor is not among them: Triton 3.6's partitioning fails on its store (offline, sm_90a).
 KERNELS = [(128, 256, 64, 3, 4, "dev", True), (128, 256, 64, 3, 4, "ptr", True), (128, 256, 64, 3, 4, "rt", True),
            (128, 256, 64, 3, 4, "ptr", False),
            (128, 128, 64, 4, 4, "dev", True), (128, 128, 64, 4, 4, "ptr", True), (128, 256, 64, 4, 4, "ptr", True)]
-# ("desc", a host-built C descriptor: Triton 3.6's partitioning fails on its store, --offline shows it)
 
 
 @triton.jit
@@ -75,11 +76,10 @@ def _tiles(a_desc, b_desc, c_desc, c_ptr, M, N, K, NUM_SMS, BM: tl.constexpr, BN
 
 
 @triton.jit
-def ws_matmul(a_desc, b_desc, c_desc, c_ptr, M, N, K, NUM_SMS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr, GROUP_M: tl.constexpr, B_T: tl.constexpr, C_DESC: tl.constexpr,
-              STAGES: tl.constexpr):
-    """Host-built descriptors for A and B (Nova's template's way), C through one or pointers."""
-    _tiles(a_desc, b_desc, c_desc, c_ptr, M, N, K, NUM_SMS, BM, BN, BK, GROUP_M, B_T, C_DESC, STAGES)
+def ws_matmul(a_desc, b_desc, c_ptr, M, N, K, NUM_SMS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, GROUP_M: tl.constexpr, B_T: tl.constexpr, STAGES: tl.constexpr):
+    """Host-built descriptors for A and B (Nova's template's way), C through pointers."""
+    _tiles(a_desc, b_desc, a_desc, c_ptr, M, N, K, NUM_SMS, BM, BN, BK, GROUP_M, B_T, False, STAGES)
 
 
 @triton.jit(do_not_specialize=["NUM_PROGS"])
@@ -104,6 +104,10 @@ def ws_matmul_dev(a_ptr, b_ptr, c_ptr, M, N, K, NUM_SMS: tl.constexpr, BM: tl.co
     _tiles(a_desc, b_desc, c_desc, c_ptr, M, N, K, NUM_SMS, BM, BN, BK, GROUP_M, B_T, True, STAGES)
 
 
+def _name(kernel: tuple) -> str:
+    return "%dx%dx%d s%d w%d c_%s range_stages_%s" % kernel
+
+
 def offline() -> None:
     """Each kernel compiled for sm_90a here (no GPU): partitioned or not, and its shared memory."""
     from triton.backends.compiler import GPUTarget
@@ -115,18 +119,14 @@ def offline() -> None:
             dev, rt = store == "dev", store == "rt"
             sig = ({"a_ptr": "*bf16", "b_ptr": "*bf16"} if dev else
                    {"a_desc": f"tensordesc<bf16[{BM}, {BK}]>", "b_desc": f"tensordesc<bf16{bbox}>"})
-            if not (dev or rt):
-                sig["c_desc"] = f"tensordesc<bf16[{BM}, {BN}]>"
             sig.update({"c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"})
             if rt:
                 sig["NUM_PROGS"] = "i32"
             consts = {} if rt else {"NUM_SMS": 132}
             consts.update({"BM": BM, "BN": BN, "BK": BK, "GROUP_M": 8, "B_T": b_t})
-            if not (dev or rt):
-                consts["C_DESC"] = store == "desc"
             consts["STAGES"] = stages if range_stages else None
             sig.update({k: "constexpr" for k in consts})
-            head = f"{BM}x{BN}x{BK} s{stages} w{warps} c_{store} range_stages_{range_stages} b_t {b_t}"
+            head = f"{_name((BM, BN, BK, stages, warps, store, range_stages))} b_t {b_t}"
             try:
                 fn = ws_matmul_dev if dev else ws_matmul_rt if rt else ws_matmul
                 k = triton.compile(ASTSource(fn, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
@@ -157,7 +157,6 @@ def child(kernel: tuple, reps: int) -> None:
         c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         a_d = TensorDescriptor.from_tensor(a, [BM, BK])
         b_d = TensorDescriptor.from_tensor(w, [BN, BK] if bl == "col" else [BK, BN])
-        c_d = TensorDescriptor.from_tensor(c, [BM, BN])
 
         def run():
             if store == "dev":
@@ -166,13 +165,13 @@ def child(kernel: tuple, reps: int) -> None:
             if store == "rt":
                 return ws_matmul_rt[(sms,)](a_d, b_d, c, M, N, K, sms, BM, BN, BK, 8, bl == "col", st,
                                             num_warps=warps, num_stages=stages)
-            return ws_matmul[(sms,)](a_d, b_d, c_d, c, M, N, K, sms, BM, BN, BK, 8, bl == "col", store == "desc", st,
-                                     num_warps=warps, num_stages=stages)
+            return ws_matmul[(sms,)](a_d, b_d, c, M, N, K, sms, BM, BN, BK, 8, bl == "col", st, num_warps=warps,
+                                     num_stages=stages)
 
         compiled = run()  # the launch returns the compiled kernel
         torch.cuda.synchronize()
         ref = a @ (w.t() if bl == "col" else w)
-        row = {"M": M, "N": N, "K": K, "b": bl, "uses": uses, "kernel": "%dx%dx%d s%d w%d c_%s range_stages_%s" % kernel,
+        row = {"M": M, "N": N, "K": K, "b": bl, "uses": uses, "kernel": _name(kernel),
                "ms": time_events(run, reps), "cublas_ms": time_events(lambda: a @ (w.t() if bl == "col" else w), reps),
                "max_diff": float((c.float() - ref.float()).abs().max()),
                "warp_specialized": "ttg.warp_specialize" in compiled.asm["ttgir"]}
@@ -196,7 +195,7 @@ def main() -> None:
         return
     rows = []
     for kern in KERNELS:
-        name = "%dx%dx%d s%d w%d c_%s range_stages_%s" % kern
+        name = _name(kern)
         try:
             p = subprocess.run([sys.executable, __file__, "--child", json.dumps(kern), "--reps", str(opts.reps)],
                                capture_output=True, text=True, timeout=opts.limit)
