@@ -135,15 +135,14 @@ def main() -> None:
         offline()
         return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if opts.check or device.type != "cuda":
-        check(device)
-        return
     check(device)
+    if opts.check or device.type != "cuda":
+        return
     torch.manual_seed(0)
     ps = [torch.randn(s, device=device) for s in SHAPES]
     gs = [torch.randn(s, device=device) for s in SHAPES]
-    ms = [torch.zeros(s, device=device) + 0.01 for s in SHAPES]
-    vs = [torch.zeros(s, device=device) + 0.01 for s in SHAPES]
+    ms = [torch.randn(s, device=device) * 0.01 for s in SHAPES]
+    vs = [torch.rand(s, device=device) * 0.01 for s in SHAPES]
     one = tables(ps, gs, ms, vs, device)
     each = [tables([p], [g], [m], [v], device) for p, g, m, v in zip(ps, gs, ms, vs)]
     steps = [torch.tensor(5.0, device=device) for _ in ps]
@@ -153,8 +152,8 @@ def main() -> None:
                                                                       weight_decay=WD, eps=EPS, amsgrad=False,
                                                                       maximize=False), opts.reps)}
     nbytes = sum(p.numel() for p in ps) * 4 * 7
-    for k, ms_ in rows.items():
-        print(f"{k:28s} {ms_:.4f} ms  ({nbytes / ms_ / 1e9:.2f} TB/s)")
+    for k, t in rows.items():
+        print(f"{k:28s} {t:.4f} ms  ({nbytes / t / 1e9:.2f} TB/s)")
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "multi_tensor_adamw.json").write_text(json.dumps(
         {"commit": os.environ.get("NOVA_COMMIT", "unknown"), "device": torch.cuda.get_device_name(),
