@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from kernel_profile import model_config, step_runner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import median_or_none, sampled  # noqa: E402
+from bench.timing import median_or_none, sampled, time_events  # noqa: E402
 
 
 def _by_name(ev, steps: int) -> dict[str, float]:
@@ -80,22 +80,13 @@ def main() -> None:
     names = {}
     for engine, graph in (("nova", True), ("nova launch list", False), ("torch.compile", True)):
         model, opt, run = step_runner(engine.split()[0], cfg, "bf16", x, y, cuda_graph=graph)
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(opts.timed)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(opts.timed)]
         for _ in range(3):
             run()
-
-        def window():
-            for s, e in zip(starts, ends):
-                s.record()
-                run()
-                e.record()
-            torch.cuda.synchronize()
-        clocks, power = sampled(window)
-        events_ms = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+        timed = []  # the median step between events, the clock sampled meanwhile
+        clocks, power = sampled(lambda: timed.append(time_events(run, opts.timed, warmup=0)))
         ev = _timeline(run, opts.steps)
         g = _gaps(ev, opts.steps, opts.top)
-        g["event_ms_median"] = events_ms[len(events_ms) // 2]
+        g["event_ms_median"] = timed[0]
         g["sm_clock_mhz_median"], g["power_w_median"] = median_or_none(clocks), median_or_none(power)
         names[engine] = _by_name(ev, opts.steps)
         doc["engines"][engine] = g
