@@ -316,12 +316,7 @@ def measure(engine: str, cfg: dict, state: dict, device: torch.device, batches: 
                     walls.append((time.perf_counter() - t0) * 1e3)
             _sync(device)  # once per timed window
 
-        # the SM clock and power while the window runs (NVML; none without it)
-        if cuda:
-            clocks, power = sampled(window)
-        else:
-            window()
-            clocks = power = []
+        clocks, power = sampled(window)  # the SM clock and power meanwhile (NVML; none without it)
         row["sm_clock_mhz_median"], row["power_w_median"] = median_or_none(clocks), median_or_none(power)
         row["step_ms"] = [s.elapsed_time(e) for s, e in zip(starts, ends)] if cuda else walls
         row["losses"] = [float(v) for v in losses]
