@@ -52,21 +52,59 @@ def time_events(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in ev)
 
 
-def sampled(fn, period_s: float = 0.005) -> tuple[list[int], list[float]]:
+# NVML's clock event reasons (nvmlClocksEventReasons, the bits of
+# nvmlDeviceGetCurrentClocksEventReasons): why the SM clock is below its maximum
+CLOCK_REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+                 0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake",
+                 0x100: "display_clocks"}
+
+
+def _reasons_reader():
+    """A function giving the current device's clock event reasons (a bit mask), or None
+    where pynvml is not installed or has no device."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        get = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        get(handle)
+        return lambda: get(handle)
+    except Exception:  # noqa: BLE001  (no NVML, no GPU: no reasons)
+        return None
+
+
+def reason_shares(masks: list[int]) -> dict[str, float]:
+    """The share of the samples each clock event reason was active in (``CLOCK_REASONS``;
+    bits it does not name as ``0x..``), reasons never seen left out."""
+    shares: dict[str, float] = {}
+    for bit in sorted({1 << i for m in masks for i in range(64) if m >> i & 1}):
+        name = CLOCK_REASONS.get(bit, hex(bit))
+        shares[name] = sum(1 for m in masks if m & bit) / len(masks)
+    return shares
+
+
+def sampled(fn, period_s: float = 0.005, reasons: list | None = None) -> tuple[list[int], list[float]]:
     """Runs ``fn`` (a timed window: launches, then a synchronize) while a thread
     samples the current device's SM clock (MHz) and power draw (W) every
-    ``period_s`` through NVML (``torch.cuda.clock_rate`` / ``power_draw``). Returns
-    the samples; empty lists where NVML is not installed or there is no GPU. A
-    step's time set beside its clock says whether two runs ran at one speed."""
+    ``period_s`` through NVML (``torch.cuda.clock_rate`` / ``power_draw``), and, into
+    ``reasons`` when given, the clock event reasons (``CLOCK_REASONS``' bit masks:
+    why the clock is below its maximum). Returns the samples; empty lists where NVML
+    is not installed or there is no GPU. A step's time set beside its clock says
+    whether two runs ran at one speed, the reasons why they did not."""
     clocks: list[int] = []
     power: list[float] = []
     done = threading.Event()
+    read_reasons = _reasons_reader() if reasons is not None else None
 
     def poll():
         while not done.is_set():
             try:
                 clocks.append(torch.cuda.clock_rate())
                 power.append(torch.cuda.power_draw() / 1e3)
+                if read_reasons is not None:
+                    reasons.append(read_reasons())
             except Exception:  # noqa: BLE001  (no NVML, no GPU: nothing sampled)
                 return
             time.sleep(period_s)

@@ -24,13 +24,17 @@ _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.bool: "*u8", torc
 _DESC = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.bool: "u8", torch.int64: "i64"}
 
 
-def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int, e_box=None) -> tuple[str, str, int]:
+def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int, e_box=None,
+                 consts: dict | None = None) -> tuple[str, str, int, bool]:
     """(ptxas -v log, ptx, shared memory bytes) of the source's ``matmul_kernel`` compiled for sm_90a, with
     16-byte aligned pointers and strides and unit inner strides (the step's case:
     the operands' and the epilogue operands' last-dim strides are 1, which Triton
     specializes as constants at launch, so their loads are known contiguous);
     ``a_box`` / ``b_box``: the TMA boxes (None: pointer loads); ``e_box``: the
-    epilogue outputs' descriptor box (None: pointer stores). Needs a process
+    epilogue outputs' descriptor box (None: pointer stores); ``consts``: values of the
+    kernel's other constexpr parameters (the warp-specialized kernel's NUM_PROGS and
+    STAGES). The last result says whether Triton partitioned the loop (warp
+    specialization). Needs a process
     that has not imported triton.language under TRITON_INTERPRET=1."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -48,8 +52,12 @@ def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int
                      for j, (_, _, d) in enumerate(ep.stores)})
         ptrs.update({f"cs{j}": _PTR[c.acc_dtype] for j, c in enumerate(ep.sums)})  # the column sums' partials
     elt = "fp32" if dtype == "float32" else "bf16"
-    sig, consts, attrs = {}, {"EVEN": True}, {}
+    extra = dict(consts or {})
+    sig, consts, attrs = {}, {"EVEN": True, **extra}, {}
     for i, a in enumerate(fn.arg_names):
+        if a in extra:
+            sig[a] = "constexpr"
+            continue
         if a == "EVEN" or a in ("stride_ak", "stride_bn", "stride_cn") or a in unit:
             sig[a] = "constexpr"
             consts.setdefault(a, 1)
@@ -72,13 +80,15 @@ def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int
                                options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False))  # fmt: skip
     finally:
         triton.knobs.nvidia.dump_ptxas_log = False
-    return log.getvalue(), k.asm["ptx"], k.metadata.shared
+    return log.getvalue(), k.asm["ptx"], k.metadata.shared, "ttg.warp_specialize" in k.asm["ttgir"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--ws", action="append", default=[], metavar="BMxBNxBK:wW:sS",
+                    help="also compile each unsplit 16-bit epilogue as the warp-specialized kernel at this tile")
     args = ap.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("NOVA_STEP_CACHE", "0")
@@ -128,7 +138,7 @@ def main() -> None:
         a_box = (cfg.block_m, cfg.block_k) if la == "row" else (cfg.block_k, cfg.block_m)
         b_box = (cfg.block_k, cfg.block_n) if lb == "row" else (cfg.block_n, cfg.block_k)
         t0 = time.perf_counter()
-        log, ptx, smem = compile_sm90(src, ep, a_box if layout else None, b_box if layout else None, dt, cfg.num_warps,
+        log, ptx, smem, _ = compile_sm90(src, ep, a_box if layout else None, b_box if layout else None, dt, cfg.num_warps,
                                 cfg.num_stages, (cfg.block_m, w) if layout and layout.e else None)  # fmt: skip
         regs = re.findall(r"Used (\d+) registers", log)
         spills = re.findall(r"(\d+) bytes spill stores", log)
@@ -137,6 +147,26 @@ def main() -> None:
               f"sk{cfg.split_k} {cfg.instruction} {la}/{lb}: {mm.epilogue_slices(ep, cfg.block_m, cfg.block_n)} slices, "
               f"registers {','.join(regs)}, spill stores {','.join(spills)} B, shared {smem // 1024} KiB, "
               f"{time.perf_counter() - t0:.1f} s  [{inner}]")
+        if split > 1 or dt == "float32" or layout is None:
+            continue
+        for spec in args.ws:  # the same epilogue in the warp-specialized persistent kernel
+            tile, w_, s_ = spec.split(":")
+            bm, bn, bk = map(int, tile.split("x"))
+            wcfg = mm.LoweringConfig(kind="matmul", block_m=bm, block_n=bn, block_k=bk, group_m=cfg.group_m,
+                                     persistent=True)  # fmt: skip
+            wsrc = mm.matmul_source(wcfg, has_bias=False, precision=prec, out_dtype=dt, in_dtype=dt,
+                                    tma=mm.TmaLayout(la, lb, ws=True), epilogue=ep)  # fmt: skip
+            t0 = time.perf_counter()
+            try:
+                log, _, smem, part = compile_sm90(wsrc, ep, None, None, dt, int(w_[1:]), int(s_[1:]),
+                                                  consts={"NUM_PROGS": 132, "STAGES": int(s_[1:])})  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - reported, the next tile still compiles
+                print(f"      ws {spec}: does not compile ({str(e).splitlines()[0][:200]})")
+                continue
+            regs = re.findall(r"Used (\d+) registers", log)
+            spills = re.findall(r"(\d+) bytes spill stores", log)
+            print(f"      ws {spec}: partitioned {part}, registers {','.join(regs)}, spill stores "
+                  f"{','.join(spills)} B, shared {smem // 1024} KiB, {time.perf_counter() - t0:.1f} s")
 
 
 def dataclasses_replace(cfg):

@@ -18,6 +18,10 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
                 (a schedule that does not compile fails its row)
   colsplit:N    the shipped configurator, every column reduction (bias gradients, and
                 GELU's backward computed in the c_fc one's prologue) split N ways
+  ws-off        no warp-specialized kernel (configurator.WS_TILES all None: step 8's kernels)
+  ws-plain      warp specialization for the matmuls that store C only
+  ws-epi128     warp specialization with epilogue kernels at 128x128 too
+  ws-epi256     warp specialization with epilogue kernels at 128x256 too
 
     python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--variants a,b] [--out DIR]
 
@@ -36,7 +40,9 @@ import sys
 from pathlib import Path
 
 VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "tile-grid-nobackward",
-            "tile-grid-noresidual")
+            "tile-grid-noresidual", "ws-off", "ws-plain", "ws-epi128", "ws-epi256")
+WS_VARIANTS = {"ws-off": {"plain": None, "epilogue": None}, "ws-plain": {"epilogue": None},
+               "ws-epi128": {"epilogue": (128, 128, 4)}, "ws-epi256": {"epilogue": (128, 256, 4)}}  # changes to configurator.WS_TILES
 KEPT_OUT_ABOVE = {"light": 4, "nobackward": 8}  # variant suffix -> FLOPs an element an epilogue op may cost
 
 
@@ -46,6 +52,11 @@ def apply_variant(variant: str) -> None:
     from nova.transforms import fuse as fz
 
     cf.PERSISTENT_EPILOGUES = variant.startswith("persistent")
+    cf.WS_TILES.update(WS_VARIANTS.get(variant, {}))
+    if variant.startswith("ws-epi"):
+        from nova.codegen.triton import matmul as mm
+
+        mm.WS_EPILOGUES = True  # (off as shipped: NaNs on the H200, matmul.WS_EPILOGUES)
     if variant.startswith("tile:"):
         import dataclasses
 

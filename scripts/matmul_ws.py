@@ -38,9 +38,13 @@ SHAPES = [(32768, 2304, 768, "col", 12), (32768, 3072, 768, "col", 12), (32768, 
 # C store: ptr (host-built A and B descriptors, C through pointers), dev (every descriptor built on the
 # device, C through one), rt (as ptr, the grid size a runtime argument as in Nova's template). A
 # host-built C descriptor is not among them: Triton 3.6's partitioning fails on its store (offline, sm_90a).
-KERNELS = [(128, 256, 64, 3, 4, "dev", True), (128, 256, 64, 3, 4, "ptr", True), (128, 256, 64, 3, 4, "rt", True),
-           (128, 256, 64, 3, 4, "ptr", False),
-           (128, 128, 64, 4, 4, "dev", True), (128, 128, 64, 4, 4, "ptr", True), (128, 256, 64, 4, 4, "ptr", True)]
+# devp: the descriptors of A and B built on the device, C through pointers (as an epilogue stores).
+# nova: Nova's own template as the Analytic Configurator sets it (the tile fields unused).
+# At 49aaf89 on the H200 the ptr and rt kernels did not finish in 90 s (a hang), dev ran at
+# 0.93-0.97x cuBLAS: the host-built descriptors are what hangs, so they come last.
+KERNELS = [(0, 0, 0, 0, 0, "nova", False), (128, 256, 64, 3, 4, "dev", True), (128, 256, 64, 3, 4, "devp", True),
+           (128, 128, 64, 4, 4, "dev", True), (128, 256, 64, 4, 4, "devp", True), (128, 128, 64, 4, 4, "devp", True),
+           (128, 256, 64, 3, 4, "ptr", True), (128, 256, 64, 3, 4, "rt", True)]
 
 
 @triton.jit
@@ -92,16 +96,17 @@ def ws_matmul_rt(a_desc, b_desc, c_ptr, M, N, K, NUM_PROGS, BM: tl.constexpr, BN
 
 @triton.jit
 def ws_matmul_dev(a_ptr, b_ptr, c_ptr, M, N, K, NUM_SMS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, GROUP_M: tl.constexpr, B_T: tl.constexpr, STAGES: tl.constexpr):
+                  BK: tl.constexpr, GROUP_M: tl.constexpr, B_T: tl.constexpr, STAGES: tl.constexpr,
+                  C_DESC: tl.constexpr):
     """The descriptors made on the device (``tl.make_tensor_descriptor``, as Triton's own
-    warp-specialization tests do), C stored through one."""
+    warp-specialization tests do), C stored through one (``C_DESC``) or through pointers."""
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BM, BK])
     if B_T:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
     else:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[N, 1], block_shape=[BK, BN])
     c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
-    _tiles(a_desc, b_desc, c_desc, c_ptr, M, N, K, NUM_SMS, BM, BN, BK, GROUP_M, B_T, True, STAGES)
+    _tiles(a_desc, b_desc, c_desc, c_ptr, M, N, K, NUM_SMS, BM, BN, BK, GROUP_M, B_T, C_DESC, STAGES)
 
 
 def _name(kernel: tuple) -> str:
@@ -116,7 +121,9 @@ def offline() -> None:
     for BM, BN, BK, stages, warps, store, range_stages in KERNELS:
         for b_t in (True, False):
             bbox = [BN, BK] if b_t else [BK, BN]
-            dev, rt = store == "dev", store == "rt"
+            if store == "nova":
+                continue
+            dev, rt = store in ("dev", "devp"), store == "rt"
             sig = ({"a_ptr": "*bf16", "b_ptr": "*bf16"} if dev else
                    {"a_desc": f"tensordesc<bf16[{BM}, {BK}]>", "b_desc": f"tensordesc<bf16{bbox}>"})
             sig.update({"c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32"})
@@ -125,6 +132,8 @@ def offline() -> None:
             consts = {} if rt else {"NUM_SMS": 132}
             consts.update({"BM": BM, "BN": BN, "BK": BK, "GROUP_M": 8, "B_T": b_t})
             consts["STAGES"] = stages if range_stages else None
+            if dev:
+                consts["C_DESC"] = store == "dev"
             sig.update({k: "constexpr" for k in consts})
             head = f"{_name((BM, BN, BK, stages, warps, store, range_stages))} b_t {b_t}"
             try:
@@ -159,8 +168,11 @@ def child(kernel: tuple, reps: int) -> None:
         b_d = TensorDescriptor.from_tensor(w, [BN, BK] if bl == "col" else [BK, BN])
 
         def run():
-            if store == "dev":
-                return ws_matmul_dev[(sms,)](a, w, c, M, N, K, sms, BM, BN, BK, 8, bl == "col", st,
+            if store == "nova":
+                from nova.codegen.triton.matmul import matmul
+                return matmul(a, w.t() if bl == "col" else w, out=c, record=record)
+            if store in ("dev", "devp"):
+                return ws_matmul_dev[(sms,)](a, w, c, M, N, K, sms, BM, BN, BK, 8, bl == "col", st, store == "dev",
                                              num_warps=warps, num_stages=stages)
             if store == "rt":
                 return ws_matmul_rt[(sms,)](a_d, b_d, c, M, N, K, sms, BM, BN, BK, 8, bl == "col", st,
@@ -168,15 +180,27 @@ def child(kernel: tuple, reps: int) -> None:
             return ws_matmul[(sms,)](a_d, b_d, c, M, N, K, sms, BM, BN, BK, 8, bl == "col", st, num_warps=warps,
                                      num_stages=stages)
 
-        compiled = run()  # the launch returns the compiled kernel
+        record: dict = {}
+        compiled = run()  # the launch returns the compiled kernel (Nova's: C)
         torch.cuda.synchronize()
         ref = a @ (w.t() if bl == "col" else w)
         row = {"M": M, "N": N, "K": K, "b": bl, "uses": uses, "kernel": _name(kernel),
                "ms": time_events(run, reps), "cublas_ms": time_events(lambda: a @ (w.t() if bl == "col" else w), reps),
                "max_diff": float((c.float() - ref.float()).abs().max()),
-               "warp_specialized": "ttg.warp_specialize" in compiled.asm["ttgir"]}
+               "warp_specialized": store != "nova" and "ttg.warp_specialize" in compiled.asm["ttgir"]}
+        if store == "nova":
+            row["nova_kernels"] = sorted(record)
         row["vs_cublas"] = row["cublas_ms"] / row["ms"]
         print(json.dumps(row), flush=True)
+
+
+def _write(out: Path, rows: list) -> None:
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"commit": os.environ.get("NOVA_COMMIT", "unknown"), "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "rows": rows}
+    (out / "matmul_ws.json").write_text(json.dumps(doc, indent=1))
 
 
 def main() -> None:
@@ -211,12 +235,7 @@ def main() -> None:
             print(f"{name}: {err.strip()[-300:]} (after {len(got)} of {len(SHAPES)} shapes)", flush=True)
             got.append({"kernel": name, "error": err.strip()[-300:]})
         rows += got
-    opts.out.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    doc = {"commit": os.environ.get("NOVA_COMMIT", "unknown"), "device": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "rows": rows}
-    (opts.out / "matmul_ws.json").write_text(json.dumps(doc, indent=1))
+        _write(opts.out, rows)  # after every kernel: a run cut short keeps what it measured
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ import torch
 from nova.cli.bench import load_benchmark
 
 load_benchmark("gpt2")  # puts the repository on sys.path, as `nova bench` does
-from bench.timing import median_or_none, sampled  # noqa: E402
+import bench.timing as timing  # noqa: E402
+from bench.timing import median_or_none, reason_shares, sampled  # noqa: E402
 
 
 def test_the_window_runs_once_with_samples_taken_while_it_runs(monkeypatch):
@@ -54,3 +55,25 @@ def test_an_error_in_the_window_stops_the_sampler_and_propagates(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         sampled(fails)
     assert threading.active_count() == before  # the sampler thread has ended
+
+
+def test_clock_event_reasons_are_sampled_into_the_list_given_and_named(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda: 1665)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda: 570_000)
+    masks = iter([0x4, 0x4 | 0x80, 0x0] * 100)
+    monkeypatch.setattr(timing, "_reasons_reader", lambda: lambda: next(masks))
+    got: list[int] = []
+    clocks, _ = sampled(lambda: time.sleep(0.03), period_s=0.005, reasons=got)
+    assert len(got) == len(clocks) >= 3 and set(got) <= {0x4, 0x84, 0x0}
+    shares = reason_shares([0x4, 0x84, 0x0, 0x4 | 0x1000])
+    assert shares == {"sw_power_cap": 0.75, "hw_power_brake": 0.25, "0x1000": 0.25}
+    assert reason_shares([]) == {}
+
+
+def test_without_pynvml_no_reasons_are_read(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda: 1000)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda: 1000)
+    monkeypatch.setattr(timing, "_reasons_reader", lambda: None)
+    got: list[int] = []
+    clocks, _ = sampled(lambda: time.sleep(0.02), reasons=got)
+    assert clocks and got == []

@@ -277,6 +277,20 @@ class _Tile:
 # 1.07 (at 128x256 in the flattened loop); losses bit-identical either way
 PERSISTENT_EPILOGUES = False
 
+# 8b. Warp specialization (docs/configurator.md, "Matmul", 8b): the tile of the
+# warp-specialized persistent kernel (matmul.py's docstring) for an unsplit 2-D matmul on
+# 16-bit operands with at least 2 tiles a program, per kind: "plain" (C stored) and
+# "epilogue" (a fuse-stage epilogue, over the whole tile: the partitioner takes no slices).
+# (BM, BN, warps a computing group). 128x256 for C: 0.95-0.97x cuBLAS on the GPT-2 step's
+# shapes, 128x128 0.87-0.89x (scripts/matmul_ws.py, bench/results/runs/matmul_ws_49aaf89.json).
+# None: that kind keeps step 8's kernel. Epilogues: not yet. At 128x128 the bias + GELU
+# epilogue of a 4096x3072x768 layer wrote NaNs into some elements on the H200
+# (tests/gpu/test_matmul_epilogue_gpu.py, this session's 3rd GPU run; the same kernel's C
+# store is bit-identical to the unpartitioned kernel's: tests/gpu/test_matmul_ws_gpu.py);
+# offline they partition and spill nothing at 128x128 (at 128x256 the f32 residual's spills
+# 1.9 KB: scripts/epilogue_sm90_check.py --ws)
+WS_TILES: dict[str, tuple[int, int, int] | None] = {"plain": (128, 256, 4), "epilogue": None}
+
 
 def plan_matmul(
     M: int,
@@ -498,6 +512,28 @@ def plan_matmul(
     if persistent:  # C's staging half tile beside the ring
         num_stages = max(2, min(num_stages, (smem_budget - t.bm * t.bn // 2 * eo) // t.stage_bytes))
 
+    # 8b. warp specialization: WS_TILES's tile for a 16-bit result, one program per SM, the
+    # ring as deep as the shared memory allows beside the store's layout conversion (offline
+    # sm_90a builds, past the ring: C BM BN / 2 bytes, an epilogue BM BN), at most MAX_STAGES;
+    # BLOCK_K as above. Not for an f32 C: its conversion takes the whole tile, BM BN x 4 bytes
+    # (a 4-stage 128x256 launch asked 320 KiB), leaving a 2-stage ring
+    ws = WS_TILES.get("epilogue" if epilogue else "plain")
+    if (ws is not None and tma_path and split == 1 and batch == 1 and ea == eb == eo == 2 and path == "bf16"
+            and _cdiv(M, ws[0]) * _cdiv(N, ws[1]) >= 2 * S):
+        w_bm, w_bn, w_warps = ws
+        w_stage = (w_bm * ea + w_bn * eb) * bk
+        convert = w_bm * w_bn if epilogue else w_bm * w_bn // 2
+        w_stages = min(MAX_STAGES, (smem_budget - convert) // w_stage, _cdiv(K, bk))
+        if w_stages >= 2:
+            t = dataclasses.replace(t, bm=w_bm, bn=w_bn, warps=w_warps, stage_bytes=w_stage,
+                                    blocks=1, regs=_regs_per_thread(t.family, w_bm * w_bn / (2 * w_warps * 32)))
+            tiles = items = n_tiles(t)
+            persistent, num_stages = True, w_stages
+        else:
+            ws = None
+    else:
+        ws = None
+
     two_block = False
     if split == 1 and t.family == "wgmma" and not tf32_nmajor and num_stages > 1 and not persistent:
         half = smaller(rung)
@@ -514,7 +550,9 @@ def plan_matmul(
     # the one-program-per-tile kernel stages its C tile through the ring's memory after the
     # loop; the persistent one keeps C's staging half tile beside the ring (loads of the
     # next tile are in flight while it stores: measured sm_90 shared = ring + half tile)
-    smem = num_stages * t.stage_bytes + t.bm * t.bn // 2 * eo if persistent else max(num_stages * t.stage_bytes, t.bm * t.bn * 4)
+    smem = (num_stages * t.stage_bytes + convert if ws else
+            num_stages * t.stage_bytes + t.bm * t.bn // 2 * eo if persistent else
+            max(num_stages * t.stage_bytes, t.bm * t.bn * 4))
     blocks = min(t.blocks, _blocks_by_smem(dev, smem))
     waves = items / (S * blocks)
 
@@ -536,6 +574,8 @@ def plan_matmul(
         instruction = "wgmma+tma"
     if stage_b and t.family == "wgmma":
         instruction = "wgmma+tma" + ("+stage_a" if stage_a else "") + "+stage_b"
+    if ws:
+        instruction = "wgmma+tma+ws"
 
     regime = "launch-bound" if launch_bound else "compute-bound" if ai >= ridge else "memory-bound"
     cfg = LoweringConfig(

@@ -117,7 +117,7 @@ def measure() -> dict:
         ep, _ = epilogue_of(_group(kind))
         src = mm.matmul_source(key, has_bias=False, precision="bf16", out_dtype="bfloat16", in_dtype="bfloat16",
                                tma=mm.TmaLayout("row", "col"), epilogue=ep)  # fmt: skip
-        log, ptx, _ = _compile(src, ep, (128, 64), (bn, 64), "bfloat16", 8, stages)
+        log, ptx, _, _ = _compile(src, ep, (128, 64), (bn, 64), "bfloat16", 8, stages)
         spills = [(int(a), int(b)) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
         # the op code's explicit fmas written as a multiply and an add: what contraction would fuse
         plain = src.replace("tl.fma(", "_mul_add(") + "\n\n@triton.jit\ndef _mul_add(a, b, c):\n    return a * b + c\n"

@@ -103,7 +103,11 @@ def test_h200_grid_tf32_and_bf16_against_the_launcher():
             assert isinstance(c, LoweringConfig) and LoweringConfig.from_dict(c.to_dict()) == c
             # the split the configurator chose is the one the launcher will run
             assert split_k_plan(K, c)[1] == c.split_k
-            assert c.instruction == ("wgmma+tma" if c.block_m % 64 == 0 else "mma")
+            # rule 8b: the warp-specialized kernel for 16-bit operands and results, no split, >= 2 S tiles
+            ws = (dtype == "bfloat16" and c.split_k == 1 and c.block_m % 64 == 0
+                  and -(-M // 128) * -(-N // 256) >= 2 * DEVICES["H200"].sm_count)
+            assert c.instruction == ("wgmma+tma+ws" if ws else "wgmma+tma" if c.block_m % 64 == 0 else "mma")
+            assert not ws or (c.block_m, c.block_n, c.num_warps, c.persistent) == (128, 256, 4, True)
             assert c.regime in ("compute-bound", "memory-bound", "launch-bound")
 
 
@@ -143,8 +147,9 @@ def test_arithmetic_intensity_and_regime():
 
 def test_big_square_gets_the_largest_tile_and_an_l2_group():
     c = plan(8192, 8192, 8192).config
-    assert (c.block_m * c.block_n, c.num_warps, c.instruction) == (128 * 256, 8, "wgmma+tma")
-    assert c.block_k == 64 and c.split_k == 1 and c.persistent and c.group_m > 1  # persistent + flattened: rule 8
+    # warp-specialized (rule 8b): 4 warps in each of the two computing groups, persistent
+    assert (c.block_m * c.block_n, c.num_warps, c.instruction) == (128 * 256, 4, "wgmma+tma+ws")
+    assert c.block_k == 64 and c.split_k == 1 and c.persistent and c.group_m > 1
     t = plan(8192, 8192, 8192, "tf32", "float32").config
     assert t.block_k == 32  # one 128-byte line of fp32 per row
     # tf32 with a row-major B: BLOCK_N capped at 64 (B goes through registers), one warpgroup
@@ -186,10 +191,10 @@ def test_wgmma_only_on_hopper_and_only_for_tensor_core_paths():
                 elif not hopper:
                     assert ins == "mma"
                 else:
-                    assert ins in ("wgmma+tma", "mma")
+                    assert ins in ("wgmma+tma", "mma") or ins == "wgmma+tma+ws" and dtype == "bfloat16"
     # TMA needs a contiguous dim in each operand; a strided operand keeps wgmma, loads by pointer
     assert plan(4096, 4096, 4096, a_layout="strided").config.instruction == "wgmma"
-    assert plan(4096, 4096, 4096, a_layout="col", b_layout="col").config.instruction == "wgmma+tma"
+    assert plan(4096, 4096, 4096, a_layout="col", b_layout="col").config.instruction == "wgmma+tma+ws"
 
 
 def test_fp64_and_mixed_dtypes():

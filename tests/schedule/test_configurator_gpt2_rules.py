@@ -23,16 +23,38 @@ def _tile(c):
     (32768, 3072, 768, ("row", "row")),  # MLP down's input gradient
     (2048, 50304, 768, ("row", "col")),  # the LM head's logits chunk
 ])  # fmt: skip
-def test_bf16_short_k_goes_persistent_not_two_blocks(M, N, K, layouts):
-    """K = 768 with >= 2 S tiles: the persistent flattened loop (rule 8) overlaps a tile's
-    edges with the next tile's loads, so 6c's halving to two 128x128 blocks per SM does
-    not fire: one 128x256x64 w8 s4 program per SM, C's staging half tile beside the ring
-    (measured, runs/matmul_variants_3f4314c.json: 128x256x64 s3/s4 persistent 0.94-1.14x cuBLAS; the
-    128x128 tiles 5-15% behind)."""
+def test_bf16_short_k_goes_persistent_not_two_blocks(M, N, K, layouts, monkeypatch):
+    """K = 768 with >= 2 S tiles: a persistent kernel, so 6c's halving to two 128x128 blocks
+    per SM does not fire. Storing C: the warp-specialized kernel (rule 8b), 128x256x64 with 4
+    warps in each computing group, the ring 4 deep beside the store's conversion (measured,
+    runs/matmul_ws_49aaf89.json: 0.95-0.97x cuBLAS). With an epilogue, or rule 8b off: the
+    flattened loop of rule 8, 128x256x64 w8 s4, C's staging half tile beside the ring
+    (runs/matmul_variants_3f4314c.json: 0.94-1.14x cuBLAS; the 128x128 tiles 5-15% behind)."""
+    p = plan_matmul(M, N, K, 1, *BF16, *layouts, device="H200")
+    assert _tile(p.config) == (128, 256, 64, 4, 4, 1) and p.config.persistent
+    assert p.config.instruction == "wgmma+tma+ws" and p.blocks_per_sm == 1
+    assert p.smem_bytes == 4 * (128 + 256) * 64 * 2 + 128 * 256 // 2
+    monkeypatch.setitem(cf.WS_TILES, "plain", None)
     p = plan_matmul(M, N, K, 1, *BF16, *layouts, device="H200")
     assert _tile(p.config) == (128, 256, 64, 8, 4, 1) and p.config.persistent
-    assert p.blocks_per_sm == 1 and "tma" in p.config.instruction
+    assert p.blocks_per_sm == 1 and p.config.instruction == "wgmma+tma"
     assert p.smem_bytes == 4 * (128 + 256) * 64 * 2 + 128 * 128 * 2
+
+
+@pytest.mark.parametrize("case", ["epilogue", "f32 out", "batched", "split", "tf32"])
+def test_warp_specialization_only_where_it_was_measured_to_run(case):
+    """Rule 8b's bounds: an unsplit 2-D matmul on 16-bit operands with a 16-bit C and >= 2 S
+    tiles. An epilogue keeps the one-program-per-tile kernel (WS_TILES["epilogue"] is None:
+    a bias + GELU epilogue wrote NaNs on the H200), an f32 C the flattened loop (its layout
+    conversion leaves a 2-deep ring), a batch or a split-K weight gradient their kernels."""
+    args = {"epilogue": ((32768, 3072, 768, 1, *BF16, "row", "col"), {"epilogue": True}),
+            "f32 out": ((32768, 3072, 768, 1, "bfloat16", "bfloat16", "float32", "bf16", "row", "col"), {}),
+            "batched": ((1024, 3072, 768, 32, *BF16, "row", "col"), {}),
+            "split": ((768, 3072, 32768, 1, *BF16, "col", "row"), {}),
+            "tf32": ((32768, 3072, 768, 1, *TF32, "row", "col"), {})}[case]
+    c = plan_matmul(*args[0], device="H200", **args[1]).config
+    assert "ws" not in c.instruction.split("+")
+    assert c.num_warps == 8 or c.block_m * c.block_n <= 128 * 128
 
 
 def test_short_k_without_enough_tiles_still_takes_two_blocks():

@@ -1,0 +1,101 @@
+"""The warp-specialized persistent matmul (``ws`` in a config's instruction, configurator
+rule 8b) through the interpreter: its source, its result against the unpartitioned kernel
+of the same tile and against float64, every operand layout, ragged edges, a bias, and each
+case that runs another kernel instead (logged, the same result). The H200 runs the same
+checks compiled: tests/gpu/test_matmul_ws_gpu.py."""
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+import nova.log
+from nova.codegen.triton import matmul as mm
+from nova.schedule.config import LoweringConfig
+
+WS = LoweringConfig(kind="matmul", block_m=64, block_n=64, block_k=32, group_m=2, persistent=True, num_warps=4,
+                    num_stages=3, instruction="wgmma+tma+ws")
+PLAIN = dataclasses.replace(WS, num_warps=8, instruction="wgmma+tma")
+
+
+def _operands(M, N, K, la, lb, device, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(M * 7 + N * 3 + K)
+    a = torch.randn(M, K, generator=g).to(dtype).to(device)
+    b = torch.randn(K, N, generator=g).to(dtype).to(device)
+    if la == "col":
+        a = a.t().contiguous().t()
+    if lb == "col":
+        b = b.t().contiguous().t()
+    return a, b
+
+
+def _ran_ws(record: dict) -> bool:
+    return any("warp-specialized" in open(p).read(400) for p in record)
+
+
+@pytest.mark.parametrize("M,N,K", [(256, 192, 96), (200, 136, 72)], ids=["even", "ragged"])
+@pytest.mark.parametrize("la,lb", [("row", "col"), ("row", "row"), ("col", "row"), ("col", "col")])
+def test_ws_kernel_is_the_unpartitioned_kernel_and_float64(M, N, K, la, lb, device):
+    a, b = _operands(M, N, K, la, lb, device)
+    rec: dict = {}
+    got = mm.matmul(a, b, cfg=WS, out_dtype=torch.float32, record=rec, num_programs=3)
+    assert _ran_ws(rec)
+    src = open(next(p for p in rec if "warp-specialized" in open(p).read(400))).read()
+    assert "warp_specialize=True" in src and "tl.make_tensor_descriptor" in src
+    want = mm.matmul(a, b, cfg=PLAIN, out_dtype=torch.float32, num_programs=3)
+    assert torch.equal(got, want)
+    ref = a.double() @ b.double()
+    assert (got.double() - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+
+
+def test_ws_kernel_with_a_bias_and_a_bf16_result(device):
+    a, b = _operands(256, 128, 64, "row", "col", device)
+    bias = torch.randn(128).to(torch.bfloat16).to(device)
+    rec: dict = {}
+    got = mm.matmul(a, b, bias, cfg=WS, record=rec)
+    assert _ran_ws(rec) and got.dtype == torch.bfloat16
+    assert torch.equal(got, mm.matmul(a, b, bias, cfg=PLAIN))
+
+
+@pytest.mark.parametrize("case", ["batched", "float32", "unaligned", "split"])
+def test_where_the_ws_kernel_cannot_run_another_kernel_does_and_says_so(case, device, caplog, monkeypatch):
+    monkeypatch.setattr(nova.log, "_SEEN", set())  # (once per process: whatever ran before)
+    if case == "batched":
+        a = torch.randn(2, 128, 64).to(torch.bfloat16).to(device)
+        b = torch.randn(2, 64, 128).to(torch.bfloat16).to(device)
+    elif case == "float32":
+        a, b = _operands(128, 128, 64, "row", "row", device, torch.float32)
+    elif case == "unaligned":  # a row of 36 bf16 is 72 bytes: no TMA descriptor
+        a, b = _operands(128, 36, 64, "row", "row", device)
+    else:
+        a, b = _operands(128, 128, 256, "row", "row", device)
+    cfg = dataclasses.replace(WS, split_k=2) if case == "split" else WS
+    rec: dict = {}
+    with caplog.at_level(logging.INFO, logger="nova"):
+        got = mm.matmul(a, b, cfg=cfg, out_dtype=torch.float32, precision="tf32" if case == "float32" else None,
+                        record=rec)
+    assert not _ran_ws(rec)
+    if case != "split":  # (a split config runs split-K, which the ws token does not change)
+        assert "warp-specialized kernel does not run here" in caplog.text
+    ref = a.double() @ b.double()
+    assert (got.double() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+
+
+def test_an_epilogue_runs_the_unpartitioned_kernel_while_ws_epilogues_are_off(device, caplog, monkeypatch):
+    monkeypatch.setattr(nova.log, "_SEEN", set())
+    assert mm.WS_EPILOGUES is False
+    a, b = _operands(256, 128, 64, "row", "col", device)
+    ep = mm.Epilogue(shape=(256, 128), operands=(), body="y = e_tile * 2.0", stores=(("y", "f32", torch.float32),),
+                     out_shapes=((256, 128),))
+    rec: dict = {}
+    with caplog.at_level(logging.INFO, logger="nova"):
+        (got,) = mm.matmul_epilogue(a, b, ep, [], torch.bfloat16, cfg=WS, record=rec)
+    assert not _ran_ws(rec) and "WS_EPILOGUES off" in caplog.text
+    assert torch.equal(got, 2.0 * mm.matmul(a, b, cfg=PLAIN, out_dtype=torch.float32))
+
+
+def test_scratch_bytes_counts_the_device_descriptors():
+    plain = mm.scratch_bytes(256, 192, 96, 1, torch.bfloat16, torch.bfloat16, torch.bfloat16, PLAIN)
+    ws = mm.scratch_bytes(256, 192, 96, 1, torch.bfloat16, torch.bfloat16, torch.bfloat16, WS)
+    assert ws - plain == 4 * 3 * mm.WS_SCRATCH_PER_PROGRAM  # a program a tile at most: 4 x 3 tiles
