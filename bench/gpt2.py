@@ -274,7 +274,7 @@ def measure(engine: str, cfg: dict, state: dict, device: torch.device, batches: 
                width=cfg["width"], heads=cfg["heads"], tok_s=None, step_ms_median=None, host_ms=None, peak_gib=None,
                peak_timed_gib=None, baseline_gib=None, compile_s=None, compile_warm_s=None, first_step_s=None,
                oom=False, error=None, max_rel_loss_diff=None, losses=[], step_ms=[], sm_clock_mhz_median=None,
-               power_w_median=None, clock_event_reasons={})
+               power_w_median=None, clock_event_reasons={}, joules_per_step=None)
     cuda = device.type == "cuda"
     _flags(cfg["precision"], engine)
     _free(device)
@@ -317,8 +317,11 @@ def measure(engine: str, cfg: dict, state: dict, device: torch.device, batches: 
             _sync(device)  # once per timed window
 
         masks: list[int] = []
-        clocks, power = sampled(window, reasons=masks)  # the SM clock and power meanwhile (NVML; none without it)
+        energy: dict = {}
+        clocks, power = sampled(window, reasons=masks, energy=energy)  # the SM clock and power meanwhile (NVML)
         row["clock_event_reasons"] = reason_shares(masks)  # why the clock was below its maximum: sample shares
+        # the device's energy a timed step (its counter over the window): what a power cap rations
+        row["joules_per_step"] = energy["joules"] / cfg["steps"] if energy.get("joules") is not None else None
         row["sm_clock_mhz_median"], row["power_w_median"] = median_or_none(clocks), median_or_none(power)
         row["step_ms"] = [s.elapsed_time(e) for s, e in zip(starts, ends)] if cuda else walls
         row["losses"] = [float(v) for v in losses]
@@ -498,7 +501,8 @@ def _commit() -> str:
 
 def summary(doc: dict) -> str:
     lines = [f"{'engine':<14} {'tok/s':>10} {'ms/step':>9} {'peak GiB':>9} {'compile s':>10} {'warm s':>8} "
-             f"{'max rel loss diff':>18} {'host ms':>8} {'predicted GiB':>13} {'SM MHz':>7} {'W':>5}  clock held by"]
+             f"{'max rel loss diff':>18} {'host ms':>8} {'predicted GiB':>13} {'SM MHz':>7} {'W':>5} {'J/step':>7}"
+             "  clock held by"]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in doc["rows"]:
         tok = "OOM" if r["oom"] else "error" if r["error"] else fmt(r["tok_s"], ",.0f")
@@ -506,7 +510,7 @@ def summary(doc: dict) -> str:
                      f"{fmt(r['compile_s'], '.1f'):>10} {fmt(r['compile_warm_s'], '.1f'):>8} "
                      f"{fmt(r['max_rel_loss_diff'], '.2e'):>18} {fmt(r.get('host_ms'), '.3f'):>8} "
                      f"{fmt(r.get('predicted_peak_gib'), '.2f'):>13} {fmt(r.get('sm_clock_mhz_median'), '.0f'):>7} "
-                     f"{fmt(r.get('power_w_median'), '.0f'):>5}  "
+                     f"{fmt(r.get('power_w_median'), '.0f'):>5} {fmt(r.get('joules_per_step'), '.2f'):>7}  "
                      + " ".join(f"{k} {v:.0%}" for k, v in (r.get("clock_event_reasons") or {}).items()))
     return "\n".join(lines)
 

@@ -59,20 +59,30 @@ CLOCK_REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks", 0x4: "sw_power_cap
                  0x100: "display_clocks"}
 
 
-def _reasons_reader():
-    """A function giving the current device's clock event reasons (a bit mask), or None
-    where pynvml is not installed or has no device."""
+def _nvml(name: str, *fallbacks: str):
+    """pynvml's ``name`` (or the first of ``fallbacks`` this pynvml has) bound to the current
+    device's handle and called once to check it works, or None where pynvml is not
+    installed, has no device or no such query."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        get = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        get = next(getattr(pynvml, n) for n in (name, *fallbacks) if hasattr(pynvml, n))
         get(handle)
         return lambda: get(handle)
-    except Exception:  # noqa: BLE001  (no NVML, no GPU: no reasons)
+    except Exception:  # noqa: BLE001  (no NVML, no GPU: nothing to read)
         return None
+
+
+def _reasons_reader():
+    """A function giving the current device's clock event reasons (a bit mask), or None."""
+    return _nvml("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
+
+
+def _energy_reader():
+    """A function giving the current device's energy counter (mJ since the driver loaded), or None."""
+    return _nvml("nvmlDeviceGetTotalEnergyConsumption")
 
 
 def reason_shares(masks: list[int]) -> dict[str, float]:
@@ -85,14 +95,17 @@ def reason_shares(masks: list[int]) -> dict[str, float]:
     return shares
 
 
-def sampled(fn, period_s: float = 0.005, reasons: list | None = None) -> tuple[list[int], list[float]]:
+def sampled(fn, period_s: float = 0.005, reasons: list | None = None,
+            energy: dict | None = None) -> tuple[list[int], list[float]]:
     """Runs ``fn`` (a timed window: launches, then a synchronize) while a thread
     samples the current device's SM clock (MHz) and power draw (W) every
     ``period_s`` through NVML (``torch.cuda.clock_rate`` / ``power_draw``), and, into
     ``reasons`` when given, the clock event reasons (``CLOCK_REASONS``' bit masks:
-    why the clock is below its maximum). Returns the samples; empty lists where NVML
-    is not installed or there is no GPU. A step's time set beside its clock says
-    whether two runs ran at one speed, the reasons why they did not."""
+    why the clock is below its maximum), and into ``energy`` when given its ``"joules"``:
+    the device's energy counter over the window (None where it cannot be read). Returns
+    the samples; empty lists where NVML is not installed or there is no GPU. A step's
+    time set beside its clock says whether two runs ran at one speed, the reasons why
+    they did not, and under a power cap the energy a step takes is what sets the clock."""
     clocks: list[int] = []
     power: list[float] = []
     done = threading.Event()
@@ -109,6 +122,8 @@ def sampled(fn, period_s: float = 0.005, reasons: list | None = None) -> tuple[l
                 return
             time.sleep(period_s)
 
+    read_energy = _energy_reader() if energy is not None else None
+    start = read_energy() if read_energy is not None else None
     t = threading.Thread(target=poll, daemon=True)
     t.start()
     try:
@@ -116,6 +131,8 @@ def sampled(fn, period_s: float = 0.005, reasons: list | None = None) -> tuple[l
     finally:
         done.set()
         t.join()
+    if energy is not None:
+        energy["joules"] = (read_energy() - start) / 1e3 if start is not None else None
     return clocks, power
 
 

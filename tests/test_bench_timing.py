@@ -77,3 +77,16 @@ def test_without_pynvml_no_reasons_are_read(monkeypatch):
     got: list[int] = []
     clocks, _ = sampled(lambda: time.sleep(0.02), reasons=got)
     assert clocks and got == []
+
+
+def test_the_energy_over_the_window_is_the_counter_difference(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda: 1000)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda: 1000)
+    counter = iter([5_000_000, 5_041_500])  # mJ: before and after the window
+    monkeypatch.setattr(timing, "_energy_reader", lambda: lambda: next(counter))
+    energy: dict = {}
+    sampled(lambda: time.sleep(0.01), energy=energy)
+    assert energy == {"joules": 41.5}
+    monkeypatch.setattr(timing, "_energy_reader", lambda: None)
+    sampled(lambda: None, energy=energy)
+    assert energy == {"joules": None}
