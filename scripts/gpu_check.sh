@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests|gpt2|bench|bench-gpt2|profile|gaps|ws|adamw|warm|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests|gpt2|bench|bench-gpt2|profile|gaps|ws|ws-epi|adamw|warm|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -39,6 +39,10 @@ fi
 if [[ $what == ws ]]; then  # warp-specialized persistent matmuls beside cuBLAS (an experiment: scripts/matmul_ws.py)
   shift
   timeout 560 python3 scripts/matmul_ws.py --out "$OUT" "$@" 2>&1 | tee "$OUT/matmul_ws.log" | tail -60
+fi
+if [[ $what == ws-epi ]]; then  # the template's warp-specialized epilogues beside the unpartitioned kernel (NaN hunt)
+  shift
+  timeout 400 python3 scripts/matmul_ws.py --epilogues --limit 60 --out "$OUT" "$@" 2>&1 | tee "$OUT/matmul_ws_epilogues.log" | tail -40
 fi
 if [[ $what == adamw ]]; then  # a multi-tensor AdamW from a pointer table beside per-tensor launches (scripts/multi_tensor_adamw.py)
   shift

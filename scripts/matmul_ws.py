@@ -14,6 +14,7 @@ result is checked against torch.matmul (fp32 accumulate, bf16 out: max |diff| pr
 
     python scripts/matmul_ws.py [--reps 20] [--limit 90] [--out DIR]
     python scripts/matmul_ws.py --offline    # compile for sm_90a only (no GPU)
+    python scripts/matmul_ws.py --epilogues  # the template's partitioned epilogues against the unpartitioned
 
 Writes matmul_ws.json to --out (commit from NOVA_COMMIT). Needs CUDA (Hopper)."""
 from __future__ import annotations
@@ -194,13 +195,70 @@ def child(kernel: tuple, reps: int) -> None:
         print(json.dumps(row), flush=True)
 
 
-def _write(out: Path, rows: list) -> None:
+# --epilogues: the template's warp-specialized kernel with an epilogue (matmul.WS_EPILOGUES on)
+# beside the unpartitioned kernel of the step (128x128x64 w8 s3), to narrow down the NaNs a
+# bias + GELU epilogue wrote on the H200 at 1bd18d6. Each kind: (body, operand dtypes of [N]
+# rows, stores (variable, register type, dtype)).
+GELU = "z = y * tl.sigmoid(1.5957691216057308 * (y + 0.044715 * y * y * y))"
+EPILOGUES = {
+    "cast": ("y = e_tile", (), (("y", "f32", "bfloat16"),)),
+    "f32": ("y = e_tile * 2.0", (), (("y", "f32", "float32"),)),
+    "bias": ("y = e_tile + ex0", ("float32",), (("y", "f32", "bfloat16"),)),
+    "gelu": ("y = e_tile\n" + GELU, (), (("z", "f32", "bfloat16"),)),
+    "bias-gelu": ("y = e_tile + ex0\n" + GELU, ("float32",), (("z", "f32", "bfloat16"),)),
+    "bias-gelu-2out": ("y = e_tile + ex0\n" + GELU, ("float32",), (("y", "f32", "float32"), ("z", "f32", "bfloat16"))),
+}
+EPI_SHAPES = [(4096, 3072, 768), (32768, 3072, 768)]
+
+
+def epilogue_child(kind: str, reps: int, device: str = "cuda", shapes=None) -> None:
+    """One epilogue kind on every shape: the warp-specialized kernel's outputs against the
+    unpartitioned kernel's (NaN counts, max |diff|, ms), a JSON row per shape and output."""
+    import torch
+
+    from nova.codegen.triton import matmul as mm
+    from nova.codegen.triton.elementwise import Operand
+    from nova.schedule.config import LoweringConfig
+
+    mm.WS_EPILOGUES = True
+    ws = LoweringConfig(kind="matmul", block_m=128, block_n=128, block_k=64, group_m=8, persistent=True,
+                        num_warps=4, num_stages=5, instruction="wgmma+tma+ws")
+    plain = LoweringConfig(kind="matmul", block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8,
+                           num_stages=3, instruction="wgmma+tma")
+    body, ops, stores = EPILOGUES[kind]
+    torch.manual_seed(0)
+    for M, N, K in shapes or EPI_SHAPES:
+        ep = mm.Epilogue(shape=(M, N), operands=tuple(Operand((N,), getattr(torch, d), load="raw") for d in ops),
+                         body=body, stores=tuple((v, t, getattr(torch, d)) for v, t, d in stores),
+                         out_shapes=tuple((M, N) for _ in stores))
+        a = torch.randn(M, K, device=device).to(torch.bfloat16)
+        w = torch.randn(N, K, device=device).to(torch.bfloat16)
+        xs = [torch.randn(N, device=device, dtype=getattr(torch, d)) for d in ops]
+        rec: dict = {}
+        got = mm.matmul_epilogue(a, w.t(), ep, xs, torch.bfloat16, cfg=ws, record=rec)
+        want = mm.matmul_epilogue(a, w.t(), ep, xs, torch.bfloat16, cfg=plain)
+        ran_ws = any("warp-specialized" in open(p).read(400) for p in rec)
+        timed = {}
+        if device == "cuda":
+            timed = {"ms": time_events(lambda: mm.matmul_epilogue(a, w.t(), ep, xs, torch.bfloat16, cfg=ws), reps),
+                     "plain_ms": time_events(lambda: mm.matmul_epilogue(a, w.t(), ep, xs, torch.bfloat16, cfg=plain),
+                                             reps)}
+        for j, (g, x) in enumerate(zip(got, want)):
+            d = (g.double() - x.double()).abs()
+            print(json.dumps({"epilogue": kind, "M": M, "N": N, "K": K, "output": j, "dtype": str(g.dtype),
+                              "warp_specialized": ran_ws, "nan": int(torch.isnan(g).sum()),
+                              "nan_unpartitioned": int(torch.isnan(x).sum()),
+                              "mismatched": int((d != 0).sum()), "max_diff": float(d.nan_to_num(float("inf")).max()),
+                              **timed}), flush=True)
+
+
+def _write(out: Path, rows: list, name: str = "matmul_ws.json") -> None:
     import torch
 
     out.mkdir(parents=True, exist_ok=True)
     doc = {"commit": os.environ.get("NOVA_COMMIT", "unknown"), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "rows": rows}
-    (out / "matmul_ws.json").write_text(json.dumps(doc, indent=1))
+    (out / name).write_text(json.dumps(doc, indent=1))
 
 
 def main() -> None:
@@ -210,7 +268,34 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--offline", action="store_true", help="compile each kernel for sm_90a, run nothing (no GPU needed)")
+    ap.add_argument("--epilogues", action="store_true",
+                    help="the template's warp-specialized kernel with epilogues against the unpartitioned one")
+    ap.add_argument("--epilogue-child", help=argparse.SUPPRESS)
     opts = ap.parse_args()
+    if opts.epilogue_child:
+        epilogue_child(opts.epilogue_child, opts.reps)
+        return
+    if opts.epilogues:
+        rows = []
+        for kind in EPILOGUES:
+            try:
+                p = subprocess.run([sys.executable, __file__, "--epilogue-child", kind, "--reps", str(opts.reps)],
+                                   capture_output=True, text=True, timeout=opts.limit)
+                out, err = p.stdout, p.stderr if p.returncode else ""
+            except subprocess.TimeoutExpired as e:
+                out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+                err = f"did not finish in {opts.limit} s"
+            got = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+            for r in got:
+                print(f"{kind:16s} {r['M']}x{r['N']}x{r['K']} out {r['output']} {r['dtype']}: ws {r['warp_specialized']}, "
+                      f"NaN {r['nan']} (unpartitioned {r['nan_unpartitioned']}), mismatched {r['mismatched']}, "
+                      f"max diff {r['max_diff']:.3g}, {r.get('ms', 0):.4f} ms vs {r.get('plain_ms', 0):.4f}", flush=True)
+            if err:
+                print(f"{kind}: {err.strip()[-300:]}", flush=True)
+                got.append({"epilogue": kind, "error": err.strip()[-300:]})
+            rows += got
+            _write(opts.out, rows, "matmul_ws_epilogues.json")
+        return
     if opts.offline:
         offline()
         return
