@@ -277,7 +277,7 @@ class _Tile:
 # 1.07 (at 128x256 in the flattened loop); losses bit-identical either way
 PERSISTENT_EPILOGUES = False
 
-# 8b. Warp specialization (docs/configurator.md, "Matmul", 8b): the tile of the
+# 8b. Warp specialization (docs/configurator.md, "Matmul", 9b): the tile of the
 # warp-specialized persistent kernel (matmul.py's docstring) for an unsplit 2-D matmul on
 # 16-bit operands with at least 2 tiles a program, per kind: "plain" (C stored) and
 # "epilogue" (a fuse-stage epilogue, over the whole tile: the partitioner takes no slices).
@@ -285,10 +285,10 @@ PERSISTENT_EPILOGUES = False
 # shapes, 128x128 0.87-0.89x (scripts/matmul_ws.py, bench/results/runs/matmul_ws_49aaf89.json).
 # None: that kind keeps step 8's kernel. Epilogues: not yet. At 128x128 the bias + GELU
 # epilogue of a 4096x3072x768 layer wrote NaNs into some elements on the H200
-# (tests/gpu/test_matmul_epilogue_gpu.py, this session's 3rd GPU run; the same kernel's C
-# store is bit-identical to the unpartitioned kernel's: tests/gpu/test_matmul_ws_gpu.py);
-# offline they partition and spill nothing at 128x128 (at 128x256 the f32 residual's spills
-# 1.9 KB: scripts/epilogue_sm90_check.py --ws)
+# (tests/gpu/test_matmul_epilogue_gpu.py, bench/results/runs/ws_gpu_tests_epilogue_nan.log; the
+# same kernel's C store is bit-identical to the unpartitioned kernel's: tests/gpu/test_matmul_ws_gpu.py);
+# offline they partition and spill nothing at 128x128 (at 128x256 the f32 residual spills
+# 1.9 KB: scripts/epilogue_sm90_check.py --ws). scripts/matmul_ws.py --epilogues narrows it down
 WS_TILES: dict[str, tuple[int, int, int] | None] = {"plain": (128, 256, 4), "epilogue": None}
 
 

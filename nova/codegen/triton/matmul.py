@@ -578,8 +578,9 @@ def matmul_source(
         # only, and the store always masked (the launch passes EVEN false). A first form, the
         # body above with its indices and masks before the K loop, the K loop from k0 and
         # unmasked stores, made an illegal memory access there (not narrowed down further)
-        a_load = _tma_load("a_desc", tma.a == "row", False, "pid_m * BLOCK_M", "BLOCK_M", k_last=True, k="ki * BLOCK_K")
-        b_load = _tma_load("b_desc", tma.b == "col", False, "pid_n * BLOCK_N", "BLOCK_N", k_last=False, k="ki * BLOCK_K")
+        kk = "ki * BLOCK_K"
+        a_load = _tma_load("a_desc", tma.a == "row", False, "pid_m * BLOCK_M", "BLOCK_M", k_last=True, k=kk)
+        b_load = _tma_load("b_desc", tma.b == "col", False, "pid_n * BLOCK_N", "BLOCK_N", k_last=False, k=kk)
         body = f"""\
         # group-M swizzle: GROUP_M rows of tiles are walked column by column so
         # the A rows and B columns they share stay resident in L2
@@ -606,7 +607,8 @@ def matmul_source(
             loop = "    total = tiles\n    k_tiles = tl.cdiv(K, BLOCK_K)\n" + _ws_descriptors(tma) + (
                 "    # warp-specialized: Triton splits this loop into a warp group issuing the loads\n"
                 "    # and two computing ones (each half of the tile's rows), ring of STAGES buffers\n"
-                "    for work in tl.range(tl.program_id(0), total, NUM_PROGS, warp_specialize=True, num_stages=STAGES):\n")
+                "    for work in tl.range(tl.program_id(0), total, NUM_PROGS, warp_specialize=True,"
+                " num_stages=STAGES):\n")
     else:
         loop = "    work = tl.program_id(0)\n"
         body = textwrap.indent(textwrap.dedent(body), "    ")
@@ -1552,7 +1554,8 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     c_desc = _tma_c(cfg, c3) if tma and ws_strides is None and not split and ep is None else None
     if c_desc is not None:
         tma = (dataclasses.replace(tma[0], c=True, c_batched=c3.shape[0] > 1), tma[1])
-    e_descs = _tma_e(cfg, ep, [ep_outs[j] for j in ep.slots()[0]], batched, M) if tma and fused and ws_strides is None else None
+    e_descs = (_tma_e(cfg, ep, [ep_outs[j] for j in ep.slots()[0]], batched, M)
+               if tma and fused and ws_strides is None else None)
     if e_descs is not None:
         tma = (dataclasses.replace(tma[0], e=True), tma[1])
     kern = matmul_kernels(
