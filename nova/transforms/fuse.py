@@ -183,11 +183,17 @@ here, into loops, prologues and epilogues.
                its producer: the f32 -> bf16 write in the LayerNorm's (or the
                optimizer's) kernel.
   multi-      update groups (writing the new value of a param or state) of one
-  tensor       small iteration shape (at most ``SMALL_GROUP`` elements: AdamW on a
-               bias or a LayerNorm weight) launch together in block order, up to
-               ``SMALL_ARGS`` pointers a kernel (``batch_small``), where one place
-               lies after all their inputs and before all their readers: GPT-2's 74
-               [768] updates in 6 kernels instead of 74 of 5 us each.
+  tensor       iteration shape (AdamW on a bias or a LayerNorm weight, on the weights
+               of one shape) launch together in block order, up to ``SMALL_ARGS``
+               pointers a kernel (``batch_small``), where one place lies after all
+               their inputs and before all their readers: GPT-2's 74 [768] updates in
+               6 kernels instead of 74 of 5 us each, its 48 weight updates of four
+               shapes in 4 instead of 48 (the plan's peak unchanged: 8.654 GiB at bf16
+               batch 32). The kernel runs each parameter's chain as its own part
+               (``fused.segments_of``: one branch of the kernel a part, grid axis 1),
+               so a program holds one parameter's values: as one straight-line kernel
+               the 12 updates of a [3072, 768] shape took 244-255 registers and
+               spilled (offline ptxas); as parts 56 and none.
   not fused    ops reading their own flat index (arange, dropout_mask) are
                grouped like any op of their shape, never recomputed as scalars.
   singletons   a group of one op stays that op (no wrapper), unless it recomputes
@@ -238,11 +244,13 @@ EPILOGUE_MAX_FLOPS = 11  # an epilogue's FLOPs per element (the module docstring
 # with their inputs about 130 pointer arguments, about 1 KiB of the 4 KiB of kernel
 # parameters CUDA before 12.1 allows
 TAIL_OUTPUTS = 64
-# Small update groups (at most SMALL_GROUP elements, more than one) of one iteration
-# shape are launched together, SMALL_ARGS pointers to a kernel at most (the tail's bound):
-# the AdamW update of a [768] LayerNorm weight or bias is one kernel of 5 us on the
-# H200 (GPT-2 124M: 74 of them, 0.39 ms a step), nearly all of it launch and ramp.
-SMALL_GROUP = 4096
+# Update groups of one iteration shape (more than one element) are launched together,
+# SMALL_ARGS pointers to a kernel at most (the tail's bound): the AdamW update of a [768]
+# LayerNorm weight or bias is one kernel of 5 us on the H200 (GPT-2 124M: 74 of them,
+# 0.39 ms a step), nearly all of it launch and ramp; the 48 weight updates took 1.15 ms
+# in 48 launches (bench/results/runs/kernel_profile_124m_b32_db6f021.json), where one
+# launch for all 48 (scripts/multi_tensor_adamw.py's pointer table) took 0.70 ms against
+# 1.34 one launch each (bench/results/runs/multi_tensor_adamw_49aaf89.json)
 SMALL_ARGS = 128
 
 
@@ -743,15 +751,15 @@ class _Grouping:
 
     def batch_small(self) -> None:
         """Update groups (writing the new value of a param or state: the optimizer's) of
-        one small iteration shape (at most ``SMALL_GROUP`` elements: the updates of
-        biases and LayerNorm weights) merge in block order into one kernel while it
+        one iteration shape (the updates of biases and LayerNorm weights, of the
+        weights of one shape) merge in block order into one kernel while it
         takes at most ``SMALL_ARGS`` pointers and ``try_merge`` finds a place for it
         (after every input, before every reader): a multi-tensor update."""
         current: dict[tuple[int, ...], Node] = {}
         for op in self.ops:
             n = self.node.get(op)
             if (n is None or not n.fused or n.kind != "elementwise" or n.shape is None or op is not n.members[-1]
-                    or not 1 < numel(n.shape) <= SMALL_GROUP or any(m.FLAT_INDEX for m in n.members)
+                    or not 1 < numel(n.shape) or any(m.FLAT_INDEX for m in n.members)
                     or not any(m in self.updates for m in n.members)):  # fmt: skip
                 continue
             cur = current.get(n.shape)

@@ -222,3 +222,50 @@ def test_groups_of_one_structure_are_generated_once():
     x = torch.rand(4, 3, dtype=torch.float32)
     for g in (a, b):  # the shared kernel computes each group's values
         assert torch.equal(fk.lower_fused(g).launch([x])[0], _unfused(g, [x])[0])
+
+
+def test_updates_of_one_shape_run_as_parts_of_one_kernel():
+    """Three Adam-like updates of one ragged [37, 53] shape, each with its own step count
+    and bias correction and a shared beta (``batch_small``): one kernel whose parts
+    (``segments_of``) each load, compute and store one parameter in a branch of their
+    own, its own scalars inside the branch, the shared ones before; bit for bit the
+    single-op kernels, as the reference within f32. One parameter reads a transposed
+    view and one a broadcast row, so each part's operands keep their own strides."""
+    slots = [Slot("hyper", "beta", tensor([], f64))]
+    for k in range(3):
+        slots += [Slot("param", f"p{k}", tensor([37, 53], f32)), Slot("state", f"p{k}::step", tensor([], f32))]
+    slots += [Slot("param", "gt", tensor([53, 37], f32)), Slot("param", "row", tensor([53], f32))]
+    module, fn, b = _step(*slots)
+    beta, *rest = fn.body.block.args
+    gt, row = rest[-2:]
+    grads = [b.transpose(gt, [1, 0]), row, None]
+    results = []
+    for k in range(3):
+        p, step = rest[2 * k], rest[2 * k + 1]
+        t = b.cast(b.add(step, b.scalar(1.0, step)), f64)
+        corr = b.cast(b.one(nv.SqrtOp, [b.sub(b.scalar(1.0, beta), b.one(nv.PowOp, [beta, t]))]), f32)
+        g = grads[k] if grads[k] is not None else p
+        results.append(("param", f"p{k}", b.sub(p, b.div(b.mul(g, p), corr))))
+    set_results(fn, results)
+    args = _args(fn)
+    args[0] = torch.tensor(0.999, dtype=torch.float64)
+    groups = check_groups(module, args)
+    (g,) = [x for x in groups if len(x.results) == 3]
+    parts = fk.segments_of(g)
+    assert parts is not None and [len(js) for _, _, js in parts] == [1, 1, 1]
+    src = lowering_for(g)(g, None).source
+    assert "seg = tl.program_id(1)" in src and src.count("elif seg ==") == 2
+    # each part's step count is loaded and its power computed in its own branch
+    branches = src.split("if seg == 0:")[1]
+    assert branches.count("tl.load(in") >= 3 * 2 and "pow" in branches.lower()
+    assert fk.segments_of(g) == parts  # deterministic
+
+
+def test_a_group_sharing_an_input_is_one_part():
+    """Two outputs computed from one [33, 40] input (horizontal fusion's shared load) stay
+    one straight-line kernel: parts never load an operand twice."""
+    module, fn, b = _step(Slot("param", "x", tensor([33, 40], f32)))
+    (x,) = fn.body.block.args
+    set_results(fn, [("loss", "a", b.one(nv.ExpOp, [x])), ("loss", "b", b.neg(x))])
+    (g,) = check_groups(module)
+    assert fk.segments_of(g) is None and "program_id(1)" not in lowering_for(g)(g, None).source

@@ -1112,23 +1112,30 @@ def test_scalars_only_the_return_reads_run_last_together(multi_tensor, monkeypat
     assert {ip.how for ip in plan.inplace} == {"inplace"}
 
 
-def test_only_small_updates_of_one_shape_launch_together():
-    """Updates of two [16] params are one kernel; a [16] update of another shape ([4,
-    4]), a large one (SMALL_GROUP + 1 elements) and a small group that updates nothing
-    stay kernels of their own."""
-    big = fz.SMALL_GROUP + 1
+def test_updates_of_one_shape_launch_together_small_or_large():
+    """Updates of two [16] params are one kernel, and so are those of two large ones
+    ([64, 80], 5120 elements: the weights of a layer kind); a [16] update of another shape
+    ([4, 4]), a lone large one ([96, 80]) and a small group that updates nothing stay
+    kernels of their own. The merged kernels run their params as parts
+    (``fused.segments_of``), the others as one."""
+    from nova.codegen.triton.fused import segments_of
+
     slots = [Slot("param", "a", tensor([16], f32)), Slot("param", "b", tensor([16], f32)),
-             Slot("param", "c", tensor([4, 4], f32)), Slot("param", "d", tensor([big], f32)),
+             Slot("param", "c", tensor([4, 4], f32)), Slot("param", "d", tensor([64, 80], f32)),
+             Slot("param", "f", tensor([64, 80], f32)), Slot("param", "g", tensor([96, 80], f32)),
              Slot("param", "e", tensor([16], f32))]  # fmt: skip
     module, fn, b = _step(*slots)
-    pa, pb, pc, pd, pe = fn.body.block.args
-    upd = [("param", n, b.sub(p, b.mul(p, b.one(nv.ExpOp, [p])))) for n, p in zip("abcd", (pa, pb, pc, pd))]
+    pa, pb, pc, pd, pf, pg, pe = fn.body.block.args
+    upd = [("param", n, b.sub(p, b.mul(p, b.one(nv.ExpOp, [p])))) for n, p in zip("abcdfg", (pa, pb, pc, pd, pf, pg))]
     set_results(fn, [*upd, ("param", "e", pe), ("loss", "not_an_update", b.mul(pe, b.one(nv.ExpOp, [pe])))])
     ops = _fused(module)
     groups = [o for o in ops if isinstance(o, nv.FusedOp)]
-    assert sorted(len(g.results) for g in groups) == [1, 1, 1, 2]
-    (both,) = [g for g in groups if len(g.results) == 2]
-    assert both.iteration_shape() == (16,) and {pa, pb} <= set(both.operands) and pe not in both.operands
+    assert sorted(len(g.results) for g in groups) == [1, 1, 1, 2, 2]
+    small, large = sorted((g for g in groups if len(g.results) == 2), key=lambda g: len(g.iteration_shape()))
+    assert small.iteration_shape() == (16,) and {pa, pb} <= set(small.operands) and pe not in small.operands
+    assert large.iteration_shape() == (64, 80) and {pd, pf} <= set(large.operands) and pg not in large.operands
+    assert [len(p[2]) for p in segments_of(large)] == [1, 1] and len(segments_of(small)) == 2
+    assert all(segments_of(g) is None for g in groups if len(g.results) == 1)
 
 
 def test_last_scalars_of_two_shapes_are_two_groups():

@@ -226,6 +226,7 @@ def pointwise_source(
     block: int,
     helpers: str = "",
     stores: Sequence[tuple[str, str, torch.dtype]] | None = None,
+    segments: Sequence[tuple[Sequence[int], str, Sequence[int]]] | None = None,
 ) -> str:
     """Triton source of one pointwise kernel named ``name``.
 
@@ -236,7 +237,15 @@ def pointwise_source(
     ``out0``, ``out1``, ... (a multi-output kernel; every load comes before the
     first store). Kernel arguments: operand pointers, the output pointers, the
     strides of every operand dim that moves (in operand order), then DENSE<k> per
-    dense-capable operand and IDX64 (constexprs)."""
+    dense-capable operand and IDX64 (constexprs).
+
+    ``segments`` (with ``stores``): a multi-tensor kernel of independent parts, each
+    (its operands' indices, its body, its outputs' indices), part j run by the
+    programs of grid axis 1 index j over the whole shape: its loads, body and stores
+    in a branch of their own, so that a program holds one part's values only (the
+    parts of one straight-line kernel would all be live at once). ``body`` is then
+    what every part reads first (the one-element values), from the operands no part
+    names (which must each be of one element)."""
     shape = tuple(int(s) for s in shape)
     rank = len(shape)  # any rank: one division per moving dim
     n = numel(shape)
@@ -247,6 +256,15 @@ def pointwise_source(
         outs = [(f"out{j}", v, t, d) for j, (v, t, d) in enumerate(stores)]
     params = [f"in{k}" for k in range(len(operands))] + [o[0] for o in outs]
     flags = []
+    part_of: dict[int, int] = {}  # operand -> its segment
+    if segments is not None:
+        if stores is None:
+            raise ValueError(f"{name}: a segmented kernel names its outputs (stores)")
+        for j, (ks, _, _) in enumerate(segments):
+            part_of.update({k: j for k in ks})
+        if any(k not in part_of and (op.terms(rank) or op.mask) for k, op in enumerate(operands)):
+            raise ValueError(f"{name}: an operand of more than one element belongs to no segment")
+    seg_lines: list[list[str]] = [[] for _ in segments or ()]
     lines = [
         "pid = tl.program_id(0)",
         "if IDX64:",
@@ -271,24 +289,34 @@ def pointwise_source(
         for kd, _, _ in terms:
             params.append(f"s{k}_{kd}")
         raw, loaded = tag(op.dtype), op.loaded_tag()
+        at = seg_lines[part_of[k]] if k in part_of else lines  # a segment's operand loads in its branch
         if not terms and not op.mask:
-            lines.append(f"x{k} = {convert(f'tl.load(in{k})', raw, loaded)}")  # one element for every lane
+            at.append(f"x{k} = {convert(f'tl.load(in{k})', raw, loaded)}")  # one element for every lane
             continue
         off = " + ".join(f"({expr}) * s{k}_{kd}" for kd, _, expr in terms) or "offs * 0"
         if op.dense_capable(shape):
             flags.append(f"DENSE{k}")
-            lines += [f"if DENSE{k}:", f"    o{k} = offs", "else:", f"    o{k} = {off}"]
+            at += [f"if DENSE{k}:", f"    o{k} = offs", "else:", f"    o{k} = {off}"]
         else:
-            lines.append(f"o{k} = {off}")
+            at.append(f"o{k} = {off}")
         m = "mask"
         if op.mask:
-            lines.append(f"m{k} = {op.mask}" if even else f"m{k} = mask & ({op.mask})")
+            at.append(f"m{k} = {op.mask}" if even else f"m{k} = mask & ({op.mask})")
             m = f"m{k}"
         other = ", other=0" if op.mask else ""
-        lines.append(f"x{k} = {convert(f'tl.load(in{k} + o{k}, mask={m}{other})', raw, loaded)}")
+        at.append(f"x{k} = {convert(f'tl.load(in{k} + o{k}, mask={m}{other})', raw, loaded)}")
     lines += body.strip("\n").splitlines()
-    for ptr, var, vtag, dtype in outs:
-        lines.append(f"tl.store({ptr} + offs, {convert(var, vtag, tag(dtype))}, mask=mask)")
+    if segments is None:
+        for ptr, var, vtag, dtype in outs:
+            lines.append(f"tl.store({ptr} + offs, {convert(var, vtag, tag(dtype))}, mask=mask)")
+    else:
+        lines.append("seg = tl.program_id(1)")
+        for j, (_, part, js) in enumerate(segments):
+            lines.append(f"{'if' if j == 0 else 'elif'} seg == {j}:")
+            branch = seg_lines[j] + part.strip("\n").splitlines()
+            for ptr, var, vtag, dtype in (outs[i] for i in js):
+                branch.append(f"tl.store({ptr} + offs, {convert(var, vtag, tag(dtype))}, mask=mask)")
+            lines += ["    " + ln for ln in branch or ["pass"]]
     params += [f"{f}: tl.constexpr" for f in flags] + ["IDX64: tl.constexpr"]
     text = "\n".join("    " + ln for ln in lines)
     return (
@@ -311,6 +339,7 @@ class Pointwise:
     block: int
     num_warps: int
     out_dtypes: tuple[torch.dtype, ...] = ()  # a multi-output kernel's (``stores``); () = (out_dtype,)
+    segments: int = 1  # a multi-tensor kernel's parts (``pointwise_source``): grid axis 1
 
     def __call__(self, xs: Sequence[torch.Tensor], device=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Runs the kernel on ``xs``, writing ``out`` (contiguous, the result's shape
@@ -347,7 +376,7 @@ class Pointwise:
         args += [storage_view(o) for o in outs]
         for op, x in zip(self.operands, xs):
             args += [x.stride(kd) for kd, _, _ in op.terms(rank)]
-        grid = (-(-n // self.block),)
+        grid = (-(-n // self.block), self.segments)
         # no contraction of a mul and an add into an fma: each op rounds as written,
         # so a fused kernel computes what the unfused ones do, bit for bit
         self.fn[grid](*args, **flags, IDX64=big, num_warps=self.num_warps, enable_fp_fusion=False)

@@ -105,6 +105,94 @@ def fused_body(op: nv.FusedOp) -> tuple[list[Operand], str, list[tuple[str, str,
     return operands, "\n".join(lines), stores, merge_helpers(helpers)
 
 
+def segments_of(op: nv.FusedOp) -> list[tuple[list[int], list, list[int]]] | None:
+    """The independent parts of an elementwise group, or None where it is one: its ops
+    of more than one element joined where one reads another's value or two read one
+    operand of more than one element (so no operand is loaded by two parts), each part
+    (its operands' indices, its ops in block order, its results' indices). A group of
+    update chains of one shape (the fuse stage's multi-tensor updates, ``batch_small``)
+    has one part a parameter; the one-element ops (their scalars) are every part's.
+    None also where a result is of one element or an operand passed through."""
+    block = op.body.block
+    args = list(block.args)
+    if numel(op.iteration_shape()) <= 1:
+        return None
+
+    def one(v) -> bool:
+        return numel(shape_of(v.type)) == 1
+
+    tile = [o for o in op.inner_ops() if not one(o.results[0])]
+    parent = {o: o for o in tile}
+
+    def root(o):
+        while parent[o] is not o:
+            parent[o] = parent[parent[o]]
+            o = parent[o]
+        return o
+
+    reader: dict = {}  # operand -> an op reading it
+    for o in tile:
+        for v in o.operands:
+            if one(v):
+                continue
+            other = reader.setdefault(v, o) if v in args else v.owner
+            parent[root(o)] = root(other)
+    parts: dict = {}
+    for o in tile:
+        parts.setdefault(root(o), []).append(o)
+    if len(parts) < 2:
+        return None
+    yields = list(block.last_op.operands)
+    part_of = {o: j for j, ops in enumerate(parts.values()) for o in ops}
+    if any(one(v) or v.owner not in part_of for v in yields):
+        return None
+    # a one-element op that only one part reads (a parameter's own step count and bias
+    # corrections) is that part's, computed in its branch: the shared ones stay before
+    inner = op.inner_ops()
+    readers: dict = {}  # one-element op -> the parts reading it, directly or through others
+    for o in reversed(inner):
+        if o in part_of:
+            continue
+        readers[o] = set().union(*({part_of[u.operation]} if u.operation in part_of else readers.get(u.operation, set())
+                                   for r in o.results for u in r.uses))
+    for o, js in readers.items():
+        if len(js) == 1:
+            part_of[o] = next(iter(js))
+    if any(v.owner in part_of for o in inner if o not in part_of for v in o.operands if v not in args):
+        return None  # (a shared op reading a part's value: not one kernel of parts)
+    order = {o: i for i, o in enumerate(inner)}
+    out = []
+    for j in range(len(parts)):
+        ops = sorted((o for o, p in part_of.items() if p == j), key=order.__getitem__)
+        mine = {v for o in ops for v in o.operands if v in args}
+        elsewhere = {v for o in inner if part_of.get(o) != j for v in o.operands if v in args}
+        ks = sorted(args.index(v) for v in mine if not one(v) or v not in elsewhere)
+        out.append((ks, ops, [i for i, v in enumerate(yields) if part_of[v.owner] == j]))
+    return out
+
+
+def _segmented_body(op: nv.FusedOp, parts):
+    """``fused_body`` of a group of independent parts (``segments_of``): (operands, the
+    one-element ops' lines every part reads, stores, helpers, and per part (its operands,
+    its lines, its stores) for ``pointwise_source``'s ``segments``); part j's variables
+    are prefixed ``s<j>_``, the shared ones ``c_``."""
+    block = op.body.block
+    operands: list[Operand] = []
+    var: dict = {}
+    for k, a in enumerate(block.args):
+        operands.append(Operand(shape_of(a.type), _dtype(a), load="raw"))
+        var[a] = (f"x{k}", tag(_dtype(a)))
+    in_parts = {o for _, ops, _ in parts for o in ops}
+    lines, helpers = compose([o for o in op.inner_ops() if o not in in_parts], var, prefix="c_")
+    segments = []
+    for j, (ks, ops, js) in enumerate(parts):
+        part, more = compose(ops, var, prefix=f"s{j}_")
+        helpers += more
+        segments.append((ks, "\n".join(part), js))
+    stores = [(*var[v], _dtype(v)) for v in block.last_op.operands]
+    return operands, "\n".join(lines), stores, merge_helpers(helpers), segments
+
+
 def epilogue_of(op: nv.FusedOp) -> tuple[Epilogue, list[int]]:
     """A "contraction" group's epilogue for the matmul template, and which of the
     group's operands are its operands (in order). The accumulator enters as the
@@ -320,15 +408,22 @@ def lower_fused(op: nv.FusedOp, cfg: LoweringConfig | None = None) -> Kernel:
     if kind != "elementwise":  # a contraction group is its template's launch (backends/triton.py)
         raise UnsupportedError(f"{op.name}: no Triton lowering for kind {kind!r}")
     shape = op.iteration_shape()
-    operands, body, stores, helpers = fused_body(op)
+    parts = segments_of(op)
+    if parts is None:
+        operands, body, stores, helpers = fused_body(op)
+        segments = None
+    else:
+        operands, body, stores, helpers, segments = _segmented_body(op, parts)
     ops = [o.name.removeprefix("nova.") for o in op.inner_ops()]
-    digest = hashlib.sha256((body + repr(operands) + repr(stores)).encode()).hexdigest()[:10]
-    name = f"nova_fused_{shape_name(shape)}_{len(ops)}ops_{'_'.join(dict.fromkeys(ops[-3:]))}_{digest}"
+    digest = hashlib.sha256((body + repr(operands) + repr(stores) + repr(segments)).encode()).hexdigest()[:10]
+    multi = f"_x{len(parts)}" if parts else ""  # a multi-tensor kernel: its parts
+    name = f"nova_fused_{shape_name(shape)}{multi}_{len(ops)}ops_{'_'.join(dict.fromkeys(ops[-3:]))}_{digest}"
     fname = sanitize(name)
     block, warps = block_and_warps(numel(shape), cfg)
-    src = pointwise_source(fname, shape, operands, body, "", None, block, helpers, stores=stores)
+    src = pointwise_source(fname, shape, operands, body, "", None, block, helpers, stores=stores, segments=segments)
     out_dtypes = tuple(d for _, _, d in stores)
-    pw = Pointwise(load(src, fname), name, src, shape, tuple(operands), out_dtypes[0], block, warps, out_dtypes)
+    pw = Pointwise(load(src, fname), name, src, shape, tuple(operands), out_dtypes[0], block, warps, out_dtypes,
+                   segments=len(parts) if parts else 1)
 
     def launch(xs, outs=None, device=None):
         return pw.run(xs, device, outs)
