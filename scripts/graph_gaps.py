@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from kernel_profile import model_config, step_runner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import median_or_none, sampled, time_events  # noqa: E402
+from bench.timing import median_or_none, reason_shares, sampled, time_events  # noqa: E402
 
 
 def _by_name(ev, steps: int) -> dict[str, float]:
@@ -83,15 +83,23 @@ def main() -> None:
         for _ in range(3):
             run()
         timed = []  # the median step between events, the clock sampled meanwhile
-        clocks, power = sampled(lambda: timed.append(time_events(run, opts.timed, warmup=0)))
+        masks: list[int] = []
+        energy: dict = {}
+        clocks, power = sampled(lambda: timed.append(time_events(run, opts.timed, warmup=0)), reasons=masks,
+                                energy=energy)
+        g_reasons = reason_shares(masks)
         ev = _timeline(run, opts.steps)
         g = _gaps(ev, opts.steps, opts.top)
         g["event_ms_median"] = timed[0]
         g["sm_clock_mhz_median"], g["power_w_median"] = median_or_none(clocks), median_or_none(power)
+        g["clock_event_reasons"] = g_reasons
+        # (the window is the timed steps: time_events' own warm-up is 0)
+        g["joules_per_step"] = energy["joules"] / opts.timed if energy.get("joules") is not None else None
         names[engine] = _by_name(ev, opts.steps)
         doc["engines"][engine] = g
         print(f"== {engine}: events {g['event_ms_median']:.2f} ms/step (SM clock {g['sm_clock_mhz_median']} MHz, "
-              f"power {g['power_w_median']} W, medians over the timed window); profiled span {g['span_ms_per_step']:.2f}, "
+              f"power {g['power_w_median']} W, medians over the timed window; {g['joules_per_step']} J a step; clock "
+              f"held by {g['clock_event_reasons']}); profiled span {g['span_ms_per_step']:.2f}, "
               f"busy {g['busy_ms_per_step']:.2f}, idle {g['idle_ms_per_step']:.2f} ms/step in {g['gaps']:.0f} gaps "
               f"({g['idle_in_gaps_under_5us_ms_per_step']:.2f} ms in gaps under 5 us)")
         for gap, a, b in g["largest_gaps_us"]:
