@@ -112,7 +112,9 @@ def segments_of(op: nv.FusedOp) -> list[tuple[list[int], list, list[int]]] | Non
     (its operands' indices, its ops in block order, its results' indices). A group of
     update chains of one shape (the fuse stage's multi-tensor updates, ``batch_small``)
     has one part a parameter; the one-element ops (their scalars) are every part's.
-    None also where a result is of one element or an operand passed through."""
+    None also where a result is of one element or an operand passed through. An output
+    written over its own input (the in-place update, ``plan_memory``) stays safe: that
+    input is read by its own part only, whose lanes load it before they store."""
     block = op.body.block
     args = list(block.args)
     if numel(op.iteration_shape()) <= 1:
