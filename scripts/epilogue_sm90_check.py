@@ -83,6 +83,11 @@ def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int
     return log.getvalue(), k.asm["ptx"], k.metadata.shared, "ttg.warp_specialize" in k.asm["ttgir"]
 
 
+def _ptxas(log: str) -> tuple[list[str], list[str]]:
+    """(registers, spill store bytes) of each function in a ptxas -v log."""
+    return re.findall(r"Used (\d+) registers", log), re.findall(r"(\d+) bytes spill stores", log)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=32)
@@ -140,8 +145,7 @@ def main() -> None:
         t0 = time.perf_counter()
         log, ptx, smem, _ = compile_sm90(src, ep, a_box if layout else None, b_box if layout else None, dt, cfg.num_warps,
                                 cfg.num_stages, (cfg.block_m, w) if layout and layout.e else None)  # fmt: skip
-        regs = re.findall(r"Used (\d+) registers", log)
-        spills = re.findall(r"(\d+) bytes spill stores", log)
+        regs, spills = _ptxas(log)
         inner = " ".join(o.name.removeprefix("nova.") for o in ops[0].inner_ops()[1:])
         print(f"{len(ops):4d}x {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} "
               f"sk{cfg.split_k} {cfg.instruction} {la}/{lb}: {mm.epilogue_slices(ep, cfg.block_m, cfg.block_n)} slices, "
@@ -163,8 +167,7 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - reported, the next tile still compiles
                 print(f"      ws {spec}: does not compile ({str(e).splitlines()[0][:200]})")
                 continue
-            regs = re.findall(r"Used (\d+) registers", log)
-            spills = re.findall(r"(\d+) bytes spill stores", log)
+            regs, spills = _ptxas(log)
             print(f"      ws {spec}: partitioned {part}, registers {','.join(regs)}, spill stores "
                   f"{','.join(spills)} B, shared {smem // 1024} KiB, {time.perf_counter() - t0:.1f} s")
 

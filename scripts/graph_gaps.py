@@ -87,12 +87,11 @@ def main() -> None:
         energy: dict = {}
         clocks, power = sampled(lambda: timed.append(time_events(run, opts.timed, warmup=0)), reasons=masks,
                                 energy=energy)
-        g_reasons = reason_shares(masks)
         ev = _timeline(run, opts.steps)
         g = _gaps(ev, opts.steps, opts.top)
         g["event_ms_median"] = timed[0]
         g["sm_clock_mhz_median"], g["power_w_median"] = median_or_none(clocks), median_or_none(power)
-        g["clock_event_reasons"] = g_reasons
+        g["clock_event_reasons"] = reason_shares(masks)
         # (the window is the timed steps: time_events' own warm-up is 0)
         g["joules_per_step"] = energy["joules"] / opts.timed if energy.get("joules") is not None else None
         names[engine] = _by_name(ev, opts.steps)

@@ -40,7 +40,9 @@ SHAPES = [(32768, 2304, 768, "col", 12), (32768, 3072, 768, "col", 12), (32768, 
 # device, C through one), rt (as ptr, the grid size a runtime argument as in Nova's template). A
 # host-built C descriptor is not among them: Triton 3.6's partitioning fails on its store (offline, sm_90a).
 # devp: the descriptors of A and B built on the device, C through pointers (as an epilogue stores).
-# nova: Nova's own template as the Analytic Configurator sets it (the tile fields unused).
+# nova: Nova's own template as the Analytic Configurator sets it (the tile fields unused), its
+# launch replayed in a CUDA graph (at 49aaf89 the rows timed Python calls of matmul(): host-bound,
+# 0.43-0.51 ms for any shape, not the kernel).
 # At 49aaf89 on the H200 the ptr and rt kernels did not finish in 90 s (a hang), dev ran at
 # 0.93-0.97x cuBLAS: the host-built descriptors are what hangs, so they come last.
 KERNELS = [(0, 0, 0, 0, 0, "nova", False), (128, 256, 64, 3, 4, "dev", True), (128, 256, 64, 3, 4, "devp", True),
@@ -184,9 +186,15 @@ def child(kernel: tuple, reps: int) -> None:
         record: dict = {}
         compiled = run()  # the launch returns the compiled kernel (Nova's: C)
         torch.cuda.synchronize()
+        timed = run
+        if store == "nova":  # a call of matmul() is host-bound (its checks, the configurator): its kernels in a graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            timed = graph.replay
         ref = a @ (w.t() if bl == "col" else w)
         row = {"M": M, "N": N, "K": K, "b": bl, "uses": uses, "kernel": _name(kernel),
-               "ms": time_events(run, reps), "cublas_ms": time_events(lambda: a @ (w.t() if bl == "col" else w), reps),
+               "ms": time_events(timed, reps), "cublas_ms": time_events(lambda: a @ (w.t() if bl == "col" else w), reps),
                "max_diff": float((c.float() - ref.float()).abs().max()),
                "warp_specialized": store != "nova" and "ttg.warp_specialize" in compiled.asm["ttgir"]}
         if store == "nova":
@@ -261,6 +269,19 @@ def _write(out: Path, rows: list, name: str = "matmul_ws.json") -> None:
     (out / name).write_text(json.dumps(doc, indent=1))
 
 
+def _in_child(flag: str, value: str, reps: int, limit: int) -> tuple[list[dict], str]:
+    """This script run again with ``flag value`` under ``limit`` seconds: (the JSON rows it
+    printed, even those of a child cut short by the limit; its error, "" if none)."""
+    try:
+        p = subprocess.run([sys.executable, __file__, flag, value, "--reps", str(reps)],
+                           capture_output=True, text=True, timeout=limit)
+        out, err = p.stdout, p.stderr if p.returncode else ""
+    except subprocess.TimeoutExpired as e:  # the rows printed before the limit still count
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        err = f"did not finish in {limit} s"
+    return [json.loads(x) for x in out.splitlines() if x.startswith("{")], err.strip()[-300:]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
@@ -275,27 +296,6 @@ def main() -> None:
     if opts.epilogue_child:
         epilogue_child(opts.epilogue_child, opts.reps)
         return
-    if opts.epilogues:
-        rows = []
-        for kind in EPILOGUES:
-            try:
-                p = subprocess.run([sys.executable, __file__, "--epilogue-child", kind, "--reps", str(opts.reps)],
-                                   capture_output=True, text=True, timeout=opts.limit)
-                out, err = p.stdout, p.stderr if p.returncode else ""
-            except subprocess.TimeoutExpired as e:
-                out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
-                err = f"did not finish in {opts.limit} s"
-            got = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
-            for r in got:
-                print(f"{kind:16s} {r['M']}x{r['N']}x{r['K']} out {r['output']} {r['dtype']}: ws {r['warp_specialized']}, "
-                      f"NaN {r['nan']} (unpartitioned {r['nan_unpartitioned']}), mismatched {r['mismatched']}, "
-                      f"max diff {r['max_diff']:.3g}, {r.get('ms', 0):.4f} ms vs {r.get('plain_ms', 0):.4f}", flush=True)
-            if err:
-                print(f"{kind}: {err.strip()[-300:]}", flush=True)
-                got.append({"epilogue": kind, "error": err.strip()[-300:]})
-            rows += got
-            _write(opts.out, rows, "matmul_ws_epilogues.json")
-        return
     if opts.offline:
         offline()
         return
@@ -303,22 +303,28 @@ def main() -> None:
         child(tuple(json.loads(opts.child)), opts.reps)
         return
     rows = []
+    if opts.epilogues:
+        for kind in EPILOGUES:
+            got, err = _in_child("--epilogue-child", kind, opts.reps, opts.limit)
+            for r in got:
+                print(f"{kind:16s} {r['M']}x{r['N']}x{r['K']} out {r['output']} {r['dtype']}: ws {r['warp_specialized']}, "
+                      f"NaN {r['nan']} (unpartitioned {r['nan_unpartitioned']}), mismatched {r['mismatched']}, "
+                      f"max diff {r['max_diff']:.3g}, {r.get('ms', 0):.4f} ms vs {r.get('plain_ms', 0):.4f}", flush=True)
+            if err:
+                print(f"{kind}: {err}", flush=True)
+                got.append({"epilogue": kind, "error": err})
+            rows += got
+            _write(opts.out, rows, "matmul_ws_epilogues.json")
+        return
     for kern in KERNELS:
         name = _name(kern)
-        try:
-            p = subprocess.run([sys.executable, __file__, "--child", json.dumps(kern), "--reps", str(opts.reps)],
-                               capture_output=True, text=True, timeout=opts.limit)
-            out, err = p.stdout, p.stderr if p.returncode else ""
-        except subprocess.TimeoutExpired as e:  # the rows printed before the limit still count
-            out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
-            err = f"did not finish in {opts.limit} s"
-        got = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+        got, err = _in_child("--child", json.dumps(kern), opts.reps, opts.limit)
         for r in got:
             print(f"{r['kernel']:44s} {r['M']}x{r['N']}x{r['K']} {r['b']}: {r['ms']:.4f} ms, cuBLAS {r['cublas_ms']:.4f} "
                   f"({r['vs_cublas']:.2f}x), partitioned {r['warp_specialized']}, max diff {r['max_diff']:.3g}", flush=True)
         if err:
-            print(f"{name}: {err.strip()[-300:]} (after {len(got)} of {len(SHAPES)} shapes)", flush=True)
-            got.append({"kernel": name, "error": err.strip()[-300:]})
+            print(f"{name}: {err} (after {len(got)} of {len(SHAPES)} shapes)", flush=True)
+            got.append({"kernel": name, "error": err})
         rows += got
         _write(opts.out, rows)  # after every kernel: a run cut short keeps what it measured
 

@@ -518,21 +518,21 @@ def plan_matmul(
     # BLOCK_K as above. Not for an f32 C: its conversion takes the whole tile, BM BN x 4 bytes
     # (a 4-stage 128x256 launch asked 320 KiB), leaving a 2-stage ring
     ws = WS_TILES.get("epilogue" if epilogue else "plain")
-    if (ws is not None and tma_path and split == 1 and batch == 1 and ea == eb == eo == 2 and path == "bf16"
+    if not (ws is not None and tma_path and split == 1 and batch == 1 and ea == eb == eo == 2 and path == "bf16"
             and _cdiv(M, ws[0]) * _cdiv(N, ws[1]) >= 2 * S):
+        ws = None
+    if ws is not None:
         w_bm, w_bn, w_warps = ws
         w_stage = (w_bm * ea + w_bn * eb) * bk
         convert = w_bm * w_bn if epilogue else w_bm * w_bn // 2
         w_stages = min(MAX_STAGES, (smem_budget - convert) // w_stage, _cdiv(K, bk))
-        if w_stages >= 2:
+        if w_stages < 2:
+            ws = None
+        else:
             t = dataclasses.replace(t, bm=w_bm, bn=w_bn, warps=w_warps, stage_bytes=w_stage,
                                     blocks=1, regs=_regs_per_thread(t.family, w_bm * w_bn / (2 * w_warps * 32)))
             tiles = items = n_tiles(t)
             persistent, num_stages = True, w_stages
-        else:
-            ws = None
-    else:
-        ws = None
 
     two_block = False
     if split == 1 and t.family == "wgmma" and not tf32_nmajor and num_stages > 1 and not persistent:
