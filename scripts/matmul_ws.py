@@ -20,6 +20,7 @@ Writes matmul_ws.json to --out (commit from NOVA_COMMIT). Needs CUDA (Hopper).""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -209,6 +210,7 @@ def child(kernel: tuple, reps: int) -> None:
 # rows, stores (variable, register type, dtype)).
 GELU = "z = y * tl.sigmoid(1.5957691216057308 * (y + 0.044715 * y * y * y))"
 EPILOGUES = {
+    "none": None,  # no epilogue: C stored by the template's plain store (the partitioned form that passes)
     "cast": ("y = e_tile", (), (("y", "f32", "bfloat16"),)),
     "f32": ("y = e_tile * 2.0", (), (("y", "f32", "float32"),)),
     "bias": ("y = e_tile + ex0", ("float32",), (("y", "f32", "bfloat16"),)),
@@ -219,9 +221,41 @@ EPILOGUES = {
 EPI_SHAPES = [(4096, 3072, 768), (32768, 3072, 768)]
 
 
-def epilogue_child(kind: str, reps: int, device: str = "cuda", shapes=None) -> None:
+def parse_tile(text: str) -> tuple[int, int, int, int, int]:
+    """"128x128x64:w4:s5" -> (BM, BN, BK, warps, stages)."""
+    dims, w, s = text.split(":")
+    bm, bn, bk = (int(x) for x in dims.split("x"))
+    return bm, bn, bk, int(w.lstrip("w")), int(s.lstrip("s"))
+
+
+def where_wrong(bad, bm: int, bn: int, group_m: int, programs: int) -> dict:
+    """Where the wrong elements (a bool [M, N] mask) lie: how many tiles hold one, how many
+    distinct rows and columns inside a tile, and which round of its program's persistent loop
+    each such tile was (the tile's place in the group-M swizzled order // programs)."""
+    import torch
+
+    idx = torch.nonzero(bad).cpu()
+    if not len(idx):
+        return {}
+    M, N = bad.shape
+    r, c = idx[:, 0], idx[:, 1]
+    pm, pn = r // bm, c // bn
+    num_pid_m, num_pid_n = -(-M // bm), -(-N // bn)
+    group = pm // group_m
+    rows = torch.clamp(num_pid_m - group * group_m, max=group_m)
+    order = group * group_m * num_pid_n + pn * rows + (pm - group * group_m)
+    tiles = torch.unique(order)
+    rounds = torch.unique(tiles // programs, return_counts=True)
+    last_round = (num_pid_m * num_pid_n - 1) // programs
+    return {"tiles": len(tiles), "rows_in_tile": len(torch.unique(r % bm)), "cols_in_tile": len(torch.unique(c % bn)),
+            "first_row_col": [int(r[0] % bm), int(c[0] % bn)], "rounds": dict(zip(map(int, rounds[0]), map(int, rounds[1]))),
+            "last_round": int(last_round), "per_tile": len(idx) / len(tiles)}
+
+
+def epilogue_child(kind: str, reps: int, device: str = "cuda", shapes=None, tile: str = "128x128x64:w4:s5") -> None:
     """One epilogue kind on every shape: the warp-specialized kernel's outputs against the
-    unpartitioned kernel's (NaN counts, max |diff|, ms), a JSON row per shape and output."""
+    unpartitioned kernel's (NaN counts, max |diff|, where the wrong elements lie, ms), a JSON
+    row per shape and output. ``tile``: the partitioned kernel's BMxBNxBK:wW:sS."""
     import torch
 
     from nova.codegen.triton import matmul as mm
@@ -229,35 +263,42 @@ def epilogue_child(kind: str, reps: int, device: str = "cuda", shapes=None) -> N
     from nova.schedule.config import LoweringConfig
 
     mm.WS_EPILOGUES = True
-    ws = LoweringConfig(kind="matmul", block_m=128, block_n=128, block_k=64, group_m=8, persistent=True,
-                        num_warps=4, num_stages=5, instruction="wgmma+tma+ws")
+    bm, bn, bk, warps, stages = parse_tile(tile)
+    ws = LoweringConfig(kind="matmul", block_m=bm, block_n=bn, block_k=bk, group_m=8, persistent=True,
+                        num_warps=warps, num_stages=stages, instruction="wgmma+tma+ws")
     plain = LoweringConfig(kind="matmul", block_m=128, block_n=128, block_k=64, group_m=16, num_warps=8,
                            num_stages=3, instruction="wgmma+tma")
-    body, ops, stores = EPILOGUES[kind]
+    programs = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
     torch.manual_seed(0)
     for M, N, K in shapes or EPI_SHAPES:
-        ep = mm.Epilogue(shape=(M, N), operands=tuple(Operand((N,), getattr(torch, d), load="raw") for d in ops),
-                         body=body, stores=tuple((v, t, getattr(torch, d)) for v, t, d in stores),
-                         out_shapes=tuple((M, N) for _ in stores))
         a = torch.randn(M, K, device=device).to(torch.bfloat16)
         w = torch.randn(N, K, device=device).to(torch.bfloat16)
-        xs = [torch.randn(N, device=device, dtype=getattr(torch, d)) for d in ops]
         rec: dict = {}
-        got = mm.matmul_epilogue(a, w.t(), ep, xs, torch.bfloat16, cfg=ws, record=rec)
-        want = mm.matmul_epilogue(a, w.t(), ep, xs, torch.bfloat16, cfg=plain)
+        if EPILOGUES[kind] is None:
+            def run(cfg, rec=None):
+                return [mm.matmul(a, w.t(), cfg=cfg, record=rec)]
+        else:
+            body, ops, stores = EPILOGUES[kind]
+            ep = mm.Epilogue(shape=(M, N), operands=tuple(Operand((N,), getattr(torch, d), load="raw") for d in ops),
+                             body=body, stores=tuple((v, t, getattr(torch, d)) for v, t, d in stores),
+                             out_shapes=tuple((M, N) for _ in stores))
+            xs = [torch.randn(N, device=device, dtype=getattr(torch, d)) for d in ops]
+
+            def run(cfg, rec=None):
+                return mm.matmul_epilogue(a, w.t(), ep, xs, torch.bfloat16, cfg=cfg, record=rec)
+        got = run(ws, rec)
+        want = run(plain)
         ran_ws = any("warp-specialized" in open(p).read(400) for p in rec)
         timed = {}
         if device == "cuda":
-            timed = {"ms": time_events(lambda: mm.matmul_epilogue(a, w.t(), ep, xs, torch.bfloat16, cfg=ws), reps),
-                     "plain_ms": time_events(lambda: mm.matmul_epilogue(a, w.t(), ep, xs, torch.bfloat16, cfg=plain),
-                                             reps)}
+            timed = {"ms": time_events(lambda: run(ws), reps), "plain_ms": time_events(lambda: run(plain), reps)}
         for j, (g, x) in enumerate(zip(got, want)):
             d = (g.double() - x.double()).abs()
-            print(json.dumps({"epilogue": kind, "M": M, "N": N, "K": K, "output": j, "dtype": str(g.dtype),
-                              "warp_specialized": ran_ws, "nan": int(torch.isnan(g).sum()),
+            print(json.dumps({"epilogue": kind, "tile": tile, "M": M, "N": N, "K": K, "output": j,
+                              "dtype": str(g.dtype), "warp_specialized": ran_ws, "nan": int(torch.isnan(g).sum()),
                               "nan_unpartitioned": int(torch.isnan(x).sum()),
                               "mismatched": int((d != 0).sum()), "max_diff": float(d.nan_to_num(float("inf")).max()),
-                              **timed}), flush=True)
+                              "where": where_wrong(d != 0, bm, bn, 8, programs), **timed}), flush=True)
 
 
 def _write(out: Path, rows: list, name: str = "matmul_ws.json") -> None:
@@ -292,9 +333,13 @@ def main() -> None:
     ap.add_argument("--epilogues", action="store_true",
                     help="the template's warp-specialized kernel with epilogues against the unpartitioned one")
     ap.add_argument("--epilogue-child", help=argparse.SUPPRESS)
+    ap.add_argument("--tiles", default="128x128x64:w4:s5",
+                    help="--epilogues: the partitioned kernel's tiles, BMxBNxBK:wW:sS, comma-separated")
+    ap.add_argument("--kinds", default=",".join(EPILOGUES), help="--epilogues: the kinds, comma-separated")
     opts = ap.parse_args()
     if opts.epilogue_child:
-        epilogue_child(opts.epilogue_child, opts.reps)
+        kind, tile = opts.epilogue_child.split("@")
+        epilogue_child(kind, opts.reps, tile=tile)
         return
     if opts.offline:
         offline()
@@ -304,15 +349,16 @@ def main() -> None:
         return
     rows = []
     if opts.epilogues:
-        for kind in EPILOGUES:
-            got, err = _in_child("--epilogue-child", kind, opts.reps, opts.limit)
+        for tile, kind in itertools.product(opts.tiles.split(","), opts.kinds.split(",")):
+            got, err = _in_child("--epilogue-child", f"{kind}@{tile}", opts.reps, opts.limit)
             for r in got:
-                print(f"{kind:16s} {r['M']}x{r['N']}x{r['K']} out {r['output']} {r['dtype']}: ws {r['warp_specialized']}, "
-                      f"NaN {r['nan']} (unpartitioned {r['nan_unpartitioned']}), mismatched {r['mismatched']}, "
-                      f"max diff {r['max_diff']:.3g}, {r.get('ms', 0):.4f} ms vs {r.get('plain_ms', 0):.4f}", flush=True)
+                print(f"{kind:14s} {tile} {r['M']}x{r['N']}x{r['K']} out {r['output']} {r['dtype']}: "
+                      f"ws {r['warp_specialized']}, NaN {r['nan']} (unpartitioned {r['nan_unpartitioned']}), "
+                      f"mismatched {r['mismatched']}, max diff {r['max_diff']:.3g}, {r.get('ms', 0):.4f} ms vs "
+                      f"{r.get('plain_ms', 0):.4f}, where {r['where']}", flush=True)
             if err:
-                print(f"{kind}: {err}", flush=True)
-                got.append({"epilogue": kind, "error": err})
+                print(f"{kind}@{tile}: {err}", flush=True)
+                got.append({"epilogue": kind, "tile": tile, "error": err})
             rows += got
             _write(opts.out, rows, "matmul_ws_epilogues.json")
         return

@@ -290,6 +290,12 @@ PERSISTENT_EPILOGUES = False
 # offline they partition and spill nothing at 128x128 (at 128x256 the f32 residual spills
 # 1.9 KB: scripts/epilogue_sm90_check.py --ws). scripts/matmul_ws.py --epilogues narrows it down
 WS_TILES: dict[str, tuple[int, int, int] | None] = {"plain": (128, 256, 4), "epilogue": None}
+# The deepest ring the partitioned loop gets. Those NaNs were the ring's depth, not the
+# epilogue: at 128x128x64 with 5 stages (what (smem - convert) / stage_bytes gave) column 0 of
+# the first tile of every program came out NaN, with no epilogue too; 3 and 4 stages, with and
+# without epilogues, at 128x128 and 128x256, were bit-identical to the unpartitioned kernel
+# (scripts/matmul_ws.py --epilogues --tiles ..., bench/results/runs/matmul_ws_epilogues_probe_16a344e.json)
+WS_MAX_STAGES = 4
 
 
 def plan_matmul(
@@ -525,7 +531,7 @@ def plan_matmul(
         w_bm, w_bn, w_warps = ws
         w_stage = (w_bm * ea + w_bn * eb) * bk
         convert = w_bm * w_bn if epilogue else w_bm * w_bn // 2
-        w_stages = min(MAX_STAGES, (smem_budget - convert) // w_stage, _cdiv(K, bk))
+        w_stages = min(WS_MAX_STAGES, (smem_budget - convert) // w_stage, _cdiv(K, bk))
         if w_stages < 2:
             ws = None
         else:
