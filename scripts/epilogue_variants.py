@@ -23,7 +23,7 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
   ws-epi128     warp specialization with epilogue kernels at 128x128 too
   ws-epi256     warp specialization with epilogue kernels at 128x256 too
 
-    python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--variants a,b] [--out DIR]
+    python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--variants a,b] [--graph] [--out DIR]
 
 Prints, per variant, the step's measured kernel time and the matmul launches grouped
 by (result type, schedule, ops in the kernel), and whether the losses of every variant
@@ -112,7 +112,38 @@ def apply_variant(variant: str) -> None:
         fz._Grouping._producer = producer
 
 
-def child(variant: str, layers: int, batch: int) -> dict:
+def graph_steps(step, batches, steps: int = 20) -> dict:
+    """The compiled step as ``nova bench gpt2`` times it: ``steps`` calls back to back (a CUDA
+    graph replay each), each between CUDA events, NVML's SM clock, power and energy counter
+    sampled meanwhile. Under the H200's power cap the whole step's energy sets the clock, which
+    timing each kernel alone (``step.profile()``) does not see."""
+    import statistics
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.timing import median_or_none, reason_shares, sampled
+
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+
+    def window():
+        for i in range(steps):
+            starts[i].record()
+            step(*batches[i % len(batches)])
+            ends[i].record()
+        torch.cuda.synchronize()
+
+    masks: list[int] = []
+    energy: dict = {}
+    clocks, power = sampled(window, reasons=masks, energy=energy)
+    ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return {"step_ms_median": ms, "sm_clock_mhz_median": median_or_none(clocks), "power_w_median": median_or_none(power),
+            "joules_per_step": energy["joules"] / steps if energy.get("joules") is not None else None,
+            "clock_event_reasons": reason_shares(masks)}
+
+
+def child(variant: str, layers: int, batch: int, graph: bool = False) -> dict:
     os.environ["NOVA_STEP_CACHE"] = "0"
     import torch
 
@@ -130,6 +161,7 @@ def child(variant: str, layers: int, batch: int) -> dict:
     batches = [(torch.randint(0, 50304, (batch, 1024), device="cuda", generator=g),
                 torch.randint(0, 50304, (batch, 1024), device="cuda", generator=g)) for _ in range(4)]
     losses = [step(*b).item() for b in batches]
+    timed = graph_steps(step, batches) if graph else {}
     m = step.profile(repeat=3)
     rows = collections.defaultdict(lambda: [0, 0.0])
     for k, t in zip(m.kernels, m.measured_s):
@@ -137,7 +169,7 @@ def child(variant: str, layers: int, batch: int) -> dict:
             key = f"{k.kind:11s} {k.shape:32s} {k.config:36s} ops {k.ops}"
             rows[key][0] += 1
             rows[key][1] += t * 1e3
-    return {"variant": variant, "losses": losses, "total_ms": m.total_s * 1e3,
+    return {"variant": variant, "losses": losses, "total_ms": m.total_s * 1e3, **timed,
             "rows": {k: v for k, v in sorted(rows.items(), key=lambda kv: -kv[1][1])}}
 
 
@@ -147,17 +179,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--child")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time 20 steps as nova bench gpt2 does (CUDA graph replays, clock, power, energy)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + " ".join(VARIANTS))
     opts = ap.parse_args()
     if opts.child:
-        print("RESULT " + json.dumps(child(opts.child, opts.layers, opts.batch)))
+        print("RESULT " + json.dumps(child(opts.child, opts.layers, opts.batch, opts.graph)))
         return
     results = []
     for v in opts.variants.split(","):
         if v not in VARIANTS and not v.startswith(("tile:", "colsplit:")):
             raise SystemExit(f"epilogue_variants: unknown variant {v!r} (known: {', '.join(VARIANTS)})")
         run = subprocess.run([sys.executable, __file__, "--child", v, "--layers", str(opts.layers),
-                              "--batch", str(opts.batch)], capture_output=True, text=True, timeout=400)
+                              "--batch", str(opts.batch)] + (["--graph"] if opts.graph else []),
+                             capture_output=True, text=True, timeout=400)
         line = next((ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
             print(f"== {v}: failed\n{run.stderr[-3000:]}")
@@ -166,6 +201,9 @@ def main() -> None:
         results.append(r)
         same = r["losses"] == results[0]["losses"]
         print(f"== {v}: kernels {r['total_ms']:.2f} ms; losses {r['losses']} (bit-identical to {results[0]['variant']}: {same})")
+        if opts.graph:
+            print(f"   graph step {r['step_ms_median']:.2f} ms median, {r['sm_clock_mhz_median']} MHz, "
+                  f"{r['power_w_median']} W, {r['joules_per_step']:.2f} J a step, {r['clock_event_reasons']}")
         for k, (n, ms) in list(r["rows"].items())[:14]:
             print(f"   {ms:8.3f} ms {n:3d}x  {k}")
     opts.out.mkdir(parents=True, exist_ok=True)
