@@ -283,14 +283,17 @@ PERSISTENT_EPILOGUES = False
 # "epilogue" (a fuse-stage epilogue, over the whole tile: the partitioner takes no slices).
 # (BM, BN, warps a computing group). 128x256 for C: 0.95-0.97x cuBLAS on the GPT-2 step's
 # shapes, 128x128 0.87-0.89x (scripts/matmul_ws.py, bench/results/runs/matmul_ws_49aaf89.json).
-# None: that kind keeps step 8's kernel. Epilogues: not yet. At 128x128 the bias + GELU
-# epilogue of a 4096x3072x768 layer wrote NaNs into some elements on the H200
-# (tests/gpu/test_matmul_epilogue_gpu.py, bench/results/runs/ws_gpu_tests_epilogue_nan.log; the
-# same kernel's C store is bit-identical to the unpartitioned kernel's: tests/gpu/test_matmul_ws_gpu.py);
-# offline they partition and spill nothing at 128x128 (at 128x256 the f32 residual spills
-# 1.9 KB: scripts/epilogue_sm90_check.py --ws). scripts/matmul_ws.py --epilogues narrows it down
-WS_TILES: dict[str, tuple[int, int, int] | None] = {"plain": (128, 256, 4), "epilogue": None}
-# The deepest ring the partitioned loop gets. Those NaNs were the ring's depth, not the
+# None: that kind keeps step 8's kernel. Epilogues at 128x256 too: in the 12-layer GPT-2 124M
+# bf16 step at batch 32, timed as nova bench gpt2 times it (CUDA graph; scripts/epilogue_variants.py
+# --graph, bench/results/runs/epilogue_variants_graph_12l_a86b3ee.json, two runs each,
+# interleaved) 66.33 / 66.45 ms against 66.62 / 66.74 with the epilogue kernels unpartitioned
+# (their kernels alone 62.04 / 61.96 against 62.33 / 62.06 ms); per kernel at 2 layers the f32
+# residual epilogue 0.246 against 0.264 ms, the 2304-column one 0.182 against 0.196, the GELU
+# and bf16 ones 0.01-0.02 ms slower (epilogue_variants_ws_epi_a86b3ee.json). Offline the f32
+# residual spills 1.9 KB at 128x256 (scripts/epilogue_sm90_check.py --ws), measured faster all the same
+WS_TILES: dict[str, tuple[int, int, int] | None] = {"plain": (128, 256, 4), "epilogue": (128, 256, 4)}
+# The deepest ring the partitioned loop gets. The NaNs a partitioned bias + GELU epilogue wrote
+# at 128x128 (bench/results/runs/ws_gpu_tests_epilogue_nan.log) were the ring's depth, not the
 # epilogue: at 128x128x64 with 5 stages (what (smem - convert) / stage_bytes gave) column 0 of
 # the first tile of every program came out NaN, with no epilogue too; 3 and 4 stages, with and
 # without epilogues, at 128x128 and 128x256, were bit-identical to the unpartitioned kernel

@@ -12,6 +12,7 @@ import torch
 
 import nova.log
 from nova.codegen.triton import matmul as mm
+from nova.codegen.triton.elementwise import Operand
 from nova.schedule.config import LoweringConfig
 
 WS = LoweringConfig(kind="matmul", block_m=64, block_n=64, block_k=32, group_m=2, persistent=True, num_warps=4,
@@ -82,9 +83,24 @@ def test_where_the_ws_kernel_cannot_run_another_kernel_does_and_says_so(case, de
     assert (got.double() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
 
 
+def test_an_epilogue_runs_partitioned_and_matches_the_unpartitioned_kernel(device):
+    a, b = _operands(256 + 40, 256 + 24, 64 * 3 + 8, "row", "col", device)
+    bias = torch.randn(256 + 24, device=device)
+    ep = mm.Epilogue(shape=(256 + 40, 256 + 24), operands=(Operand((256 + 24,), torch.float32, load="raw"),),
+                     body="y = e_tile + ex0\nz = y * tl.sigmoid(y)",
+                     stores=(("y", "f32", torch.float32), ("z", "f32", torch.bfloat16)),
+                     out_shapes=((256 + 40, 256 + 24), (256 + 40, 256 + 24)))
+    rec: dict = {}
+    got = mm.matmul_epilogue(a, b, ep, [bias], torch.bfloat16, cfg=WS, record=rec)
+    want = mm.matmul_epilogue(a, b, ep, [bias], torch.bfloat16, cfg=PLAIN)
+    assert _ran_ws(rec)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
 def test_an_epilogue_runs_the_unpartitioned_kernel_while_ws_epilogues_are_off(device, caplog, monkeypatch):
     monkeypatch.setattr(nova.log, "_SEEN", set())
-    assert mm.WS_EPILOGUES is False
+    monkeypatch.setattr(mm, "WS_EPILOGUES", False)
     a, b = _operands(256, 128, 64, "row", "col", device)
     ep = mm.Epilogue(shape=(256, 128), operands=(), body="y = e_tile * 2.0", stores=(("y", "f32", torch.float32),),
                      out_shapes=((256, 128),))

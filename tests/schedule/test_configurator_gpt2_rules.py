@@ -41,14 +41,22 @@ def test_bf16_short_k_goes_persistent_not_two_blocks(M, N, K, layouts, monkeypat
     assert p.smem_bytes == 4 * (128 + 256) * 64 * 2 + 128 * 128 * 2
 
 
-@pytest.mark.parametrize("case", ["epilogue", "f32 out", "batched", "split", "tf32"])
+@pytest.mark.parametrize("epilogue", [False, True], ids=["plain", "epilogue"])
+def test_warp_specialization_takes_its_tile_and_at_most_four_stages(epilogue):
+    """Rule 8b on the GPT-2 step's c_fc shape: 128x256, 4 warps a computing group, one program
+    an SM, the ring capped at WS_MAX_STAGES = 4 (5 wrote NaNs into each program's first tile on
+    the H200), with an epilogue (its layout conversion beside the ring) as without."""
+    c = plan_matmul(32768, 3072, 768, 1, *BF16, "row", "col", device="H200", epilogue=epilogue).config
+    assert c.instruction.split("+")[-1] == "ws" and c.persistent
+    assert (c.block_m, c.block_n, c.num_warps, c.num_stages) == (128, 256, 4, 4)
+
+
+@pytest.mark.parametrize("case", ["f32 out", "batched", "split", "tf32"])
 def test_warp_specialization_only_where_it_was_measured_to_run(case):
     """Rule 8b's bounds: an unsplit 2-D matmul on 16-bit operands with a 16-bit C and >= 2 S
-    tiles. An epilogue keeps the one-program-per-tile kernel (WS_TILES["epilogue"] is None:
-    a bias + GELU epilogue wrote NaNs on the H200), an f32 C the flattened loop (its layout
-    conversion leaves a 2-deep ring), a batch or a split-K weight gradient their kernels."""
-    args = {"epilogue": ((32768, 3072, 768, 1, *BF16, "row", "col"), {"epilogue": True}),
-            "f32 out": ((32768, 3072, 768, 1, "bfloat16", "bfloat16", "float32", "bf16", "row", "col"), {}),
+    tiles. An f32 C keeps the flattened loop (its layout conversion leaves a 2-deep ring), a
+    batch or a split-K weight gradient their kernels."""
+    args = {"f32 out": ((32768, 3072, 768, 1, "bfloat16", "bfloat16", "float32", "bf16", "row", "col"), {}),
             "batched": ((1024, 3072, 768, 32, *BF16, "row", "col"), {}),
             "split": ((768, 3072, 32768, 1, *BF16, "col", "row"), {}),
             "tf32": ((32768, 3072, 768, 1, *TF32, "row", "col"), {})}[case]
