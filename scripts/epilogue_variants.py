@@ -22,6 +22,8 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
   ws-plain      warp specialization for the matmuls that store C only
   ws-epi128     warp specialization with epilogue kernels at 128x128 too
   ws-epi256     warp specialization with epilogue kernels at 128x256 too
+  two-pass-split  split-K in two kernels (partials, then their reduction) instead of adding
+                the splits up in the kernel (matmul.SERIAL_SPLIT off)
 
     python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--variants a,b] [--graph] [--out DIR]
 
@@ -40,7 +42,7 @@ import sys
 from pathlib import Path
 
 VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "tile-grid-nobackward",
-            "tile-grid-noresidual", "ws-off", "ws-plain", "ws-epi128", "ws-epi256")
+            "tile-grid-noresidual", "ws-off", "ws-plain", "ws-epi128", "ws-epi256", "two-pass-split")
 # each ws variant's changes to configurator.WS_TILES
 WS_VARIANTS = {"ws-off": {"plain": None, "epilogue": None}, "ws-plain": {"epilogue": None},
                "ws-epi128": {"epilogue": (128, 128, 4)}, "ws-epi256": {"epilogue": (128, 256, 4)}}
@@ -54,6 +56,10 @@ def apply_variant(variant: str) -> None:
 
     cf.PERSISTENT_EPILOGUES = variant.startswith("persistent")
     cf.WS_TILES.update(WS_VARIANTS.get(variant, {}))
+    if variant == "two-pass-split":
+        from nova.codegen.triton import matmul as mm
+
+        mm.SERIAL_SPLIT = False
     if variant.startswith("ws-epi"):
         from nova.codegen.triton import matmul as mm
 

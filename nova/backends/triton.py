@@ -169,7 +169,8 @@ def _matmul_scratch(op: Operation, precision: str, cfg_op: Operation | None = No
                      for o in cfg_op.inner_ops() if nv.column_sum(o))  # fmt: skip
     return mm.scratch_bytes(out[-2], out[-1], a[-1], batch, dtype, to_torch_dtype(elem_of(op.operands[1].type)),
                             to_torch_dtype(elem_of(op.results[0].type)), config_of(cfg_op or op),
-                            precision=STEP_MATMUL_PRECISION[precision], column_sums=sums)  # fmt: skip
+                            precision=STEP_MATMUL_PRECISION[precision], column_sums=sums,
+                            epilogue=isinstance(cfg_op, nv.FusedOp))  # fmt: skip
 
 
 class TritonProgram:

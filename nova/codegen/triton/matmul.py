@@ -121,6 +121,14 @@ _INT32_MAX = 2**31 - 1
 # 12-layer GPT-2 step's losses too (epilogue_variants_graph_12l_a86b3ee.json). Off, a config
 # asking for it runs the unpartitioned kernel (logged once)
 WS_EPILOGUES = True
+# Split-K adds its splits up in the kernel, in split order (each split waits on its tile's
+# lock for the one before, matmul_source's serial store): the two-pass reduction's sums bit for
+# bit, without its second kernel (56 launches, 0.82 ms of the GPT-2 124M bf16 b32 step at
+# db6f021) or its [S, M, N] fp32 partials in HBM. It relies on a program of split s being
+# dispatched after the program of split s - 1 of its tile (a lower program id, as CUDA
+# dispatches a grid); an epilogue keeps the two-pass form (the reduction runs it), and so does
+# a persistent split config (a program's later work item could wait on a program not resident)
+SERIAL_SPLIT = True
 # The warp-specialized kernel's global scratch a program: its two device-built
 # descriptors, 128 bytes each (a CUtensorMap), with room for Triton's alignment
 WS_SCRATCH_PER_PROGRAM = 512
@@ -385,9 +393,11 @@ def matmul_source(
     prerounded: tuple[str, ...] = (),
     name: str = "matmul_kernel",
     epilogue: Epilogue | None = None,
+    serial: bool = False,
 ) -> str:
     """Triton source for one matmul kernel (plus the split-K reduction when
-    ``cfg.split_k > 1``, named ``<name>_reduce``). With ``tma`` the operand tiles are
+    ``cfg.split_k > 1``, named ``<name>_reduce``; with ``serial``, no epilogue, the
+    splits add up in the kernel instead: ``SERIAL_SPLIT``). With ``tma`` the operand tiles are
     fetched through host-built tensor descriptors (Hopper TMA; out-of-bounds boxes
     read as zeros, so the loads need no masks); otherwise through pointers.
     ``prerounded`` names the operands ("a", "b") a staging pass already rounded to
@@ -403,6 +413,9 @@ def matmul_source(
     in_name, out_name = _dtype_name(in_dtype), _dtype_name(out_dtype)
     split = cfg.split_k > 1
     persistent = bool(cfg.persistent)
+    if serial and (not split or epilogue is not None or persistent):
+        raise ValueError("matmul: the serial split-K kernel is a split, one-program-per-work-item kernel storing C "
+                         "(no epilogue)")
 
     if in_name == "float32" and precision == "bf16":
         cast = "\n            a = a.to(tl.bfloat16)\n            b = b.to(tl.bfloat16)"
@@ -433,8 +446,10 @@ def matmul_source(
     params = ["a_ptr", "b_ptr"] if ws or not tma else ["a_desc", "b_desc"]
     if not fused:
         params.append("c_desc" if c_tma else "c_ptr")
-    if has_bias and not split:
+    if has_bias and (not split or serial):
         params.append("bias_ptr")
+    if serial:  # the running sums' workspace [B, M, N] f32 and a lock a tile (zeros at launch)
+        params += ["ws_ptr", "lock_ptr"]
     ep_ptrs, ep_strides = _epilogue_params(epilogue) if fused else ([], [])
     params += ep_ptrs
     params += ["M", "N", "K"]
@@ -451,9 +466,9 @@ def matmul_source(
     if batched:
         params += [] if tma else ["stride_ab", "stride_bb"]
         params += [] if fused or c_tma else ["stride_cb"]
-    if split:
+    if split and not serial:
         params.append("stride_cs")
-    if has_bias and not split:
+    if has_bias and (not split or serial):
         params.append("stride_bias")
     params += ep_strides
     if ws:  # constants of the partitioned loop (a runtime grid size did not finish on the H200)
@@ -486,8 +501,9 @@ def matmul_source(
         a_base = "a_ptr + pid_b.to(tl.int64) * stride_ab"
         b_base = "b_ptr + pid_b.to(tl.int64) * stride_bb"
         c_base = "c_ptr + pid_b.to(tl.int64) * stride_cb"
-    if split:
+    if split and not serial:
         c_base += " + pid_s.to(tl.int64) * stride_cs"
+    if split:
         k_range = "k0 = pid_s * K_SPLIT\n        k_len = tl.minimum(K - k0, K_SPLIT)"
     else:
         k_range = "k0 = 0\n        k_len = K"
@@ -523,7 +539,7 @@ def matmul_source(
             "\n        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)"
             "\n        acc += bias.to(tl.float32)[None, :]"
         )
-    store_ty = "tl.float32" if split else _TL_DTYPE[out_name]
+    store_ty = "tl.float32" if split and not serial else _TL_DTYPE[out_name]
     if c_tma:
         # the tile's place again, from a second counter: in the flattened persistent loop the
         # next tile's loads are issued before this store, and its indices need not stay live
@@ -556,6 +572,29 @@ def matmul_source(
             tl.store(c_ptrs, c)
         else:
             tl.store(c_ptrs, c, mask=mask_m[:, None] & mask_n[None, :])
+"""
+    if serial:
+        w_base = "ws_ptr + pid_b.to(tl.int64) * M * N" if batched else "ws_ptr"
+        lock = "lock_ptr + pid_b * tiles + tile" if batched else "lock_ptr + tile"
+        last = ("\n            bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)"
+                "\n            acc += bias.to(tl.float32)[None, :]") if has_bias else ""
+        store = f"""\
+        # the splits in split order: split s waits until split s - 1 has left the sum of splits
+        # 0..s-1 in the workspace tile (its lock reads s), adds its own partial to it, and
+        # hands it on; the last split adds the bias and stores C. The two-pass reduction's
+        # sums, element for element, with no second kernel and the running tile in L2
+        w_ptrs = {w_base} + offs_m[:, None] * N + offs_n[None, :]
+        w_mask = mask_m[:, None] & mask_n[None, :]
+        lock = {lock}
+        if pid_s > 0:
+            while tl.atomic_cas(lock, pid_s, pid_s, sem="acquire") != pid_s:
+                pass
+            acc = tl.load(w_ptrs, mask=w_mask, other=0.0, cache_modifier=".cg") + acc
+        if pid_s == SPLITS - 1:{last}
+{textwrap.indent(store, "    ")}        else:
+            tl.store(w_ptrs, acc, mask=w_mask, cache_modifier=".cg")
+            tl.debug_barrier()  # every thread's part of the tile stored before the lock moves on
+            tl.atomic_xchg(lock, pid_s + 1, sem="release")
 """
 
     body = f"""\
@@ -644,7 +683,7 @@ batched {'yes' if batched else 'no'}, index {'int64' if index_64 else 'int32'}
         """)
     helpers = epilogue.helpers.strip("\n") + "\n\n\n" if epilogue is not None and epilogue.helpers else ""
     text = header + "\n\n" + helpers + kernel
-    if split:
+    if split and not serial:
         text += "\n\n" + _reduce_source(name + "_reduce", has_bias, _TL_DTYPE[out_name], epilogue)
     for j, c in enumerate(epilogue.sums if epilogue is not None else ()):
         text += "\n\n" + colsum_source(f"{name}_colsum{j}", c.acc, tag(c.dtype))
@@ -992,6 +1031,7 @@ def matmul_kernels(
     tma: TmaLayout | None = None,
     prerounded: tuple[str, ...] = (),
     epilogue: Epilogue | None = None,
+    serial: bool = False,
 ) -> MatmulKernels:
     # num_warps / num_stages / the split count are launch-time: keep them out of the text
     key_cfg = LoweringConfig(
@@ -1014,9 +1054,10 @@ def matmul_kernels(
         tma=tma,
         prerounded=prerounded,
         epilogue=epilogue,
+        serial=serial,
     )
     main, path = load_kernel(src, "matmul_kernel")
-    reduce = load_kernel(src, "matmul_kernel_reduce")[0] if cfg.split_k > 1 else None
+    reduce = load_kernel(src, "matmul_kernel_reduce")[0] if cfg.split_k > 1 and not serial else None
     sums = tuple(load_kernel(src, f"matmul_kernel_colsum{j}")[0] for j in range(len(epilogue.sums if epilogue else ())))
     return MatmulKernels(main, reduce, str(path), sums)
 
@@ -1038,14 +1079,17 @@ def split_k_plan(K: int, cfg: LoweringConfig) -> tuple[int, int]:
 def scratch_bytes(
     M: int, N: int, K: int, batch: int, a_dtype, b_dtype, out_dtype, cfg: LoweringConfig | None,
     *, precision: str | None = None, device: torch.device | None = None, column_sums: tuple = (),
+    epilogue: bool = False,
 ) -> int:  # fmt: skip
     """The most device memory one ``matmul`` launch of C[batch, M, N] = A @ B with
     ``cfg`` allocates besides C (an upper bound, for the memory plan; ``batch`` is 1
     for a 2-D matmul). The launch picks its path from the operands' strides, so the
     bound counts every buffer the config can lead to:
 
-    * split-K (``split_k_plan`` gives more than one split): the fp32 partials
-      [S, batch, M, N];
+    * split-K (``split_k_plan`` gives more than one split): the running sums
+      [batch, M, N] fp32 and an int32 lock a tile (``SERIAL_SPLIT``), or, with an
+      ``epilogue`` (the two-pass reduction runs it) or a persistent config, the fp32
+      partials [S, batch, M, N];
     * a staged tf32 config (``stage_a`` / ``stage_b`` in ``cfg.instruction``, fp32
       operands): the dense fp32 copy of A [batch, M, K] and / or of B [batch, K, N]
       (an operand shared by the batch is staged once: at most this);
@@ -1067,11 +1111,13 @@ def scratch_bytes(
         splits = split_k_plan(K, cfg)[1] if cfg is not None else None
         sums = sum(column_sum_rows(M, batch, cfg, splits) * N * d.itemsize for d in column_sums)
     if cfg is None:
-        return _configured_scratch_bytes(M, N, K, batch, a_dtype, out_dtype, precision, device) + sums
+        return _configured_scratch_bytes(M, N, K, batch, a_dtype, out_dtype, precision, device, epilogue) + sums
     f32 = torch.float32.itemsize
     total = sums
     splits = split_k_plan(K, cfg)[1]
-    if splits > 1:
+    if splits > 1 and SERIAL_SPLIT and not epilogue and not cfg.persistent:  # the running sums, a lock a tile
+        total += batch * M * N * f32 + batch * cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * 4
+    elif splits > 1:
         total += splits * batch * M * N * f32
     tokens = cfg.instruction.split("+")
     if "ws" in tokens:
@@ -1084,7 +1130,7 @@ def scratch_bytes(
     return total
 
 
-def _configured_scratch_bytes(M, N, K, batch, dtype, out_dtype, precision, device) -> int:
+def _configured_scratch_bytes(M, N, K, batch, dtype, out_dtype, precision, device, epilogue) -> int:
     """``scratch_bytes`` over every config the configurator may pick at launch."""
     spec = device_spec(device or torch.device("cpu"))
     if _dtype_name(dtype) != "float32":
@@ -1096,7 +1142,7 @@ def _configured_scratch_bytes(M, N, K, batch, dtype, out_dtype, precision, devic
         configure(M, N, K, batch, dtype, out_dtype, p, la, lb, bias, spec)
         for p in precisions for la in layouts for lb in layouts for bias in (False, True)
     )  # fmt: skip
-    return max(scratch_bytes(M, N, K, batch, dtype, dtype, out_dtype, cfg) for cfg in configs)
+    return max(scratch_bytes(M, N, K, batch, dtype, dtype, out_dtype, cfg, epilogue=epilogue) for cfg in configs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1548,6 +1594,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     index_64 = max(spans) > _INT32_MAX
     tma = _tma_plan(cfg, a3, b3)
     fused = ep is not None and not split
+    serial = split and ep is None and not cfg.persistent and SERIAL_SPLIT
     ws_strides = _ws_plan(cfg, tma, a3, b3, batched, split, in_name, ep is not None)
     if ws_strides is not None:
         tma = (dataclasses.replace(tma[0], ws=True), None)
@@ -1560,7 +1607,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
         tma = (dataclasses.replace(tma[0], e=True), tma[1])
     kern = matmul_kernels(
         cfg, bias is not None, precision, out_name, in_name, batched, index_64, interpreting(), tma and tma[0], staged,
-        ep,
+        ep, serial,
     )
 
     if record is not None and kern.path not in record:  # once per kernel: this runs every step
@@ -1578,7 +1625,10 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     stored = [storage_view(ep_outs[j]) for j in store_slots]
     ep_ptrs = [storage_view(x) for x in ep_inputs] + (e_descs if e_descs is not None else stored) + partials
     ep_strides = [x.stride(kd) for op, x in zip(ep.operands, ep_inputs) for kd, _, _ in op.terms(rank)] if ep else []
-    if split:
+    if serial:  # the running sums and the tiles' locks (each split s waits for s)
+        ws = torch.empty((batch, M, N), dtype=torch.float32, device=a.device)
+        locks = torch.zeros((batch * tiles,), dtype=torch.int32, device=a.device)
+    if split and not serial:
         ws = torch.empty((splits, batch, M, N), dtype=torch.float32, device=a.device)
         dst, dst_strides = ws, (N, 1)
     else:
@@ -1586,8 +1636,10 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     args = list(tma[1]) if tma and ws_strides is None else [a3, b3]
     if not fused:
         args.append(c_desc if c_desc is not None else dst)
-    if bias is not None and not split:
+    if bias is not None and (not split or serial):
         args.append(bias)
+    if serial:
+        args += [ws, locks]
     if fused:
         args += ep_ptrs
     args += [M, N, K]
@@ -1605,10 +1657,10 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
         if not tma:
             args += [a3.stride(0) if a3.shape[0] > 1 else 0, b3.stride(0) if b3.shape[0] > 1 else 0]
         if not fused and c_desc is None:
-            args.append(M * N if split else c3.stride(0))
-    if split:
+            args.append(M * N if split and not serial else c3.stride(0))
+    if split and not serial:
         args.append(batch * M * N)
-    if bias is not None and not split:
+    if bias is not None and (not split or serial):
         args.append(bias.stride(0))
     if fused:
         args += ep_strides
@@ -1631,7 +1683,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     else:
         kern.main[grid](*args, **options)
 
-    if split:
+    if split and not serial:
         n_out = batch * M * N
         rgrid = (cdiv(n_out, REDUCE_BLOCK),)
         if sums:  # over [REDUCE_ROWS, REDUCE_COLS] tiles (_reduce_tiles_source)

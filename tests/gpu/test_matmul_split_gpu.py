@@ -1,0 +1,49 @@
+"""Split-K adding its splits up in the kernel (``matmul.SERIAL_SPLIT``) on the H200, at the
+GPT-2 124M bf16 step's split shapes (the weight gradients at batch 32, K = 32768 tokens,
+and the LM head's dh, K = the vocabulary), as the configurator schedules them: bit for bit
+the two-pass form, launch after launch and in a CUDA graph replayed twice (each launch's
+locks start from zero), and within bf16 rounding of float64."""
+
+import pytest
+import torch
+
+from nova.codegen.triton import matmul as mm
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+# (M, N, K, A's layout): the step's dW = x^T dy (A a transposed activation), dh = dlogits W
+SHAPES = [(768, 3072, 32768, "col"), (3072, 768, 32768, "col"), (768, 768, 32768, "col"), (768, 2304, 32768, "col"),
+          (4096, 768, 50304, "row")]
+
+
+def _operands(M, N, K, la, g):
+    a = (torch.randn(K, M, device="cuda", generator=g).t() if la == "col"
+         else torch.randn(M, K, device="cuda", generator=g)).to(torch.bfloat16)
+    return a, torch.randn(K, N, device="cuda", generator=g).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("M,N,K,la", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k, _ in SHAPES])
+def test_serial_split_is_the_two_pass_split_on_the_step_shapes(M, N, K, la, monkeypatch):
+    g = torch.Generator(device="cuda").manual_seed(M + N)
+    a, b = _operands(M, N, K, la, g)
+    rec: dict = {}
+    got = mm.matmul(a, b, record=rec)
+    src = open(next(iter(rec))).read()
+    assert "atomic_cas" in src, "the configurator did not split this shape: the test no longer covers it"
+    again = mm.matmul(a, b)
+    graph_out = torch.empty_like(got)
+    mm.matmul(a, b, out=graph_out)  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mm.matmul(a, b, out=graph_out)
+    graph_out.zero_()
+    graph.replay()
+    first = graph_out.clone()
+    graph.replay()
+    monkeypatch.setattr(mm, "SERIAL_SPLIT", False)
+    want = mm.matmul(a, b)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want), (got.double() - want.double()).abs().max().item()
+    assert torch.equal(again, want) and torch.equal(first, want) and torch.equal(graph_out, want)
+    ref = a.double() @ b.double()
+    assert (got.double() - ref).abs().max().item() <= 2 ** -7 * ref.abs().max().item()
