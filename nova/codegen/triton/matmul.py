@@ -121,14 +121,18 @@ _INT32_MAX = 2**31 - 1
 # 12-layer GPT-2 step's losses too (epilogue_variants_graph_12l_a86b3ee.json). Off, a config
 # asking for it runs the unpartitioned kernel (logged once)
 WS_EPILOGUES = True
-# Split-K adds its splits up in the kernel, in split order (each split waits on its tile's
+# Split-K adding its splits up in the kernel, in split order (each split waits on its tile's
 # lock for the one before, matmul_source's serial store): the two-pass reduction's sums bit for
 # bit, without its second kernel (56 launches, 0.82 ms of the GPT-2 124M bf16 b32 step at
-# db6f021) or its [S, M, N] fp32 partials in HBM. It relies on a program of split s being
-# dispatched after the program of split s - 1 of its tile (a lower program id, as CUDA
-# dispatches a grid); an epilogue keeps the two-pass form (the reduction runs it), and so does
-# a persistent split config (a program's later work item could wait on a program not resident)
-SERIAL_SPLIT = True
+# db6f021) or its [S, M, N] fp32 partials in HBM. Off: measured slower. In the 12-layer step
+# (scripts/epilogue_variants.py --graph, bench/results/runs/epilogue_variants_serial_split_2dfb675.json)
+# the CUDA graph took 66.49 ms a step with it against 65.37 in two passes, its kernels timed
+# one by one 67.53 against 61.67 ms (the splits' programs waiting on their locks). Bit-identical
+# on the H200 at the step's split shapes (tests/gpu/test_matmul_split_gpu.py). It relies on a
+# program of split s being dispatched after split s - 1's of its tile (a lower program id, as
+# CUDA dispatches a grid); an epilogue keeps the two-pass form (the reduction runs it), and so
+# does a persistent split config (a later work item could wait on a program not resident)
+SERIAL_SPLIT = False
 # The warp-specialized kernel's global scratch a program: its two device-built
 # descriptors, 128 bytes each (a CUtensorMap), with room for Triton's alignment
 WS_SCRATCH_PER_PROGRAM = 512
