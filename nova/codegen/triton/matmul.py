@@ -31,7 +31,9 @@ Design choices, and why:
 * Split-K is deterministic, in two passes: split ``s`` writes its fp32 partial tile to
   a workspace ``[S, B, M, N]``; a second kernel sums the S partials in a fixed order,
   adds the bias and casts. Atomic adds would save the workspace traffic but make the
-  result depend on scheduling order (and need a zeroed fp32 output).
+  result depend on scheduling order (and need a zeroed fp32 output). With
+  ``SERIAL_SPLIT`` (off: measured slower in the step) the splits add up in the kernel
+  instead, in split order behind a lock a tile: the same sums, no second kernel.
 * Persistent: ``grid = min(#SMs, #work items)`` programs loop over work items; the
   work item order (tile fastest, then split, then batch) is the same as the
   one-program-per-tile grid, so both walk tiles in the same L2-friendly order.
