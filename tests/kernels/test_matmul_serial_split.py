@@ -75,8 +75,11 @@ def test_an_epilogue_or_a_persistent_split_keeps_the_two_pass_form(device, monke
     assert torch.equal(got, 2.0 * mm.matmul(a, b, cfg=PTR, precision="ieee"))
 
 
-def test_scratch_counts_the_running_sums_and_locks_not_the_partials():
+def test_scratch_counts_the_running_sums_and_locks_not_the_partials(monkeypatch):
     S = mm.split_k_plan(45, PTR)[1]
+    shipped = mm.scratch_bytes(33, 37, 45, 2, torch.float32, torch.float32, torch.float32, PTR)
+    assert shipped == (2 * 33 * 37 * 4 + 2 * 3 * 2 * 4 if mm.SERIAL_SPLIT else S * 2 * 33 * 37 * 4)
+    monkeypatch.setattr(mm, "SERIAL_SPLIT", True)
     serial = mm.scratch_bytes(33, 37, 45, 2, torch.float32, torch.float32, torch.float32, PTR)
     two_pass = mm.scratch_bytes(33, 37, 45, 2, torch.float32, torch.float32, torch.float32, PTR, epilogue=True)
     tiles = mm.cdiv(33, 16) * mm.cdiv(37, 32)
