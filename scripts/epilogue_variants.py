@@ -16,6 +16,8 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
                 by FIELDS (colon-separated: BMxBN, sS stages, wW warps, gG group_m, p the
                 persistent flattened loop), e.g. tile:128x256:s3 or tile:128x128:s4:p
                 (a schedule that does not compile fails its row)
+  splitk:N      the shipped configurator, every split-K matmul (the weight gradients, the LM
+                head's dh) split N ways instead (N >= 2)
   colsplit:N    the shipped configurator, every column reduction (bias gradients, and
                 GELU's backward computed in the c_fc one's prologue) split N ways
   ws-off        no warp-specialized kernel (configurator.WS_TILES all None: step 8's kernels)
@@ -82,6 +84,18 @@ def apply_variant(variant: str) -> None:
             epilogue = k.get("epilogue", a[12] if len(a) > 12 else False)  # configure._configure_matmul: positional
             return dataclasses.replace(cfg, **over) if epilogue else cfg
         cf.configure_matmul = configure_matmul
+    if variant.startswith("splitk:"):
+        import dataclasses
+
+        splits = int(variant.split(":")[1])
+        if splits < 2:
+            raise SystemExit(f"epilogue_variants: {variant}: a split-K variant needs N >= 2")
+        planned = cf.configure_matmul
+
+        def configure_split(*a, **k):
+            cfg = planned(*a, **k)
+            return dataclasses.replace(cfg, split_k=splits) if cfg.split_k > 1 else cfg
+        cf.configure_matmul = configure_split
     if variant.startswith("colsplit:"):
         import dataclasses
 
@@ -194,7 +208,7 @@ def main() -> None:
         return
     results = []
     for v in opts.variants.split(","):
-        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:")):
+        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:", "splitk:")):
             raise SystemExit(f"epilogue_variants: unknown variant {v!r} (known: {', '.join(VARIANTS)})")
         run = subprocess.run([sys.executable, __file__, "--child", v, "--layers", str(opts.layers),
                               "--batch", str(opts.batch)] + (["--graph"] if opts.graph else []),
