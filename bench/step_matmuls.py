@@ -47,6 +47,7 @@ if str(REPO) not in sys.path:
 
 SHAPES_JSON = Path(__file__).resolve().parent / "gpt2_matmul_shapes.json"
 GPT2 = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+MLP46M = dict(vocab_size=50304, block_size=1024, n_layer=6, n_embd=384)  # the Nova paper's MLP LM (no n_head)
 BATCHES = (8, 32)
 PRECISIONS = ("bf16", "tf32")
 REGENERATE = "python bench/step_matmuls.py"  # writes SHAPES_JSON
@@ -264,14 +265,19 @@ def distinct(launches: list[dict]) -> list[dict]:
 
 def compile_step(model_config: dict, batch: int, precision: str, device=None):
     """pipeline.run of the model's AdamW step (step cache off) for ``device`` (a
-    DeviceSpec, default the H200); returns the Compilation."""
+    DeviceSpec, default the H200); returns the Compilation. A config without
+    ``n_head`` is an MLP LM's (``nova.models.MLPLM``), one with it a GPT's."""
     from nova import pipeline
-    from nova.models import GPT, GPTConfig
+    from nova.models import GPT, MLPLM, GPTConfig, MLPLMConfig
     from nova.schedule.devices import DEVICES
 
     torch.manual_seed(0)
-    cfg = GPTConfig(**model_config)
-    model = GPT(cfg)
+    if "n_head" in model_config:
+        cfg = GPTConfig(**model_config)
+        model = GPT(cfg)
+    else:
+        cfg = MLPLMConfig(**model_config)
+        model = MLPLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size))
     c = pipeline.Compilation(model, (x, x), opt, precision, torch.float32)
@@ -300,18 +306,23 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=SHAPES_JSON)
     ap.add_argument("--batch", default=",".join(map(str, BATCHES)))
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
-    ap.add_argument("--layers", type=int, default=GPT2["n_layer"])
+    ap.add_argument("--layers", type=int, default=None, help="default: the model's (12 for gpt2, 6 for mlp46m)")
+    ap.add_argument("--model", choices=("gpt2", "mlp46m"), default="gpt2",
+                    help="gpt2: GPT-2 124M; mlp46m: the Nova paper's MLP LM (issue 9's third target)")
     opts = ap.parse_args(argv)
     os.environ["NOVA_STEP_CACHE"] = "0"
-    model = dict(GPT2, n_layer=opts.layers)
+    base = GPT2 if opts.model == "gpt2" else MLP46M
+    model = dict(base, n_layer=opts.layers or base["n_layer"])
     steps = []
     for p in opts.precisions.split(","):
         for b in (int(x) for x in opts.batch.split(",")):
             steps.append(extract(model, b, p))
             print(f"{p} batch {b}: {steps[-1]['launches']} matmul launches, {len(steps[-1]['shapes'])} distinct "
                   f"({steps[-1]['compile_seconds']} s)", flush=True)  # fmt: skip
-    doc = {"model": "GPT-2 124M" if model == GPT2 else "GPT", "config": model, "optimizer": "AdamW",
-           "device": "H200", "regenerate": REGENERATE, "steps": steps}
+    name = {"gpt2": "GPT-2 124M", "mlp46m": "MLP LM 46M"}[opts.model] if model == base else opts.model
+    doc = {"model": name, "config": model, "optimizer": "AdamW",
+           "device": "H200", "regenerate": " ".join(["python bench/step_matmuls.py", *(argv if argv is not None else sys.argv[1:])]),
+           "steps": steps}
     opts.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {opts.out}")
     return 0

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|profile|gaps|ws|ws-epi|adamw|warm|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -56,6 +56,20 @@ if [[ $what == warm ]]; then  # the warm compile in a second process, GPT-2 124M
   for b in 8 32; do
     timeout 280 python3 scripts/warm_compile.py --device cuda --batch $b --out "$OUT" "$@" 2>&1 | tee "$OUT/warm_compile_b$b.log" | tail -80
   done
+fi
+if [[ $what == tf32 ]]; then  # the tf32 steps' matmuls: cuBLAS, as run, operands pre-rounded, truncating; the 46M step's profile
+  shift
+  timeout 330 python3 scripts/tf32_variants.py --shapes-file bench/mlp46m_matmul_shapes.json \
+    --shapes-file bench/gpt2_tf32_b16_matmul_shapes.json --out "$OUT" "$@" 2>&1 | tee "$OUT/tf32_variants.log" | tail -40
+  timeout 200 python3 scripts/kernel_profile.py --model mlp46m --precision tf32 --batch 8 --out "$OUT" 2>&1 \
+    | tee "$OUT/kernel_profile.log" | head -40
+fi
+if [[ $what == tf32-search ]]; then  # nova bench matmul's search on the tf32 steps' launches (46M b8, GPT-2 b16)
+  shift
+  timeout 250 python3 -m nova.cli.main bench matmul --shapes gpt2 --shapes-file bench/mlp46m_matmul_shapes.json \
+    --batch 8 --precisions tf32 --search-budget 24 --out "$OUT/mlp46m" "$@" 2>&1 | tail -30
+  timeout 300 python3 -m nova.cli.main bench matmul --shapes gpt2 --shapes-file bench/gpt2_tf32_b16_matmul_shapes.json \
+    --batch 16 --precisions tf32 --search-budget 24 --out "$OUT/gpt2_b16" "$@" 2>&1 | tail -30
 fi
 if [[ $what == bench ]]; then
   shift
