@@ -237,6 +237,18 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _compile_summary(report: dict) -> str:
+    """One line of ``Step.compile_report``: the pipeline, its three slowest stages, the
+    lowering and the kernels compiled ahead."""
+    slow = sorted(report["stages"].items(), key=lambda kv: -kv[1])[:3]
+    ahead = report["ahead"]
+    text = (f"pipeline {report['pipeline']:.1f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in slow) + f"), lower "
+            f"{report['lower']:.1f} s, step cache {report['cache']}")
+    if ahead:
+        text += f", {ahead['kernels']} kernels compiled ahead on {ahead['threads']} threads in {ahead['seconds']:.1f} s"
+    return text
+
+
 def _first_step_s(engine, cfg, state, device, batches, dry_run) -> tuple[float, float]:
     """A fresh copy compiled again in this process: (seconds of its first step, its loss)."""
     if engine == "torch.compile":
@@ -295,6 +307,9 @@ def measure(engine: str, cfg: dict, state: dict, device: torch.device, batches: 
             if i == 0:
                 row["first_step_s"] = time.perf_counter() - t0
                 log(f"  {engine}: first step {row['first_step_s']:.2f} s")
+                if engine == "nova":  # where the cold compile went: stages, lowering, kernels compiled ahead
+                    row["compile_report"] = step.compile_report
+                    log(f"  nova: compile report {_compile_summary(step.compile_report)}")
         if cuda:
             peak_before = torch.cuda.max_memory_allocated(device)  # compile and warm-up
             torch.cuda.reset_peak_memory_stats(device)  # the timed window's own peak, below

@@ -41,6 +41,7 @@ import operator
 import os
 import signal
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -399,10 +400,12 @@ class CompiledStep:
                     from nova.backends.triton import TritonProgram
                     from nova.runtime.executable import Executable
 
+                    t0 = time.perf_counter()
                     prog.kernels = TritonProgram(prog.fn, self.precision)
                     c.memory.scratch_bytes, c.memory.scratch_what = prog.kernels.scratch(c.memory.scratch_at)
                     device = next(self.model.parameters()).device
                     prog.executable = Executable(prog.kernels, c.memory, device, cuda_graph=self.cuda_graph)
+                    c.times["lower"] = time.perf_counter() - t0  # the kernel sources and the launch list
             self._programs[key] = prog
             while len(self._programs) > SETTINGS.program_cache_size:
                 old, _ = self._programs.popitem(last=False)
@@ -918,6 +921,22 @@ class CompiledStep:
         if self._last is None or self._last.executable is None:
             return "reference" if self.backend == "reference" else "not run yet"
         return self._last.executable.mode
+
+    @property
+    def compile_report(self) -> dict:
+        """Where the last-used program's compile went, in seconds: ``stages`` (each
+        pipeline stage, and the step cache's lookup, restore or store), ``pipeline``
+        (their sum), ``lower`` (kernel sources and launch list), ``ahead`` (the kernels
+        compiled on the thread pool before the first run: ``kernels``, ``threads``,
+        ``seconds``; empty before the first run or where there was no walk) and
+        ``cache`` (the step cache's status)."""
+        if self._last is None:
+            raise RuntimeError("compile_report needs one call of the step first (the batch shapes select the program)")
+        c = self._last.compilation
+        stages = {k: round(v, 4) for k, v in c.times.items() if k != "lower"}
+        ahead = self._last.executable.ahead if self._last.executable is not None else None
+        return {"stages": stages, "pipeline": round(sum(stages.values()), 4), "lower": round(c.times.get("lower", 0.0), 4),
+                "ahead": dict(ahead or {}), "cache": c.cache}
 
     @property
     def num_programs(self) -> int:

@@ -52,6 +52,10 @@ def test_dry_run_through_the_cli_writes_complete_results(tmp_path):
     eager, nova_row = doc["rows"]
     assert eager["compile_s"] is None and eager["max_rel_loss_diff"] == 0.0
     assert nova_row["compile_s"] > 0 and nova_row["compile_warm_s"] > 0
+    # where the cold compile went: every pipeline stage timed, within the first step's time
+    rep = nova_row["compile_report"]
+    assert {"capture", "autodiff", "plan_memory"} <= set(rep["stages"]) and rep["cache"] in {"off", "miss"}  # never a hit
+    assert 0 < rep["pipeline"] <= nova_row["first_step_s"] and rep["ahead"] == {}  # no walk on the CPU
     # same weights, same batches: fp32 Nova follows eager step for step (a different batch
     # or weight copy would differ by ~1e-2); the warm copy's first step is step 0 again
     assert nova_row["max_rel_loss_diff"] < 1e-5
