@@ -148,6 +148,14 @@ def _remat(c: Compilation) -> None:
     c.remat = remat(c.module, c.memory_budget)
 
 
+def _tf32_operands(c: Compilation) -> None:
+    if c.device is None:
+        return  # the reference target's matmuls are torch's (tf32 rounding on CUDA, fp32 on the CPU)
+    from nova.transforms.tf32_operands import tf32_operands
+
+    tf32_operands(c.module, c.precision)
+
+
 def _fuse(c: Compilation) -> None:
     from nova.transforms.fuse import fuse
 
@@ -195,6 +203,7 @@ STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
     ("simplify", _simplify),
     ("loss_grad", _loss_grad),
     ("remat", _remat),
+    ("tf32_operands", _tf32_operands),
     ("fuse", _fuse),
     ("configure", _configure),
     ("plan_memory", _plan_memory),

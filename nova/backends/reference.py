@@ -80,6 +80,15 @@ def _gelu(op, xs):
     return [F.gelu(xs[0], approximate=op.props()["approximate"])]
 
 
+@impl(nv.RoundTf32Op)
+def _round_tf32(op, xs):
+    # TF32_RN of nova.codegen.triton.matmul on the bits (round to nearest, ties to even)
+    bits = xs[0].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits)
+    return [bits.to(torch.int32).view(torch.float32).view_as(xs[0])]
+
+
 @impl(nv.GeluBackwardOp)
 def _gelu_bwd(op, xs):
     return [torch.ops.aten.gelu_backward(xs[0], xs[1], approximate=op.props()["approximate"])]

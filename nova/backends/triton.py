@@ -102,6 +102,9 @@ def _matmul_run(op: Operation, precision: str, copy: Callable[[torch.Tensor], to
     batch = out_shape[:-2]
     # f32 operands follow the step's policy; 16-bit operands are used as they are
     prec = STEP_MATMUL_PRECISION[precision]
+    # operands their producer stored rounded to tf32 (the tf32_operands stage): not rounded again
+    outer = [group.operands[group.body.block.args.index(v)] for v in op.operands] if group is not None else op.operands
+    pre = tuple(x for x, v in zip("ab", outer) if nv.tf32_rounded(v)) if prec == "tf32-rn" else ()
 
     def flat3(t: torch.Tensor) -> torch.Tensor:
         if t.dim() == 2:
@@ -127,7 +130,7 @@ def _matmul_run(op: Operation, precision: str, copy: Callable[[torch.Tensor], to
             if batch:
                 a, b = flat3(a), flat3(b)
             return mm.matmul_epilogue(a, b, ep, [xs[k] for k in picked], out_dtype, cfg=cfg, precision=prec,
-                                      outs=outs, record=used)  # fmt: skip
+                                      outs=outs, record=used, prerounded=pre)  # fmt: skip
 
         return run_group
 
@@ -138,7 +141,7 @@ def _matmul_run(op: Operation, precision: str, copy: Callable[[torch.Tensor], to
         out = None
         if outs is not None:
             out = outs[0].view(-1, *out_shape[-2:]) if batch else outs[0]
-        y = mm.matmul(a, b, cfg=cfg, precision=prec, out_dtype=out_dtype, record=used, out=out)
+        y = mm.matmul(a, b, cfg=cfg, precision=prec, out_dtype=out_dtype, record=used, out=out, prerounded=pre)
         return [y.view(out_shape)] if outs is None else outs
 
     return run

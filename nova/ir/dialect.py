@@ -29,7 +29,7 @@ from xdsl.dialects.builtin import (
     i1,
     i64,
 )
-from xdsl.ir import Attribute, BlockArgument, Dialect, Operation
+from xdsl.ir import Attribute, BlockArgument, Dialect, Operation, OpResult, SSAValue
 from xdsl.irdl import (
     IRDLOperation,
     ParametrizedAttribute,
@@ -405,6 +405,24 @@ class GeluOp(UnaryOp):
     def infer(cls, in_types, props, hint):
         _check_approximate(cls.name, props)
         return UnaryOp.infer.__func__(cls, in_types, props, hint)
+
+
+@irdl_op_definition
+class RoundTf32Op(UnaryOp):
+    """An f32 value rounded to the nearest tf32 value (10 mantissa bits, ties to even;
+    inf and NaN stay): what a tf32 contraction does to each operand before its
+    products. The ``tf32_operands`` stage puts it where a value's every reader is
+    such a contraction, so the value's producer stores it rounded and the
+    contractions take it as it is (rounding twice gives the same bits)."""
+
+    name = "nova.round_tf32"
+
+    @classmethod
+    def infer(cls, in_types, props, hint):
+        (x,) = in_types
+        if elem_of(x) != f32:
+            raise VerifyException(f"{cls.name}: rounds f32 values to tf32, got {elem_of(x)}")
+        return [x]
 
 
 @irdl_op_definition
@@ -1325,6 +1343,21 @@ def column_sum(op: Operation) -> bool:
     return tuple(p["dims"]) == tuple(range(len(shape_of(x)) - 1)) and not p["keepdim"]
 
 
+def tf32_rounded(value: SSAValue) -> bool:
+    """Whether ``value`` (through layout views) is a ``nova.round_tf32`` result, or a
+    group's result that one computes: its bits are tf32 values already (the
+    tf32_operands stage), so a tf32 matmul need not round it."""
+    while isinstance(value, OpResult) and isinstance(value.op, (TransposeOp, BroadcastToOp, SliceOp, ReshapeOp)):
+        value = value.op.operands[0]
+    if not isinstance(value, OpResult):
+        return False
+    op = value.op
+    if isinstance(op, FusedOp):
+        inner = op.body.block.last_op.operands[value.index]  # the yield's value
+        return isinstance(inner, OpResult) and isinstance(inner.op, RoundTf32Op)
+    return isinstance(op, RoundTf32Op)
+
+
 @irdl_op_definition
 class FusedOp(NovaOp):
     """A group of ops that runs as one kernel. Operands: the group's inputs from
@@ -1576,7 +1609,7 @@ NOVA_OPS: list[type[NovaOp]] = [
     AddOp, SubOp, MulOp, DivOp, MaximumOp, PowOp,
     EqOp, NeOp, LtOp, LeOp, GtOp, GeOp, WhereOp,
     NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, TanhOp, SigmoidOp, ReluOp, CosOp, SinOp, AbsOp,
-    GeluOp, GeluBackwardOp, CastOp, FullOp, ArangeOp, DropoutMaskOp, StopGradientOp,
+    GeluOp, GeluBackwardOp, RoundTf32Op, CastOp, FullOp, ArangeOp, DropoutMaskOp, StopGradientOp,
     ReshapeOp, TransposeOp, BroadcastToOp, SliceOp, PadOp, CatOp,
     ReduceSumOp, ReduceMaxOp, CumsumOp, MatmulOp,
     SoftmaxOp, LogSoftmaxOp, SoftmaxBackwardOp, LogSoftmaxBackwardOp,

@@ -650,6 +650,10 @@ _UNARY: dict[type, Callable[[Sequence[str], str, str], str]] = {
     nv.CosOp: lambda a, y, ct: f"{y} = tl.cos({a[0]})",
     nv.SinOp: lambda a, y, ct: f"{y} = tl.sin({a[0]})",
     nv.AbsOp: lambda a, y, ct: f"{y} = tl.abs({a[0]})",
+    # matmul.TF32_RN in one expression: add half a tf32 ulp and the lowest kept bit, clear 13 bits
+    nv.RoundTf32Op: lambda a, y, ct: (
+        f"{y} = (({a[0]}.to(tl.uint32, bitcast=True) + 0xFFF + (({a[0]}.to(tl.uint32, bitcast=True) >> 13) & 1))"
+        f" & 0xFFFFE000).to(tl.float32, bitcast=True)"),
 }  # fmt: skip
 # integer arithmetic (position ids, index math): i64 in, i64 out, wrapping like torch
 _INTEGER_BINARY: dict[type, str] = {nv.AddOp: "+", nv.SubOp: "-", nv.MulOp: "*"}

@@ -1451,6 +1451,7 @@ def matmul_epilogue(
     *,
     num_programs: int | None = None,
     record: dict[str, str] | None = None,
+    prerounded: tuple[str, ...] = (),
 ) -> list[torch.Tensor]:
     """``a @ b`` (as ``matmul``, its fp32 accumulator then rounded as a C of
     ``out_dtype`` would be only where the epilogue says so) with ``epilogue``
@@ -1460,9 +1461,9 @@ def matmul_epilogue(
     shape, contiguous: each element is read by the lane that writes it, before it
     writes it); it may not overlap ``a`` or ``b`` or another output. ``out_dtype``
     is the matmul's result dtype (what the configurator plans the tile for).
-    Returns the outputs."""
+    ``prerounded`` as for ``matmul``. Returns the outputs."""
     return _run(a, b, None, cfg, precision, None, out_dtype, num_programs, warmup=False, record=record,
-                epilogue=(epilogue, list(inputs), outs))
+                epilogue=(epilogue, list(inputs), outs), prerounded=prerounded)
 
 
 def precompile(

@@ -1,0 +1,111 @@
+"""The tf32_operands stage: matmul operands stored already rounded to tf32 by their producer.
+
+Under the tf32 policy every f32 matmul rounds each operand to the nearest tf32 value
+before its products, as cuBLAS does (``nova.codegen.triton.matmul``, precision
+``tf32-rn``): in registers after each tile's load, or through a staging copy that
+rounds while it makes the operand K-major. Rounding in the K loop costs instruction
+issue beside the tensor cores. Measured on the H200 (``scripts/tf32_variants.py``,
+``bench/results/runs/tf32_variants_d7039cd.json``, each launch of the step with its
+own config): the matmuls of the 46M MLP LM's step at batch 8 take 6.34 ms as they
+run, 5.85 ms with A already rounded, against cuBLAS's 5.02; GPT-2 124M's at batch
+16, 49.7 / 44.7 / 41.9 ms.
+
+Rounding is idempotent: a value rounded once gives the same bits to a matmul that
+would round it again. So where every reader of a value is a tf32 matmul (through
+layout views), the value may be stored rounded instead, and the matmuls take it as
+it is. This stage, for the Triton target under the tf32 policy, puts a
+``nova.round_tf32`` after the producer of each such value and has the readers read
+its result. ``nova.round_tf32`` is an elementwise op: the fuse stage then places it
+into its producer's kernel by category, as any elementwise epilogue (a LayerNorm's
+output, a matmul's GELU epilogue, GELU's backward with its bias-gradient sum), so
+no kernel and no pass over memory is added; the producer writes the rounded values
+instead of the raw ones. The Triton backend passes the matmul ``prerounded`` for an
+operand whose value comes from a ``nova.round_tf32`` (``nv.tf32_rounded``).
+
+Rule: a result ``v`` (f32, not a view) of an op whose kernel takes an elementwise
+epilogue on it: an elementwise op, a contraction with an epilogue (``EPILOGUE``), or
+the first result of a row-wise reduction with an epilogue (a LayerNorm's output);
+every use of ``v``, through chains of reshape, transpose, slice and broadcast_to, is
+an operand of a ``nova.matmul`` whose operands are f32, but for column sums of ``v``
+itself (``nv.column_sum``: the bias gradient beside GELU's backward, which the fuse
+stage adds up in the same kernel from the raw values, so the rounded values are the
+only ones stored; the sum's reader keeps ``v``). A value also read by
+anything else (the residual gradient the next layer adds to, an attention output its
+backward reads, a weight the optimizer updates, a returned value) keeps its raw
+bits. Results: the same bits as without the stage on the Triton backend (the
+matmuls saw rounded operands before); the reference executor computes
+``nova.round_tf32`` as written, so its tf32 matmuls also see the rounded values.
+"""
+
+from __future__ import annotations
+
+from xdsl.dialects.builtin import ModuleOp, f32
+from xdsl.ir import OpResult, SSAValue
+
+from nova.ir import dialect as nv
+from nova.ir.builder import OpBuilder
+from nova.ir.module import step_func
+from nova.ir.types import elem_of
+
+VIEWS = (nv.TransposeOp, nv.BroadcastToOp, nv.SliceOp, nv.ReshapeOp)
+
+
+def _readers(v: SSAValue) -> list[tuple]:
+    """Every (op, operand index) reading ``v``, through view chains."""
+    out = []
+    for use in v.uses:
+        if isinstance(use.operation, VIEWS):
+            out += _readers(use.operation.results[0])
+        else:
+            out.append((use.operation, use.index))
+    return out
+
+
+def _takes_epilogue(v: OpResult) -> bool:
+    """Whether ``v``'s producer computes elementwise ops on ``v`` in its own kernel."""
+    op = v.op
+    if not isinstance(op, nv.NovaOp) or isinstance(op, VIEWS) or isinstance(op, nv.RoundTf32Op):
+        return False
+    if op.CATEGORY == "elementwise":
+        return len(op.results) == 1
+    if op.CATEGORY == "contraction":
+        return op.EPILOGUE and len(op.results) == 1
+    if op.CATEGORY == "reduction":
+        return op.EPILOGUE and v.index == 0
+    return False
+
+
+def _only_matmuls(v: SSAValue) -> bool:
+    """Every reader of ``v`` is an f32 matmul, or a column sum of ``v`` itself (a bias
+    gradient: the fuse stage adds it up in ``v``'s producer's kernel, from the raw
+    values, before the rounded ones are stored); at least one matmul."""
+    readers = _readers(v)
+    matmuls = [op for op, _ in readers if isinstance(op, nv.MatmulOp)]
+    sums = [op for op, _ in readers if nv.column_sum(op) and op.operands[0] is v]
+    return (bool(matmuls) and len(matmuls) + len(sums) == len(readers)
+            and all(elem_of(x.type) == f32 for op in matmuls for x in op.operands))
+
+
+def tf32_operands(module: ModuleOp, precision: str) -> int:
+    """Rounds at the producer every value only tf32 matmuls read (the module
+    docstring's rule), under ``precision == "tf32"``; returns how many."""
+    if precision != "tf32":
+        return 0
+    block = step_func(module).body.block
+    done = 0
+    for op in list(block.ops):
+        for v in op.results:
+            if elem_of(v.type) != f32 or not _takes_epilogue(v) or not _only_matmuls(v):
+                continue
+            b = OpBuilder(block, before=op.next_op)
+            b.location = op.attributes["nova.loc"].data if "nova.loc" in op.attributes else None
+            r = b.one(nv.RoundTf32Op, [v])
+            if "nova.remat" in op.attributes:  # a recompute's rounding is part of the recompute
+                r.owner.attributes["nova.remat"] = op.attributes["nova.remat"]
+            # the matmuls (and their views) read the rounded value; a column sum keeps the raw one
+            v.replace_uses_with_if(r, lambda use, r=r: use.operation is not r.owner and not nv.column_sum(use.operation))
+            done += 1
+    return done
+
+
+__all__ = ["tf32_operands"]

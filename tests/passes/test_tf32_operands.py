@@ -1,0 +1,193 @@
+"""tf32_operands: a value only tf32 matmuls read is stored rounded by its producer.
+
+IR first (compiled for the H200 under tf32: where ``nova.round_tf32`` goes, where it
+does not, and that the fuse stage puts every one into its producer's kernel with the
+raw value no output), then the reference executor's rounding against the matmul
+template's, then whole Triton steps in the interpreter with and without the stage,
+bit for bit."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nova
+from nova import pipeline
+from nova.backends.reference import run_function
+from nova.codegen.triton.matmul import round_to_tf32
+from nova.ir import dialect as nv
+from nova.ir.module import step_func
+from nova.models import GPT, MLPLM, GPTConfig, MLPLMConfig
+from nova.schedule.devices import DEVICES
+from nova.transforms.tf32_operands import VIEWS, tf32_operands
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return MLPLM(MLPLMConfig(vocab_size=64, block_size=8, n_layer=2, n_embd=32, hidden=64))
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32, attention="manual"))
+
+
+class Residual(nn.Module):
+    """h = fc1(ln(x)) is read by fc2 and by the residual add; ln(x) only by fc1."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        h = self.fc1(self.ln(x))
+        return F.mse_loss(self.fc2(h) + h, y)
+
+
+def _compile(model, batch, precision="tf32", device="H200", stop_after=None):
+    c = pipeline.Compilation(model, batch, torch.optim.SGD(model.parameters(), lr=0.1), precision, torch.float32)
+    c.device = DEVICES[device] if device else None
+    saved = pipeline.SETTINGS
+    pipeline.SETTINGS = dataclasses.replace(saved, step_cache=False)
+    try:
+        if stop_after is None:
+            return pipeline.run(c)
+        for name, stage in pipeline.STAGES:
+            stage(c)
+            if name == stop_after:
+                return c
+    finally:
+        pipeline.SETTINGS = saved
+
+
+def _tokens():
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    return x, x.roll(1, 1)
+
+
+def _readers(v):
+    out = []
+    for u in v.uses:
+        out += _readers(u.operation.results[0]) if isinstance(u.operation, VIEWS) else [u.operation]
+    return out
+
+
+def test_values_only_tf32_matmuls_read_are_rounded_where_they_are_made():
+    c = _compile(_mlp(), _tokens(), stop_after="tf32_operands")
+    block = step_func(c.module).body.block
+    rounds = [o for o in block.ops if isinstance(o, nv.RoundTf32Op)]
+    # per layer: the LayerNorm's output, the GELU output (fc2's A), GELU's backward (dX1's, dW1's A);
+    # the head's LayerNorm output feeds the fused LM head (not a nova.matmul): raw
+    assert len(rounds) == 2 * 3
+    for r in rounds:
+        raw = r.operands[0]
+        assert r.prev_op is raw.owner  # right after its producer
+        assert all(nv.column_sum(u.operation) for u in raw.uses if u.operation is not r)  # a bias gradient's sum
+        assert _readers(r.results[0]) and all(isinstance(o, nv.MatmulOp) for o in _readers(r.results[0]))
+    assert {type(r.operands[0].owner) for r in rounds} == {nv.LayerNormOp, nv.GeluOp, nv.GeluBackwardOp}
+
+
+def test_a_value_read_by_anything_but_a_matmul_keeps_its_bits():
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    c = _compile(Residual(), (x, y), stop_after="tf32_operands")
+    ops = list(step_func(c.module).body.block.ops)
+    rounds = [o for o in ops if isinstance(o, nv.RoundTf32Op)]
+    # ln(x) (fc1 and fc1's weight gradient read it) and dh = dy W2 + dy (fc1's backward matmuls and
+    # its bias gradient's sum); fc1's output h, which fc2 and the residual add read, stays raw
+    assert [type(r.operands[0].owner) for r in rounds] == [nv.LayerNormOp, nv.AddOp]
+    assert rounds[0].operands[0].owner in ops[: ops.index(rounds[1])] and all(
+        isinstance(o, nv.MatmulOp) for r in rounds for o in _readers(r.results[0]))
+    # h: the forward value both a matmul and an add read (through views)
+    shared = [o.results[0] for o in ops if o.results and {type(r) for r in _readers(o.results[0])} >= {nv.MatmulOp, nv.AddOp}]
+    assert shared and not any(isinstance(r, nv.RoundTf32Op) for v in shared for r in _readers(v))
+
+
+@pytest.mark.parametrize("precision,device", [("fp32", "H200"), ("bf16", "H200"), ("tf32", None)])
+def test_no_rounding_but_tf32_on_the_triton_target(precision, device):
+    c = _compile(_mlp(), _tokens(), precision=precision, device=device)
+    assert not any(isinstance(o, nv.RoundTf32Op) for o in step_func(c.module).walk())
+    assert tf32_operands(c.module, precision if device else "fp32") == 0
+
+
+@pytest.mark.parametrize("make", [_mlp, _gpt])
+def test_fuse_puts_every_rounding_into_its_producers_kernel(make):
+    """No rounding is a kernel of its own, none stores the raw value beside the
+    rounded one, the plan's peak is the same as without the stage, and the matmuls
+    reading them take them as prerounded (``nv.tf32_rounded``)."""
+    c = _compile(make(), _tokens())
+    ops = list(step_func(c.module).body.block.ops)
+    assert not any(isinstance(o, nv.RoundTf32Op) for o in ops)
+    inside = 0
+    for g in (o for o in ops if isinstance(o, nv.FusedOp)):
+        yielded = list(g.body.block.last_op.operands)
+        for r in (i for i in g.inner_ops() if isinstance(i, nv.RoundTf32Op)):
+            inside += 1
+            assert r.operands[0] not in yielded and r.results[0] in yielded
+    assert inside > 0
+    heads = [o if isinstance(o, nv.MatmulOp) else o.contraction() for o in ops
+             if isinstance(o, nv.MatmulOp) or isinstance(o, nv.FusedOp) and o.contraction() is not None]
+    taken = 0
+    for o, m in zip([o for o in ops if isinstance(o, nv.MatmulOp) or isinstance(o, nv.FusedOp) and o.contraction()], heads):
+        outer = m.operands if o is m else [o.operands[o.body.block.args.index(v)] for v in m.operands]
+        taken += sum(nv.tf32_rounded(v) for v in outer)
+    assert taken >= inside
+    saved = list(pipeline.STAGES)
+    try:
+        pipeline.STAGES[:] = [s for s in saved if s[0] != "tf32_operands"]
+        plain = _compile(make(), _tokens())
+    finally:
+        pipeline.STAGES[:] = saved
+    assert c.memory.peak_bytes == plain.memory.peak_bytes
+
+
+def test_the_reference_rounds_as_the_matmul_template_does():
+    from nova.ir.builder import OpBuilder
+    from nova.ir.module import Slot, new_step, set_results
+    from nova.ir.types import tensor
+    from xdsl.dialects.builtin import f32
+
+    x = torch.randn(4096) * torch.logspace(-30, 30, 4096)
+    bits = torch.tensor([0x3F801000, 0x3F803000, 0x3F800FFF, 0x7F7FFFFF, 0x00001FFF], dtype=torch.int32)
+    x = torch.cat([x, bits.view(torch.float32), torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0])])
+    module, fn = new_step([Slot("batch", "x", tensor([x.numel()], f32))])
+    b = OpBuilder(fn.body.block)
+    set_results(fn, [("loss", "y", b.one(nv.RoundTf32Op, [fn.body.block.args[0]]))])
+    (y,) = run_function(fn, [x])
+    want = round_to_tf32(x)
+    assert torch.equal(y.view(torch.int32)[:-3], want.view(torch.int32)[:-3])
+    assert torch.isnan(y[-3]) and torch.equal(y[-2:].view(torch.int32), x[-2:].view(torch.int32))
+    # 1 + half a tf32 ulp ties down to 1 (even), 1 + 1.5 ulp up to 1 + 2 ulp; just below half: down
+    assert (y[-10].item(), y[-9].item(), y[-8].item()) == (1.0, 1 + 2**-9, 1.0)
+    assert not torch.equal(y[:-3], x[:-3]) and torch.equal(round_to_tf32(y).view(torch.int32), y.view(torch.int32))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's steps: the GPU runs tests/gpu")
+@pytest.mark.parametrize("make", [_mlp, _gpt])
+def test_triton_steps_with_and_without_the_stage_are_bit_identical(make):
+    """The matmuls saw rounded operands before (rounded in the kernel or staged);
+    now the producer rounds and the matmul reads them as they are: the same bits."""
+    runs = []
+    for with_stage in (True, False):
+        model = make()
+        saved = list(pipeline.STAGES)
+        try:
+            if not with_stage:
+                pipeline.STAGES[:] = [s for s in saved if s[0] != "tf32_operands"]
+            step = nova.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), precision="tf32",
+                                backend="triton")
+            g = torch.Generator().manual_seed(3)
+            losses = []
+            for _ in range(2):
+                x = torch.randint(0, 64, (2, 8), generator=g)
+                losses.append(step(x, x.roll(1, 1)).item())
+        finally:
+            pipeline.STAGES[:] = saved
+        runs.append((losses, [p.detach().clone() for p in model.parameters()], step.kernel_sources()))
+    (l1, p1, s1), (l2, p2, _) = runs
+    assert l1 == l2 and all(torch.equal(a, b) for a, b in zip(p1, p2))
+    assert any("prerounded" in s or "rounded to tf32 before the kernel" in s for s in s1.values())
