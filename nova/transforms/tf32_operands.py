@@ -26,7 +26,9 @@ Rule: a result ``v`` (f32, not a view) of an op whose kernel takes an elementwis
 epilogue on it: an elementwise op, a contraction with an epilogue (``EPILOGUE``), or
 the first result of a row-wise reduction with an epilogue (a LayerNorm's output);
 every use of ``v``, through chains of reshape, transpose, slice and broadcast_to, is
-an operand of a ``nova.matmul`` whose operands are f32, but for column sums of ``v``
+an operand of a ``nova.matmul`` whose operands are f32, or the h of the fused LM head
+(``nova.linear_cross_entropy*``, f32 h and w: each chunk's logits h @ w^T and weight
+gradient d^T @ h are tf32 matmuls, ``linear_ce.py``), but for column sums of ``v``
 itself (``nv.column_sum``: the bias gradient beside GELU's backward, which the fuse
 stage adds up in the same kernel from the raw values, so the rounded values are the
 only ones stored; the sum's reader keeps ``v``). A value also read by
@@ -75,15 +77,35 @@ def _takes_epilogue(v: OpResult) -> bool:
     return False
 
 
+# the fused LM head's ops: their h (the operand after the gradient, if any) is the logits'
+# A and the weight gradient's B in every chunk, both tf32 matmuls of f32 operands
+LM_HEADS = (nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp, nv.LinearCrossEntropyWithGradOp)
+
+
+def _tf32_reader(op, index: int) -> bool:
+    if isinstance(op, nv.MatmulOp):
+        return True
+    return isinstance(op, LM_HEADS) and index == (0 if isinstance(op, nv.LinearCrossEntropyOp) else 1)
+
+
+def _contracted(op) -> list[SSAValue]:
+    """The operands ``op`` contracts: a matmul's two, the LM head's h and w."""
+    if isinstance(op, nv.MatmulOp):
+        return list(op.operands)
+    g = 0 if isinstance(op, nv.LinearCrossEntropyOp) else 1
+    return list(op.operands[g : g + 2])
+
+
 def _only_matmuls(v: SSAValue) -> bool:
-    """Every reader of ``v`` is an f32 matmul, or a column sum of ``v`` itself (a bias
-    gradient: the fuse stage adds it up in ``v``'s producer's kernel, from the raw
-    values, before the rounded ones are stored); at least one matmul."""
+    """Every reader of ``v`` is an f32 matmul (or the fused LM head's h), or a column
+    sum of ``v`` itself (a bias gradient: the fuse stage adds it up in ``v``'s
+    producer's kernel, from the raw values, before the rounded ones are stored); at
+    least one matmul."""
     readers = _readers(v)
-    matmuls = [op for op, _ in readers if isinstance(op, nv.MatmulOp)]
+    matmuls = [op for op, i in readers if _tf32_reader(op, i)]
     sums = [op for op, _ in readers if nv.column_sum(op) and op.operands[0] is v]
     return (bool(matmuls) and len(matmuls) + len(sums) == len(readers)
-            and all(elem_of(x.type) == f32 for op in matmuls for x in op.operands))
+            and all(elem_of(x.type) == f32 for op in matmuls for x in _contracted(op)))
 
 
 def tf32_operands(module: ModuleOp, precision: str) -> int:

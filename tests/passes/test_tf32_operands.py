@@ -82,13 +82,15 @@ def test_values_only_tf32_matmuls_read_are_rounded_where_they_are_made():
     block = step_func(c.module).body.block
     rounds = [o for o in block.ops if isinstance(o, nv.RoundTf32Op)]
     # per layer: the LayerNorm's output, the GELU output (fc2's A), GELU's backward (dX1's, dW1's A);
-    # the head's LayerNorm output feeds the fused LM head (not a nova.matmul): raw
-    assert len(rounds) == 2 * 3
+    # and the last LayerNorm's output, the fused LM head's h (its logits' A, its weight gradient's B)
+    assert len(rounds) == 2 * 3 + 1
     for r in rounds:
         raw = r.operands[0]
         assert r.prev_op is raw.owner  # right after its producer
         assert all(nv.column_sum(u.operation) for u in raw.uses if u.operation is not r)  # a bias gradient's sum
-        assert _readers(r.results[0]) and all(isinstance(o, nv.MatmulOp) for o in _readers(r.results[0]))
+        readers = _readers(r.results[0])
+        assert readers and all(isinstance(o, (nv.MatmulOp, nv.LinearCrossEntropyWithGradOp)) for o in readers)
+    assert sum(isinstance(o, nv.LinearCrossEntropyWithGradOp) for r in rounds for o in _readers(r.results[0])) == 1
     assert {type(r.operands[0].owner) for r in rounds} == {nv.LayerNormOp, nv.GeluOp, nv.GeluBackwardOp}
 
 

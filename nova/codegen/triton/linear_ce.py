@@ -213,15 +213,17 @@ class Configs:
 
 
 def accumulate_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, precision: str, ep: mm.Epilogue | None = None,
-                    record: dict | None = None, configs: Configs | None = None) -> None:
+                    record: dict | None = None, configs: Configs | None = None,
+                    prerounded: tuple[str, ...] = ()) -> None:
     """``acc += a @ b`` (f32 ``acc``) through ``accumulate``'s epilogue, configured as the
     launcher configures ``a @ b`` (``mm.matmul(cfg=None)``) but as an epilogue kernel
     (``epilogue=True``: the configurator's rule for kernels storing through pointers);
     the same tile, BLOCK_K and split, so the same sums per tile. ``configs``: the
-    lowering's schedules (asked once per shape)."""
+    lowering's schedules (asked once per shape). ``prerounded`` as for ``mm.matmul``."""
     cfg = (configs or Configs(precision))(a, b, torch.float32, epilogue=True)
     ep = ep or accumulate(*acc.shape)
-    mm.matmul_epilogue(a, b, ep, [acc], torch.float32, cfg=cfg, precision=precision, outs=[acc], record=record)
+    mm.matmul_epilogue(a, b, ep, [acc], torch.float32, cfg=cfg, precision=precision, outs=[acc], record=record,
+                       prerounded=prerounded)
 
 
 def _matmul_scratch(M: int, N: int, K: int, dtype, out_dtype, precision: str, cfg, a_layouts, b_layouts,
@@ -323,6 +325,9 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
     d_rounded = ("a",) if preround else ()  # dh = d @ w's prerounded operand
     hoist = hoists_weight(head, prec)
     w_rounded = ("b",) if hoist else ()  # the logits' and dh's B: the weight, rounded once
+    # h stored rounded by its producer (the tf32_operands stage): the logits' A and dw's B
+    h_rounded = head == torch.float32 and prec == "tf32-rn" and nv.tf32_rounded(op.operands[g_in])
+    h_a, h_b = (("a",), ("b",)) if h_rounded else ((), ())
     src = linear_ce_source(V, ignore, ls, has_bias, logit_ty, _TL[head], block, preround)
     k = {n: load_kernel(src, n)[0] for n in ("lce_rows", "lce_rows_backward", "lce_rows_with_grad", "lce_final",
                                              "lce_scale", "lce_colsum")}  # fmt: skip
@@ -339,7 +344,7 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
 
     def logits(h, w, r0, r1, buf):
         z = buf[: r1 - r0]
-        mm.matmul(h[r0:r1], w.t(), cfg=cfg, precision=prec, out=z, record=used, prerounded=w_rounded)
+        mm.matmul(h[r0:r1], w.t(), cfg=cfg, precision=prec, out=z, record=used, prerounded=h_a + w_rounded)
         return z
 
     def rounded(w, transposed: bool):
@@ -395,9 +400,10 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
             mm.matmul(z, wd, cfg=configs(z, wd, dh.dtype), precision=prec, out=dh[r0:r1], record=used,
                       prerounded=d_rounded + w_rounded)
             if r0 == 0:  # the first chunk's product is the accumulator's first value: no zeroing
-                mm.matmul(z.t(), h[r0:r1], cfg=configs(z.t(), h[r0:r1], f32), precision=prec, out=dw_acc, record=used)
+                mm.matmul(z.t(), h[r0:r1], cfg=configs(z.t(), h[r0:r1], f32), precision=prec, out=dw_acc, record=used,
+                          prerounded=h_b)
             else:
-                accumulate_into(dw_acc, z.t(), h[r0:r1], prec, dw_add, record=used, configs=configs)
+                accumulate_into(dw_acc, z.t(), h[r0:r1], prec, dw_add, record=used, configs=configs, prerounded=h_b)
         if dw_acc is not dw:
             dw.copy_(dw_acc)  # rounded once
         if b and db_acc is not db[0]:
