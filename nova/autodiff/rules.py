@@ -496,3 +496,4 @@ def _linear_cross_entropy(b, op, cts):
 
 
 second_order(nv.LinearCrossEntropyBackwardOp, nv.LinearCrossEntropyWithGradOp)  # the latter: loss_grad, after autodiff
+second_order(nv.RoundTf32Op)  # made by the tf32_operands stage, after autodiff: never differentiated
