@@ -261,13 +261,14 @@ CASES = _cases()
 
 # Ops that are deliberately without a gradient: comparisons (boolean results),
 # constants, the dropout mask (a function of the seed only), and the adjoint
-# ops themselves (second order is not supported).
+# ops themselves (second order is not supported), and ops made after autodiff.
 NON_DIFFERENTIABLE_OPS = {
     nv.EqOp, nv.NeOp, nv.LtOp, nv.LeOp, nv.GtOp, nv.GeOp,
     nv.FullOp, nv.ArangeOp, nv.DropoutMaskOp, nv.StopGradientOp,
     nv.GeluBackwardOp, nv.SoftmaxBackwardOp, nv.LogSoftmaxBackwardOp, nv.LayerNormBackwardOp,
     nv.EmbeddingBackwardOp, nv.CrossEntropyBackwardOp, nv.AttentionBackwardOp,
     nv.LinearCrossEntropyBackwardOp, nv.LinearCrossEntropyWithGradOp, nv.CountOutOfRangeOp, nv.CountNonfiniteOp,
+    nv.RoundTf32Op,  # made after autodiff (the tf32_operands stage)
 }  # fmt: skip
 
 
