@@ -408,6 +408,7 @@ SECOND_ORDER = [
     (nv.AttentionBackwardOp, [T(1, 1, 2, 3)] * 5 + [T(1, 1, 2)], {"causal": False, "scale": 1.0}),
     (nv.LinearCrossEntropyBackwardOp, [T(), T(4, 3), T(5, 3), T(4, e=i64)], {"ignore_index": -100, "reduction": "mean"}),
     (nv.LinearCrossEntropyWithGradOp, [T(), T(4, 3), T(5, 3), T(4, e=i64)], {"ignore_index": -100, "reduction": "mean"}),
+    (nv.RoundTf32Op, [T(3, e=f32)], {}),
 ]
 
 
@@ -421,7 +422,8 @@ def test_second_order_is_a_clear_error(op_cls, types, props):
 
 def test_second_order_list_covers_every_backward_op():
     # (the merged loss-and-gradients op of the loss_grad stage is a hand-written adjoint too)
-    assert {c for c, _, _ in SECOND_ORDER} == {op for op in nv.NOVA_OPS if op.name.endswith(("_backward", "_with_grad"))}
+    assert {c for c, _, _ in SECOND_ORDER} == {op for op in nv.NOVA_OPS if op.name.endswith(("_backward", "_with_grad"))} | {
+        nv.RoundTf32Op}  # made by the tf32_operands stage, after autodiff
 
 
 @pytest.mark.parametrize("op_cls", [nv.EqOp, nv.NeOp, nv.LtOp, nv.LeOp, nv.GtOp, nv.GeOp])
