@@ -1572,7 +1572,12 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     c3 = out if out.dim() == 3 else out.unsqueeze(0)
     staged = ()
     tokens = cfg.instruction.split("+")
-    rounded = tuple(x for x in ("a", "b") if x in prerounded) if in_name == "float32" and precision == "tf32-rn" else ()
+    # a prerounded operand is taken as it is only K-contiguous (wgmma reads tf32 from shared memory
+    # K-major only): an M-major A goes through registers anyway, where its rounding stays (the 46M
+    # step's weight gradients, A = dY^T, ran 0.062 -> 0.107 ms with it skipped: tf32_stage_ab.py)
+    k_major = {"a": a3.stride(2) == 1, "b": b3.stride(1) == 1}
+    rounded = (tuple(x for x in ("a", "b") if x in prerounded and k_major[x])
+               if in_name == "float32" and precision == "tf32-rn" else ())
     # a prerounded operand already in the staged layout (one matrix, K contiguous) is read in place
     stage_a = "stage_a" in tokens and not ("a" in rounded and a3.shape[0] == 1 and a3.stride(2) == 1)
     stage_b = "stage_b" in tokens and not ("b" in rounded and b3.shape[0] == 1 and b3.stride(1) == 1)
