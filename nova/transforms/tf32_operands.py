@@ -37,6 +37,14 @@ backward reads, a weight the optimizer updates, a returned value) keeps its raw
 bits. Results: the same bits as without the stage on the Triton backend (the
 matmuls saw rounded operands before); the reference executor computes
 ``nova.round_tf32`` as written, so its tf32 matmuls also see the rounded values.
+
+In the step on the H200 (``scripts/tf32_stage_ab.py``,
+``bench/results/runs/tf32_stage_ab_010c8a0.json``, the 46M step) the stage first made
+it slower, 8.98 -> 9.41 ms of launches: the forward and epilogue matmuls gained
+(0.071 -> 0.064 ms), the split-K weight gradients, whose A is dY^T (M-major, which
+goes through registers anyway), lost (0.062 -> 0.107 ms) without their in-register
+rounding. The matmul launcher now takes a prerounded operand as it is only where it
+is K-contiguous (``matmul._run``); that form is not measured on the H200 yet.
 """
 
 from __future__ import annotations
