@@ -82,11 +82,10 @@ def _gelu(op, xs):
 
 @impl(nv.RoundTf32Op)
 def _round_tf32(op, xs):
-    # TF32_RN of nova.codegen.triton.matmul on the bits (round to nearest, ties to even)
-    bits = xs[0].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000
-    bits = torch.where(bits >= 2**31, bits - 2**32, bits)
-    return [bits.to(torch.int32).view(torch.float32).view_as(xs[0])]
+    # the matmul template's TF32_RN on the host (the op exists only in programs for the Triton target)
+    from nova.codegen.triton.matmul import round_to_tf32
+
+    return [round_to_tf32(xs[0])]
 
 
 @impl(nv.GeluBackwardOp)

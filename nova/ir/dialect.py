@@ -1347,7 +1347,7 @@ def tf32_rounded(value: SSAValue) -> bool:
     """Whether ``value`` (through layout views) is a ``nova.round_tf32`` result, or a
     group's result that one computes: its bits are tf32 values already (the
     tf32_operands stage), so a tf32 matmul need not round it."""
-    while isinstance(value, OpResult) and isinstance(value.op, (TransposeOp, BroadcastToOp, SliceOp, ReshapeOp)):
+    while isinstance(value, OpResult) and isinstance(value.op, VIEW_OPS):
         value = value.op.operands[0]
     if not isinstance(value, OpResult):
         return False
@@ -1618,6 +1618,9 @@ NOVA_OPS: list[type[NovaOp]] = [
     LinearCrossEntropyOp, LinearCrossEntropyBackwardOp, LinearCrossEntropyWithGradOp,
     CountOutOfRangeOp, CountNonfiniteOp,
 ]  # fmt: skip
+
+# the layout views: strided views of their operand in the Triton backend, no kernel
+VIEW_OPS: tuple[type[NovaOp], ...] = (TransposeOp, BroadcastToOp, SliceOp, ReshapeOp)
 
 # ops that steer autodiff only and are gone before configure (simplify removes them)
 AUTODIFF_ONLY: tuple[type[NovaOp], ...] = (StopGradientOp,)

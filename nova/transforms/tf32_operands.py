@@ -58,7 +58,7 @@ from nova.ir.builder import OpBuilder
 from nova.ir.module import step_func
 from nova.ir.types import elem_of
 
-VIEWS = (nv.TransposeOp, nv.BroadcastToOp, nv.SliceOp, nv.ReshapeOp)
+VIEWS = nv.VIEW_OPS
 
 
 def _readers(v: SSAValue) -> list[tuple]:

@@ -131,12 +131,13 @@ def test_fuse_puts_every_rounding_into_its_producers_kernel(make):
             inside += 1
             assert r.operands[0] not in yielded and r.results[0] in yielded
     assert inside > 0
-    heads = [o if isinstance(o, nv.MatmulOp) else o.contraction() for o in ops
-             if isinstance(o, nv.MatmulOp) or isinstance(o, nv.FusedOp) and o.contraction() is not None]
     taken = 0
-    for o, m in zip([o for o in ops if isinstance(o, nv.MatmulOp) or isinstance(o, nv.FusedOp) and o.contraction()], heads):
-        outer = m.operands if o is m else [o.operands[o.body.block.args.index(v)] for v in m.operands]
-        taken += sum(nv.tf32_rounded(v) for v in outer)
+    for o in ops:
+        if isinstance(o, nv.MatmulOp):
+            taken += sum(nv.tf32_rounded(v) for v in o.operands)
+        elif isinstance(o, nv.FusedOp) and o.contraction() is not None:
+            args = o.body.block.args
+            taken += sum(nv.tf32_rounded(o.operands[args.index(v)]) for v in o.contraction().operands)
     assert taken >= inside
     saved = list(pipeline.STAGES)
     try:

@@ -1579,8 +1579,8 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     rounded = (tuple(x for x in ("a", "b") if x in prerounded and k_major[x])
                if in_name == "float32" and precision == "tf32-rn" else ())
     # a prerounded operand already in the staged layout (one matrix, K contiguous) is read in place
-    stage_a = "stage_a" in tokens and not ("a" in rounded and a3.shape[0] == 1 and a3.stride(2) == 1)
-    stage_b = "stage_b" in tokens and not ("b" in rounded and b3.shape[0] == 1 and b3.stride(1) == 1)
+    stage_a = "stage_a" in tokens and not ("a" in rounded and a3.shape[0] == 1)
+    stage_b = "stage_b" in tokens and not ("b" in rounded and b3.shape[0] == 1)
     if "stage_a" in tokens or "stage_b" in tokens:
         if in_name != "float32" or precision != "tf32-rn":
             raise ValueError(
