@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|launches|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -70,6 +70,10 @@ if [[ $what == tf32-search ]]; then  # nova bench matmul's search on the tf32 st
     --batch 8 --precisions tf32 --search-budget 24 --out "$OUT/mlp46m" "$@" 2>&1 | tail -30
   timeout 300 python3 -m nova.cli.main bench matmul --shapes gpt2 --shapes-file bench/gpt2_tf32_b16_matmul_shapes.json \
     --batch 16 --precisions tf32 --search-budget 24 --out "$OUT/gpt2_b16" "$@" 2>&1 | tail -30
+fi
+if [[ $what == launches ]]; then  # every launch of a step measured (step.profile), by kind: scripts/step_launches.py [options]
+  shift
+  timeout 300 python3 scripts/step_launches.py --out "$OUT" "$@" 2>&1 | tee -a "$OUT/step_launches.log" | tail -90
 fi
 if [[ $what == bench ]]; then
   shift
