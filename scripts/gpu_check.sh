@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|launches|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|launches|lce-rows|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -74,6 +74,10 @@ fi
 if [[ $what == launches ]]; then  # every launch of a step measured (step.profile), by kind: scripts/step_launches.py [options]
   shift
   timeout 300 python3 scripts/step_launches.py --out "$OUT" "$@" 2>&1 | tee -a "$OUT/step_launches.log" | tail -90
+fi
+if [[ $what == lce-rows ]]; then  # the LM head's row kernel in its variants (scripts/lce_rows_variants.py)
+  shift
+  timeout 200 python3 scripts/lce_rows_variants.py --out "$OUT" "$@" 2>&1 | tee "$OUT/lce_rows_variants.log" | tail -30
 fi
 if [[ $what == bench ]]; then
   shift

@@ -4,13 +4,19 @@
 ``step.profile()`` twice (the first profile of a process runs cold: not kept) and
 prints the launches by measured time with their op, kind, shape, config, FLOPs, the
 cost model's prediction and the achieved TFLOP/s or GB/s, then the totals per kind
-(matmul launches with and without an epilogue apart). Writes
-``step_launches_<model>_<precision>_b<batch>.json``."""
+(a fused group by its body's ops). ``--layers N`` overrides the preset's depth;
+``--set MODULE.NAME=VALUE`` (repeatable; MODULE under ``nova.``, e.g.
+``codegen.triton.rowwise.PARTIALS_PER_SM=8``) sets a module constant before the
+compile, with the step cache off, to measure a variant; ``--tag`` names the output.
+Writes ``step_launches_<model>_<precision>_b<batch>[_<tag>].json``."""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
+import os
 import subprocess
 from collections import defaultdict
 from pathlib import Path
@@ -24,10 +30,28 @@ from nova.schedule.cost import kernel_steps
 from kernel_profile import model_config  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 
-def launches(model: str, precision: str, batch: int) -> list[dict]:
+def apply_settings(settings: list[str]) -> dict:
+    """``MODULE.NAME=VALUE`` strings set on ``nova.MODULE`` (the constant must exist)."""
+    done = {}
+    for item in settings:
+        target, _, value = item.partition("=")
+        mod, _, name = target.rpartition(".")
+        m = importlib.import_module(f"nova.{mod}")
+        if not hasattr(m, name):
+            raise SystemExit(f"--set {item}: nova.{mod} has no {name}")
+        setattr(m, name, ast.literal_eval(value))
+        done[target] = getattr(m, name)
+    return done
+
+
+def launches(model: str, precision: str, batch: int, layers: int | None = None) -> list[dict]:
+    import dataclasses
+
     from nova.models import GPT, MLPLM
 
     cfg = model_config(model)
+    if layers:
+        cfg = dataclasses.replace(cfg, n_layer=layers)
     torch.manual_seed(0)
     with torch.device("cuda"):
         net = (MLPLM if model == "mlp46m" else GPT)(cfg)
@@ -61,9 +85,21 @@ def main() -> None:
     ap.add_argument("--precision", default="bf16", choices=["bf16", "tf32", "fp32"])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
+    ap.add_argument("--tag", default="")
     ap.add_argument("--out", type=Path, default=Path("."))
     opts = ap.parse_args()
-    rows = launches(opts.model, opts.precision, opts.batch)
+    if opts.set:
+        import dataclasses
+
+        from nova import pipeline
+
+        # a cached step would carry the kernels of other settings
+        pipeline.SETTINGS = dataclasses.replace(pipeline.SETTINGS, step_cache=False)
+    settings = apply_settings(opts.set)
+    print(f"settings: {settings or 'defaults'}")
+    rows = launches(opts.model, opts.precision, opts.batch, opts.layers)
     total = sum(r["ms"] for r in rows)
     print(f"{len(rows)} launches, {total:.3f} ms measured, {sum(r['predicted_ms'] for r in rows):.3f} ms predicted")
     print("     ms  pred ms  TFLOP/s   GB/s  op / kind / shape / config")
@@ -85,9 +121,11 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = {"model": opts.model, "precision": opts.precision, "batch": opts.batch,
             "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "commit": __import__("os").environ.get("NOVA_COMMIT", commit), "total_ms": total}  # fmt: skip
+            "commit": os.environ.get("NOVA_COMMIT", commit), "total_ms": total, "layers": opts.layers,
+            "settings": {k: repr(v) for k, v in settings.items()}}  # fmt: skip
     opts.out.mkdir(parents=True, exist_ok=True)
-    path = opts.out / f"step_launches_{opts.model}_{opts.precision}_b{opts.batch}.json"
+    tag = f"_{opts.tag}" if opts.tag else ""
+    path = opts.out / f"step_launches_{opts.model}_{opts.precision}_b{opts.batch}{tag}.json"
     path.write_text(json.dumps({**meta, "launches": rows}, indent=1))
     print(f"wrote {path}")
 

@@ -191,6 +191,33 @@ def test_a_tf32_head_writes_its_logits_gradient_rounded_and_gives_the_same_bits(
     assert "tf32_rn(" not in lower_linear_cross_entropy_with_grad(merged(fwd), None, precision="fp32").source
 
 
+@pytest.mark.parametrize("variant", [(True, False), (False, True), (True, True)], ids=["reversed", "evict", "both"])
+def test_the_row_kernel_variants_give_the_same_bits(device, monkeypatch, variant):
+    """The gradient pass walking the row backwards (``GRAD_PASS_REVERSED``) and the
+    eviction hints (``KEEP_ROWS_IN_L2``) are in the source and change no bit of the
+    loss or the gradients (several column blocks a row: V 37 at block 16, a ragged last one)."""
+    from nova.codegen.triton import linear_ce
+
+    reverse, keep = variant
+    props = {"ignore_index": -100, "reduction": "mean", "chunk": 3, "label_smoothing": 0.1}
+    gen = torch.Generator().manual_seed(13)
+    xs = [x.to(device) for x in (torch.randn(N, D, generator=gen).to(torch.bfloat16),
+                                 torch.randn(V, D, generator=gen).to(torch.bfloat16),
+                                 torch.randint(0, V, (N,), generator=gen), torch.randn(V, generator=gen))]  # fmt: skip
+    g = torch.tensor(0.9, device=device)
+    fwd, _ = _ops(bf16, f32, props, f32)
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(linear_ce, "GRAD_PASS_REVERSED", reverse and on)
+        monkeypatch.setattr(linear_ce, "KEEP_ROWS_IN_L2", keep and on)
+        kernel = lower_linear_cross_entropy_with_grad(merged(fwd), None, max_block=16)
+        assert ("c0 = (2 - i) * BLOCK" in kernel.source) == (reverse and on)
+        assert ('eviction_policy="evict_last"' in kernel.source) == (keep and on)
+        outs.append(kernel.launch([g, *xs]))
+    for name, a, b in zip(("loss", "dh", "dw", "dbias"), *outs):
+        assert same_bits(a, b), name
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_tf32_head_rounds_its_weight_once_and_gives_the_same_bits(device, monkeypatch, bias):
     """An f32 head under the tf32 policy (``HOIST_WEIGHT_TF32``): the weight rounded to tf32

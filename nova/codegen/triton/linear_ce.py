@@ -65,18 +65,29 @@ PREROUND_TF32 = True
 # and written at GPT-2's size, for every chunk's logits and dh). The same bits: rounding
 # is idempotent, and the copies are the staging pass's own.
 HOIST_WEIGHT_TF32 = True
+# The row kernel reads a chunk row twice: the log-sum-exp pass, then the gradient pass.
+# At GPT-2's vocabulary a row is 100 KB (bf16), and the rows in flight (one program a
+# row, several programs an SM) exceed the 50 MB L2, so the second read can come from
+# DRAM again: 3 x 412 MB a 4096-row chunk instead of 2. Two ways to keep more of the
+# row for its second read, off until measured (scripts/lce_rows_variants.py):
+# the gradient pass walking the row backwards (the blocks read last are the likeliest
+# still cached), and eviction hints (evict_last on the first pass, evict_first on the second).
+GRAD_PASS_REVERSED = False
+KEEP_ROWS_IN_L2 = False
 
 
-def _logit(z_ptr: str, cvar: str, mask: str, other: str, has_bias: bool, logit_ty: str) -> str:
+def _logit(z_ptr: str, cvar: str, mask: str, other: str, has_bias: bool, logit_ty: str,
+           eviction: str | None = None) -> str:
     """The f32 logit at columns ``cvar``: the matmul's value, + bias rounded to the logits' type."""
-    x = f"tl.load({z_ptr} + {cvar}, mask={mask}, other={other}).to(tl.float32)"
+    ev = f", eviction_policy=\"{eviction}\"" if eviction else ""
+    x = f"tl.load({z_ptr} + {cvar}, mask={mask}, other={other}{ev}).to(tl.float32)"
     if not has_bias:
         return x
     return f"({x} + tl.load(b_ptr + {cvar}, mask={mask}, other=0.0).to(tl.float32)).to({logit_ty}).to(tl.float32)"
 
 
 def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: str, z_ty: str, block: int,
-                     preround: bool = False) -> str:
+                     preround: bool = False, grad_reversed: bool | None = None, keep_rows: bool | None = None) -> str:
     """Row kernels over a chunk's logits buffer (row stride V), a count of the rows
     that count, the final sum, the backward's scale and the bias-gradient column
     sum: ``lce_rows`` (the row losses), ``lce_rows_backward`` (d over the logits)
@@ -85,7 +96,13 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
     writes d in the bias's type to ``db_ptr``, for the column sum; otherwise the
     logits buffer holds that d. ``preround``: d is written rounded to nearest tf32
     (an f32 head under the tf32 policy, no bias: both matmuls reading d round it
-    so anyway, and take it as ``prerounded``)."""
+    so anyway, and take it as ``prerounded``). ``grad_reversed`` (default
+    ``GRAD_PASS_REVERSED``): the gradient pass walks the row's blocks last to first;
+    ``keep_rows`` (default ``KEEP_ROWS_IN_L2``): the log-sum-exp pass loads with
+    ``evict_last`` and the gradient pass with ``evict_first``. Neither changes a bit:
+    each column's d depends on its own logit and the row's statistics only."""
+    grad_reversed = GRAD_PASS_REVERSED if grad_reversed is None else grad_reversed
+    keep_rows = KEEP_ROWS_IN_L2 if keep_rows is None else keep_rows
     bias_p = ["b_ptr"] if has_bias else []
     separate_d = has_bias and logit_ty != z_ty
     lse = f"""
@@ -98,7 +115,7 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
         sx = tl.zeros((), tl.float32)
         for c0 in range(0, {V}, BLOCK):
             c = c0 + cols
-            x = {_logit("z_row", "c", f"c < {V}", _NEG_INF, has_bias, logit_ty)}
+            x = {_logit("z_row", "c", f"c < {V}", _NEG_INF, has_bias, logit_ty, "evict_last" if keep_rows else None)}
             m_new = tl.maximum(m, tl.max(x, axis=0))
             m_safe = tl.where(m_new == {_NEG_INF}, 0.0, m_new)
             s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
@@ -118,11 +135,14 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
     """
     fwd = _code(lse, row_loss)
     hit, miss = (1.0, 0.0) if not ls else (1.0 - ls + ls / V, ls / V)
+    nblocks = -(-V // block)
+    loop = (f"for i in range(0, {nblocks}):\n            c0 = ({nblocks - 1} - i) * BLOCK" if grad_reversed
+            else f"for c0 in range(0, {V}, BLOCK):")
     row_grad = f"""
         wrow = tl.where(valid, 1.0, 0.0) * tl.load(scale_ptr)
-        for c0 in range(0, {V}, BLOCK):
+        {loop}
             c = c0 + cols
-            x = {_logit("z_row", "c", f"c < {V}", "0.0", has_bias, logit_ty)}
+            x = {_logit("z_row", "c", f"c < {V}", "0.0", has_bias, logit_ty, "evict_first" if keep_rows else None)}
             d = ((tl.exp(x - lse) - tl.where(c == t, {hit!r}, {miss!r})) * wrow).to({logit_ty})
             tl.store(z_row + c, {"tf32_rn(d)" if preround else f"d.to({z_ty})"}, mask=c < {V})
             {"tl.store(db_ptr + row * " + str(V) + " + c, d, mask=c < " + str(V) + ")" if separate_d else "pass"}
