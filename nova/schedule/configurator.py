@@ -299,6 +299,12 @@ WS_TILES: dict[str, tuple[int, int, int] | None] = {"plain": (128, 256, 4), "epi
 # without epilogues, at 128x128 and 128x256, were bit-identical to the unpartitioned kernel
 # (scripts/matmul_ws.py --epilogues --tiles ..., bench/results/runs/matmul_ws_epilogues_probe_16a344e.json)
 WS_MAX_STAGES = 4
+# 8c. A split-K matmul (step 5's split) on the warp-specialized kernel: the split's own tile
+# (at least 128 rows: two computing groups of 64-row wgmmas), every (split, tile) a work item
+# of the persistent partitioned loop, the fp32 partials stored through pointers. The store's
+# layout conversion takes the tile in fp32 (BM BN x 4 bytes) beside the ring. Off until
+# measured against the unpartitioned split kernel in the step (scripts/step_launches.py --set).
+WS_SPLIT = False
 
 
 def plan_matmul(
@@ -530,17 +536,22 @@ def plan_matmul(
     if not (ws is not None and tma_path and split == 1 and batch == 1 and ea == eb == eo == 2 and path == "bf16"
             and _cdiv(M, ws[0]) * _cdiv(N, ws[1]) >= 2 * S):
         ws = None
+    split_ws = (WS_SPLIT and ws is None and split > 1 and tma_path and batch == 1 and ea == eb == 2
+                and path == "bf16" and t.bm >= 2 * WGMMA_M and not tf32_nmajor)
+    if split_ws:  # 8c: the split's tile, 4 warps a computing group, the fp32 tile's conversion beside the ring
+        ws = (t.bm, t.bn, 4)
     if ws is not None:
         w_bm, w_bn, w_warps = ws
         w_stage = (w_bm * ea + w_bn * eb) * bk
-        convert = w_bm * w_bn if epilogue else w_bm * w_bn // 2
-        w_stages = min(WS_MAX_STAGES, (smem_budget - convert) // w_stage, _cdiv(K, bk))
+        convert = w_bm * w_bn * 4 if split_ws else w_bm * w_bn if epilogue else w_bm * w_bn // 2
+        w_stages = min(WS_MAX_STAGES, (smem_budget - convert) // w_stage, _cdiv(_cdiv(K, split), bk))
         if w_stages < 2:
             ws = None
         else:
             t = dataclasses.replace(t, bm=w_bm, bn=w_bn, warps=w_warps, stage_bytes=w_stage,
                                     blocks=1, regs=_regs_per_thread(t.family, w_bm * w_bn / (2 * w_warps * 32)))
-            tiles = items = n_tiles(t)
+            tiles = n_tiles(t)
+            items = tiles * split
             persistent, num_stages = True, w_stages
 
     two_block = False

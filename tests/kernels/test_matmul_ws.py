@@ -59,7 +59,7 @@ def test_ws_kernel_with_a_bias_and_a_bf16_result(device):
     assert torch.equal(got, mm.matmul(a, b, bias, cfg=PLAIN))
 
 
-@pytest.mark.parametrize("case", ["batched", "float32", "unaligned", "split"])
+@pytest.mark.parametrize("case", ["batched", "float32", "unaligned"])
 def test_where_the_ws_kernel_cannot_run_another_kernel_does_and_says_so(case, device, caplog, monkeypatch):
     monkeypatch.setattr(nova.log, "_SEEN", set())  # (once per process: whatever ran before)
     if case == "batched":
@@ -70,17 +70,44 @@ def test_where_the_ws_kernel_cannot_run_another_kernel_does_and_says_so(case, de
     elif case == "unaligned":  # a row of 36 bf16 is 72 bytes: no TMA descriptor
         a, b = _operands(128, 36, 64, "row", "row", device)
     else:
-        a, b = _operands(128, 128, 256, "row", "row", device)
-    cfg = dataclasses.replace(WS, split_k=2) if case == "split" else WS
+        a, b = _operands(128, 36, 64, "row", "row", device)
+    cfg = WS
     rec: dict = {}
     with caplog.at_level(logging.INFO, logger="nova"):
         got = mm.matmul(a, b, cfg=cfg, out_dtype=torch.float32, precision="tf32" if case == "float32" else None,
                         record=rec)
     assert not _ran_ws(rec)
-    if case != "split":  # (a split config runs split-K, which the ws token does not change)
-        assert "warp-specialized kernel does not run here" in caplog.text
+    assert "warp-specialized kernel does not run here" in caplog.text
     ref = a.double() @ b.double()
     assert (got.double() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("M,N,K,split", [(256, 192, 384, 3), (200, 136, 200, 3), (128, 64, 96, 2)],
+                         ids=["even", "ragged", "short"])
+@pytest.mark.parametrize("la,lb", [("row", "col"), ("col", "row"), ("row", "row")])
+def test_a_split_ws_kernel_is_the_unpartitioned_split_kernel(M, N, K, split, la, lb, device):
+    """Split-K in the partitioned loop: every split the same number of whole K steps from
+    its first K, the last split's steps past K reading zero boxes, the fp32 partials summed
+    by the same reduction: bit for bit the unpartitioned persistent split kernel (a weight
+    gradient's layouts too: A M-major, B N-major), with a bias and with an epilogue."""
+    a, b = _operands(M, N, K, la, lb, device)
+    ws, plain = (dataclasses.replace(c, split_k=split) for c in (WS, PLAIN))
+    assert mm.split_k_plan(K, ws)[1] > 1
+    rec: dict = {}
+    got = mm.matmul(a, b, cfg=ws, out_dtype=torch.bfloat16, record=rec, num_programs=3)
+    assert _ran_ws(rec)
+    src = open(next(p for p in rec if "warp-specialized" in open(p).read(400))).read()
+    assert "k_tiles = K_SPLIT // BLOCK_K" in src and "k0 = pid_s * K_SPLIT" in src
+    assert torch.equal(got, mm.matmul(a, b, cfg=plain, out_dtype=torch.bfloat16, num_programs=3))
+    ref = a.double() @ b.double()
+    assert (got.double() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+    bias = torch.randn(N).to(torch.bfloat16).to(device)
+    assert torch.equal(mm.matmul(a, b, bias, cfg=ws, num_programs=3), mm.matmul(a, b, bias, cfg=plain, num_programs=3))
+    ep = mm.Epilogue(shape=(M, N), operands=(), body="y = e_tile * 0.5", stores=(("y", "f32", torch.bfloat16),),
+                     out_shapes=((M, N),))
+    (e_got,) = mm.matmul_epilogue(a, b, ep, [], torch.bfloat16, cfg=ws, num_programs=3)
+    (e_want,) = mm.matmul_epilogue(a, b, ep, [], torch.bfloat16, cfg=plain, num_programs=3)
+    assert torch.equal(e_got, e_want)
 
 
 def test_an_epilogue_runs_partitioned_and_matches_the_unpartitioned_kernel(device):

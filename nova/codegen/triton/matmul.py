@@ -446,9 +446,9 @@ def matmul_source(
     if e_tma and not fused:
         raise ValueError("matmul: epilogue outputs through descriptors are the one-pass kernel's (an epilogue, no split)")
     ws = tma is not None and tma.ws
-    if ws and (split or batched or not persistent or c_tma or e_tma or in_name == "float32"):
-        raise ValueError("matmul: the warp-specialized kernel is the persistent 2-D one-pass kernel on 16-bit "
-                         "operands, storing through pointers (no split, no batch, no C or epilogue descriptors)")
+    if ws and (serial or batched or not persistent or c_tma or e_tma or in_name == "float32"):
+        raise ValueError("matmul: the warp-specialized kernel is the persistent 2-D kernel on 16-bit operands, "
+                         "storing through pointers (no batch, no C or epilogue descriptors, split-K in two passes)")
     params = ["a_ptr", "b_ptr"] if ws or not tma else ["a_desc", "b_desc"]
     if not fused:
         params.append("c_desc" if c_tma else "c_ptr")
@@ -623,13 +623,17 @@ def matmul_source(
         # only, and the store always masked (the launch passes EVEN false). A first form, the
         # body above with its indices and masks before the K loop, the K loop from k0 and
         # unmasked stores, made an illegal memory access there (not narrowed down further)
-        kk = "ki * BLOCK_K"
+        # a split's K loop: K_SPLIT // BLOCK_K whole steps from its first K (K_SPLIT is whole
+        # BLOCK_Ks, split_k_plan), the same count for every split: the last split's steps past K
+        # read zero boxes (both operands' boxes lie past K there, so they add 0 x 0)
+        kk = "k0 + ki * BLOCK_K" if split else "ki * BLOCK_K"
+        k_first = "\n        k0 = pid_s * K_SPLIT" if split else ""
         a_load = _tma_load("a_desc", tma.a == "row", False, "pid_m * BLOCK_M", "BLOCK_M", k_last=True, k=kk)
         b_load = _tma_load("b_desc", tma.b == "col", False, "pid_n * BLOCK_N", "BLOCK_N", k_last=False, k=kk)
         body = f"""\
         # group-M swizzle: GROUP_M rows of tiles are walked column by column so
         # the A rows and B columns they share stay resident in L2
-        {place("work", "")}
+        {place("work", "")}{k_first}
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             a = {a_load}
@@ -649,7 +653,8 @@ def matmul_source(
         loop = (f"    total = {total}\n{first}"
                 "    for work in tl.range(tl.program_id(0), total, NUM_PROGS, flatten=True):\n")
         if ws:
-            loop = "    total = tiles\n    k_tiles = tl.cdiv(K, BLOCK_K)\n" + _ws_descriptors(tma) + (
+            steps = "K_SPLIT // BLOCK_K" if split else "tl.cdiv(K, BLOCK_K)"
+            loop = f"    total = {total}\n    k_tiles = {steps}\n" + _ws_descriptors(tma) + (
                 "    # warp-specialized: Triton splits this loop into a warp group issuing the loads\n"
                 "    # and two computing ones (each half of the tile's rows), ring of STAGES buffers\n"
                 "    for work in tl.range(tl.program_id(0), total, NUM_PROGS, warp_specialize=True,"
@@ -1281,17 +1286,17 @@ def _tma_e(cfg: LoweringConfig, ep: Epilogue, outs, batched: bool, M: int):
     return descs
 
 
-def _ws_plan(cfg: LoweringConfig, tma, a3, b3, batched: bool, split: bool, in_name: str,
+def _ws_plan(cfg: LoweringConfig, tma, a3, b3, batched: bool, in_name: str,
              epilogue: bool) -> list[int] | None:
     """The operands' strides for the warp-specialized kernel (``ws`` in the config's
     instruction), or None where it cannot run: the operands not both TMA-addressable
-    (``tma`` None: the pointer kernel), a batch, a split, 32-bit operands, an epilogue
+    (``tma`` None: the pointer kernel), a batch, 32-bit operands, an epilogue
     (``WS_EPILOGUES``). Then the config's tile runs in the kernel without partitioning
     (logged once): the same result, at that kernel's speed."""
     if "ws" not in cfg.instruction.split("+"):
         return None
     why = ("operands not TMA-addressable" if tma is None else "batched" if batched or tma[0].a_batched
-           or tma[0].b_batched else "split-K" if split else "32-bit operands" if in_name == "float32"
+           or tma[0].b_batched else "32-bit operands" if in_name == "float32"
            else "not persistent" if not cfg.persistent else "an epilogue (WS_EPILOGUES off)"
            if epilogue and not WS_EPILOGUES else None)
     if why is not None:
@@ -1607,7 +1612,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     tma = _tma_plan(cfg, a3, b3)
     fused = ep is not None and not split
     serial = split and ep is None and not cfg.persistent and SERIAL_SPLIT
-    ws_strides = _ws_plan(cfg, tma, a3, b3, batched, split, in_name, ep is not None)
+    ws_strides = _ws_plan(cfg, tma, a3, b3, batched, in_name, ep is not None)
     if ws_strides is not None:
         tma = (dataclasses.replace(tma[0], ws=True), None)
     c_desc = _tma_c(cfg, c3) if tma and ws_strides is None and not split and ep is None else None
