@@ -40,3 +40,22 @@ def test_ws_matmul_is_the_unpartitioned_kernel(M, N, K, la, lb):
     torch.cuda.synchronize()
     assert (got.double() - ref.double()).abs().max().item() <= 2 ** -7 * ref.double().abs().max().item()
     assert torch.equal(got, plain), (got.double() - plain.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("tile,stages", [((128, 256), 2), ((128, 128), 4)], ids=["128x256", "128x128"])
+@pytest.mark.parametrize("M,N,K,split", [(768, 3072, 32768, 7), (768 + 40, 2304 - 24, 32768 - 200, 6)],
+                         ids=["even", "ragged"])
+def test_split_ws_matmul_is_the_unpartitioned_split_kernel(M, N, K, split, tile, stages):
+    """A weight gradient's split-K (A = dY^T M-major, B N-major) in the partitioned loop:
+    bit for bit the persistent split kernel without partitioning (configurator rule 8c)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    a, b = _operands(M, N, K, "col", "row", g)
+    ws = dataclasses.replace(WS, block_m=tile[0], block_n=tile[1], num_stages=stages, split_k=split)
+    rec: dict = {}
+    got = mm.matmul(a, b, cfg=ws, record=rec)
+    assert any("warp-specialized" in open(p).read(300) for p in rec), "the warp-specialized kernel did not run"
+    plain = mm.matmul(a, b, cfg=dataclasses.replace(ws, num_warps=8, instruction="wgmma+tma"))
+    ref = (a.double() @ b.double()).to(torch.bfloat16)
+    torch.cuda.synchronize()
+    assert (got.double() - ref.double()).abs().max().item() <= 2 ** -7 * ref.double().abs().max().item()
+    assert torch.equal(got, plain), (got.double() - plain.double()).abs().max().item()
