@@ -36,7 +36,7 @@ from nova.schedule.configurator import STEP_MATMUL_PRECISION
 
 _LOG = get_logger(__name__)
 
-VIEW_OPS = (nv.TransposeOp, nv.BroadcastToOp, nv.SliceOp, nv.ReshapeOp)
+VIEW_OPS = nv.VIEW_OPS
 
 
 _CONFIGS: dict = {}  # #nova.lowering_config attribute -> its LoweringConfig (frozen; many ops share one)

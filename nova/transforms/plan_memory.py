@@ -68,9 +68,8 @@ ALIGNMENT = 256
 # (kMinBlockSize), and max_memory_allocated counts the rounded sizes
 TORCH_BLOCK = 512
 
-# the layout ops the Triton backend turns into strided views (nova.backends.triton.VIEW_OPS;
-# a test keeps the two equal without importing Triton here)
-VIEW_OPS = (nv.TransposeOp, nv.BroadcastToOp, nv.SliceOp, nv.ReshapeOp)
+# the layout ops the Triton backend turns into strided views (the dialect's list)
+VIEW_OPS = nv.VIEW_OPS
 # kernels that read element i of every same-shape operand before writing element i
 # of their one result: the only ops that may write over an operand they read
 SAME_INDEX = (
