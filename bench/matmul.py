@@ -778,6 +778,15 @@ class StepShapeBench(ShapeBench):
             self.n_sets, self.l2_warm = 2, True
         self.A = [sm.strided(launch["a"], self.dtype, device) for _ in range(self.n_sets)]
         self.B = [sm.strided(launch["b"], self.dtype, device) for _ in range(self.n_sets)]
+        # an operand the step's producer stores rounded to tf32 (the tf32_operands stage, the LM head's
+        # hoisted weight and d): rounded here too, and the launch takes it as prerounded, as the step's does
+        self.prerounded = tuple(launch.get("prerounded", ()))
+        for x, ts in (("a", self.A), ("b", self.B)):
+            if x in self.prerounded:
+                from nova.codegen.triton.matmul import round_to_tf32
+
+                for t in ts:
+                    t.copy_(round_to_tf32(t))
         self.bias = [torch.randn(self.N, device=device, dtype=self.dtype) for _ in range(self.n_sets)] if launch["bias"] else None
         self.C = [torch.empty(shape, device=device, dtype=self.out_dtype) for _ in range(self.n_sets)]
         self.ref = self.A[0].double() @ self.B[0].double()
@@ -791,8 +800,9 @@ class StepShapeBench(ShapeBench):
         from nova.codegen.triton.matmul import matmul
 
         prec = precision or self.nova_precision
-        bias = self.bias
-        return lambda i: matmul(self.A[i], self.B[i], bias=bias[i] if bias else None, cfg=cfg, precision=prec, out=self.C[i])
+        bias, pre = self.bias, self.prerounded
+        return lambda i: matmul(self.A[i], self.B[i], bias=bias[i] if bias else None, cfg=cfg, precision=prec,
+                                out=self.C[i], prerounded=pre)
 
     def cublas_launcher(self):
         A, B, C, bias = self.A, self.B, self.C, self.bias

@@ -166,8 +166,10 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
                 res[-2], res[-1], shape_of(op.operands[0].type)[-1], numel(batch), _dname(in_dt), _dname(out_dt),
                 path_of(in_dt), _layout(lhs), _layout(rhs),
             )  # fmt: skip
+            # operands their producer stored rounded to tf32 (the tf32_operands stage), as _matmul_run passes them
+            pre = [x for x, v in zip("ab", (lhs, rhs)) if nv.tf32_rounded(v)] if prec == "tf32-rn" else []
             out.append(_launch("nova.matmul", a, b, out_dt, False, prec, config_of(group or op), args,
-                               epilogue=group is not None))  # fmt: skip
+                               {"prerounded": pre} if pre else None, epilogue=group is not None))  # fmt: skip
         elif isinstance(op, (nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp, nv.LinearCrossEntropyWithGradOp)):
             backward = not isinstance(op, nv.LinearCrossEntropyOp)  # the gradients' matmuls
             g_in = 1 if backward else 0
@@ -190,6 +192,18 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
             wl = torch.empty((V, D), dtype=head, device="meta") if hoist else w
             wd = torch.empty((D, V), dtype=head, device="meta").t() if hoist else w
 
+            # the operands the lowering passes as prerounded (linear_ce._lower): h stored rounded by its
+            # producer (the logits' A, dw's B), the hoisted weight (the logits' and dh's B), d written
+            # rounded by the row kernel (dh's A; not with a bias, whose column sum reads d unrounded)
+            tf32_head = head == torch.float32 and prec == "tf32-rn"
+            h_pre = ["a"] if tf32_head and nv.tf32_rounded(op.operands[g_in]) else []
+            w_pre = ["b"] if hoist else []
+            d_pre = ["a"] if tf32_head and lce.PREROUND_TF32 and len(op.operands) == g_in + 3 else []
+
+            def pre(*parts):
+                names = sorted({x for p in parts for x in p})
+                return {"prerounded": names} if names else {}
+
             def at_launch(src, a, b, o, extra, epilogue=False):
                 # matmul(cfg=None): the launcher's configure call from the operands' strides (dw's +=:
                 # linear_ce.accumulate_into's, the same call as an epilogue kernel)
@@ -201,10 +215,12 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
                 r1 = min(N, r0 + chunk)
                 z = buf[: r1 - r0]
                 extra = {"chunk_rows": r1 - r0}
-                out.append(_launch(f"{name}:logits", h[r0:r1], wl.t(), head, False, prec, cfg, op_args, extra))
+                out.append(_launch(f"{name}:logits", h[r0:r1], wl.t(), head, False, prec, cfg, op_args,
+                                   {**extra, **pre(h_pre, w_pre)}))  # fmt: skip
                 if backward:
-                    out.append(at_launch(f"{name}:dh", z, wd, dh[r0:r1], extra))
-                    out.append(at_launch(f"{name}:dw", z.t(), h[r0:r1], acc, extra, epilogue=r0 > 0))  # acc += in it
+                    out.append(at_launch(f"{name}:dh", z, wd, dh[r0:r1], {**extra, **pre(d_pre, w_pre)}))
+                    out.append(at_launch(f"{name}:dw", z.t(), h[r0:r1], acc, {**extra, **pre(["b"] if h_pre else [])},
+                                         epilogue=r0 > 0))  # acc += in it  # fmt: skip
     return out
 
 

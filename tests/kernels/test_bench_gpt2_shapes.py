@@ -34,7 +34,7 @@ def _operand_key(t: torch.Tensor, aligned: bool) -> tuple:
 def _row_key(r: dict) -> tuple:
     elt = torch.empty((), dtype=getattr(torch, r["dtype"])).element_size()
     ops = [(tuple(r[x]["shape"]), tuple(r[x]["strides"]), r[x]["offset"] * elt % 16 == 0) for x in ("a", "b")]
-    return (*ops, r["out_dtype"], r["bias"], json.dumps(r["config"], sort_keys=True))
+    return (*ops, r["out_dtype"], r["bias"], json.dumps(r["config"], sort_keys=True), tuple(r.get("prerounded", ())))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the launches are recorded through the interpreter")
@@ -43,7 +43,8 @@ def test_extracted_launches_are_the_launches_the_step_makes(monkeypatch, precisi
     """A 1-layer GPT with biases, its LM head in chunks of 8 rows over 20 tokens (two
     full chunks and a short one): the step run through the interpreter calls
     matmul with exactly the operands (shapes, strides, 16-byte alignment), output
-    dtypes, biases and configs that step_matmuls reads off its final IR."""
+    dtypes, biases, configs and prerounded operands (tf32: the tf32_operands stage's,
+    the LM head's hoisted weight and d) that step_matmuls reads off its final IR."""
     from nova.codegen.triton import matmul as mm
     from nova.transforms import fuse_loss
 
@@ -56,7 +57,8 @@ def test_extracted_launches_are_the_launches_the_step_makes(monkeypatch, precisi
         used = cfg or mm.configure(a.shape[-2], b.shape[-1], a.shape[-1], 1, a.dtype, y.dtype, precision,
                                    mm.layout(a), mm.layout(b), bias is not None, mm.device_spec(a.device))
         calls.append((_operand_key(a, a.data_ptr() % 16 == 0), _operand_key(b, b.data_ptr() % 16 == 0),
-                      str(y.dtype).removeprefix("torch."), bias is not None, json.dumps(used.to_dict(), sort_keys=True)))
+                      str(y.dtype).removeprefix("torch."), bias is not None, json.dumps(used.to_dict(), sort_keys=True),
+                      tuple(sorted(kw.get("prerounded", ())))))
         return y
 
     real_epilogue = mm.matmul_epilogue
@@ -66,7 +68,8 @@ def test_extracted_launches_are_the_launches_the_step_makes(monkeypatch, precisi
         used = cfg or mm.configure(a.shape[-2], b.shape[-1], a.shape[-1], 1, a.dtype, out_dtype, precision,
                                    mm.layout(a), mm.layout(b), False, mm.device_spec(a.device))  # the LM head's dw +=
         calls.append((_operand_key(a, a.data_ptr() % 16 == 0), _operand_key(b, b.data_ptr() % 16 == 0),
-                      str(out_dtype).removeprefix("torch."), False, json.dumps(used.to_dict(), sort_keys=True)))
+                      str(out_dtype).removeprefix("torch."), False, json.dumps(used.to_dict(), sort_keys=True),
+                      tuple(sorted(kw.get("prerounded", ())))))
         return ys
 
     monkeypatch.setattr(mm, "matmul", recording)
@@ -81,6 +84,7 @@ def test_extracted_launches_are_the_launches_the_step_makes(monkeypatch, precisi
     # the forward's four linears take their bias (and GELU, residual) in the epilogue, so does GELU's backward
     assert sum(bool(r["epilogue"]) for r in launches) >= 5
     assert Counter(_row_key(r) for r in launches) == Counter(calls)
+    assert (precision == "tf32") == any(r.get("prerounded") for r in launches)  # under tf32 some, under bf16 none
     rows = [r["chunk_rows"] for r in launches if r["source"].endswith(":dw")]
     assert rows == [8, 8, 4]
     for r in launches:
