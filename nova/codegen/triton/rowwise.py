@@ -73,7 +73,7 @@ PARTIALS_PER_SM = 4
 # memory while this row computes (the sm_90a build of the [32768, 768] f32 kernel:
 # 8 async copies, 8 KiB of shared memory, 72 registers against 70). Measured on the
 # H200 before (GPT-2 124M, batch 32): 0.19 ms a LayerNorm backward at ~2.2 TB/s.
-LN_BWD_ROW_STAGES = 2
+LN_BWD_ROW_STAGES = 3
 H200_SMS = 132  # the interpreter stands in for the H200 the kernels are built for
 _FINAL_BLOCK = 1024  # rows per step of a single-program final reduction
 # Tile (partials x columns) of the column-sum kernel: one program per 16 columns
