@@ -113,6 +113,7 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
         m = tl.full((), {_NEG_INF}, tl.float32)
         s = tl.zeros((), tl.float32)
         sx = tl.zeros((), tl.float32)
+        xt = tl.zeros((), tl.float32)
         for c0 in range(0, {V}, BLOCK):
             c = c0 + cols
             x = {_logit("z_row", "c", f"c < {V}", _NEG_INF, has_bias, logit_ty, "evict_last" if keep_rows else None)}
@@ -120,15 +121,18 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
             m_safe = tl.where(m_new == {_NEG_INF}, 0.0, m_new)
             s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
             sx += tl.sum(tl.where(c < {V}, x, 0.0), axis=0)
+            xt += tl.sum(tl.where(c == t, x, 0.0), axis=0)  # the target's logit, from the block holding it
             m = m_new
         lse = tl.where(m == {_NEG_INF}, 0.0, m) + tl.log(s)
         valid = t != {ignore}
         inb = (t >= 0) & (t < {V})
     """
-    tt = "tl.where(inb, t, 0)"
     loss = "lse - xt" if not ls else f"{1.0 - ls!r} * (lse - xt) + {ls!r} * (lse - sx * {1.0 / V!r})"
+    # xt comes from the first pass (exactly the logit: one nonzero term), not a load after it: with the
+    # gradient written over the logits in place, another thread of the program may already have stored
+    # d over the target's column (seen on the H200 with the gradient pass reversed: a wrong loss)
     row_loss = f"""
-        xt = {_logit("z_row", tt, "valid & inb", "0.0", has_bias, logit_ty)}
+        xt = tl.where(valid & inb, xt, 0.0)
         loss = tl.where(valid, {loss}, 0.0)
         loss = tl.where(valid & ((t < 0) | (t >= {V})), float("nan"), loss)
         tl.store(loss_ptr + row, loss)
