@@ -72,7 +72,7 @@ HOIST_WEIGHT_TF32 = True
 # row for its second read, off until measured (scripts/lce_rows_variants.py):
 # the gradient pass walking the row backwards (the blocks read last are the likeliest
 # still cached), and eviction hints (evict_last on the first pass, evict_first on the second).
-GRAD_PASS_REVERSED = True
+GRAD_PASS_REVERSED = False
 KEEP_ROWS_IN_L2 = True
 
 
