@@ -302,8 +302,11 @@ WS_MAX_STAGES = 4
 # 8c. A split-K matmul (step 5's split) on the warp-specialized kernel: the split's own tile
 # (at least 128 rows: two computing groups of 64-row wgmmas), every (split, tile) a work item
 # of the persistent partitioned loop, the fp32 partials stored through pointers. The store's
-# layout conversion takes the tile in fp32 (BM BN x 4 bytes) beside the ring. Off until
-# measured against the unpartitioned split kernel in the step (scripts/step_launches.py --set).
+# layout conversion takes the tile in fp32 (BM BN x 4 bytes) beside the ring: at 128x256 that
+# leaves 2 stages. Bit for bit the unpartitioned split kernel (interpreter and H200 tests), but
+# slower: the 2-layer GPT-2 bf16 step at batch 32, its 16 plain matmuls (8 split weight
+# gradients) 2.982 ms against 2.880 (scripts/step_launches.py --set schedule.configurator.WS_SPLIT=True,
+# bench/results/runs/step_launches_2l_bf16_b32_wss_9168703.json). Off.
 WS_SPLIT = False
 
 

@@ -69,9 +69,14 @@ HOIST_WEIGHT_TF32 = True
 # At GPT-2's vocabulary a row is 100 KB (bf16), and the rows in flight (one program a
 # row, several programs an SM) exceed the 50 MB L2, so the second read can come from
 # DRAM again: 3 x 412 MB a 4096-row chunk instead of 2. Two ways to keep more of the
-# row for its second read, off until measured (scripts/lce_rows_variants.py):
-# the gradient pass walking the row backwards (the blocks read last are the likeliest
-# still cached), and eviction hints (evict_last on the first pass, evict_first on the second).
+# row for its second read (scripts/lce_rows_variants.py, one 4096-row chunk at GPT-2's
+# vocabulary alone on the H200, bit for bit the same d and losses): the gradient pass walking
+# the row backwards (the blocks read last are the likeliest still cached), and eviction hints
+# (evict_last on the first pass, evict_first on the second). With the target's logit taken in
+# the first pass (bench/results/runs/lce_rows_variants_6cd738f.json): bf16 0.336 ms with the
+# hints alone, 0.376 reversed as well; f32 0.611 / 0.587. Before that change (the same
+# kernel but for xt, lce_rows_variants_9168703.json) bf16 0.333 plain and 0.331 with the hints.
+# The hints stay; the reversed pass, slower at bf16 (the GPT-2 bf16 step's head), does not.
 GRAD_PASS_REVERSED = False
 KEEP_ROWS_IN_L2 = True
 

@@ -81,7 +81,10 @@ Design choices, and why:
   (scripts/matmul_ws.py, bench/results/runs/matmul_ws_49aaf89.json: the GPT-2
   124M step's bf16 shapes at batch 32): 128x256x64, 4 warps a group, 4 stages,
   0.95-0.97x cuBLAS; with host-built descriptors (the other kernels' way), or the
-  grid size a runtime argument, the kernel did not finish in 45 s (a hang).
+  grid size a runtime argument, the kernel did not finish in 45 s (a hang). A split
+  config (configurator rule 8c, ``WS_SPLIT``, off: measured slower in the step) runs its
+  (split, tile) work items in the same loop, every split ``K_SPLIT // BLOCK_K`` K steps
+  (the last one's past K read zero boxes), its fp32 partials summed by the reduction.
 * C may be a given ``out`` (a view into the step's arena beside the operands: only
   overlapping bytes are refused). What a launch allocates besides C (the split-K
   partials, the staged tf32 copies, column sums' partials) is bounded by ``scratch_bytes``, for the memory

@@ -72,7 +72,11 @@ PARTIALS_PER_SM = 4
 # (x, g, mean, rstd and the prologue's operands) as asynchronous copies into shared
 # memory while this row computes (the sm_90a build of the [32768, 768] f32 kernel:
 # 8 async copies, 8 KiB of shared memory, 72 registers against 70). Measured on the
-# H200 before (GPT-2 124M, batch 32): 0.19 ms a LayerNorm backward at ~2.2 TB/s.
+# H200 before (GPT-2 124M, batch 32): 0.19 ms a LayerNorm backward at ~2.2 TB/s. Three
+# stages (two rows' loads in flight): the 2-layer GPT-2 step at batch 32, every launch timed
+# (scripts/step_launches.py --set, bench/results/runs/step_launches_2l_bf16_b32_*_9168703.json),
+# its five fused LayerNorm backwards 0.584 ms against 0.696 at two stages (~3.4 against
+# ~2.9 TB/s); more partial-sum programs per SM did not help (6: 0.779, 8: 0.765 ms).
 LN_BWD_ROW_STAGES = 3
 H200_SMS = 132  # the interpreter stands in for the H200 the kernels are built for
 _FINAL_BLOCK = 1024  # rows per step of a single-program final reduction
