@@ -781,12 +781,11 @@ class StepShapeBench(ShapeBench):
         # an operand the step's producer stores rounded to tf32 (the tf32_operands stage, the LM head's
         # hoisted weight and d): rounded here too, and the launch takes it as prerounded, as the step's does
         self.prerounded = tuple(launch.get("prerounded", ()))
-        for x, ts in (("a", self.A), ("b", self.B)):
-            if x in self.prerounded:
-                from nova.codegen.triton.matmul import round_to_tf32
+        if self.prerounded:
+            from nova.codegen.triton.matmul import round_to_tf32
 
-                for t in ts:
-                    t.copy_(round_to_tf32(t))
+            for t in (self.A if "a" in self.prerounded else []) + (self.B if "b" in self.prerounded else []):
+                t.copy_(round_to_tf32(t))
         self.bias = [torch.randn(self.N, device=device, dtype=self.dtype) for _ in range(self.n_sets)] if launch["bias"] else None
         self.C = [torch.empty(shape, device=device, dtype=self.out_dtype) for _ in range(self.n_sets)]
         self.ref = self.A[0].double() @ self.B[0].double()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import importlib
 import json
 import os
@@ -45,8 +46,6 @@ def apply_settings(settings: list[str]) -> dict:
 
 
 def launches(model: str, precision: str, batch: int, layers: int | None = None) -> list[dict]:
-    import dataclasses
-
     from nova.models import GPT, MLPLM
 
     cfg = model_config(model)
@@ -91,8 +90,6 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("."))
     opts = ap.parse_args()
     if opts.set:
-        import dataclasses
-
         from nova import pipeline
 
         # a cached step would carry the kernels of other settings

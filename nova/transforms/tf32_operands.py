@@ -58,14 +58,12 @@ from nova.ir.builder import OpBuilder
 from nova.ir.module import step_func
 from nova.ir.types import elem_of
 
-VIEWS = nv.VIEW_OPS
-
 
 def _readers(v: SSAValue) -> list[tuple]:
     """Every (op, operand index) reading ``v``, through view chains."""
     out = []
     for use in v.uses:
-        if isinstance(use.operation, VIEWS):
+        if isinstance(use.operation, nv.VIEW_OPS):
             out += _readers(use.operation.results[0])
         else:
             out.append((use.operation, use.index))
@@ -75,7 +73,7 @@ def _readers(v: SSAValue) -> list[tuple]:
 def _takes_epilogue(v: OpResult) -> bool:
     """Whether ``v``'s producer computes elementwise ops on ``v`` in its own kernel."""
     op = v.op
-    if not isinstance(op, nv.NovaOp) or isinstance(op, VIEWS) or isinstance(op, nv.RoundTf32Op):
+    if not isinstance(op, nv.NovaOp) or isinstance(op, nv.VIEW_OPS) or isinstance(op, nv.RoundTf32Op):
         return False
     if op.CATEGORY == "elementwise":
         return len(op.results) == 1

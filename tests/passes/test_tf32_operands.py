@@ -24,7 +24,7 @@ from nova.ir import dialect as nv
 from nova.ir.module import step_func
 from nova.models import GPT, MLPLM, GPTConfig, MLPLMConfig
 from nova.schedule.devices import DEVICES
-from nova.transforms.tf32_operands import VIEWS, tf32_operands
+from nova.transforms.tf32_operands import tf32_operands
 
 
 def _mlp():
@@ -73,7 +73,7 @@ def _tokens():
 def _readers(v):
     out = []
     for u in v.uses:
-        out += _readers(u.operation.results[0]) if isinstance(u.operation, VIEWS) else [u.operation]
+        out += _readers(u.operation.results[0]) if isinstance(u.operation, nv.VIEW_OPS) else [u.operation]
     return out
 
 
