@@ -78,6 +78,9 @@ PARTIALS_PER_SM = 4
 # its five fused LayerNorm backwards 0.584 ms against 0.696 at two stages (~3.4 against
 # ~2.9 TB/s); more partial-sum programs per SM did not help (6: 0.779, 8: 0.765 ms).
 LN_BWD_ROW_STAGES = 3
+# Fewest warps a layer_norm_backward program gets (more for longer rows: ~8 elements per
+# thread per row tensor)
+LN_BWD_MIN_WARPS = 4
 H200_SMS = 132  # the interpreter stands in for the H200 the kernels are built for
 _FINAL_BLOCK = 1024  # rows per step of a single-program final reduction
 # Tile (partials x columns) of the column-sum kernel: one program per 16 columns
@@ -870,7 +873,7 @@ def lower_layer_norm_backward(
         # ~8 elements per thread per row tensor: with three carried across rows and the
         # pointers of x, g and dx, 16 per thread (8 warps at 4096) needs ~250 registers
         # on sm_90 and leaves one program per SM
-        warps = min(16, max(4, block // 256))
+        warps = min(16, max(LN_BWD_MIN_WARPS, block // 256))
     src = layer_norm_backward_source(shape, dtype, block, looping, fusion)
     main, _ = load_kernel(src, "layer_norm_backward_kernel")
     colsum, _ = load_kernel(src, "layer_norm_backward_colsum")
