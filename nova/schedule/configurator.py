@@ -324,6 +324,7 @@ def plan_matmul(
     has_bias: bool = False,
     device=None,
     epilogue: bool = False,
+    epilogue_sums: bool = False,
 ) -> MatmulPlan:
     """``configure_matmul`` with its reasoning. Steps 1-9 are the sections of
     docs/configurator.md, "Matmul"."""
@@ -535,8 +536,11 @@ def plan_matmul(
     # sm_90a builds, past the ring: C BM BN / 2 bytes, an epilogue BM BN), at most MAX_STAGES;
     # BLOCK_K as above. Not for an f32 C: its conversion takes the whole tile, BM BN x 4 bytes
     # (a 4-stage 128x256 launch asked 320 KiB), leaving a 2-stage ring
+    # An epilogue with column sums (``epilogue_sums``: a bias gradient summed from the tiles)
+    # keeps step 8's kernel: Triton 3.6's partitioner fails on the tile's row reduction
+    # inside the partitioned loop (bench/results/runs/step_launches_2l_564d08d.log)
     ws = WS_TILES.get("epilogue" if epilogue else "plain")
-    if not (ws is not None and tma_path and split == 1 and batch == 1 and ea == eb == eo == 2 and path == "bf16"
+    if not (ws is not None and not epilogue_sums and tma_path and split == 1 and batch == 1 and ea == eb == eo == 2 and path == "bf16"
             and _cdiv(M, ws[0]) * _cdiv(N, ws[1]) >= 2 * S):
         ws = None
     split_ws = (WS_SPLIT and ws is None and split > 1 and tma_path and batch == 1 and ea == eb == 2
@@ -646,6 +650,7 @@ def configure_matmul(
     has_bias: bool = False,
     device=None,
     epilogue: bool = False,
+    epilogue_sums: bool = False,
 ) -> LoweringConfig:
     """The LoweringConfig for C[batch, M, N] = A[batch, M, K] @ B[batch, K, N] (+ bias).
 
@@ -653,7 +658,8 @@ def configure_matmul(
     tensor cores; layouts are "row" (last dim contiguous), "col" (transposed) or
     "strided"; ``device`` is a DeviceSpec or a DEVICES key (default "H200")."""
     return plan_matmul(
-        M, N, K, batch, dtype_a, dtype_b, out_dtype, precision, a_layout, b_layout, has_bias, device, epilogue
+        M, N, K, batch, dtype_a, dtype_b, out_dtype, precision, a_layout, b_layout, has_bias, device, epilogue,
+        epilogue_sums,
     ).config
 
 

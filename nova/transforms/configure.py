@@ -108,7 +108,7 @@ def configure_fused(op: nv.FusedOp, device: DeviceSpec) -> LoweringConfig:
 
 
 def _configure_matmul(op: nv.MatmulOp, lhs, rhs, device: DeviceSpec, precision: str,
-                      epilogue: bool = False) -> LoweringConfig:
+                      epilogue: bool = False, epilogue_sums: bool = False) -> LoweringConfig:
     """A matmul's schedule; ``lhs`` / ``rhs`` are the values it reads (in a group:
     the group's operands, whose producers say the layout). A matmul with an
     epilogue (``epilogue``) gets the schedule it has without one but for the grid:
@@ -117,7 +117,8 @@ def _configure_matmul(op: nv.MatmulOp, lhs, rhs, device: DeviceSpec, precision: 
     bit-identical: bench/results/runs/epilogue_variants_d5443cd.json), so the fused
     kernel adds the same products in the same order as the unfused one; it keeps the
     one-program-per-tile grid (``PERSISTENT_EPILOGUES``), and its operand tiles are
-    read once per output tile, as the separate kernel read them."""
+    read once per output tile, as the separate kernel read them. ``epilogue_sums``: the
+    epilogue adds up column sums (not on the warp-specialized kernel, rule 8b)."""
     a, b = shape_of(op.operands[0].type), shape_of(op.operands[1].type)
     out = shape_of(op.results[0].type)
     in_dt = to_torch_dtype(elem_of(op.operands[0].type))
@@ -125,7 +126,7 @@ def _configure_matmul(op: nv.MatmulOp, lhs, rhs, device: DeviceSpec, precision: 
     path = "bf16" if in_dt.itemsize == 2 else cf.STEP_MATMUL_PRECISION[precision]
     return cf.configure_matmul(
         a[-2], b[-1], a[-1], numel(out[:-2]), in_dt, in_dt, dt, path,
-        _layout(lhs), _layout(rhs), False, device, epilogue,
+        _layout(lhs), _layout(rhs), False, device, epilogue, epilogue_sums,
     )  # fmt: skip
 
 
@@ -136,7 +137,8 @@ def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringC
     if isinstance(head, nv.MatmulOp):  # a matmul with its epilogue: the matmul's schedule
         args = list(op.body.block.args)
         lhs, rhs = (op.operands[args.index(v)] for v in head.operands)
-        return _configure_matmul(head, lhs, rhs, device, precision, epilogue=True)
+        sums = any(nv.column_sum(o) for o in op.inner_ops())
+        return _configure_matmul(head, lhs, rhs, device, precision, epilogue=True, epilogue_sums=sums)
     reduction = op.reduction() if isinstance(op, nv.FusedOp) else None
     if reduction is not None:
         # a reduction with its prologue / epilogue: the reduction's own schedule, which fixes

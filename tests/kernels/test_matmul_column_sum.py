@@ -257,3 +257,26 @@ def test_a_gpt_step_with_the_bias_gradient_in_the_epilogue_matches_the_reference
     (with_sum,) = [op for op in groups if any(nv.column_sum(o) for o in op.inner_ops())]
     assert any(isinstance(o, nv.GeluBackwardOp) for o in with_sum.inner_ops())
     assert all(str(r.type) != "tensor<2x8x128xf32>" for r in with_sum.results)  # the f32 value is not written
+
+
+def test_a_group_with_a_column_sum_is_not_configured_warp_specialized():
+    """Rule 8b keeps an epilogue with column sums on the flattened persistent kernel (Triton
+    3.6's partitioner fails on the tile's row reduction): at the GPT-2 c_fc backward's size
+    the group with the bias gradient's sum gets no ``ws``; the same group without the sum
+    (the rule off: the sum its own reduce kernel) does."""
+    from nova.schedule.devices import DEVICES
+    from nova.transforms.configure import configure_op
+
+    def group_config(join: bool):
+        module = _gelu_backward(M=32768, K=768, N=3072, rows=(32, 1024))
+        with pytest.MonkeyPatch.context() as m:
+            if not join:
+                m.setattr(fz._Grouping, "join_column_sums", lambda self: None)
+            fz.fuse(module)
+        (group,) = [op for op in step_func(module).body.block.ops
+                    if isinstance(op, nv.FusedOp) and op.contraction() is not None]  # fmt: skip
+        assert any(nv.column_sum(o) for o in group.inner_ops()) == join
+        return configure_op(group, DEVICES["H200"], "bf16")
+
+    assert "ws" not in group_config(True).instruction.split("+")
+    assert group_config(False).instruction == "wgmma+tma+ws"

@@ -82,6 +82,24 @@ def test_where_the_ws_kernel_cannot_run_another_kernel_does_and_says_so(case, de
     assert (got.double() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
 
 
+def test_an_epilogue_with_column_sums_runs_the_unpartitioned_kernel_and_says_so(device, caplog, monkeypatch):
+    """Triton 3.6's partitioner fails on a tile's row reduction inside the partitioned loop
+    (the H200 build: "NVGPUWarpSpecialization"), so a ws config asked for an epilogue with
+    column sums runs the persistent kernel instead, logged: the same values."""
+    monkeypatch.setattr(nova.log, "_SEEN", set())
+    a, b = _operands(256, 128, 64, "row", "col", device)
+    ep = mm.Epilogue(shape=(256, 128), operands=(), body="y = e_tile * 2.0", stores=(("y", "f32", torch.bfloat16),),
+                     out_shapes=((256, 128),), sums=(mm.ColumnSum("y", "f32", torch.float32, 1),))
+    rec: dict = {}
+    with caplog.at_level(logging.INFO, logger="nova"):
+        got = mm.matmul_epilogue(a, b, ep, [], torch.bfloat16, cfg=WS, record=rec)
+    want = mm.matmul_epilogue(a, b, ep, [], torch.bfloat16, cfg=PLAIN)
+    assert not _ran_ws(rec) and "column sums in the epilogue" in caplog.text
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    torch.testing.assert_close(got[1].double(), 2.0 * (a.double() @ b.double()).sum(0), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("M,N,K,split", [(256, 192, 384, 3), (200, 136, 200, 3), (128, 64, 96, 2)],
                          ids=["even", "ragged", "short"])
 @pytest.mark.parametrize("la,lb", [("row", "col"), ("col", "row"), ("row", "row")])

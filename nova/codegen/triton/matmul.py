@@ -1290,18 +1290,22 @@ def _tma_e(cfg: LoweringConfig, ep: Epilogue, outs, batched: bool, M: int):
 
 
 def _ws_plan(cfg: LoweringConfig, tma, a3, b3, batched: bool, in_name: str,
-             epilogue: bool) -> list[int] | None:
+             epilogue: Epilogue | None) -> list[int] | None:
     """The operands' strides for the warp-specialized kernel (``ws`` in the config's
     instruction), or None where it cannot run: the operands not both TMA-addressable
     (``tma`` None: the pointer kernel), a batch, 32-bit operands, an epilogue
-    (``WS_EPILOGUES``). Then the config's tile runs in the kernel without partitioning
+    (``WS_EPILOGUES``), an epilogue with column sums (Triton 3.6's partitioner fails on
+    the tile's row reduction inside the loop: "NVGPUWarpSpecialization" on the H200,
+    bench/results/runs/step_launches_2l_564d08d.log; the configurator does not ask
+    for it, rule 8b). Then the config's tile runs in the kernel without partitioning
     (logged once): the same result, at that kernel's speed."""
     if "ws" not in cfg.instruction.split("+"):
         return None
     why = ("operands not TMA-addressable" if tma is None else "batched" if batched or tma[0].a_batched
            or tma[0].b_batched else "32-bit operands" if in_name == "float32"
            else "not persistent" if not cfg.persistent else "an epilogue (WS_EPILOGUES off)"
-           if epilogue and not WS_EPILOGUES else None)
+           if epilogue is not None and not WS_EPILOGUES else "column sums in the epilogue"
+           if epilogue is not None and epilogue.sums else None)
     if why is not None:
         once(_LOG, f"ws:{why}", "matmul: the warp-specialized kernel does not run here (%s): the %s kernel does",
              why, "persistent TMA" if tma is not None else "pointer-load")
@@ -1615,7 +1619,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     tma = _tma_plan(cfg, a3, b3)
     fused = ep is not None and not split
     serial = split and ep is None and not cfg.persistent and SERIAL_SPLIT
-    ws_strides = _ws_plan(cfg, tma, a3, b3, batched, in_name, ep is not None)
+    ws_strides = _ws_plan(cfg, tma, a3, b3, batched, in_name, ep)
     if ws_strides is not None:
         tma = (dataclasses.replace(tma[0], ws=True), None)
     c_desc = _tma_c(cfg, c3) if tma and ws_strides is None and not split and ep is None else None
