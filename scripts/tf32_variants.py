@@ -12,7 +12,12 @@ CUDA-graph timed as ``nova bench matmul`` times (bench/matmul.py's StepShapeBenc
   producer writing its output rounded would leave the matmul to do;
 * ``pre_ab``: both operands already rounded (a K-major B read in place, no staging);
 * ``trunc``: the config without staging, the tensor core truncating (precision
-  "tf32"): the kernel with no rounding at all, an upper bound of the template.
+  "tf32"): the kernel with no rounding at all, an upper bound of the template;
+* ``--tile KIND:BMxBNxBK:sS:wW`` (repeatable; KIND ``pers`` for the persistent
+  flattened loop, ``grid`` for one program a tile): that schedule on both operands
+  already rounded (as ``pre_ab``), its C bit for bit ``pre_ab``'s or not recorded
+  (``<name>_same_bits``: the same BLOCK_K adds the same products in the same order);
+  ``--only PREFIX`` keeps the launches whose source starts with it.
 
 Also a probe of cuBLAS's own rounding: A = 1 + 0.75 ulp(tf32), B = ones, so that each
 product is 1 + 2^-10 when the operand is rounded to nearest and 1 when truncated.
@@ -53,7 +58,19 @@ def rounding_probe(device) -> dict:
             "cublas_rounds": abs(c - K * (1 + 2.0**-10)) < abs(c - K)}
 
 
-def variant_launchers(sb, cfg):
+def parse_tile(text: str, cfg):
+    """``KIND:BMxBNxBK:sS:wW`` -> (name, config): ``cfg`` on the TMA path without staging,
+    with that tile, ring and warps, persistent for KIND ``pers``."""
+    kind, tile, stages, warps = text.split(":")
+    if kind not in ("pers", "grid") or not stages.startswith("s") or not warps.startswith("w"):
+        raise SystemExit(f"--tile {text}: expected pers|grid:BMxBNxBK:sS:wW")
+    bm, bn, bk = (int(x) for x in tile.split("x"))
+    return text, dataclasses.replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=int(stages[1:]),
+                                     num_warps=int(warps[1:]), persistent=kind == "pers", split_k=1,
+                                     instruction="wgmma+tma")
+
+
+def variant_launchers(sb, cfg, tiles=()):
     """{variant: launch(i)} over sb's input sets (the rounded copies made once, outside the timing)."""
     from nova.codegen.triton.matmul import matmul, round_to_tf32
 
@@ -66,19 +83,25 @@ def variant_launchers(sb, cfg):
         return lambda i: matmul(A[i], B[i], bias=bias[i] if bias else None, cfg=c, precision=prec, out=sb.C[i],
                                 prerounded=pre)
 
-    return {
+    out = {
         "cublas": sb.cublas_launcher(),
         "nova": run(sb.A, sb.B, cfg, "tf32-rn", ()),
         "pre_a": run(ra, sb.B, cfg, "tf32-rn", ("a",)),
         "pre_ab": run(ra, rb, cfg, "tf32-rn", ("a", "b")),
         "trunc": run(sb.A, sb.B, plain, "tf32", ()),
     }
+    for text in tiles:
+        name, c = parse_tile(text, plain)
+        out[name] = run(ra, rb, c, "tf32-rn", ("a", "b"))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes-file", type=Path, action="append", required=True)
     ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--tile", action="append", default=[], metavar="pers|grid:BMxBNxBK:sS:wW")
+    ap.add_argument("--only", default="", metavar="PREFIX", help="the launches whose source starts with PREFIX")
     ap.add_argument("--dry-run", action="store_true", help="on the CPU through Triton's interpreter (wall clock: "
                     "checks the script, its numbers mean nothing)")
     opts = ap.parse_args()
@@ -95,16 +118,24 @@ def main() -> None:
         for step in model["steps"]:
             if step["precision"] != "tf32":
                 continue
-            rows, totals = [], dict.fromkeys(VARIANTS, 0.0)
+            names = (*VARIANTS, *opts.tile)
+            rows, totals = [], dict.fromkeys(names, 0.0)
             for launch in step["shapes"]:
+                if not launch["source"].startswith(opts.only):
+                    continue
                 sb = bm.StepShapeBench(launch, "tf32", device, timer)
                 cfg = LoweringConfig.from_dict(launch["config"])
                 row = {k: launch[k] for k in ("source", "M", "N", "K", "batch", "layouts", "count")}
                 row["config"] = bm.describe(cfg)
                 with bm._cublas_precision("tf32"):
-                    for name, launch_fn in variant_launchers(sb, cfg).items():
+                    for name, launch_fn in variant_launchers(sb, cfg, opts.tile).items():
                         try:
                             ms = sb.time(launch_fn, final=True)
+                            if name in opts.tile:  # its C against pre_ab's (both on the first input set)
+                                launch_fn(0)
+                                mine = sb.C[0].clone()
+                                variant_launchers(sb, cfg)["pre_ab"](0)
+                                row[name + "_same_bits"] = bool(torch.equal(mine, sb.C[0]))
                         except Exception as e:  # recorded: a variant the template rejects here
                             row[name], row[name + "_error"] = None, f"{type(e).__name__}: {str(e)[:200]}"
                             continue
@@ -113,7 +144,7 @@ def main() -> None:
                 rows.append(row)
                 print(f"{model['model']} b{step['batch']} {row['source'][:40]:40s} {row['M']}x{row['N']}x{row['K']} "
                       f"{'/'.join(row['layouts'])} x{row['count']} [{row['config']}]: "
-                      + "  ".join(f"{v} {row[v] if row[v] is not None else '-'}" for v in VARIANTS), flush=True)
+                      + "  ".join(f"{v} {row.get(v) if row.get(v) is not None else '-'}" for v in names), flush=True)
                 del sb
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
