@@ -59,7 +59,8 @@ def rounding_probe(device) -> dict:
 
 
 def parse_tile(text: str, cfg):
-    """``KIND:BMxBNxBK:sS:wW`` -> (name, config): ``cfg`` on the TMA path without staging,
+    """``KIND:BMxBNxBK:sS:wW`` -> (name, config): ``cfg`` on the staged TMA path (both
+    operands K-major in shared memory; prerounded ones are read in place, not copied),
     with that tile, ring and warps, persistent for KIND ``pers``."""
     kind, tile, stages, warps = text.split(":")
     if kind not in ("pers", "grid") or not stages.startswith("s") or not warps.startswith("w"):
@@ -67,7 +68,7 @@ def parse_tile(text: str, cfg):
     bm, bn, bk = (int(x) for x in tile.split("x"))
     return text, dataclasses.replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=int(stages[1:]),
                                      num_warps=int(warps[1:]), persistent=kind == "pers", split_k=1,
-                                     instruction="wgmma+tma")
+                                     instruction="wgmma+tma+stage_a+stage_b")
 
 
 def variant_launchers(sb, cfg, tiles=()):
@@ -91,7 +92,7 @@ def variant_launchers(sb, cfg, tiles=()):
         "trunc": run(sb.A, sb.B, plain, "tf32", ()),
     }
     for text in tiles:
-        name, c = parse_tile(text, plain)
+        name, c = parse_tile(text, cfg)
         out[name] = run(ra, rb, c, "tf32-rn", ("a", "b"))
     return out
 
