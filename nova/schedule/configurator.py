@@ -528,8 +528,22 @@ def plan_matmul(
     tma_path = t.family == "wgmma" and dev.has_tma and a_layout != "strided" and b_layout != "strided"
     persistent = (tma_path and split == 1 and n_tiles(t) >= 2 * S and not tf32_nmajor and not stage_b
                   and (PERSISTENT_EPILOGUES or not epilogue))
+    # 8d. the staged tf32 path with both operands K-major in shared memory (stage_a and
+    # stage_b: staged, or prerounded and read in place) takes the persistent loop too, its
+    # ring as deep as fits beside C's staging half tile (up to MAX_STAGES): measured on the
+    # H200 with both operands prerounded (scripts/tf32_variants.py --tile,
+    # bench/results/runs/tf32_variants_lm_head_tiles_2db2bbf.json), the LM head's logits
+    # 4096x50304x768 1.014 ms at 128x256x32 s3 against 1.224 one program a tile (s4), and
+    # 4096x50304x384 0.654 at 128x128x32 s5 against 0.697 (s3); bit for bit the same C
+    # (the same BLOCK_K: the same products in the same order)
+    tf32_staged = stage_a and stage_b and path == "tf32"
+    staged_persistent = (tf32_staged and tma_path and split == 1 and n_tiles(t) >= 2 * S
+                         and (PERSISTENT_EPILOGUES or not epilogue))
     if persistent:  # C's staging half tile beside the ring
         num_stages = max(2, min(num_stages, (smem_budget - t.bm * t.bn // 2 * eo) // t.stage_bytes))
+    elif staged_persistent:
+        persistent = True
+        num_stages = max(2, min(MAX_STAGES, _cdiv(K, bk), (smem_budget - t.bm * t.bn // 2 * eo) // t.stage_bytes))
 
     # 8b. warp specialization: WS_TILES's tile for a 16-bit result, one program per SM, the
     # ring as deep as the shared memory allows beside the store's layout conversion (offline

@@ -109,10 +109,27 @@ def test_tf32_stages_b_whatever_its_layout_and_fills_the_ring(M, N, K, layouts, 
     whatever its layout (K-major: TF32_ROUND_B_PENALTY, 0.5 T_mma; N-major: 1.2):
     B (a weight, a few MB) is staged. A is staged only where its copy costs less than
     rounding it in registers (0.2 T_mma), also when it is col. Staged operands go
-    straight from TMA to wgmma, so the ring is filled: 128x256x32 s4."""
+    straight from TMA to wgmma, so the ring is filled: 128x256x32 s4; with both staged
+    and >= 2 S tiles, the persistent loop (rule 8d), its ring 3 deep beside C's half tile."""
     c = configure_matmul(M, N, K, 1, *TF32, *layouts, device="H200")
-    assert _tile(c)[:5] == (128, 256, 32, 8, 4)
+    assert _tile(c)[:5] == ((128, 256, 32, 8, 3) if stage_a else (128, 256, 32, 8, 4))
+    assert c.persistent == stage_a
     assert "stage_b" in c.instruction and ("stage_a" in c.instruction) == stage_a
+
+
+@pytest.mark.parametrize("M,N,K,tile", [(4096, 50304, 768, (128, 256, 32, 8, 3, 1)),
+                                        (4096, 50304, 384, (128, 256, 32, 8, 3, 1))])
+def test_tf32_both_operands_staged_run_persistent(M, N, K, tile):
+    """Rule 8d on the LM head's logits (4096-row chunks, GPT-2's and the 46M MLP's widths):
+    both operands K-major in shared memory, so the persistent loop overlaps a tile's store
+    with the next one's loads (H200, both prerounded: 1.014 ms against 1.224 at K = 768,
+    0.647 against 0.697 at K = 384; runs/tf32_variants_lm_head_tiles_2db2bbf.json). Not with
+    an epilogue (PERSISTENT_EPILOGUES), nor where B alone is staged (A through registers)."""
+    p = plan_matmul(M, N, K, 1, *TF32, "row", "col", device="H200")
+    assert _tile(p.config) == tile and p.config.persistent
+    assert p.smem_bytes == 3 * (128 + 256) * 32 * 4 + 128 * 128 * 4
+    assert not plan_matmul(M, N, K, 1, *TF32, "row", "col", device="H200", epilogue=True).config.persistent
+    assert not plan_matmul(50304, N if N < 1000 else 768, 4096, 1, *TF32, "col", "row", device="H200").config.persistent
 
 
 def test_tf32_long_k_weight_gradients_still_split():
