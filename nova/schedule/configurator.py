@@ -534,8 +534,10 @@ def plan_matmul(
     # H200 with both operands prerounded (scripts/tf32_variants.py --tile,
     # bench/results/runs/tf32_variants_lm_head_tiles_2db2bbf.json), the LM head's logits
     # 4096x50304x768 1.014 ms at 128x256x32 s3 against 1.224 one program a tile (s4), and
-    # 4096x50304x384 0.654 at 128x128x32 s5 against 0.697 (s3); bit for bit the same C
-    # (the same BLOCK_K: the same products in the same order)
+    # 4096x50304x384 0.647 at 128x256x32 s3 against 0.697 (128x128x32 s3, one program a
+    # tile); bit for bit the same C (the same BLOCK_K: the same products in the same order).
+    # The GPT-2 tf32 step's input gradients (both staged) take it too, measured in the step
+    # only (nova bench gpt2 at cc5f6b0: 82.9 ms a step against 84.6 at 215611d)
     tf32_staged = stage_a and stage_b and path == "tf32"
     staged_persistent = (tf32_staged and tma_path and split == 1 and n_tiles(t) >= 2 * S
                          and (PERSISTENT_EPILOGUES or not epilogue))
@@ -554,8 +556,8 @@ def plan_matmul(
     # keeps step 8's kernel: Triton 3.6's partitioner fails on the tile's row reduction
     # inside the partitioned loop (bench/results/runs/step_launches_2l_564d08d.log)
     ws = WS_TILES.get("epilogue" if epilogue else "plain")
-    if not (ws is not None and not epilogue_sums and tma_path and split == 1 and batch == 1 and ea == eb == eo == 2 and path == "bf16"
-            and _cdiv(M, ws[0]) * _cdiv(N, ws[1]) >= 2 * S):
+    if not (ws is not None and not epilogue_sums and tma_path and split == 1 and batch == 1 and ea == eb == eo == 2
+            and path == "bf16" and _cdiv(M, ws[0]) * _cdiv(N, ws[1]) >= 2 * S):
         ws = None
     split_ws = (WS_SPLIT and ws is None and split > 1 and tma_path and batch == 1 and ea == eb == 2
                 and path == "bf16" and t.bm >= 2 * WGMMA_M and not tf32_nmajor)
