@@ -8,7 +8,9 @@ CUDA-graph timed as ``nova bench matmul`` times (bench/matmul.py's StepShapeBenc
 * ``cublas``: torch on the same views under TF32;
 * ``nova``: the step's kernel as it runs (tf32-rn: each operand rounded to nearest
   tf32 in the kernel, or staged through the rounding copy, as the config says);
-* ``pre_a``: the same config with A already rounded (``prerounded=("a",)``): what a
+* ``pre_a``: the same config with A already rounded (``prerounded=("a",)``, in the
+  step's layout; in the runs up to 2db2bbf the rounded copies were contiguous, so an
+  M-major A or N-major B was timed K-major in these rows): what a
   producer writing its output rounded would leave the matmul to do;
 * ``pre_ab``: both operands already rounded (a K-major B read in place, no staging);
 * ``trunc``: the config without staging, the tensor core truncating (precision
@@ -59,24 +61,37 @@ def rounding_probe(device) -> dict:
 
 
 def parse_tile(text: str, cfg):
-    """``KIND:BMxBNxBK:sS:wW`` -> (name, config): ``cfg`` on the staged TMA path (both
-    operands K-major in shared memory; prerounded ones are read in place, not copied),
-    with that tile, ring and warps, persistent for KIND ``pers``."""
-    kind, tile, stages, warps = text.split(":")
-    if kind not in ("pers", "grid") or not stages.startswith("s") or not warps.startswith("w"):
-        raise SystemExit(f"--tile {text}: expected pers|grid:BMxBNxBK:sS:wW")
+    """``KIND:BMxBNxBK:sS:wW[:kSPLIT]`` -> (name, config): ``cfg`` on the staged TMA path
+    (both operands K-major in shared memory: a prerounded K-major one is read in place, an
+    M- or N-major one copied by the staging pass), with that tile, ring, warps and split
+    (default 1), persistent for KIND ``pers``."""
+    parts = text.split(":")
+    kind, tile, stages, warps, *rest = parts
+    split = rest[0] if rest else "k1"
+    if (kind not in ("pers", "grid") or not stages.startswith("s") or not warps.startswith("w")
+            or not split.startswith("k") or len(rest) > 1):
+        raise SystemExit(f"--tile {text}: expected pers|grid:BMxBNxBK:sS:wW[:kSPLIT]")
     bm, bn, bk = (int(x) for x in tile.split("x"))
     return text, dataclasses.replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=int(stages[1:]),
-                                     num_warps=int(warps[1:]), persistent=kind == "pers", split_k=1,
+                                     num_warps=int(warps[1:]), persistent=kind == "pers", split_k=int(split[1:]),
                                      instruction="wgmma+tma+stage_a+stage_b")
+
+
+def rounded_like(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to nearest tf32 in a tensor of ``t``'s own strides (the step's layout:
+    an M-major A stays M-major, so a launch takes it as the step's launch would)."""
+    from nova.codegen.triton.matmul import round_to_tf32
+
+    out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+    return out.copy_(round_to_tf32(t))
 
 
 def variant_launchers(sb, cfg, tiles=()):
     """{variant: launch(i)} over sb's input sets (the rounded copies made once, outside the timing)."""
-    from nova.codegen.triton.matmul import matmul, round_to_tf32
+    from nova.codegen.triton.matmul import matmul
 
-    ra = [round_to_tf32(a) for a in sb.A]
-    rb = [round_to_tf32(b) for b in sb.B]
+    ra = [rounded_like(a) for a in sb.A]
+    rb = [rounded_like(b) for b in sb.B]
     bias = sb.bias
     plain = dataclasses.replace(cfg, instruction="+".join(t for t in cfg.instruction.split("+") if not t.startswith("stage")))
 
