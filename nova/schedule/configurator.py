@@ -308,6 +308,8 @@ WS_MAX_STAGES = 4
 # gradients) 2.982 ms against 2.880 (scripts/step_launches.py --set schedule.configurator.WS_SPLIT=True,
 # bench/results/runs/step_launches_2l_bf16_b32_wss_9168703.json). Off.
 WS_SPLIT = False
+# 8d's split form needs this deep a ring beside the fp32 tile's conversion (docs/configurator.md, 9d)
+PERSISTENT_SPLIT_STAGES = 4
 
 
 def plan_matmul(
@@ -325,6 +327,7 @@ def plan_matmul(
     device=None,
     epilogue: bool = False,
     epilogue_sums: bool = False,
+    prerounded: tuple[str, ...] = (),
 ) -> MatmulPlan:
     """``configure_matmul`` with its reasoning. Steps 1-9 are the sections of
     docs/configurator.md, "Matmul"."""
@@ -364,6 +367,10 @@ def plan_matmul(
         stage_b = stage_cost(K * N * batch) < b_penalty * t_mma
         if stage_b:  # A is rounded in registers (any layout) unless staging it costs less
             stage_a = stage_cost(M * K * batch) < TF32_REGISTER_A_PENALTY * t_mma
+        # an operand its producer stored rounded (``prerounded``) in the staged layout already
+        # (K contiguous: A "row", B "col") is staged at no cost: the launcher reads it in place
+        stage_b = stage_b or ("b" in prerounded and b_layout == "col")
+        stage_a = stage_b and (stage_a or ("a" in prerounded and a_layout == "row"))
     tf32_nmajor = path == "tf32" and b_layout != "col" and not stage_b and dev.has_wgmma
     ladder = _LADDER_TF32_NMAJOR if tf32_nmajor else _LADDER
 
@@ -538,14 +545,25 @@ def plan_matmul(
     # tile); bit for bit the same C (the same BLOCK_K: the same products in the same order).
     # The GPT-2 tf32 step's input gradients (both staged) take it too, measured in the step
     # only (nova bench gpt2 at cc5f6b0: 82.9 ms a step against 84.6 at 215611d)
+    # A split one (its (split, tile) work items in the same loop, the fp32 partials stored
+    # through pointers, their layout conversion taking the whole fp32 tile beside the ring)
+    # where that leaves a ring of at least PERSISTENT_SPLIT_STAGES: the 46M MLP's LM head dh,
+    # 4096x384x50304 split 4, 0.404 ms at 128x128x32 s5 against 0.614 one program a work item
+    # (s3), bit for bit (runs/tf32_variants_lm_head_splits_bb200c1.json); GPT-2's dh keeps its
+    # 128x256 tile one program a work item (2 stages would fit; its 128x128 persistent 0.778
+    # against 0.744)
     tf32_staged = stage_a and stage_b and path == "tf32"
-    staged_persistent = (tf32_staged and tma_path and split == 1 and n_tiles(t) >= 2 * S
+    staged_persistent = (tf32_staged and tma_path and n_tiles(t) * split >= 2 * S
                          and (PERSISTENT_EPILOGUES or not epilogue))
+    split_ring = (smem_budget - t.bm * t.bn * 4) // t.stage_bytes
+    if staged_persistent and split > 1 and min(split_ring, _cdiv(_cdiv(K, split), bk)) < PERSISTENT_SPLIT_STAGES:
+        staged_persistent = False
     if persistent:  # C's staging half tile beside the ring
         num_stages = max(2, min(num_stages, (smem_budget - t.bm * t.bn // 2 * eo) // t.stage_bytes))
     elif staged_persistent:
         persistent = True
-        num_stages = max(2, min(MAX_STAGES, _cdiv(K, bk), (smem_budget - t.bm * t.bn // 2 * eo) // t.stage_bytes))
+        ring = split_ring if split > 1 else (smem_budget - t.bm * t.bn // 2 * eo) // t.stage_bytes
+        num_stages = max(2, min(MAX_STAGES, _cdiv(_cdiv(K, split), bk), ring))
 
     # 8b. warp specialization: WS_TILES's tile for a 16-bit result, one program per SM, the
     # ring as deep as the shared memory allows beside the store's layout conversion (offline
@@ -594,7 +612,7 @@ def plan_matmul(
     # loop; the persistent one keeps C's staging half tile beside the ring (loads of the
     # next tile are in flight while it stores: measured sm_90 shared = ring + half tile)
     smem = (num_stages * t.stage_bytes + convert if ws else
-            num_stages * t.stage_bytes + t.bm * t.bn // 2 * eo if persistent else
+            num_stages * t.stage_bytes + (t.bm * t.bn * 4 if split > 1 else t.bm * t.bn // 2 * eo) if persistent else
             max(num_stages * t.stage_bytes, t.bm * t.bn * 4))
     blocks = min(t.blocks, _blocks_by_smem(dev, smem))
     waves = items / (S * blocks)
@@ -667,15 +685,18 @@ def configure_matmul(
     device=None,
     epilogue: bool = False,
     epilogue_sums: bool = False,
+    prerounded: tuple[str, ...] = (),
 ) -> LoweringConfig:
     """The LoweringConfig for C[batch, M, N] = A[batch, M, K] @ B[batch, K, N] (+ bias).
 
     ``precision`` ("ieee" | "tf32" | "bf16") says how fp32 operands enter the
     tensor cores; layouts are "row" (last dim contiguous), "col" (transposed) or
-    "strided"; ``device`` is a DeviceSpec or a DEVICES key (default "H200")."""
+    "strided"; ``device`` is a DeviceSpec or a DEVICES key (default "H200"). ``prerounded``:
+    the operands ("a", "b") the caller passes already rounded to nearest tf32 (as
+    ``matmul(prerounded=)``), which count as staged where their layout is K-major."""
     return plan_matmul(
         M, N, K, batch, dtype_a, dtype_b, out_dtype, precision, a_layout, b_layout, has_bias, device, epilogue,
-        epilogue_sums,
+        epilogue_sums, prerounded,
     ).config
 
 

@@ -430,3 +430,20 @@ def test_fallbacks_are_logged_once(device, caplog):
     tma = [r for r in caplog.records if "TMA descriptor" in r.getMessage()]
     assert len(tma) == 1 and "pointer-load kernel" in tma[0].getMessage()
     assert any("too short for split_k=4" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("split", [1, 3], ids=["unsplit", "split"])
+def test_a_persistent_staged_tf32_kernel_is_the_tile_grid_kernel(device, split):
+    """Rule 8d's kernels: both operands prerounded and K-major (the LM head's d and the
+    hoisted weight), the staged config run as the persistent loop over its (split, tile)
+    work items: bit for bit the one-program-a-work-item kernel (the same BLOCK_K and split,
+    the same products in the same order), a ragged M, N and last split included."""
+    torch.manual_seed(11)
+    a = mm.round_to_tf32(torch.randn(70, 200, device=device))  # [M, K], K contiguous
+    b = mm.round_to_tf32(torch.randn(40, 200, device=device)).t()  # [K, N], K contiguous
+    grid = dataclasses.replace(cfg(bm=16, bn=16, bk=32, split_k=split, stages=3), instruction="wgmma+tma+stage_a+stage_b")
+    pers = dataclasses.replace(grid, persistent=True)
+    want = mm.matmul(a, b, cfg=grid, precision="tf32-rn", prerounded=("a", "b"))
+    got = mm.matmul(a, b, cfg=pers, precision="tf32-rn", prerounded=("a", "b"), num_programs=5)
+    assert torch.equal(got, want)
+    assert rel_err(got, reference(a, b)) < 1e-6

@@ -137,3 +137,24 @@ def test_tf32_long_k_weight_gradients_still_split():
     with it beat every searched config): 3072x768x32768 keeps sk9."""
     c = configure_matmul(3072, 768, 32768, 1, *TF32, "col", "row", device="H200")
     assert c.split_k == 9 and "stage_b" in c.instruction
+
+
+def test_a_prerounded_k_major_operand_counts_as_staged_and_a_deep_ring_split_runs_persistent():
+    """The LM head's dh (d and the weight both stored rounded, both K-major: ``prerounded``)
+    is the staged path without copies, so rule 8d applies to it. The 46M MLP's (N = 384):
+    128x128x32 split 4, whose fp32 tile beside the ring leaves 5 stages: persistent, s5
+    (0.404 ms against 0.614 one program a work item, bit for bit;
+    runs/tf32_variants_lm_head_splits_bb200c1.json). GPT-2's (N = 768): 128x256, 2 stages
+    would fit beside its fp32 tile (< PERSISTENT_SPLIT_STAGES): one program a work item.
+    Without ``prerounded`` the 46M's dh keeps A rounded in registers and its old kernel."""
+    p = plan_matmul(4096, 384, 50304, 1, *TF32, "row", "col", device="H200", prerounded=("a", "b"))
+    assert _tile(p.config) == (128, 128, 32, 8, 5, 4) and p.config.persistent
+    assert p.config.instruction == "wgmma+tma+stage_a+stage_b"
+    assert p.smem_bytes == 5 * (128 + 128) * 32 * 4 + 128 * 128 * 4
+    g = plan_matmul(4096, 768, 50304, 1, *TF32, "row", "col", device="H200", prerounded=("a", "b")).config
+    assert (g.block_m, g.block_n, g.split_k) == (128, 256, 4) and not g.persistent
+    old = plan_matmul(4096, 384, 50304, 1, *TF32, "row", "col", device="H200").config
+    assert old.instruction == "wgmma+tma+stage_b" and not old.persistent and old.num_stages == 3
+    # an operand prerounded but not K-major is not staged for free (the launcher would copy it)
+    m = plan_matmul(50304, 384, 4096, 1, *TF32, "col", "row", device="H200", prerounded=("a",)).config
+    assert "stage_a" not in m.instruction

@@ -230,14 +230,15 @@ class Configs:
         self.precision = precision
         self.known: dict[tuple, LoweringConfig] = {}
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, epilogue: bool = False):
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, epilogue: bool = False,
+                 prerounded: tuple[str, ...] = ()):
         key = (a.shape[-2], b.shape[-1], a.shape[-1], a.dtype, out_dtype, mm.layout(a), mm.layout(b), epilogue,
-               a.device.type)  # fmt: skip
+               a.device.type, prerounded)  # fmt: skip
         cfg = self.known.get(key)
         if cfg is None:
             cfg = self.known[key] = configure_matmul(
                 key[0], key[1], key[2], 1, a.dtype, a.dtype, out_dtype, self.precision, key[5], key[6], False,
-                mm.device_spec(a.device), epilogue=epilogue)  # fmt: skip
+                mm.device_spec(a.device), epilogue=epilogue, prerounded=prerounded)  # fmt: skip
         return cfg
 
 
@@ -256,19 +257,21 @@ def accumulate_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, precisi
 
 
 def _matmul_scratch(M: int, N: int, K: int, dtype, out_dtype, precision: str, cfg, a_layouts, b_layouts,
-                    b_rounded: bool = False) -> int:
+                    b_rounded: bool = False, a_rounded: bool = False) -> int:
     """The most bytes ``mm.matmul`` allocates besides its ``out`` for one [M, K] @ [K, N]:
     the split-K partials and the tf32 staging copies it plans (its ``_run``), over the
     layouts the operands may have (h and w come with the strides they have);
-    ``b_rounded``: B comes prerounded in the staged layout (not copied)."""
+    ``b_rounded`` / ``a_rounded``: B / A comes prerounded in the staged layout (not
+    copied), and is configured so (``prerounded``), as the launch configures it."""
     worst = 0
+    pre = ("a",) * a_rounded + ("b",) * b_rounded
     for la in a_layouts:
         for lb in b_layouts:
             c = cfg or mm.configure(M, N, K, 1, dtype, out_dtype, precision, la, lb, False,
-                                    mm.device_spec(lowering_device()))
+                                    mm.device_spec(lowering_device()), prerounded=pre)
             splits = mm.split_k_plan(K, c)[1] if c.split_k > 1 else 1
             tokens = c.instruction.split("+")
-            staged = ("stage_a" in tokens) * M * K + ("stage_b" in tokens and not b_rounded) * K * N
+            staged = ("stage_a" in tokens and not a_rounded) * M * K + ("stage_b" in tokens and not b_rounded) * K * N
             worst = max(worst, 4 * (staged + (splits * M * N if splits > 1 else 0)))
     return worst
 
@@ -311,7 +314,8 @@ def _scratch(N, D, V, chunk, head, bias_dtype, separate_d: bool, kind: str, prec
     lw = ("col",) if hoist else _LAYOUTS  # B of the logits and of dh, rounded once: K contiguous
     mms = [_matmul_scratch(r, V, D, head, head, prec, cfg, _LAYOUTS, lw, hoist) for r in rows]  # the logits
     if kind != FORWARD:
-        mms += [_matmul_scratch(r, D, V, head, head, prec, None, ("row",), lw, hoist) for r in rows]  # dh = d @ w
+        pre_d = PREROUND_TF32 and head == f32 and prec == "tf32-rn" and bias_dtype is None  # _lower's preround
+        mms += [_matmul_scratch(r, D, V, head, head, prec, None, ("row",), lw, hoist, pre_d) for r in rows]  # dh
         mms += [_matmul_scratch(V, D, r, head, f32, prec, None, ("col",), _LAYOUTS) for r in rows]  # d^T @ h
     copies = (1 if kind == FORWARD else 2) * V * D * 4 if hoist else 0
     return Scratch.size(*_held(N, D, V, chunk, head, bias_dtype, separate_d, kind)) + copies + max(mms)
@@ -426,8 +430,8 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
                 k["lce_rows_with_grad"][(r1 - r0,)](z, t[r0:r1], *b, rows[r0:], scale, *db_arg, num_warps=warps)
             if b:
                 k["lce_colsum"][(triton_cdiv(V, _COL_BLOCK),)](dbuf if separate_d else z, db_acc, r1 - r0, num_warps=4)
-            mm.matmul(z, wd, cfg=configs(z, wd, dh.dtype), precision=prec, out=dh[r0:r1], record=used,
-                      prerounded=d_rounded + w_rounded)
+            mm.matmul(z, wd, cfg=configs(z, wd, dh.dtype, prerounded=d_rounded + w_rounded), precision=prec,
+                      out=dh[r0:r1], record=used, prerounded=d_rounded + w_rounded)
             if r0 == 0:  # the first chunk's product is the accumulator's first value: no zeroing
                 mm.matmul(z.t(), h[r0:r1], cfg=configs(z.t(), h[r0:r1], f32), precision=prec, out=dw_acc, record=used,
                           prerounded=h_b)

@@ -1178,11 +1178,14 @@ def layout(t: torch.Tensor) -> str:
     return "strided"
 
 
-def configure(M, N, K, batch, dtype, out_dtype, precision, a_layout, b_layout, has_bias, device) -> LoweringConfig:
-    """The Analytic Configurator's schedule for one matmul (``device``: a DeviceSpec)."""
+def configure(M, N, K, batch, dtype, out_dtype, precision, a_layout, b_layout, has_bias, device,
+              prerounded: tuple[str, ...] = ()) -> LoweringConfig:
+    """The Analytic Configurator's schedule for one matmul (``device``: a DeviceSpec;
+    ``prerounded`` as ``matmul``'s)."""
     from nova.schedule.configurator import configure_matmul
 
-    return configure_matmul(M, N, K, batch, dtype, dtype, out_dtype, precision, a_layout, b_layout, has_bias, device)
+    return configure_matmul(M, N, K, batch, dtype, dtype, out_dtype, precision, a_layout, b_layout, has_bias, device,
+                            prerounded=prerounded)
 
 
 def _span(t: torch.Tensor, margin: int) -> int:
