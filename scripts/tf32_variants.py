@@ -61,20 +61,22 @@ def rounding_probe(device) -> dict:
 
 
 def parse_tile(text: str, cfg):
-    """``KIND:BMxBNxBK:sS:wW[:kSPLIT]`` -> (name, config): ``cfg`` on the staged TMA path
+    """``KIND:BMxBNxBK:sS:wW[:kSPLIT][:b]`` -> (name, config): ``cfg`` on the staged TMA path
     (both operands K-major in shared memory: a prerounded K-major one is read in place, an
-    M- or N-major one copied by the staging pass), with that tile, ring, warps and split
-    (default 1), persistent for KIND ``pers``."""
+    M- or N-major one copied by the staging pass; ``:b``: B alone, A rounded in registers),
+    with that tile, ring, warps and split (default 1), persistent for KIND ``pers``."""
     parts = text.split(":")
     kind, tile, stages, warps, *rest = parts
+    b_only = rest[-1:] == ["b"]  # B alone staged: A rounded in registers (an M-major A, the step's dw)
+    rest = rest[:-1] if b_only else rest
     split = rest[0] if rest else "k1"
     if (kind not in ("pers", "grid") or not stages.startswith("s") or not warps.startswith("w")
             or not split.startswith("k") or len(rest) > 1):
-        raise SystemExit(f"--tile {text}: expected pers|grid:BMxBNxBK:sS:wW[:kSPLIT]")
+        raise SystemExit(f"--tile {text}: expected pers|grid:BMxBNxBK:sS:wW[:kSPLIT][:b]")
     bm, bn, bk = (int(x) for x in tile.split("x"))
     return text, dataclasses.replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=int(stages[1:]),
                                      num_warps=int(warps[1:]), persistent=kind == "pers", split_k=int(split[1:]),
-                                     instruction="wgmma+tma+stage_a+stage_b")
+                                     instruction="wgmma+tma+stage_b" if b_only else "wgmma+tma+stage_a+stage_b")
 
 
 def rounded_like(t: torch.Tensor) -> torch.Tensor:
@@ -116,7 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes-file", type=Path, action="append", required=True)
     ap.add_argument("--out", type=Path, default=Path("."))
-    ap.add_argument("--tile", action="append", default=[], metavar="pers|grid:BMxBNxBK:sS:wW")
+    ap.add_argument("--tile", action="append", default=[], metavar="pers|grid:BMxBNxBK:sS:wW[:kSPLIT][:b]")
     ap.add_argument("--only", default="", metavar="PREFIX", help="the launches whose source starts with PREFIX")
     ap.add_argument("--dry-run", action="store_true", help="on the CPU through Triton's interpreter (wall clock: "
                     "checks the script, its numbers mean nothing)")
