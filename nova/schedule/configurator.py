@@ -308,6 +308,9 @@ WS_MAX_STAGES = 4
 # gradients) 2.982 ms against 2.880 (scripts/step_launches.py --set schedule.configurator.WS_SPLIT=True,
 # bench/results/runs/step_launches_2l_bf16_b32_wss_9168703.json). Off.
 WS_SPLIT = False
+# 4b: the share of a tile grid's products past M and N (its edge tiles' padding) that makes
+# the next smaller tile worth taking (docs/configurator.md, 4b)
+PAD_WASTE = 0.125
 # 8d's split form needs this deep a ring beside the fp32 tile's conversion (docs/configurator.md, 9d)
 PERSISTENT_SPLIT_STAGES = 4
 
@@ -447,6 +450,22 @@ def plan_matmul(
     while n_tiles(tile(rung)) * 2 <= S:
         nxt = smaller(rung)
         if nxt is None or nxt < _FLOOR:
+            break
+        rung = nxt
+
+    # 4b. padding: a tile whose last row or column of tiles runs past M or N computes the
+    # padded products too; past PAD_WASTE of the work, the next smaller rung that pads
+    # less is taken (measured on the H200: the 46M MLP's LM head weight gradient,
+    # 50304x384x4096 tf32, N = 384 on 256-wide tiles computes 512 columns: 0.76 ms at
+    # 128x256x32 against 0.605 at 128x128x32, cuBLAS 0.645;
+    # bench/results/runs/tf32_variants_lm_head_dw_c2b6e8c.json)
+    def padded(r: int) -> float:
+        bm, bn = _oriented(r, M, N)
+        return _cdiv(M, bm) * bm * _cdiv(N, bn) * bn / (M * N)
+
+    while padded(rung) > 1 + PAD_WASTE:
+        nxt = smaller(rung)
+        if nxt is None or nxt < _FLOOR or padded(nxt) >= padded(rung):
             break
         rung = nxt
     t = tile(rung)

@@ -158,3 +158,26 @@ def test_a_prerounded_k_major_operand_counts_as_staged_and_a_deep_ring_split_run
     # an operand prerounded but not K-major is not staged for free (the launcher would copy it)
     m = plan_matmul(50304, 384, 4096, 1, *TF32, "col", "row", device="H200", prerounded=("a",)).config
     assert "stage_a" not in m.instruction
+
+
+@pytest.mark.parametrize("M,N,K,layouts", [
+    (50304, 384, 4096, ("col", "row")),  # the 46M MLP's LM head weight gradient
+    (8192, 384, 1536, ("row", "col")),  # its MLP down projection
+])  # fmt: skip
+def test_padding_past_an_eighth_takes_the_next_smaller_tile(M, N, K, layouts, monkeypatch):
+    """Rule 4b: N = 384 on 256-wide tiles computes 512 columns (1.33x the work), so the
+    128x128 rung (no padding) is taken: 50304x384x4096 tf32 measured 0.605 ms at 128x128x32
+    against 0.76 at 128x256x32, cuBLAS 0.645 (runs/tf32_variants_lm_head_dw_c2b6e8c.json).
+    With the rule off (PAD_WASTE past any padding) the tile is the old 128x256."""
+    c = configure_matmul(M, N, K, 1, *TF32, *layouts, device="H200")
+    assert (c.block_m, c.block_n, c.block_k, c.split_k) == (128, 128, 32, 1)
+    monkeypatch.setattr(cf, "PAD_WASTE", 1.0)
+    c = configure_matmul(M, N, K, 1, *TF32, *layouts, device="H200")
+    assert (c.block_m, c.block_n) == (128, 256)
+
+
+def test_padding_within_an_eighth_keeps_the_big_tile():
+    """GPT-2's vocabulary, 50304 = 196.5 x 256: the logits' 256-wide tiles pad 0.25% of the
+    work, under PAD_WASTE, so rule 4b leaves the 128x256 tile of the LM head alone."""
+    c = configure_matmul(2048, 50304, 768, 1, *BF16, "row", "col", device="H200")
+    assert (c.block_m, c.block_n) == (128, 256)
