@@ -245,7 +245,8 @@ def _compile_summary(report: dict) -> str:
     text = (f"pipeline {report['pipeline']:.1f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in slow) + f"), lower "
             f"{report['lower']:.1f} s, step cache {report['cache']}")
     if ahead:
-        text += f", {ahead['kernels']} kernels compiled ahead on {ahead['threads']} threads in {ahead['seconds']:.1f} s"
+        text += (f", {ahead['kernels']} kernels and {ahead.get('launchers', 0)} launchers compiled ahead on "
+                 f"{ahead['threads']} threads in {ahead['seconds']:.1f} s")
     return text
 
 

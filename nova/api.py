@@ -827,8 +827,9 @@ class CompiledStep:
                 + f"; runs as: {self.mode}"]  # fmt: skip
         ahead = prog.executable.ahead if prog.executable is not None else None
         if ahead:  # nova.runtime.compile_ahead walked its launch list
-            head.append(f"kernels compiled before the first run: {ahead['kernels']} on {ahead['threads']} threads in "
-                        f"{ahead['seconds']:.1f} s ({ahead['launches']} launches walked)")  # fmt: skip
+            head.append(f"kernels compiled before the first run: {ahead['kernels']} (and {ahead.get('launchers', 0)} "
+                        f"launchers) on {ahead['threads']} threads in {ahead['seconds']:.1f} s "
+                        f"({ahead['launches']} launches walked)")  # fmt: skip
         memory = [*report(c.memory), *remat.report(c.remat), *distributed.report(c)]
         if plots is not None:
             path = Path(plots) / "memory_timeline.png"
@@ -927,7 +928,7 @@ class CompiledStep:
         """Where the last-used program's compile went, in seconds: ``stages`` (each
         pipeline stage, and the step cache's lookup, restore or store), ``pipeline``
         (their sum), ``lower`` (kernel sources and launch list), ``ahead`` (the kernels
-        compiled on the thread pool before the first run: ``kernels``, ``threads``,
+        compiled on the thread pool before the first run: ``kernels``, ``launchers``, ``threads``,
         ``seconds``; empty before the first run or where there was no walk) and
         ``cache`` (the step cache's status)."""
         if self._last is None:

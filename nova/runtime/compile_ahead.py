@@ -10,8 +10,13 @@ first run the executable walks its launch list once inside ``ahead()``:
     specialization) hands that specialization to ``JITFunction.preload`` under
     ``triton.AsyncCompileMode``, which compiles it on a thread pool, and answers
     "handled", so that ``run`` returns without a launch;
-  * leaving ``ahead()`` waits for every compile and puts each kernel into its
-    JITFunction's cache, where the first run finds it under the same key.
+  * each compiled kernel's launcher is built on the pool too: Triton 3.6 compiles a
+    small C module per distinct launch signature with the system's C compiler (about
+    0.3-0.6 s each, serially at the first launch otherwise: most of what a cold first
+    step spent beyond the kernels' own compiles); built here, it lands in Triton's
+    on-disk cache, where the first launch finds it;
+  * leaving ``ahead()`` waits for every compile and launcher and puts each kernel into
+    its JITFunction's cache, where the first run finds it under the same key.
 
 A kernel already compiled (by another program of the process) does launch during
 the walk, on whatever the arena holds: so the walk must be harmless to run on
@@ -36,6 +41,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from nova.config import positive_int_env
+from nova.log import get_logger
+
+_LOG = get_logger(__name__)
 
 _LOCAL = threading.local()  # .preloading: the hook's own preload call is a real compile request
 
@@ -52,13 +60,37 @@ def threads() -> int:
 @contextmanager
 def ahead(workers: int) -> Iterator[dict]:
     """See the module docstring. Yields a dict that counts, on leaving, the kernels
-    ``submitted`` to the pool (distinct specializations)."""
+    ``submitted`` to the pool (distinct specializations) and the ``launchers`` built
+    there (distinct launch signatures)."""
     import triton
     from triton import knobs
 
-    stats = {"submitted": 0}
+    stats = {"submitted": 0, "launchers": 0}
     seen: set[str] = set()
+    signatures: set[str] = set()
+    lock = threading.Lock()
     walker = threading.get_ident()
+    pool: ThreadPoolExecutor | None = None
+    launchers: list = []
+
+    def build_launcher(compiled) -> None:
+        """The launcher of the kernel ``compiled`` (a future of the pool, submitted
+        before this task, so already running: no wait on a queued task) built into
+        Triton's cache. A failure is left to the first launch, which builds it again
+        and raises there, where it belongs."""
+        from triton.runtime.driver import driver
+
+        kernel = compiled.result()
+        src = kernel.src
+        key = repr((sorted(src.signature.items()), sorted(getattr(src, "constants", {}).items(), key=repr),
+                    getattr(kernel.metadata, "tensordesc_meta", None)))  # fmt: skip
+        with lock:
+            if key in signatures:
+                return
+            signatures.add(key)
+        driver.active.launcher_cls(src, kernel.metadata)
+        with lock:
+            stats["launchers"] += 1
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 (Triton's names)
         if threading.get_ident() != walker or getattr(_LOCAL, "preloading", False):
@@ -68,10 +100,12 @@ def ahead(workers: int) -> Iterator[dict]:
             seen.add(data)
             _LOCAL.preloading = True
             try:
-                fn.jit_function.preload(data)  # submitted to the pool (AsyncCompileMode), returns at once
+                future = fn.jit_function.preload(data)  # submitted to the pool (AsyncCompileMode), returns at once
             finally:
                 _LOCAL.preloading = False
             stats["submitted"] += 1
+            if future is not None:  # its launcher next, on the pool, after the compile
+                launchers.append(pool.submit(build_launcher, future.future))
         return True  # handled: this launch neither compiles nor launches
 
     previous = knobs.runtime.jit_cache_hook
@@ -82,3 +116,8 @@ def ahead(workers: int) -> Iterator[dict]:
                 yield stats
             finally:
                 knobs.runtime.jit_cache_hook = previous
+        for f in launchers:
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001  (the first launch builds it again and raises there)
+                _LOG.debug("a launcher did not build ahead", exc_info=True)

@@ -309,15 +309,16 @@ class Executable:
             _LOG.info("kernels compile at their first launch: the step has collectives")
             return
         t0 = time.perf_counter()
-        walked, kernels = self._walk(ahead(workers))
-        self.ahead = {"launches": walked, "kernels": kernels, "threads": workers, "seconds": time.perf_counter() - t0}
-        _LOG.info("compiled %d kernels of %d launches on %d threads in %.1f s", kernels, walked, workers,
-                  self.ahead["seconds"])  # fmt: skip
+        walked, stats = self._walk(ahead(workers))
+        self.ahead = {"launches": walked, "kernels": stats["submitted"], "launchers": stats.get("launchers", 0),
+                      "threads": workers, "seconds": time.perf_counter() - t0}  # fmt: skip
+        _LOG.info("compiled %d kernels (%d launchers) of %d launches on %d threads in %.1f s", stats["submitted"],
+                  self.ahead["launchers"], walked, workers, self.ahead["seconds"])  # fmt: skip
 
-    def _walk(self, context) -> tuple[int, int]:
+    def _walk(self, context) -> tuple[int, dict]:
         """Every kernel launch of the list once inside ``context`` (``compile_ahead.ahead``),
         the caller's tensors among its outputs replaced by views of the arena. Returns
-        (launches walked, kernels the context submitted)."""
+        (launches walked, the context's counts: ``submitted`` kernels, ``launchers``)."""
         walked = 0
         with context as stats:
             for launch in self.launches:
@@ -334,7 +335,7 @@ class Executable:
                 else:
                     launch(outs)
                     walked += 1
-        return walked, stats["submitted"]
+        return walked, stats
 
     def _write_scalars(self, hyper: Sequence[float], seeds: Sequence[int], k: int) -> None:
         """Row ``k`` of the pinned host rows (free: ``launch`` saw to it) to the device."""

@@ -206,6 +206,7 @@ def test_kernels_compiled_ahead_on_threads_train_as_compiled_one_by_one(monkeypa
         losses[k].append(steps[k](*batches[0]))
     ahead = [s._last.executable.ahead for s in steps]
     assert ahead[0]["kernels"] > 10 and ahead[0]["threads"] == 4, ahead[0]
+    assert 1 <= ahead[0]["launchers"] <= ahead[0]["kernels"], ahead[0]  # distinct launch signatures, on the pool
     assert ahead[1]["kernels"] == 0 and ahead[1]["launches"] == ahead[0]["launches"], ahead[1]
     assert ahead[2] == {}, "NOVA_COMPILE_THREADS=1: no walk"
     for x, y in batches[1:]:

@@ -223,5 +223,6 @@ def test_the_compile_ahead_walk_leaves_parameters_and_state_as_they_were():
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p, q)
     # explain() reports a walk (on CUDA: the figures compile_ahead records)
-    exe.ahead = {"launches": walked, "kernels": 7, "threads": 2, "seconds": 0.31}
-    assert f"kernels compiled before the first run: 7 on 2 threads in 0.3 s ({walked} launches walked)" in step.explain()
+    exe.ahead = {"launches": walked, "kernels": 7, "launchers": 5, "threads": 2, "seconds": 0.31}
+    assert (f"kernels compiled before the first run: 7 (and 5 launchers) on 2 threads in 0.3 s ({walked} launches "
+            "walked)") in step.explain()  # fmt: skip
