@@ -186,6 +186,13 @@ def candidates(space, M, N, K, budget, num_sms) -> list[LoweringConfig]:
     return out
 
 
+def variant_line(model: str, batch: int, row: dict, names, width: int = 40) -> str:
+    """One launch's times under each variant, a line (scripts/tf32_variants.py, split_variants.py)."""
+    return (f"{model} b{batch} {row['source'][:width]:{width}s} {row['M']}x{row['N']}x{row['K']} "
+            f"{'/'.join(row['layouts'])} x{row['count']} [{row['config']}]: "
+            + "  ".join(f"{v} {row.get(v) if row.get(v) is not None else '-'}" for v in names))
+
+
 def describe(cfg: LoweringConfig | None) -> str:
     if cfg is None:
         return "-"

@@ -83,9 +83,7 @@ def main() -> None:
                     except Exception as e:  # recorded: a variant the template rejects here
                         row[name], row[name + "_error"] = None, f"{type(e).__name__}: {str(e)[:200]}"
             rows.append(row)
-            print(f"{model['model']} b{step['batch']} {row['source'][:30]:30s} {row['M']}x{row['N']}x{row['K']} "
-                  f"{'/'.join(row['layouts'])} x{row['count']} [{row['config']}]: "
-                  + "  ".join(f"{v} {row.get(v) if row.get(v) is not None else '-'}" for v in variants), flush=True)
+            print(bm.variant_line(model["model"], step["batch"], row, variants, 30), flush=True)
             del sb
             if device.type == "cuda":
                 torch.cuda.empty_cache()

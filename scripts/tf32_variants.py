@@ -160,9 +160,7 @@ def main() -> None:
                         row[name] = round(ms, 5)
                         totals[name] += ms * launch["count"]
                 rows.append(row)
-                print(f"{model['model']} b{step['batch']} {row['source'][:40]:40s} {row['M']}x{row['N']}x{row['K']} "
-                      f"{'/'.join(row['layouts'])} x{row['count']} [{row['config']}]: "
-                      + "  ".join(f"{v} {row.get(v) if row.get(v) is not None else '-'}" for v in names), flush=True)
+                print(bm.variant_line(model["model"], step["batch"], row, names), flush=True)
                 del sb
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
