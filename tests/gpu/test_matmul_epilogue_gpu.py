@@ -61,7 +61,8 @@ def _same_both_ways(module, precision, split=None):
                 if isinstance(op, (nv.MatmulOp, nv.FusedOp)) and "nova.lowering_config" in op.attributes:
                     cfg = config_of(op)
                     if cfg.kind == "matmul":
-                        op.attributes["nova.lowering_config"] = config_attr(_split(cfg, split, 2 if precision == "bf16" else 4))
+                        itemsize = 2 if precision == "bf16" else 4
+                        op.attributes["nova.lowering_config"] = config_attr(_split(cfg, split, itemsize))
     assert any(isinstance(op, nv.FusedOp) and op.contraction() is not None for op in fn.body.block.ops)
     g = torch.Generator(device="cuda").manual_seed(0)
     args = [torch.randn(shape_of(a.type), generator=g, device="cuda").to(to_torch_dtype(elem_of(a.type)))
