@@ -308,6 +308,9 @@ WS_MAX_STAGES = 4
 # gradients) 2.982 ms against 2.880 (scripts/step_launches.py --set schedule.configurator.WS_SPLIT=True,
 # bench/results/runs/step_launches_2l_bf16_b32_wss_9168703.json). Off.
 WS_SPLIT = False
+# 4: a compute-bound tile that step 5 fills the machine with by splitting K is not halved
+# (docs/configurator.md, 4)
+SPLIT_BEFORE_HALVING = True
 # 4b: the share of a tile grid's products past M and N (its edge tiles' padding) that makes
 # the next smaller tile worth taking (docs/configurator.md, 4b)
 PAD_WASTE = 0.125
@@ -447,7 +450,26 @@ def plan_matmul(
     # does half the work. Not below the 64x64 floor (one wgmma M=64 warpgroup, and
     # the 4 warps of a block each own a 32x32 accumulator): there split-K (5) is
     # preferred, as it keeps the tile's intensity
-    while n_tiles(tile(rung)) * 2 <= S:
+    # Nor, on a compute-bound shape, where step 5 would fill the wave at this tile instead
+    # (``split_fills``: its under-filled split s = min(S // tiles, K_steps / 2, sqrt(tau / c))
+    # >= 2) in less model time than the halved tile unsplit takes. There the tile's
+    # intensity sets the speed, which split-K keeps and halving loses (measured on the H200,
+    # bf16 768x768x32768, a GPT-2 weight gradient: 128x256x64 split 7, 126 work items,
+    # 0.059 ms; halved to 64x128x64 split 7, 0.076; cuBLAS 0.064;
+    # runs/split_variants_bf16_b32_edf14a3.json). On a memory-bound shape DRAM sets it and
+    # the partials add to it: the grid's 128x8192x8192 halves to 64x128x128 unsplit, at
+    # cuBLAS speed (bench/results/matmul.json)
+    def split_fills(r: int) -> bool:
+        nxt = smaller(r)
+        if not SPLIT_BEFORE_HALVING or ai < ridge or nxt is None:
+            return False
+        t, h = tile(r), tile(nxt)
+        tau, c = 2 * t.bm * t.bn * K / (peak / S), 8 * M * N * batch / bw
+        s = min(S // n_tiles(t), k_steps // 2, int(math.sqrt(tau / c)))
+        halved = math.ceil(n_tiles(h) / S) * 2 * h.bm * h.bn * K / (peak / S)
+        return s >= 2 and tau / s + c * s + LAUNCH_SECONDS < halved
+
+    while n_tiles(tile(rung)) * 2 <= S and not split_fills(rung):
         nxt = smaller(rung)
         if nxt is None or nxt < _FLOOR:
             break

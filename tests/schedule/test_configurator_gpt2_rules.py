@@ -181,3 +181,21 @@ def test_padding_within_an_eighth_keeps_the_big_tile():
     work, under PAD_WASTE, so rule 4b leaves the 128x256 tile of the LM head alone."""
     c = configure_matmul(2048, 50304, 768, 1, *BF16, "row", "col", device="H200")
     assert (c.block_m, c.block_n) == (128, 256)
+
+
+def test_a_compute_bound_tile_that_a_split_fills_the_machine_with_is_not_halved(monkeypatch):
+    """Step 4 keeps 128x256 on GPT-2's 768x768x32768 weight gradient: 18 tiles split 7 ways
+    (126 work items) beat, in step 5's own model, the halved 128x128 tile unsplit; measured
+    0.059 ms against the halved-then-split 64x128 split 7, 0.076 (cuBLAS 0.064;
+    runs/split_variants_bf16_b32_edf14a3.json). With the rule off the old halving comes back.
+    A memory-bound shape (the grid's 128x8192x8192) still halves to its unsplit 64x128, and a
+    short K (2048x768x2048) to its unsplit 128x128: there the halved tile is faster in the model."""
+    c = configure_matmul(768, 768, 32768, 1, *BF16, "col", "row", device="H200")
+    assert (c.block_m, c.block_n, c.split_k) == (128, 256, 7)
+    m = configure_matmul(128, 8192, 8192, 1, *BF16, "row", "row", device="H200")
+    assert (m.block_m, m.block_n, m.split_k) == (64, 128, 1)
+    s = configure_matmul(2048, 768, 2048, 1, *BF16, "row", "row", device="H200")
+    assert (s.block_m, s.block_n, s.split_k) == (128, 128, 1)
+    monkeypatch.setattr(cf, "SPLIT_BEFORE_HALVING", False)
+    c = configure_matmul(768, 768, 32768, 1, *BF16, "col", "row", device="H200")
+    assert (c.block_m, c.block_n, c.split_k) == (64, 128, 7)
