@@ -70,8 +70,7 @@ def ahead(workers: int) -> Iterator[dict]:
     signatures: set[str] = set()
     lock = threading.Lock()
     walker = threading.get_ident()
-    pool: ThreadPoolExecutor | None = None
-    launchers: list = []
+    launchers: list = []  # the launcher builds' futures, on the pool the hook submits to
 
     def build_launcher(compiled) -> None:
         """The launcher of the kernel ``compiled`` (a future of the pool, submitted

@@ -310,7 +310,7 @@ class Executable:
             return
         t0 = time.perf_counter()
         walked, stats = self._walk(ahead(workers))
-        self.ahead = {"launches": walked, "kernels": stats["submitted"], "launchers": stats.get("launchers", 0),
+        self.ahead = {"launches": walked, "kernels": stats["submitted"], "launchers": stats["launchers"],
                       "threads": workers, "seconds": time.perf_counter() - t0}  # fmt: skip
         _LOG.info("compiled %d kernels (%d launchers) of %d launches on %d threads in %.1f s", stats["submitted"],
                   self.ahead["launchers"], walked, workers, self.ahead["seconds"])  # fmt: skip

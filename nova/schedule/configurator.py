@@ -445,6 +445,20 @@ def plan_matmul(
             rung = r
             break
 
+    # step 5's wave model (there, with its reasons), which step 4 asks too: a tile's whole K
+    # at one SM's share of the peak (tau), the fp32 partials per split (c), T(s) of s splits,
+    # and the split of a wave at most half full
+    c = 8 * M * N * batch / bw
+
+    def tau_of(t: _Tile) -> float:
+        return 2 * t.bm * t.bn * K / (peak / S)
+
+    def wave_time(t: _Tile, s: int) -> float:
+        return math.ceil(n_tiles(t) * s / S) * tau_of(t) / s + (c * s + LAUNCH_SECONDS if s > 1 else 0.0)
+
+    def underfilled_split(t: _Tile) -> int:
+        return min(S // n_tiles(t), k_steps // 2, int(math.sqrt(tau_of(t) / c)))
+
     # 4. fill the machine: a tile runs on one SM; while there are at most S/2 tiles,
     # halving the tile doubles them and they still run in one wave, so every SM
     # does half the work. Not below the 64x64 floor (one wgmma M=64 warpgroup, and
@@ -463,11 +477,8 @@ def plan_matmul(
         nxt = smaller(r)
         if not SPLIT_BEFORE_HALVING or ai < ridge or nxt is None:
             return False
-        t, h = tile(r), tile(nxt)
-        tau, c = 2 * t.bm * t.bn * K / (peak / S), 8 * M * N * batch / bw
-        s = min(S // n_tiles(t), k_steps // 2, int(math.sqrt(tau / c)))
-        halved = math.ceil(n_tiles(h) / S) * 2 * h.bm * h.bn * K / (peak / S)
-        return s >= 2 and tau / s + c * s + LAUNCH_SECONDS < halved
+        s = underfilled_split(tile(r))
+        return s >= 2 and wave_time(tile(r), s) < wave_time(tile(nxt), 1)
 
     while n_tiles(tile(rung)) * 2 <= S and not split_fills(rung):
         nxt = smaller(rung)
@@ -503,15 +514,12 @@ def plan_matmul(
     # K-steps per split (so a load can overlap an MMA). Several waves whose last one
     # is at most half full: s = 2 halves that tail (ceil(2w) / 2 < ceil(w)). Either
     # way a split is taken only where the model says T(s) < T(1).
-    tau = 2 * t.bm * t.bn * K / (peak / S)
-    c = 8 * M * N * batch / bw
-
     def model_time(s: int) -> float:
-        return math.ceil(tiles * s / S) * tau / s + (c * s + LAUNCH_SECONDS if s > 1 else 0.0)
+        return wave_time(t, s)
 
     tail = tiles / S - tiles // S
     if tiles * 2 <= S:
-        s = min(S // tiles, k_steps // 2, int(math.sqrt(tau / c)))
+        s = underfilled_split(t)
     elif 0 < tail <= 0.5 and k_steps >= 4:
         s = 2
     elif tiles < S and k_steps >= 4:
