@@ -64,19 +64,13 @@ def parse_tile(text: str, cfg):
     """``KIND:BMxBNxBK:sS:wW[:kSPLIT][:b]`` -> (name, config): ``cfg`` on the staged TMA path
     (both operands K-major in shared memory: a prerounded K-major one is read in place, an
     M- or N-major one copied by the staging pass; ``:b``: B alone, A rounded in registers),
-    with that tile, ring, warps and split (default 1), persistent for KIND ``pers``."""
-    parts = text.split(":")
-    kind, tile, stages, warps, *rest = parts
-    b_only = rest[-1:] == ["b"]  # B alone staged: A rounded in registers (an M-major A, the step's dw)
-    rest = rest[:-1] if b_only else rest
-    split = rest[0] if rest else "k1"
-    if (kind not in ("pers", "grid") or not stages.startswith("s") or not warps.startswith("w")
-            or not split.startswith("k") or len(rest) > 1):
-        raise SystemExit(f"--tile {text}: expected pers|grid:BMxBNxBK:sS:wW[:kSPLIT][:b]")
-    bm, bn, bk = (int(x) for x in tile.split("x"))
-    return text, dataclasses.replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=int(stages[1:]),
-                                     num_warps=int(warps[1:]), persistent=kind == "pers", split_k=int(split[1:]),
-                                     instruction="wgmma+tma+stage_b" if b_only else "wgmma+tma+stage_a+stage_b")
+    with that tile, ring, warps and split (default 1), persistent for KIND ``pers``
+    (split_variants.parse_tile reads the rest)."""
+    from split_variants import parse_tile as tile_of  # scripts/split_variants.py
+
+    b_only = text.endswith(":b")  # B alone staged: A rounded in registers (an M-major A, the step's dw)
+    c = tile_of(text[:-2] if b_only else text, cfg)
+    return text, dataclasses.replace(c, instruction="wgmma+tma+stage_b" if b_only else "wgmma+tma+stage_a+stage_b")
 
 
 def rounded_like(t: torch.Tensor) -> torch.Tensor:
