@@ -180,8 +180,13 @@ here, into loops, prologues and epilogues.
                MMA dtype, so an f32 tile would be converted through registers and
                written back to shared memory (the slow register path the tf32
                staging in matmul.py exists to avoid). The cast's cheaper home is
-               its producer: the f32 -> bf16 write in the LayerNorm's (or the
-               optimizer's) kernel.
+               its producer: the f32 -> bf16 write in the LayerNorm's kernel. A
+               weight has none inside the step: the optimizer's kernel writes the
+               param at the end of step N, and a bf16 copy kept from there for step
+               N+1 would go stale when the user writes the param through ``.data``
+               between the steps (that bumps no version counter Nova could check:
+               a silent wrong result), so weight casts stay in the step, batched
+               (multi-tensor, below).
   multi-      update groups (writing the new value of a param or state) of one
   tensor       iteration shape (AdamW on a bias or a LayerNorm weight, on the weights
                of one shape) launch together in block order, up to ``SMALL_ARGS``
@@ -193,7 +198,14 @@ here, into loops, prologues and epilogues.
                (``fused.segments_of``: one branch of the kernel a part, grid axis 1),
                so a program holds one parameter's values: as one straight-line kernel
                the 12 updates of a [3072, 768] shape took 244-255 registers and
-               spilled (offline ptxas); as parts 56 and none.
+               spilled (offline ptxas); as parts 56 and none. Groups that read only
+               the step's arguments (a weight's bf16 cast for the forward's matmuls)
+               batch the same way, one kernel a shape placed before the first reader:
+               GPT-2 124M's 48 forward weight casts in 4 launches instead of 48 (the
+               plan's peak unchanged, 8.654 GiB at bf16 batch 32: the copies are made
+               at the step's start, where little else is live, and each dies at its
+               layer's forward matmul; remat's recasts for the backward stay one
+               kernel each, beside their readers, so no copy lives across the peak).
   not fused    ops reading their own flat index (arange, dropout_mask) are
                grouped like any op of their shape, never recomputed as scalars.
   singletons   a group of one op stays that op (no wrapper), unless it recomputes
@@ -219,7 +231,7 @@ from dataclasses import dataclass, field
 from xdsl.context import Context
 from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, StringAttr
-from xdsl.ir import Block, Operation, Region, SSAValue
+from xdsl.ir import Block, BlockArgument, Operation, Region, SSAValue
 from xdsl.passes import ModulePass
 
 from nova.ir import dialect as nv
@@ -252,6 +264,12 @@ TAIL_OUTPUTS = 64
 # launch for all 48 (scripts/multi_tensor_adamw.py's pointer table) took 0.70 ms against
 # 1.34 one launch each (bench/results/runs/multi_tensor_adamw_49aaf89.json)
 SMALL_ARGS = 128
+# The forward's weight casts of one shape as one launch (``_prepares_operands``): GPT-2
+# 124M bf16's 48 casts took 0.38 ms of kernels in 48 launches (kernel_profile_124m_b32_
+# 215611d.json: 1.6-5 us each, launch and ramp for 1.2-9.4 MB); the same bytes in 4
+# launches. Not yet timed on the H200; a switch for that A/B (scripts/step_launches.py
+# --set nova.transforms.fuse.BATCH_OPERAND_CASTS=False).
+BATCH_OPERAND_CASTS = True
 
 
 def fusible(op: Operation) -> bool:
@@ -749,26 +767,60 @@ class _Grouping:
         outs = {r for m in node.members for r in m.results if any(u not in inside for u in self.users.get(r, ()))}
         return len(ins) + len(outs)
 
+    def _prepares_operands(self, node: Node) -> bool:
+        """``node`` reads only arguments of the step (params, buffers, state) and only
+        contractions read its results (through views): a weight's cast for the matmuls.
+        Batched, such a group is computed before its first reader; the rule keeps that
+        to matmul operands (in a training step the forward reads them in layer order
+        while its activations grow towards the peak), not any value computed early."""
+        inside = set(node.members)
+        if not all(isinstance(w, BlockArgument) for m in node.members for w in self.inputs[m]
+                   if not (isinstance(w.owner, Operation) and w.owner in inside)):  # fmt: skip
+            return False
+
+        def contractions_only(v: SSAValue) -> bool:
+            for u in v.uses:
+                r = u.operation
+                if r in inside:
+                    continue
+                if isinstance(r, VIEW_OPS):
+                    if not contractions_only(r.results[0]):
+                        return False
+                elif not (isinstance(r, nv.NovaOp) and r.CATEGORY == "contraction"):
+                    return False
+            return True
+
+        return all(contractions_only(r) for m in node.members for r in m.results)
+
     def batch_small(self) -> None:
-        """Update groups (writing the new value of a param or state: the optimizer's) of
-        one iteration shape (the updates of biases and LayerNorm weights, of the
-        weights of one shape) merge in block order into one kernel while it
-        takes at most ``SMALL_ARGS`` pointers and ``try_merge`` finds a place for it
-        (after every input, before every reader): a multi-tensor update."""
-        current: dict[tuple[int, ...], Node] = {}
+        """Multi-tensor kernels: groups of one iteration shape of one of two kinds merge
+        in block order into one kernel while it takes at most ``SMALL_ARGS`` pointers
+        and ``try_merge`` finds a place for it (after every input, before every reader).
+        Update groups (writing the new value of a param or state: the optimizer's; the
+        updates of biases and LayerNorm weights, of the weights of one shape): a
+        multi-tensor update. Groups that read only the step's arguments for the
+        matmuls (``_prepares_operands``: the bf16 casts of the weights of one shape):
+        one launch before the first of their readers. A remat recompute (``late``)
+        stays where remat put it."""
+        current: dict[tuple[str, tuple[int, ...]], Node] = {}
         for op in self.ops:
             n = self.node.get(op)
             if (n is None or not n.fused or n.kind != "elementwise" or n.shape is None or op is not n.members[-1]
-                    or not 1 < numel(n.shape) or any(m.FLAT_INDEX for m in n.members)
-                    or not any(m in self.updates for m in n.members)):  # fmt: skip
+                    or not 1 < numel(n.shape) or any(m.FLAT_INDEX for m in n.members)):  # fmt: skip
                 continue
-            cur = current.get(n.shape)
+            if any(m in self.updates for m in n.members):
+                key = ("update", n.shape)
+            elif BATCH_OPERAND_CASTS and not any(m in self.late for m in n.members) and self._prepares_operands(n):
+                key = ("arguments", n.shape)
+            else:
+                continue
+            cur = current.get(key)
             if cur is not None and cur is not n and self._args(cur) + self._args(n) <= SMALL_ARGS:
                 merged = self.try_merge([cur, n])
                 if merged is not None:
-                    current[n.shape] = merged
+                    current[key] = merged
                     continue
-            current[n.shape] = n
+            current[key] = n
 
     def groups(self) -> list[Group]:
         seen: set[int] = set()

@@ -261,6 +261,29 @@ def test_updates_of_one_shape_run_as_parts_of_one_kernel():
     assert fk.segments_of(g) == parts  # deterministic
 
 
+def test_weight_casts_of_one_shape_run_as_parts_of_one_kernel():
+    """The bf16 casts of three ragged [37, 53] weights, each read by a matmul of its own
+    (``batch_small``'s argument-only groups): one kernel of three parts, each casting one
+    weight; bit for bit the single casts (round to nearest even, ties and subnormals
+    among the inputs), and the reference."""
+    slots = [Slot("param", "x", tensor([5, 37], bf16))]
+    slots += [Slot("param", f"w{k}", tensor([37, 53], f32)) for k in range(3)]
+    module, fn, b = _step(*slots)
+    x, *ws = fn.body.block.args
+    set_results(fn, [("loss", f"y{k}", b.matmul(x, b.cast(w, bf16))) for k, w in enumerate(ws)])
+    args = _args(fn)
+    g = torch.Generator().manual_seed(1)
+    for k in range(1, 4):  # signed values over many binades, exact bf16 ties, subnormals, zeros
+        w = torch.randn(37, 53, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-130, 30, (37, 53), generator=g))
+        w[0, :8] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130, -(2**-133), 0.0, -0.0, 3.0], dtype=torch.float64)
+        args[k] = w.to(torch.float32)
+    groups = check_groups(module, args, exact=True)
+    (multi,) = [op for op in groups if len(op.results) == 3]
+    parts = fk.segments_of(multi)
+    assert parts is not None and [len(js) for _, _, js in parts] == [1, 1, 1]
+    assert "seg = tl.program_id(1)" in lowering_for(multi)(multi, None).source
+
+
 def test_a_group_sharing_an_input_is_one_part():
     """Two outputs computed from one [33, 40] input (horizontal fusion's shared load) stay
     one straight-line kernel: parts never load an operand twice."""

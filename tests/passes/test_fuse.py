@@ -1138,6 +1138,46 @@ def test_updates_of_one_shape_launch_together_small_or_large():
     assert all(segments_of(g) is None for g in groups if len(g.results) == 1)
 
 
+def test_weight_casts_of_one_shape_launch_together_before_their_first_reader():
+    """The bf16 casts of three [8, 16] weights, each read by its own matmul down the
+    forward, are one multi-tensor kernel (``batch_small``, parts per weight) placed
+    before the first matmul; a weight of another shape, a cast of a computed value and a
+    remat recompute of a weight's cast (``nova.remat``: it stays in the backward, where
+    remat put it) stay kernels of their own, where they were."""
+    from nova.codegen.triton.fused import segments_of
+
+    slots = [Slot("param", "x", tensor([4, 8], f32))]
+    slots += [Slot("param", f"w{k}", tensor([8, 16], f32)) for k in range(3)]
+    slots += [Slot("param", "v", tensor([16, 8], f32))]
+    module, fn, b = _step(*slots)
+    x, w0, w1, w2, v = fn.body.block.args
+    h = b.cast(x, bf16)
+    outs = []
+    for w in (w0, w1, w2):
+        y = b.matmul(h, b.cast(w, bf16))  # [4, 16]
+        outs.append(y)
+        h = b.cast(b.matmul(b.cast(y, f32), v), bf16)  # [4, 8], through v's own f32 matmul
+    again = b.cast(w1, bf16)
+    again.owner.attributes["nova.remat"] = StringAttr("default")
+    late = b.matmul(h, again)
+    vt = b.cast(v, bf16)
+    set_results(fn, [("loss", f"y{k}", y) for k, y in enumerate(outs)]
+                + [("loss", "late", late), ("loss", "vt", vt)])  # fmt: skip
+    ops = _fused(module)
+    casts = [o for o in ops if isinstance(o, nv.FusedOp) or isinstance(o, nv.CastOp)]
+    (multi,) = [o for o in casts if isinstance(o, nv.FusedOp) and len(o.results) == 3]
+    assert multi.iteration_shape() == (8, 16) and list(multi.operands) == [w0, w1, w2]
+    assert _inner(multi) == ["nova.cast"] * 3 and [len(p[2]) for p in segments_of(multi)] == [1, 1, 1]
+    matmuls = [i for i, o in enumerate(ops) if isinstance(o, nv.MatmulOp)
+               or isinstance(o, nv.FusedOp) and o.props()["kind"] == "contraction"]  # fmt: skip
+    assert len(matmuls) == 7 and ops.index(multi) < matmuls[0]
+    # the remat clone, the lone [16, 8] weight and x's cast stay ops of their own
+    lone = [o for o in ops if isinstance(o, nv.CastOp)]
+    assert {o.operands[0] for o in lone} == {w1, v, x}
+    (clone,) = [o for o in lone if "nova.remat" in o.attributes]
+    assert ops.index(clone) > matmuls[-2]  # after the forward's six matmuls, before its reader
+
+
 def test_last_scalars_of_two_shapes_are_two_groups():
     module, fn, b = _step(Slot("hyper", "lr", tensor([], f64)), Slot("param", "w", tensor([1], f64)))
     lr, w = fn.body.block.args
