@@ -3,7 +3,7 @@
 large updates (an experiment). Merging the GPT-2 124M step's 48 large updates into one
 fused kernel per shape keeps the plan's peak (8.654 GiB at batch 32) but the fused
 kernel holds every tensor's loads at once (ptxas: 244-255 registers, spills from two
-elements a thread; README, "Not done yet"). Here each program updates one chunk of one
+elements a thread; docs/performance.md). Here each program updates one chunk of one
 tensor, found through tables (the tensor of each chunk, its first element, and per
 tensor the addresses of p, g, m, v): 7 streams a program whatever the tensor count.
 
