@@ -1,0 +1,129 @@
+"""Bytes through DRAM and L2, kernel by kernel, for one training step of Nova and of
+torch.compile side by side, read from the H200's hardware counters with Nsight Compute:
+``python scripts/dram_bytes.py [--model 124m|mlp46m] [--precision bf16|tf32] [--batch 32]
+[--out DIR]`` (CUDA and Nsight Compute's ``ncu``; ``bash scripts/gpu_check.sh dram``).
+
+Why: under the power cap a step's energy sets the SM clock (bf16 b32 at ce5586c: Nova 45.3 J
+a step at 1650 MHz, torch.compile 42.0 J at 1725), and DRAM and L2 traffic are a large part
+of that energy. The cost model predicts each kernel's bytes; this measures them.
+
+Each engine runs in a child process under ``ncu --profile-from-start off --clock-control
+none`` (the clocks are left as found, METHOD.md): three warm-up steps, then one step between
+``cudaProfilerStart`` and ``cudaProfilerStop``. Nova runs its launch list (``cuda_graph=False``,
+so every kernel is its own launch, as ``scripts/kernel_profile.py`` does). ncu replays each
+kernel to read ``dram__bytes_read.sum``, ``dram__bytes_write.sum``, ``lts__t_bytes.sum`` (every
+byte through L2) and ``gpu__time_duration.sum``; the kernels' own state is saved and restored
+between replays. Prints per engine the totals and the kernels by DRAM bytes, and writes
+``dram_bytes_<model>_<precision>_b<batch>.json`` (per kernel name: launches, DRAM read and
+written, L2 bytes, ncu's time) to ``--out``."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum", "gpu__time_duration.sum")
+UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1, "usecond": 1e3, "msecond": 1e6}
+
+
+def child(engine: str, model: str, precision: str, batch: int) -> None:
+    """One step of ``engine`` between cudaProfilerStart and cudaProfilerStop (under ncu)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from kernel_profile import model_config, step_runner
+
+    torch.manual_seed(0)
+    cfg = model_config(model)
+    x = torch.randint(0, 50304, (batch, 1024), device="cuda")
+    y = torch.randint(0, 50304, (batch, 1024), device="cuda")
+    _, _, run = step_runner(engine, cfg, precision, x, y, cuda_graph=False)
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def parse(text: str) -> dict:
+    """ncu's ``--csv --page raw`` output -> kernel name -> totals over its launches."""
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    rows = list(csv.reader(io.StringIO("\n".join(lines))))
+    if len(rows) < 2:
+        return {}
+    header = rows[0]
+    col = {h: i for i, h in enumerate(header)}
+    # with --page raw a row of units may follow the header (its ID cell empty)
+    if rows[1][col.get("ID", 0)] == "":
+        units, data = rows[1], rows[2:]
+    else:
+        units, data = [""] * len(header), rows[1:]
+    out: dict = defaultdict(lambda: {"launches": 0, "dram_read": 0.0, "dram_write": 0.0, "l2": 0.0, "ns": 0.0})
+    for r in data:
+        k = out[r[col["Kernel Name"]]]
+        k["launches"] += 1
+        for key, metric in zip(("dram_read", "dram_write", "l2", "ns"), METRICS, strict=True):
+            v = r[col[metric]].replace(",", "")
+            k[key] += float(v) * UNITS.get(units[col[metric]], 1) if v not in ("", "n/a") else 0.0
+    return dict(out)
+
+
+def run_engine(engine: str, opts, ncu: str) -> dict:
+    cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--metrics", ",".join(METRICS),
+           "--csv", "--page", "raw", "--print-units", "base", sys.executable, __file__, "--child", engine, "--model", opts.model,
+           "--precision", opts.precision, "--batch", str(opts.batch)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.timeout, env=dict(os.environ))
+    kernels = parse(done.stdout)
+    if done.returncode != 0 or not kernels:
+        print(f"== {engine}: ncu exited {done.returncode}, {len(kernels)} kernels\n{done.stderr[-3000:]}\n{done.stdout[-2000:]}")
+    return kernels
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["124m", "355m", "mlp46m"], default="124m")
+    ap.add_argument("--precision", choices=["bf16", "tf32"], default="bf16")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--engines", default="nova,torch.compile")
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--timeout", type=int, default=260, help="seconds for each engine's ncu run")
+    ap.add_argument("--child")
+    opts = ap.parse_args()
+    if opts.child:
+        child(opts.child, opts.model, opts.precision, opts.batch)
+        return
+    found = [Path("/usr/local/cuda/bin/ncu"), *sorted(Path("/opt/nvidia").glob("nsight-compute/*/ncu"))]
+    ncu = shutil.which("ncu") or next((str(p) for p in found if p.exists()), None)
+    if ncu is None:
+        raise SystemExit("dram_bytes: ncu (Nsight Compute) not found on the PATH, in /usr/local/cuda/bin "
+                         "or /opt/nvidia/nsight-compute/*/")
+    doc = {"model": opts.model, "precision": opts.precision, "batch": opts.batch, "metrics": list(METRICS),
+           "commit": os.environ.get("NOVA_COMMIT", "unknown"), "engines": {}}  # fmt: skip
+    for engine in opts.engines.split(","):
+        kernels = run_engine(engine, opts, ncu)
+        tot = {k: sum(v[k] for v in kernels.values()) for k in ("launches", "dram_read", "dram_write", "l2", "ns")}
+        doc["engines"][engine] = {"totals": tot, "kernels": kernels}
+        print(f"== {engine}: {tot['launches']} launches, DRAM read {tot['dram_read'] / 1e9:.2f} GB, written "
+              f"{tot['dram_write'] / 1e9:.2f} GB, L2 {tot['l2'] / 1e9:.2f} GB, {tot['ns'] / 1e6:.2f} ms under ncu")
+        for name, v in sorted(kernels.items(), key=lambda kv: -(kv[1]["dram_read"] + kv[1]["dram_write"]))[:opts.top]:
+            print(f"  {(v['dram_read'] + v['dram_write']) / 1e9:8.3f} GB DRAM {v['l2'] / 1e9:8.3f} GB L2 "
+                  f"{v['ns'] / 1e6:7.3f} ms {v['launches']:4d}x  {name[:100]}")
+    opts.out.mkdir(parents=True, exist_ok=True)
+    path = opts.out / f"dram_bytes_{opts.model}_{opts.precision}_b{opts.batch}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
