@@ -27,9 +27,13 @@ stage), and the IR after each stage is kept as text for ``explain()``.
               known before the loss): one logits matmul per chunk instead of two
   remat       recompute cheap elementwise values in the backward instead of keeping
               them from the forward; with memory_budget, more until the plan fits
+  tf32_operands  (GPU targets, tf32) a value only tf32 matmuls read is stored rounded
+              by its producer's kernel, and the matmuls take it as prerounded
   fuse        elementwise ops grouped into nova.fused ops (one kernel each):
               vertical chains, horizontal neighbours, scalars recomputed inside,
-              and a matmul with the elementwise ops on its result (its epilogue)
+              a matmul with the elementwise ops on its result (its epilogue), a
+              reduction with its prologue and epilogue, and the updates (and the
+              forward's weight casts) of one shape as multi-tensor launches
   configure   the Analytic Configurator's #nova.lowering_config on every kernel
               (only for a GPU target; the reference executor needs none)
   plan_memory liveness over the whole step, one static arena with an offset per
