@@ -265,10 +265,11 @@ TAIL_OUTPUTS = 64
 # 1.34 one launch each (bench/results/runs/multi_tensor_adamw_49aaf89.json)
 SMALL_ARGS = 128
 # The forward's weight casts of one shape as one launch (``_prepares_operands``): GPT-2
-# 124M bf16's 48 casts took 0.38 ms of kernels in 48 launches (kernel_profile_124m_b32_
-# 215611d.json: 1.6-5 us each, launch and ramp for 1.2-9.4 MB); the same bytes in 4
-# launches. Not yet timed on the H200; a switch for that A/B (scripts/step_launches.py
-# --set nova.transforms.fuse.BATCH_OPERAND_CASTS=False).
+# 124M bf16's casts took 0.38 ms of kernels in 95 launches (kernel_profile_124m_b32_
+# 215611d.json: 2.3-5.2 us each for 3.5-14.2 MB read and written), half of them the
+# forward's; those now take 4 launches for the same bytes. Not yet timed on the H200; a
+# switch for that A/B (scripts/epilogue_variants.py "casts-unbatched", or
+# scripts/step_launches.py --set transforms.fuse.BATCH_OPERAND_CASTS=False).
 BATCH_OPERAND_CASTS = True
 
 
