@@ -191,6 +191,19 @@ def test_a_tf32_head_writes_its_logits_gradient_rounded_and_gives_the_same_bits(
     assert "tf32_rn(" not in lower_linear_cross_entropy_with_grad(merged(fwd), None, precision="fp32").source
 
 
+def _smoothed_bf16_head(device, seed: int):
+    """(the forward op, the loss's cotangent, the operands) of a bf16 head with an f32 bias
+    and label smoothing, for the row kernel's variants: V 37 at block 16 is several column
+    blocks a row, the last one ragged."""
+    props = {"ignore_index": -100, "reduction": "mean", "chunk": 3, "label_smoothing": 0.1}
+    gen = torch.Generator().manual_seed(seed)
+    xs = [x.to(device) for x in (torch.randn(N, D, generator=gen).to(torch.bfloat16),
+                                 torch.randn(V, D, generator=gen).to(torch.bfloat16),
+                                 torch.randint(0, V, (N,), generator=gen), torch.randn(V, generator=gen))]  # fmt: skip
+    fwd, _ = _ops(bf16, f32, props, f32)
+    return fwd, torch.tensor(0.9, device=device), xs
+
+
 @pytest.mark.parametrize("variant", [(True, False), (False, True), (True, True)], ids=["reversed", "evict", "both"])
 def test_the_row_kernel_variants_give_the_same_bits(device, monkeypatch, variant):
     """The gradient pass walking the row backwards (``GRAD_PASS_REVERSED``) and the
@@ -199,13 +212,7 @@ def test_the_row_kernel_variants_give_the_same_bits(device, monkeypatch, variant
     from nova.codegen.triton import linear_ce
 
     reverse, keep = variant
-    props = {"ignore_index": -100, "reduction": "mean", "chunk": 3, "label_smoothing": 0.1}
-    gen = torch.Generator().manual_seed(13)
-    xs = [x.to(device) for x in (torch.randn(N, D, generator=gen).to(torch.bfloat16),
-                                 torch.randn(V, D, generator=gen).to(torch.bfloat16),
-                                 torch.randint(0, V, (N,), generator=gen), torch.randn(V, generator=gen))]  # fmt: skip
-    g = torch.tensor(0.9, device=device)
-    fwd, _ = _ops(bf16, f32, props, f32)
+    fwd, g, xs = _smoothed_bf16_head(device, seed=13)
     outs = []
     for on in (False, True):
         monkeypatch.setattr(linear_ce, "GRAD_PASS_REVERSED", reverse and on)
@@ -224,13 +231,7 @@ def test_pipelined_row_loops_give_the_same_bits(device, monkeypatch, reverse):
     num_stages) compute what the plain loops compute, bit for bit (V 37 at block 16)."""
     from nova.codegen.triton import linear_ce
 
-    props = {"ignore_index": -100, "reduction": "mean", "chunk": 3, "label_smoothing": 0.1}
-    gen = torch.Generator().manual_seed(5)
-    xs = [x.to(device) for x in (torch.randn(N, D, generator=gen).to(torch.bfloat16),
-                                 torch.randn(V, D, generator=gen).to(torch.bfloat16),
-                                 torch.randint(0, V, (N,), generator=gen), torch.randn(V, generator=gen))]  # fmt: skip
-    g = torch.tensor(0.9, device=device)
-    fwd, _ = _ops(bf16, f32, props, f32)
+    fwd, g, xs = _smoothed_bf16_head(device, seed=5)
     monkeypatch.setattr(linear_ce, "GRAD_PASS_REVERSED", reverse)
     outs = []
     for stages in (1, 2):
