@@ -4,18 +4,20 @@ torch.compile side by side, read from the H200's hardware counters with Nsight C
 [--out DIR]`` (CUDA and Nsight Compute's ``ncu``; ``bash scripts/gpu_check.sh dram``).
 
 Why: under the power cap a step's energy sets the SM clock (bf16 b32 at ce5586c: Nova 45.3 J
-a step at 1650 MHz, torch.compile 42.0 J at 1725), and DRAM and L2 traffic are a large part
-of that energy. The cost model predicts each kernel's bytes; this measures them.
+a step at 1650 MHz, torch.compile 42.0 J at 1725). Both do the same tensor-core work, so the
+difference lies in what else a step costs: bytes through DRAM and L2 and instructions issued.
+The cost model predicts each kernel's bytes; this measures them, and the instructions.
 
 Each engine runs in a child process under ``ncu --profile-from-start off --clock-control
 none`` (the clocks are left as found, METHOD.md): three warm-up steps, then one step between
 ``cudaProfilerStart`` and ``cudaProfilerStop``. Nova runs its launch list (``cuda_graph=False``,
 so every kernel is its own launch, as ``scripts/kernel_profile.py`` does). ncu replays each
 kernel to read ``dram__bytes_read.sum``, ``dram__bytes_write.sum``, ``lts__t_bytes.sum`` (every
-byte through L2) and ``gpu__time_duration.sum``; the kernels' own state is saved and restored
-between replays. Prints per engine the totals and the kernels by DRAM bytes, and writes
+byte through L2), ``sm__inst_executed.sum`` (warp instructions: the SMs' share of the energy)
+and ``gpu__time_duration.sum``; the kernels' own state is saved and restored between
+replays. Prints per engine the totals and the kernels by DRAM bytes, and writes
 ``dram_bytes_<model>_<precision>_b<batch>.json`` (per kernel name: launches, DRAM read and
-written, L2 bytes, ncu's time) to ``--out``."""
+written, L2 bytes, warp instructions, ncu's time) to ``--out``."""
 
 from __future__ import annotations
 
@@ -30,7 +32,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum", "gpu__time_duration.sum")
+METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum", "gpu__time_duration.sum",
+           "sm__inst_executed.sum")
+KEYS = ("dram_read", "dram_write", "l2", "ns", "inst")  # METRICS' names in the output
 UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1, "usecond": 1e3, "msecond": 1e6}
 
 
@@ -68,12 +72,12 @@ def parse(text: str) -> dict:
         units, data = rows[1], rows[2:]
     else:
         units, data = [""] * len(header), rows[1:]
-    out: dict = defaultdict(lambda: {"launches": 0, "dram_read": 0.0, "dram_write": 0.0, "l2": 0.0, "ns": 0.0})
+    out: dict = defaultdict(lambda: {"launches": 0, **{key: 0.0 for key in KEYS}})
     for r in data:
         k = out[r[col["Kernel Name"]]]
         k["launches"] += 1
-        for key, metric in zip(("dram_read", "dram_write", "l2", "ns"), METRICS, strict=True):
-            v = r[col[metric]].replace(",", "")
+        for key, metric in zip(KEYS, METRICS, strict=True):
+            v = r[col[metric]].replace(",", "") if metric in col else ""
             k[key] += float(v) * UNITS.get(units[col[metric]], 1) if v not in ("", "n/a") else 0.0
     return dict(out)
 
@@ -112,13 +116,14 @@ def main() -> None:
            "commit": os.environ.get("NOVA_COMMIT", "unknown"), "engines": {}}  # fmt: skip
     for engine in opts.engines.split(","):
         kernels = run_engine(engine, opts, ncu)
-        tot = {k: sum(v[k] for v in kernels.values()) for k in ("launches", "dram_read", "dram_write", "l2", "ns")}
+        tot = {k: sum(v[k] for v in kernels.values()) for k in ("launches", *KEYS)}
         doc["engines"][engine] = {"totals": tot, "kernels": kernels}
         print(f"== {engine}: {tot['launches']} launches, DRAM read {tot['dram_read'] / 1e9:.2f} GB, written "
-              f"{tot['dram_write'] / 1e9:.2f} GB, L2 {tot['l2'] / 1e9:.2f} GB, {tot['ns'] / 1e6:.2f} ms under ncu")
+              f"{tot['dram_write'] / 1e9:.2f} GB, L2 {tot['l2'] / 1e9:.2f} GB, {tot['inst'] / 1e9:.2f} G warp "
+              f"instructions, {tot['ns'] / 1e6:.2f} ms under ncu")
         for name, v in sorted(kernels.items(), key=lambda kv: -(kv[1]["dram_read"] + kv[1]["dram_write"]))[:opts.top]:
             print(f"  {(v['dram_read'] + v['dram_write']) / 1e9:8.3f} GB DRAM {v['l2'] / 1e9:8.3f} GB L2 "
-                  f"{v['ns'] / 1e6:7.3f} ms {v['launches']:4d}x  {name[:100]}")
+                  f"{v['inst'] / 1e6:9.1f} M inst {v['ns'] / 1e6:7.3f} ms {v['launches']:4d}x  {name[:100]}")
     opts.out.mkdir(parents=True, exist_ok=True)
     path = opts.out / f"dram_bytes_{opts.model}_{opts.precision}_b{opts.batch}.json"
     path.write_text(json.dumps(doc, indent=1))

@@ -33,12 +33,15 @@ def test_kernels_sum_over_their_launches_in_base_units():
     got = parse(text)
     assert set(got) == {"matmul_kernel", "nova_cast_768x768_f32_to_bf16"}
     mm = got["matmul_kernel"]
-    assert mm == {"launches": 2, "dram_read": 2097152.0, "dram_write": 1024000.0, "l2": 6e6, "ns": 24500.0}
+    assert mm == {"launches": 2, "dram_read": 2097152.0, "dram_write": 1024000.0, "l2": 6e6, "ns": 24500.0,
+                  "inst": 0.0}  # a metric the CSV lacks counts 0
     cast = got["nova_cast_768x768_f32_to_bf16"]
     assert cast["launches"] == 1 and cast["l2"] == 0.0 and abs(cast["dram_write"] - 1179648.0) < 1e-6
 
 
 def test_no_units_row_and_no_kernels():
     text = "\n".join([HEADER, _row(0, "k", "10", "20", "30", "40")])
-    assert parse(text) == {"k": {"launches": 1, "dram_read": 10.0, "dram_write": 20.0, "l2": 40.0, "ns": 30.0}}
+    assert parse(text) == {"k": {"launches": 1, "dram_read": 10.0, "dram_write": 20.0, "l2": 40.0, "ns": 30.0, "inst": 0.0}}
+    with_inst = "\n".join([HEADER + ',"sm__inst_executed.sum"', _row(0, "k", "1", "2", "3", "4") + ',"5,000"'])
+    assert parse(with_inst)["k"]["inst"] == 5000.0
     assert parse("==PROF== no kernels were profiled") == {}
