@@ -97,14 +97,22 @@ def configure_fused(op: nv.FusedOp, device: DeviceSpec) -> LoweringConfig:
     """A fused elementwise group: the elementwise model over its iteration shape,
     its streams every input of more than one element and every output (0-d inputs
     are one load per thread, no stream), sized by the widest of them (the registers
-    a loaded value takes)."""
+    a loaded value takes). A multi-tensor kernel (the fuse stage's ``batch_small``:
+    parts, ``fused.segments_of``) is counted by its largest part's streams: each of
+    its programs loads one part's values (the model's register budget is a thread's)."""
+    from nova.codegen.triton.fused import segments_of  # the parts the kernel branches on
+
     if op.props()["kind"] != "elementwise":
         raise NoScheduleError(f"the configure stage has no schedule rule for {op.name} of kind {op.props()['kind']!r}")
     streams = [v for v in op.operands if numel(shape_of(v.type)) > 1] + list(op.results)
     dts = [_SIZE_ALIKE.get(d, d) for d in (to_torch_dtype(elem_of(v.type)) for v in streams)]
     dt = max(dts, key=lambda d: d.itemsize)
+    count = len(streams)
+    parts = segments_of(op)
+    if parts:
+        count = max(sum(1 for j in ins if numel(shape_of(op.operands[j].type)) > 1) + len(outs) for ins, _, outs in parts)
     # configure_elementwise counts the inputs besides its one output
-    return cf.configure_elementwise(numel(op.iteration_shape()), dt, max(1, len(streams) - 1), device)
+    return cf.configure_elementwise(numel(op.iteration_shape()), dt, max(1, count - 1), device)
 
 
 def _configure_matmul(op: nv.MatmulOp, lhs, rhs, device: DeviceSpec, precision: str,
