@@ -112,7 +112,13 @@ def main() -> None:
     if ncu is None:
         raise SystemExit("dram_bytes: ncu (Nsight Compute) not found on the PATH, in /usr/local/cuda/bin "
                          "or /opt/nvidia/nsight-compute/*/")
+    from importlib.metadata import version
+
+    smi = shutil.which("nvidia-smi")
+    gpu = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True) if smi else None
     doc = {"model": opts.model, "precision": opts.precision, "batch": opts.batch, "metrics": list(METRICS),
+           "device": gpu.stdout.strip().splitlines()[0] if gpu and gpu.returncode == 0 and gpu.stdout.strip() else None,
+           "versions": {p: version(p) for p in ("torch", "triton")},
            "commit": os.environ.get("NOVA_COMMIT", "unknown"), "engines": {}}  # fmt: skip
     for engine in opts.engines.split(","):
         kernels = run_engine(engine, opts, ncu)

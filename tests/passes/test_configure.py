@@ -6,23 +6,17 @@ from __future__ import annotations
 import torch
 from xdsl.dialects.builtin import bf16, f32
 
+from nova.backends.triton import config_of
 from nova.ir import dialect as nv
 from nova.ir.builder import OpBuilder
 from nova.ir.module import Slot, context, new_step, set_results
 from nova.ir.types import tensor
 from nova.schedule import configurator as cf
-from nova.schedule.config import LoweringConfig
 from nova.schedule.devices import DEVICES
 from nova.transforms.configure import Configure
 from nova.transforms.fuse import fuse
 
 H200 = DEVICES["H200"]
-
-
-def _config(op) -> LoweringConfig:
-    from nova.backends.triton import config_of
-
-    return config_of(op)
 
 
 def test_a_multi_tensor_kernel_is_scheduled_by_one_parts_streams():
@@ -52,5 +46,5 @@ def test_a_multi_tensor_kernel_is_scheduled_by_one_parts_streams():
     per_part = cf.configure_elementwise(numel, torch.float32, 1, H200)
     all_parts = cf.configure_elementwise(numel, torch.float32, 5, H200)
     assert per_part.block > all_parts.block  # the case this test is about: the count matters
-    assert _config(multi).block == per_part.block and _config(multi).num_warps == per_part.num_warps
-    assert _config(single).block == cf.configure_elementwise(numel, torch.float32, 3, H200).block
+    assert config_of(multi).block == per_part.block and config_of(multi).num_warps == per_part.num_warps
+    assert config_of(single).block == cf.configure_elementwise(numel, torch.float32, 3, H200).block

@@ -144,11 +144,10 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
     acc_shape, block_sum, lane_total = ("(BLOCK,)", "", "") if lanewise else ("()", "tl.sum(", ", axis=0)")
 
     def running(name: str, term: str) -> str:
-        return f"{name} += {block_sum}{term}{lane_total}" if not lanewise else f"{name} += {term}"
+        return f"{name} += {block_sum}{term}{lane_total}"
 
     totals = "".join(f"\n        {n} = tl.sum({n}, axis=0)" for n in ("s", "xt", *(["sx"] if ls else []))) if lanewise else ""
-    scale_s = ("s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)" if lanewise
-               else "s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)")
+    scale_s = f"s = s * tl.exp(m - m_safe) + {block_sum}tl.exp(x - m_safe){lane_total}"
     sx_init = f"\n        sx = tl.zeros({acc_shape}, tl.float32)" if ls else ""
     sx_step = f"\n            {running('sx', f'tl.where(c < {V}, x, 0.0)')}" if ls else ""
     lse = f"""
