@@ -27,7 +27,6 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
   two-pass-split  split-K in two kernels (partials, then their reduction) instead of adding
                 the splits up in the kernel (matmul.SERIAL_SPLIT off)
   casts-unbatched the forward's weight casts one launch each (fuse.BATCH_OPERAND_CASTS off)
-  ln-fwd-wN     the LayerNorm forward kernels at N warps a row (rowwise.LN_FWD_WARPS)
 
     python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--variants a,b] [--graph] [--out DIR]
 
@@ -47,7 +46,7 @@ from pathlib import Path
 
 VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "tile-grid-nobackward",
             "tile-grid-noresidual", "ws-off", "ws-plain", "ws-epi128", "ws-epi256", "two-pass-split",
-            "casts-unbatched", "ln-fwd-w1", "ln-fwd-w2")
+            "casts-unbatched")
 # each ws variant's changes to configurator.WS_TILES
 WS_VARIANTS = {"ws-off": {"plain": None, "epilogue": None}, "ws-plain": {"epilogue": None},
                "ws-epi128": {"epilogue": (128, 128, 4)}, "ws-epi256": {"epilogue": (128, 256, 4)}}
@@ -63,10 +62,6 @@ def apply_variant(variant: str) -> None:
     cf.WS_TILES.update(WS_VARIANTS.get(variant, {}))
     if variant == "casts-unbatched":
         fz.BATCH_OPERAND_CASTS = False
-    if variant.startswith("ln-fwd-w"):
-        from nova.codegen.triton import rowwise
-
-        rowwise.LN_FWD_WARPS = int(variant.rsplit("w", 1)[1])
     if variant == "two-pass-split":
         from nova.codegen.triton import matmul as mm
 

@@ -8,16 +8,12 @@ of random logits (an experiment, evidence for ``linear_ce.GRAD_PASS_REVERSED`` a
   reversed   the gradient pass walks the row's blocks last to first
   evict      evict_last loads in the first pass, evict_first in the second
   both       the two together
-  lanewise   the log-sum-exp pass's sums kept per lane, added up after the loop
-             (``linear_ce.LANEWISE_ROW_SUMS``; other bits: lse within f32 rounding)
-  stages2/3  both row loops software-pipelined 2 / 3 deep (``linear_ce.ROW_LOOP_STAGES``)
-  lanewise-stages2  the two together
-
-each at 8 and 16 warps. The kernel reads a row twice; at GPT-2's vocabulary a bf16 row
+each at 8 and 16 warps (lane-wise sums and software-pipelined row loops were variants
+here too, measured slower and removed: bench/results/runs/lce_rows_variants_bf16_459b619.json). The kernel reads a row twice; at GPT-2's vocabulary a bf16 row
 is 100 KB and the rows in flight exceed the L2, so the ideal (one DRAM read, one
 write of the chunk) is printed beside each time as GB/s over 2 x the chunk's bytes.
 Every variant's loss and d are compared with the base's, bit for bit (and by relative
-difference, for the variants that change the order of the sums).
+difference, should a variant change the order of the sums).
 CUDA-graph timed (``bench.timing.time_graph``, median replay).
 
     python scripts/lce_rows_variants.py [--chunk 4096] [--vocab 50304] [--dtypes bf16,f32] [--out DIR]
@@ -45,9 +41,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 VARIANTS = {"base": {}, "reversed": {"grad_reversed": True, "keep_rows": False},
-            "evict": {"grad_reversed": False, "keep_rows": True}, "both": {"grad_reversed": True, "keep_rows": True},
-            "lanewise": {"lanewise": True}, "stages2": {"row_stages": 2}, "stages3": {"row_stages": 3},
-            "lanewise-stages2": {"lanewise": True, "row_stages": 2}}
+            "evict": {"grad_reversed": False, "keep_rows": True}, "both": {"grad_reversed": True, "keep_rows": True}}
 
 
 def main() -> None:
@@ -70,8 +64,7 @@ def main() -> None:
     block = min(LOOP_BLOCK, next_pow2(V))
     result = {"chunk": C, "vocab": V, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "commit": os.environ.get("NOVA_COMMIT"), "defaults": {"GRAD_PASS_REVERSED": linear_ce.GRAD_PASS_REVERSED,
-              "KEEP_ROWS_IN_L2": linear_ce.KEEP_ROWS_IN_L2, "LANEWISE_ROW_SUMS": linear_ce.LANEWISE_ROW_SUMS,
-              "ROW_LOOP_STAGES": linear_ce.ROW_LOOP_STAGES}, "rows": []}  # fmt: skip
+              "KEEP_ROWS_IN_L2": linear_ce.KEEP_ROWS_IN_L2}, "rows": []}  # fmt: skip
     for dname in o.dtypes.split(","):
         dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[dname]
         ty = {"bf16": "tl.bfloat16", "f32": "tl.float32"}[dname]

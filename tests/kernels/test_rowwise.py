@@ -149,25 +149,6 @@ def test_layer_norm(device, dtype, limit):
     run_and_compare(build(nv.LayerNormOp, [xt, w, b], {"eps": 1e-3}), [xt, w, b], max_row_block=limit)
 
 
-def test_layer_norm_forward_warps_knob(device, monkeypatch):
-    """``rowwise.LN_FWD_WARPS`` (an H200 experiment knob) sets a single-block layer_norm
-    program's warps over the schedule's, leaves the looping path to its schedule, and
-    computes the same values."""
-    from nova.codegen.triton import rowwise
-
-    gen = torch.Generator().manual_seed(8)
-    x = rand(4, 6, 96, gen=gen).to(device)
-    w, b = rand(96, device=device, gen=gen), rand(96, device=device, gen=gen)
-    op = build(nv.LayerNormOp, [x, w, b], {"eps": 1e-5})
-    cfg = LoweringConfig(kind="reduction", block=128, num_warps=4)
-    base = lowering(op)(op, cfg).launch([x, w, b])
-    monkeypatch.setattr(rowwise, "LN_FWD_WARPS", 1)
-    kernel = lowering(op)(op, cfg)
-    assert kernel.config.num_warps == 1
-    assert all(torch.equal(a, c) for a, c in zip(kernel.launch([x, w, b]), base))
-    assert lowering(op)(op, None, max_row_block=32).config.num_warps != 1  # looping: the schedule's
-
-
 @DTYPES
 @PATHS
 def test_layer_norm_backward_deterministic(device, dtype, limit):

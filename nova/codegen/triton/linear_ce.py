@@ -79,26 +79,10 @@ HOIST_WEIGHT_TF32 = True
 # The hints stay; the reversed pass, slower at bf16 (the GPT-2 bf16 step's head), does not.
 GRAD_PASS_REVERSED = False
 KEEP_ROWS_IN_L2 = True
-# The log-sum-exp pass's reductions. Per block of the row the kernel takes the block's
-# maximum, the sum of its exps and its target logit (with label smoothing also the sum
-# of its logits): three reductions across the program's warps a block, each a round trip
-# through shared memory (sm_90a PTX of the bf16 loop at 8 warps: 9 barriers and 24
-# shuffles a block), 13 blocks a row at GPT-2's vocabulary. Lane-wise, each
-# thread keeps its own running sums (rescaled by the block maximum's change, one scalar
-# exp a block), and only the maximum crosses the warps inside the loop; the sums cross
-# once, after it. The bf16 row kernel ran at 2.45 TB/s of the ideal 2 x chunk bytes
-# (0.336 ms a 4096-row chunk, lce_rows_variants_6cd738f.json) against the 4.3 TB/s a
-# device copy reaches: latency between reductions, not DRAM, is the first suspect.
-# Changes the sums' order (lse within f32 rounding of the block-wise one). Not yet timed
-# on the H200 (scripts/lce_rows_variants.py runs it as "lanewise"): off until it is.
-LANEWISE_ROW_SUMS = False
-# The row loops as plain ``range`` loops issue each block's loads when the block's turn
-# comes (sm_90a PTX: ld.global inside the loop, nothing in flight across iterations);
-# ``tl.range(num_stages=S)`` has Triton load the next blocks while this one reduces, as
-# the LayerNorm backward's row loop does (rowwise.LN_BWD_ROW_STAGES = 3: 0.696 -> 0.584 ms
-# at 2 layers on the H200). 1: the plain loop. Not yet timed here ("stages2", "stages3"
-# in scripts/lce_rows_variants.py): the plain loop until it is.
-ROW_LOOP_STAGES = 1
+# Measured and left out (bench/results/runs/lce_rows_variants_bf16_459b619.json, a 4096-row bf16
+# chunk on the H200: 0.338 ms shipped): the log-sum-exp pass's sums kept per lane and added up
+# after the loop (fewer barriers, twice the registers: 0.367 ms) and both row loops
+# software-pipelined 2 or 3 deep with tl.range (0.475-0.668 ms); docs/performance.md, 2026-12-05.
 
 
 def _logit(z_ptr: str, cvar: str, mask: str, other: str, has_bias: bool, logit_ty: str,
@@ -112,8 +96,7 @@ def _logit(z_ptr: str, cvar: str, mask: str, other: str, has_bias: bool, logit_t
 
 
 def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: str, z_ty: str, block: int,
-                     preround: bool = False, grad_reversed: bool | None = None, keep_rows: bool | None = None,
-                     lanewise: bool | None = None, row_stages: int | None = None) -> str:
+                     preround: bool = False, grad_reversed: bool | None = None, keep_rows: bool | None = None) -> str:
     """Row kernels over a chunk's logits buffer (row stride V), a count of the rows
     that count, the final sum, the backward's scale and the bias-gradient column
     sum: ``lce_rows`` (the row losses), ``lce_rows_backward`` (d over the logits)
@@ -127,28 +110,19 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
     ``keep_rows`` (default ``KEEP_ROWS_IN_L2``): the log-sum-exp pass loads with
     ``evict_last`` and the gradient pass with ``evict_first``. Neither changes a bit:
     each column's d depends on its own logit and the row's statistics only.
-    ``lanewise`` (default ``LANEWISE_ROW_SUMS``): the log-sum-exp pass keeps its sums
-    per lane and adds them up after the loop (the sums' order changes: lse within f32
-    rounding). The sum of the logits is taken only with label smoothing (its one use).
-    ``row_stages`` (default ``ROW_LOOP_STAGES``): above 1, both row loops are
-    ``tl.range`` loops software-pipelined that deep (no bit changes)."""
+    The sum of the logits is taken only with label smoothing (its one use)."""
     grad_reversed = GRAD_PASS_REVERSED if grad_reversed is None else grad_reversed
     keep_rows = KEEP_ROWS_IN_L2 if keep_rows is None else keep_rows
-    lanewise = LANEWISE_ROW_SUMS if lanewise is None else lanewise
-    row_stages = ROW_LOOP_STAGES if row_stages is None else row_stages
-    blocks = f"range(0, {V}, BLOCK)" if row_stages <= 1 else f"tl.range(0, {V}, BLOCK, num_stages={row_stages})"
+    blocks = f"range(0, {V}, BLOCK)"
     bias_p = ["b_ptr"] if has_bias else []
     separate_d = has_bias and logit_ty != z_ty
-    # a running sum: one per program (a reduction across its warps every block) or one per
-    # lane (``lanewise``: the lanes' sums added up once, after the loop)
-    acc_shape, block_sum, lane_total = ("(BLOCK,)", "", "") if lanewise else ("()", "tl.sum(", ", axis=0)")
+    # the running sums: one per program, a reduction across its warps every block
 
     def running(name: str, term: str) -> str:
-        return f"{name} += {block_sum}{term}{lane_total}"
+        return f"{name} += tl.sum({term}, axis=0)"
 
-    totals = "".join(f"\n        {n} = tl.sum({n}, axis=0)" for n in ("s", "xt", *(["sx"] if ls else []))) if lanewise else ""
-    scale_s = f"s = s * tl.exp(m - m_safe) + {block_sum}tl.exp(x - m_safe){lane_total}"
-    sx_init = f"\n        sx = tl.zeros({acc_shape}, tl.float32)" if ls else ""
+    scale_s = "s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)"
+    sx_init = "\n        sx = tl.zeros((), tl.float32)" if ls else ""
     sx_step = f"\n            {running('sx', f'tl.where(c < {V}, x, 0.0)')}" if ls else ""
     lse = f"""
         row = tl.program_id(0).to(tl.int64)
@@ -156,8 +130,8 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
         z_row = z_ptr + row * {V}
         t = tl.load(t_ptr + row)
         m = tl.full((), {_NEG_INF}, tl.float32)
-        s = tl.zeros({acc_shape}, tl.float32){sx_init}
-        xt = tl.zeros({acc_shape}, tl.float32)
+        s = tl.zeros((), tl.float32){sx_init}
+        xt = tl.zeros((), tl.float32)
         for c0 in {blocks}:
             c = c0 + cols
             x = {_logit("z_row", "c", f"c < {V}", _NEG_INF, has_bias, logit_ty, "evict_last" if keep_rows else None)}
@@ -165,7 +139,7 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
             m_safe = tl.where(m_new == {_NEG_INF}, 0.0, m_new)
             {scale_s}{sx_step}
             {running('xt', 'tl.where(c == t, x, 0.0)')}  # the target's logit, from the block holding it
-            m = m_new{totals}
+            m = m_new
         lse = tl.where(m == {_NEG_INF}, 0.0, m) + tl.log(s)
         valid = t != {ignore}
         inb = (t >= 0) & (t < {V})
@@ -183,8 +157,7 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
     fwd = _code(lse, row_loss)
     hit, miss = (1.0, 0.0) if not ls else (1.0 - ls + ls / V, ls / V)
     nblocks = -(-V // block)
-    ordered = f"range(0, {nblocks})" if row_stages <= 1 else f"tl.range(0, {nblocks}, num_stages={row_stages})"
-    loop = (f"for i in {ordered}:\n            c0 = ({nblocks - 1} - i) * BLOCK" if grad_reversed
+    loop = (f"for i in range(0, {nblocks}):\n            c0 = ({nblocks - 1} - i) * BLOCK" if grad_reversed
             else f"for c0 in {blocks}:")
     row_grad = f"""
         wrow = tl.where(valid, 1.0, 0.0) * tl.load(scale_ptr)

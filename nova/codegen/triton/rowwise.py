@@ -81,13 +81,6 @@ LN_BWD_ROW_STAGES = 3
 # Fewest warps a layer_norm_backward program gets (more for longer rows: ~8 elements per
 # thread per row tensor)
 LN_BWD_MIN_WARPS = 4
-# Warps of a single-block layer_norm program, overriding the schedule's (None: the
-# configurator's, 4 at GPT-2's 768-wide rows). An experiment knob: the forward kernels
-# (49 launches, 2.4 ms a bf16 b32 step) stream at ~3.1 TB/s, one row a program, two
-# reductions across its warps (a barrier each); at 1 warp a row reduces in shuffles alone
-# and an SM holds 32 rows (its block limit) instead of 16. Not yet timed on the H200
-# (scripts/epilogue_variants.py "ln-fwd-w1", "ln-fwd-w2").
-LN_FWD_WARPS = None
 H200_SMS = 132  # the interpreter stands in for the H200 the kernels are built for
 _FINAL_BLOCK = 1024  # rows per step of a single-program final reduction
 # Tile (partials x columns) of the column-sum kernel: one program per 16 columns
@@ -690,8 +683,6 @@ def lower_layer_norm(op, cfg: LoweringConfig | None = None, *, max_row_block: in
     shape, dtype = shape_of(op.operands[0].type), torch_dtype(op.operands[0].type)
     rows = Rows(shape, len(shape) - 1)
     block, looping, warps = row_plan(rows.n, cfg, max_row_block)
-    if LN_FWD_WARPS and not looping:
-        warps = LN_FWD_WARPS
     src = layer_norm_source(shape, dtype, op.props()["eps"], block, looping, fusion)
     kernel, _ = load_kernel(src, "layer_norm_kernel")
     name = name or f"nova_layer_norm_{_shape_name(shape)}"
