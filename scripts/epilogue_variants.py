@@ -27,6 +27,8 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
   two-pass-split  split-K in two kernels (partials, then their reduction) instead of adding
                 the splits up in the kernel (matmul.SERIAL_SPLIT off)
   casts-unbatched the forward's weight casts one launch each (fuse.BATCH_OPERAND_CASTS off)
+  last-split-sums split-K's partials added up by the last split of each tile to finish
+                (matmul.LAST_SPLIT_SUMS), no reduction kernel
 
     python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--variants a,b] [--graph] [--out DIR]
 
@@ -46,7 +48,7 @@ from pathlib import Path
 
 VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "tile-grid-nobackward",
             "tile-grid-noresidual", "ws-off", "ws-plain", "ws-epi128", "ws-epi256", "two-pass-split",
-            "casts-unbatched")
+            "casts-unbatched", "last-split-sums")
 # each ws variant's changes to configurator.WS_TILES
 WS_VARIANTS = {"ws-off": {"plain": None, "epilogue": None}, "ws-plain": {"epilogue": None},
                "ws-epi128": {"epilogue": (128, 128, 4)}, "ws-epi256": {"epilogue": (128, 256, 4)}}
@@ -62,6 +64,10 @@ def apply_variant(variant: str) -> None:
     cf.WS_TILES.update(WS_VARIANTS.get(variant, {}))
     if variant == "casts-unbatched":
         fz.BATCH_OPERAND_CASTS = False
+    if variant == "last-split-sums":
+        from nova.codegen.triton import matmul as mm
+
+        mm.LAST_SPLIT_SUMS = True
     if variant == "two-pass-split":
         from nova.codegen.triton import matmul as mm
 

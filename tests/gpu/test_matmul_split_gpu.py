@@ -1,8 +1,9 @@
-"""Split-K adding its splits up in the kernel (``matmul.SERIAL_SPLIT``) on the H200, at the
+"""Split-K adding its splits up in the kernel (``matmul.SERIAL_SPLIT``, ``matmul.LAST_SPLIT_SUMS``)
+on the H200, at the
 GPT-2 124M bf16 step's split shapes (the weight gradients at batch 32, K = 32768 tokens,
 and the LM head's dh, K = the vocabulary), as the configurator schedules them: bit for bit
 the two-pass form, launch after launch and in a CUDA graph replayed twice (each launch's
-locks start from zero), and within bf16 rounding of float64."""
+locks or counts start from zero), and within bf16 rounding of float64."""
 
 import pytest
 import torch
@@ -22,15 +23,23 @@ def _operands(M, N, K, la, g):
     return a, torch.randn(K, N, device="cuda", generator=g).to(torch.bfloat16)
 
 
+# mode -> (the knob, what its kernel's source holds)
+MODES = {"serial": ("SERIAL_SPLIT", "atomic_cas"), "last": ("LAST_SPLIT_SUMS", "atomic_add")}
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("M,N,K,la", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k, _ in SHAPES])
-def test_serial_split_is_the_two_pass_split_on_the_step_shapes(M, N, K, la, monkeypatch):
-    monkeypatch.setattr(mm, "SERIAL_SPLIT", True)  # (off as shipped: measured slower, matmul.SERIAL_SPLIT)
+def test_in_kernel_split_sums_are_the_two_pass_split_on_the_step_shapes(M, N, K, la, mode, monkeypatch):
+    knob, marker = MODES[mode]
+    monkeypatch.setattr(mm, "SERIAL_SPLIT", False)
+    monkeypatch.setattr(mm, "LAST_SPLIT_SUMS", False)
+    monkeypatch.setattr(mm, knob, True)  # (both off as shipped: matmul.SERIAL_SPLIT, LAST_SPLIT_SUMS)
     g = torch.Generator(device="cuda").manual_seed(M + N)
     a, b = _operands(M, N, K, la, g)
     rec: dict = {}
     got = mm.matmul(a, b, record=rec)
     src = open(next(iter(rec))).read()
-    assert "atomic_cas" in src, "the configurator did not split this shape: the test no longer covers it"
+    assert marker in src, "the configurator did not split this shape: the test no longer covers it"
     again = mm.matmul(a, b)
     graph_out = torch.empty_like(got)
     mm.matmul(a, b, out=graph_out)  # compiled before capture
@@ -41,7 +50,7 @@ def test_serial_split_is_the_two_pass_split_on_the_step_shapes(M, N, K, la, monk
     graph.replay()
     first = graph_out.clone()
     graph.replay()
-    monkeypatch.setattr(mm, "SERIAL_SPLIT", False)
+    monkeypatch.setattr(mm, knob, False)
     want = mm.matmul(a, b)
     torch.cuda.synchronize()
     assert torch.equal(got, want), (got.double() - want.double()).abs().max().item()

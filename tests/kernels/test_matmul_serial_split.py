@@ -1,8 +1,10 @@
-"""Split-K adding its splits up in the kernel (``matmul.SERIAL_SPLIT``: split s waits on its
-tile's lock for split s - 1, adds its partial to the running sum and hands it on) through
-the interpreter: bit for bit the two-pass form (partials, then the reduction kernel in split
-order), with no reduction kernel, for 2-D and batched launches, a bias, ragged edges, a last
-split shorter than the others, 16-bit and fp32 results, pointer and TMA configs; the locks
+"""Split-K adding its splits up in the kernel, in its two forms: ``matmul.SERIAL_SPLIT``
+(split s waits on its tile's lock for split s - 1, adds its partial to the running sum and
+hands it on) and ``matmul.LAST_SPLIT_SUMS`` (each split stores its partial and counts itself
+in; the last to arrive sums the partials in split order), through the interpreter: bit for
+bit the two-pass form (partials, then the reduction kernel in split order), with no
+reduction kernel, for 2-D and batched launches, a bias, ragged edges, a last split shorter
+than the others, 16-bit and fp32 results, pointer and TMA configs; the locks and counts
 start from zero at every launch. The H200 runs the step's weight-gradient shapes:
 tests/gpu/test_matmul_split_gpu.py."""
 
@@ -23,16 +25,22 @@ PTR = LoweringConfig(kind="matmul", block_m=16, block_n=32, block_k=16, group_m=
 TMA = dataclasses.replace(PTR, block_m=64, block_n=64, block_k=32, num_warps=8, instruction="wgmma+tma")
 
 
-def _run(a, b, bias, cfg, out_dtype, serial, monkeypatch, precision=None):
-    monkeypatch.setattr(mm, "SERIAL_SPLIT", serial)
+MODES = {"serial": ("SERIAL_SPLIT", "atomic_cas"), "last": ("LAST_SPLIT_SUMS", "atomic_add")}
+
+
+def _run(a, b, bias, cfg, out_dtype, mode, monkeypatch, precision=None):
+    """C from a launch with the in-kernel split form ``mode`` (None: the two-pass form)."""
+    monkeypatch.setattr(mm, "SERIAL_SPLIT", mode == "serial")
+    monkeypatch.setattr(mm, "LAST_SPLIT_SUMS", mode == "last")
     rec: dict = {}
     c = mm.matmul(a, b, bias, cfg=cfg, out_dtype=out_dtype, precision=precision, record=rec)
     (path,) = rec
     return c, open(path).read()
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", ["ptr-f32-bias", "ptr-batched", "tma-bf16", "tma-bf16-bias-ragged"])
-def test_serial_split_is_the_two_pass_split_bit_for_bit(case, device, monkeypatch):
+def test_in_kernel_split_sums_are_the_two_pass_split_bit_for_bit(case, mode, device, monkeypatch):
     g = torch.Generator().manual_seed(7)
     if case == "ptr-f32-bias":
         a, b = torch.randn(33, 45, generator=g), torch.randn(45, 37, generator=g)
@@ -49,23 +57,24 @@ def test_serial_split_is_the_two_pass_split_bit_for_bit(case, device, monkeypatc
         cfg, out, prec = TMA, torch.bfloat16, None
     a, b = a.to(device), b.to(device)
     bias = bias.to(device) if bias is not None else None
-    got, src = _run(a, b, bias, cfg, out, True, monkeypatch, prec)
-    want, two_pass = _run(a, b, bias, cfg, out, False, monkeypatch, prec)
-    assert "atomic_cas" in src and "matmul_kernel_reduce" not in src
+    got, src = _run(a, b, bias, cfg, out, mode, monkeypatch, prec)
+    want, two_pass = _run(a, b, bias, cfg, out, None, monkeypatch, prec)
+    assert MODES[mode][1] in src and "matmul_kernel_reduce" not in src
     assert "matmul_kernel_reduce" in two_pass
     assert got.dtype == want.dtype and torch.equal(got, want)
     ref = a.double() @ b.double() + (bias.double() if bias is not None else 0)
     assert ((got.double() - ref).norm() / ref.norm()).item() < (1e-5 if out == torch.float32 else 1e-2)
-    again, _ = _run(a, b, bias, cfg, out, True, monkeypatch, prec)  # fresh locks: the same again
+    again, _ = _run(a, b, bias, cfg, out, mode, monkeypatch, prec)  # fresh locks / counts: the same again
     assert torch.equal(again, got)
 
 
-def test_an_epilogue_or_a_persistent_split_keeps_the_two_pass_form(device, monkeypatch):
+@pytest.mark.parametrize("mode", MODES)
+def test_an_epilogue_or_a_persistent_split_keeps_the_two_pass_form(mode, device, monkeypatch):
     a = torch.randn(40, 48).to(device)
     b = torch.randn(48, 24).to(device)
     persistent = dataclasses.replace(PTR, persistent=True)
-    _, src = _run(a, b, None, persistent, torch.float32, True, monkeypatch, "ieee")
-    assert "matmul_kernel_reduce" in src and "atomic_cas" not in src
+    _, src = _run(a, b, None, persistent, torch.float32, mode, monkeypatch, "ieee")
+    assert "matmul_kernel_reduce" in src and MODES[mode][1] not in src
     ep = mm.Epilogue(shape=(40, 24), operands=(), body="y = acc * 2.0", stores=(("y", "f32", torch.float32),),
                      out_shapes=((40, 24),))
     rec: dict = {}
@@ -75,12 +84,20 @@ def test_an_epilogue_or_a_persistent_split_keeps_the_two_pass_form(device, monke
     assert torch.equal(got, 2.0 * mm.matmul(a, b, cfg=PTR, precision="ieee"))
 
 
-def test_scratch_counts_the_running_sums_and_locks_not_the_partials(monkeypatch):
+def test_scratch_counts_what_each_split_form_allocates(monkeypatch):
+    """The running sums and a lock a tile (serial), the partials and a count a tile (last),
+    the partials (two-pass, and any split with an epilogue)."""
+    def scratch(**kw):
+        return mm.scratch_bytes(33, 37, 45, 2, torch.float32, torch.float32, torch.float32, PTR, **kw)
+
     S = mm.split_k_plan(45, PTR)[1]
-    shipped = mm.scratch_bytes(33, 37, 45, 2, torch.float32, torch.float32, torch.float32, PTR)
-    assert shipped == (2 * 33 * 37 * 4 + 2 * 3 * 2 * 4 if mm.SERIAL_SPLIT else S * 2 * 33 * 37 * 4)
-    monkeypatch.setattr(mm, "SERIAL_SPLIT", True)
-    serial = mm.scratch_bytes(33, 37, 45, 2, torch.float32, torch.float32, torch.float32, PTR)
-    two_pass = mm.scratch_bytes(33, 37, 45, 2, torch.float32, torch.float32, torch.float32, PTR, epilogue=True)
     tiles = mm.cdiv(33, 16) * mm.cdiv(37, 32)
-    assert S == 3 and serial == 2 * 33 * 37 * 4 + 2 * tiles * 4 and two_pass == S * 2 * 33 * 37 * 4
+    partials, sums = S * 2 * 33 * 37 * 4, 2 * 33 * 37 * 4
+    monkeypatch.setattr(mm, "SERIAL_SPLIT", False)
+    monkeypatch.setattr(mm, "LAST_SPLIT_SUMS", False)
+    assert S == 3 and scratch() == partials
+    monkeypatch.setattr(mm, "SERIAL_SPLIT", True)
+    assert scratch() == sums + 2 * tiles * 4 and scratch(epilogue=True) == partials
+    monkeypatch.setattr(mm, "SERIAL_SPLIT", False)
+    monkeypatch.setattr(mm, "LAST_SPLIT_SUMS", True)
+    assert scratch() == partials + 2 * tiles * 4 and scratch(epilogue=True) == partials

@@ -33,7 +33,9 @@ Design choices, and why:
   adds the bias and casts. Atomic adds would save the workspace traffic but make the
   result depend on scheduling order (and need a zeroed fp32 output). With
   ``SERIAL_SPLIT`` (off: measured slower in the step) the splits add up in the kernel
-  instead, in split order behind a lock a tile: the same sums, no second kernel.
+  instead, in split order behind a lock a tile: the same sums, no second kernel. With
+  ``LAST_SPLIT_SUMS`` (off until timed) the last split of a tile to finish sums its
+  tile's S partials in split order: the same sums again, no second kernel, no waiting.
 * Persistent: ``grid = min(#SMs, #work items)`` programs loop over work items; the
   work item order (tile fastest, then split, then batch) is the same as the
   one-program-per-tile grid, so both walk tiles in the same L2-friendly order.
@@ -138,6 +140,18 @@ WS_EPILOGUES = True
 # CUDA dispatches a grid); an epilogue keeps the two-pass form (the reduction runs it), and so
 # does a persistent split config (a later work item could wait on a program not resident)
 SERIAL_SPLIT = False
+# Split-K adding its splits up in the last of them to finish: each split stores its fp32
+# partial tile as in the two-pass form, then counts itself in on its tile's counter
+# (tl.atomic_add, acq_rel); the split that finds the other S - 1 counted sums the S partials
+# in split order, adds the bias and stores C (matmul_source's ``last`` store). The two-pass
+# reduction's sums bit for bit, without its second kernel (56 launches, 0.85 ms of the GPT-2
+# 124M bf16 b32 step at 459b619, bench/results/runs/dram_bytes_124m_bf16_b32_459b619.json) or
+# its reading the partials back from DRAM (the last split reads them from L2 as a rule, the
+# other splits of its tile having finished just before it); unlike SERIAL_SPLIT no split
+# waits on another, so no chain of adds behind a lock. An epilogue or a persistent config
+# keeps the two-pass form. Off until timed on the H200 (scripts/epilogue_variants.py
+# "last-split-sums")
+LAST_SPLIT_SUMS = False
 # The warp-specialized kernel's global scratch a program: its two device-built
 # descriptors, 128 bytes each (a CUtensorMap), with room for Triton's alignment
 WS_SCRATCH_PER_PROGRAM = 512
@@ -403,10 +417,12 @@ def matmul_source(
     name: str = "matmul_kernel",
     epilogue: Epilogue | None = None,
     serial: bool = False,
+    last: bool = False,
 ) -> str:
     """Triton source for one matmul kernel (plus the split-K reduction when
     ``cfg.split_k > 1``, named ``<name>_reduce``; with ``serial``, no epilogue, the
-    splits add up in the kernel instead: ``SERIAL_SPLIT``). With ``tma`` the operand tiles are
+    splits add up in the kernel instead: ``SERIAL_SPLIT``; with ``last``, no epilogue,
+    the last split of a tile to finish adds them up: ``LAST_SPLIT_SUMS``). With ``tma`` the operand tiles are
     fetched through host-built tensor descriptors (Hopper TMA; out-of-bounds boxes
     read as zeros, so the loads need no masks); otherwise through pointers.
     ``prerounded`` names the operands ("a", "b") a staging pass already rounded to
@@ -425,6 +441,9 @@ def matmul_source(
     if serial and (not split or epilogue is not None or persistent):
         raise ValueError("matmul: the serial split-K kernel is a split, one-program-per-work-item kernel storing C "
                          "(no epilogue)")
+    if last and (serial or not split or epilogue is not None or persistent):
+        raise ValueError("matmul: the last-split sums are a split, one-program-per-work-item kernel storing C "
+                         "(no epilogue, not serial)")
 
     if in_name == "float32" and precision == "bf16":
         cast = "\n            a = a.to(tl.bfloat16)\n            b = b.to(tl.bfloat16)"
@@ -455,10 +474,12 @@ def matmul_source(
     params = ["a_ptr", "b_ptr"] if ws or not tma else ["a_desc", "b_desc"]
     if not fused:
         params.append("c_desc" if c_tma else "c_ptr")
-    if has_bias and (not split or serial):
+    if has_bias and (not split or serial or last):
         params.append("bias_ptr")
     if serial:  # the running sums' workspace [B, M, N] f32 and a lock a tile (zeros at launch)
         params += ["ws_ptr", "lock_ptr"]
+    if last:  # C (c_ptr is the partials' workspace) and a count a tile (zeros at launch)
+        params += ["out_ptr", "count_ptr"]
     ep_ptrs, ep_strides = _epilogue_params(epilogue) if fused else ([], [])
     params += ep_ptrs
     params += ["M", "N", "K"]
@@ -477,8 +498,10 @@ def matmul_source(
         params += [] if fused or c_tma else ["stride_cb"]
     if split and not serial:
         params.append("stride_cs")
-    if has_bias and (not split or serial):
+    if has_bias and (not split or serial or last):
         params.append("stride_bias")
+    if last:
+        params += ["stride_om", "stride_on"] + (["stride_ob"] if batched else [])
     params += ep_strides
     if ws:  # constants of the partitioned loop (a runtime grid size did not finish on the H200)
         params += ["NUM_PROGS: tl.constexpr", "STAGES: tl.constexpr"]
@@ -585,7 +608,7 @@ def matmul_source(
     if serial:
         w_base = "ws_ptr + pid_b.to(tl.int64) * M * N" if batched else "ws_ptr"
         lock = "lock_ptr + pid_b * tiles + tile" if batched else "lock_ptr + tile"
-        last = ("\n            bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)"
+        final_bias = ("\n            bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)"
                 "\n            acc += bias.to(tl.float32)[None, :]") if has_bias else ""
         store = f"""\
         # the splits in split order: split s waits until split s - 1 has left the sum of splits
@@ -599,11 +622,37 @@ def matmul_source(
             while tl.atomic_cas(lock, pid_s, pid_s, sem="acquire") != pid_s:
                 pass
             acc = tl.load(w_ptrs, mask=w_mask, other=0.0, cache_modifier=".cg") + acc
-        if pid_s == SPLITS - 1:{last}
+        if pid_s == SPLITS - 1:{final_bias}
 {textwrap.indent(store, "    ")}        else:
             tl.store(w_ptrs, acc, mask=w_mask, cache_modifier=".cg")
             tl.debug_barrier()  # every thread's part of the tile stored before the lock moves on
             tl.atomic_xchg(lock, pid_s + 1, sem="release")
+"""
+
+    if last:
+        p_base = "c_ptr + pid_b.to(tl.int64) * stride_cb" if batched else "c_ptr"
+        o_base = "out_ptr + pid_b.to(tl.int64) * stride_ob" if batched else "out_ptr"
+        count = "count_ptr + pid_b * tiles + tile" if batched else "count_ptr + tile"
+        last_bias = ("\n            acc += tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)"
+                     ".to(tl.float32)[None, :]") if has_bias else ""
+        store += f"""\
+        # the last split of the tile to finish adds the partials up: each split stores its
+        # partial, then counts itself in on the tile's counter; the one that finds SPLITS - 1
+        # splits counted before it sums the S partials in split order, as the two-pass
+        # reduction kernel does (the same sums, bit for bit), adds the bias and stores C.
+        # No split waits on another, and no second kernel
+        tl.debug_barrier()  # every thread's part of the partial stored before the count moves
+        arrived = tl.atomic_add({count}, 1, sem="acq_rel")
+        if arrived == SPLITS - 1:
+            p_ptrs = {p_base} + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+            p_mask = mask_m[:, None] & mask_n[None, :]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, SPLITS):
+                acc += tl.load(p_ptrs, mask=p_mask, other=0.0, cache_modifier=".cg")
+                p_ptrs += stride_cs
+{last_bias}
+            o_ptrs = {o_base} + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+            tl.store(o_ptrs, acc.to({_TL_DTYPE[out_name]}), mask=p_mask)
 """
 
     body = f"""\
@@ -697,7 +746,7 @@ batched {'yes' if batched else 'no'}, index {'int64' if index_64 else 'int32'}
         """)
     helpers = epilogue.helpers.strip("\n") + "\n\n\n" if epilogue is not None and epilogue.helpers else ""
     text = header + "\n\n" + helpers + kernel
-    if split and not serial:
+    if split and not serial and not last:
         text += "\n\n" + _reduce_source(name + "_reduce", has_bias, _TL_DTYPE[out_name], epilogue)
     for j, c in enumerate(epilogue.sums if epilogue is not None else ()):
         text += "\n\n" + colsum_source(f"{name}_colsum{j}", c.acc, tag(c.dtype))
@@ -1046,6 +1095,7 @@ def matmul_kernels(
     prerounded: tuple[str, ...] = (),
     epilogue: Epilogue | None = None,
     serial: bool = False,
+    last: bool = False,
 ) -> MatmulKernels:
     # num_warps / num_stages / the split count are launch-time: keep them out of the text
     key_cfg = LoweringConfig(
@@ -1069,9 +1119,10 @@ def matmul_kernels(
         prerounded=prerounded,
         epilogue=epilogue,
         serial=serial,
+        last=last,
     )
     main, path = load_kernel(src, "matmul_kernel")
-    reduce = load_kernel(src, "matmul_kernel_reduce")[0] if cfg.split_k > 1 and not serial else None
+    reduce = load_kernel(src, "matmul_kernel_reduce")[0] if cfg.split_k > 1 and not serial and not last else None
     sums = tuple(load_kernel(src, f"matmul_kernel_colsum{j}")[0] for j in range(len(epilogue.sums if epilogue else ())))
     return MatmulKernels(main, reduce, str(path), sums)
 
@@ -1129,10 +1180,13 @@ def scratch_bytes(
     f32 = torch.float32.itemsize
     total = sums
     splits = split_k_plan(K, cfg)[1]
+    tiles = batch * cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     if splits > 1 and SERIAL_SPLIT and not epilogue and not cfg.persistent:  # the running sums, a lock a tile
-        total += batch * M * N * f32 + batch * cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * 4
+        total += batch * M * N * f32 + tiles * 4
     elif splits > 1:
         total += splits * batch * M * N * f32
+        if LAST_SPLIT_SUMS and not epilogue and not cfg.persistent:  # and a count a tile
+            total += tiles * 4
     tokens = cfg.instruction.split("+")
     if "ws" in tokens:
         total += cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * WS_SCRATCH_PER_PROGRAM
@@ -1622,6 +1676,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     tma = _tma_plan(cfg, a3, b3)
     fused = ep is not None and not split
     serial = split and ep is None and not cfg.persistent and SERIAL_SPLIT
+    last = split and ep is None and not cfg.persistent and not serial and LAST_SPLIT_SUMS
     ws_strides = _ws_plan(cfg, tma, a3, b3, batched, in_name, ep)
     if ws_strides is not None:
         tma = (dataclasses.replace(tma[0], ws=True), None)
@@ -1634,7 +1689,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
         tma = (dataclasses.replace(tma[0], e=True), tma[1])
     kern = matmul_kernels(
         cfg, bias is not None, precision, out_name, in_name, batched, index_64, interpreting(), tma and tma[0], staged,
-        ep, serial,
+        ep, serial, last,
     )
 
     if record is not None and kern.path not in record:  # once per kernel: this runs every step
@@ -1660,13 +1715,17 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
         dst, dst_strides = ws, (N, 1)
     else:
         dst, dst_strides = c3, (c3.stride(1), c3.stride(2))
+    if last:  # a count a tile of the splits that have stored their partials
+        counts = torch.zeros((batch * tiles,), dtype=torch.int32, device=a.device)
     args = list(tma[1]) if tma and ws_strides is None else [a3, b3]
     if not fused:
         args.append(c_desc if c_desc is not None else dst)
-    if bias is not None and (not split or serial):
+    if bias is not None and (not split or serial or last):
         args.append(bias)
     if serial:
         args += [ws, locks]
+    if last:
+        args += [c3, counts]
     if fused:
         args += ep_ptrs
     args += [M, N, K]
@@ -1687,8 +1746,10 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
             args.append(M * N if split and not serial else c3.stride(0))
     if split and not serial:
         args.append(batch * M * N)
-    if bias is not None and (not split or serial):
+    if bias is not None and (not split or serial or last):
         args.append(bias.stride(0))
+    if last:
+        args += [c3.stride(1), c3.stride(2)] + ([c3.stride(0)] if batched else [])
     if fused:
         args += ep_strides
     if cfg.persistent:
@@ -1710,7 +1771,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     else:
         kern.main[grid](*args, **options)
 
-    if split and not serial:
+    if split and not serial and not last:
         n_out = batch * M * N
         rgrid = (cdiv(n_out, REDUCE_BLOCK),)
         if sums:  # over [REDUCE_ROWS, REDUCE_COLS] tiles (_reduce_tiles_source)
