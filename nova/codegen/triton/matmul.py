@@ -152,6 +152,9 @@ SERIAL_SPLIT = False
 # keeps the two-pass form. Off until timed on the H200 (scripts/epilogue_variants.py
 # "last-split-sums")
 LAST_SPLIT_SUMS = False
+# Columns of the last split's sum at a time: a partial tile loaded beside the running sum
+# whole took 255 registers and spilled at 128x256 (offline sm_90a ptxas, 8 warps)
+LAST_SUM_SLICE = 64
 # The warp-specialized kernel's global scratch a program: its two device-built
 # descriptors, 128 bytes each (a CUtensorMap), with room for Triton's alignment
 WS_SCRATCH_PER_PROGRAM = 512
@@ -633,8 +636,9 @@ def matmul_source(
         p_base = "c_ptr + pid_b.to(tl.int64) * stride_cb" if batched else "c_ptr"
         o_base = "out_ptr + pid_b.to(tl.int64) * stride_ob" if batched else "out_ptr"
         count = "count_ptr + pid_b * tiles + tile" if batched else "count_ptr + tile"
-        last_bias = ("\n            acc += tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)"
+        last_bias = ("\n                sum_n += tl.load(bias_ptr + cols_n * stride_bias, mask=cols_n < N, other=0.0)"
                      ".to(tl.float32)[None, :]") if has_bias else ""
+        slice_n = min(cfg.block_n, LAST_SUM_SLICE)
         store += f"""\
         # the last split of the tile to finish adds the partials up: each split stores its
         # partial, then counts itself in on the tile's counter; the one that finds SPLITS - 1
@@ -643,16 +647,18 @@ def matmul_source(
         # No split waits on another, and no second kernel
         tl.debug_barrier()  # every thread's part of the partial stored before the count moves
         arrived = tl.atomic_add({count}, 1, sem="acq_rel")
-        if arrived == SPLITS - 1:
-            p_ptrs = {p_base} + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-            p_mask = mask_m[:, None] & mask_n[None, :]
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(0, SPLITS):
-                acc += tl.load(p_ptrs, mask=p_mask, other=0.0, cache_modifier=".cg")
-                p_ptrs += stride_cs
+        if arrived == SPLITS - 1:  # (in column slices: a whole f32 tile loaded beside the sum spills)
+            for j in tl.static_range(0, BLOCK_N, {slice_n}):
+                cols_n = pid_n * BLOCK_N + j + tl.arange(0, {slice_n}){idx}
+                p_mask = mask_m[:, None] & (cols_n < N)[None, :]
+                p_ptrs = {p_base} + offs_m[:, None] * stride_cm + cols_n[None, :] * stride_cn
+                sum_n = tl.zeros((BLOCK_M, {slice_n}), dtype=tl.float32)
+                for s in range(0, SPLITS):
+                    sum_n += tl.load(p_ptrs, mask=p_mask, other=0.0, cache_modifier=".cg")
+                    p_ptrs += stride_cs
 {last_bias}
-            o_ptrs = {o_base} + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-            tl.store(o_ptrs, acc.to({_TL_DTYPE[out_name]}), mask=p_mask)
+                o_ptrs = {o_base} + offs_m[:, None] * stride_om + cols_n[None, :] * stride_on
+                tl.store(o_ptrs, sum_n.to({_TL_DTYPE[out_name]}), mask=p_mask)
 """
 
     body = f"""\
