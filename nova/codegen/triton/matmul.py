@@ -612,7 +612,7 @@ def matmul_source(
         w_base = "ws_ptr + pid_b.to(tl.int64) * M * N" if batched else "ws_ptr"
         lock = "lock_ptr + pid_b * tiles + tile" if batched else "lock_ptr + tile"
         final_bias = ("\n            bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)"
-                "\n            acc += bias.to(tl.float32)[None, :]") if has_bias else ""
+                      "\n            acc += bias.to(tl.float32)[None, :]") if has_bias else ""
         store = f"""\
         # the splits in split order: split s waits until split s - 1 has left the sum of splits
         # 0..s-1 in the workspace tile (its lock reads s), adds its own partial to it, and
