@@ -34,7 +34,7 @@ Design choices, and why:
   result depend on scheduling order (and need a zeroed fp32 output). With
   ``SERIAL_SPLIT`` (off: measured slower in the step) the splits add up in the kernel
   instead, in split order behind a lock a tile: the same sums, no second kernel. With
-  ``LAST_SPLIT_SUMS`` (off until timed) the last split of a tile to finish sums its
+  ``LAST_SPLIT_SUMS`` (off: no faster in the step) the last split of a tile to finish sums its
   tile's S partials in split order: the same sums again, no second kernel, no waiting.
 * Persistent: ``grid = min(#SMs, #work items)`` programs loop over work items; the
   work item order (tile fastest, then split, then batch) is the same as the
@@ -149,8 +149,14 @@ SERIAL_SPLIT = False
 # its reading the partials back from DRAM (the last split reads them from L2 as a rule, the
 # other splits of its tile having finished just before it); unlike SERIAL_SPLIT no split
 # waits on another, so no chain of adds behind a lock. An epilogue or a persistent config
-# keeps the two-pass form. Off until timed on the H200 (scripts/epilogue_variants.py
-# "last-split-sums")
+# keeps the two-pass form. Measured on the H200 and left off: bit-identical on the step's
+# split shapes (tests/gpu/test_matmul_split_gpu.py), but in the 12-layer bf16 b32 step's CUDA
+# graph 65.27 ms a step against 65.28 two-pass, and the four weight-gradient launches slower
+# than matmul + reduction kernel were (a launch: 3072x768 0.239 -> 0.247 ms, 768x3072 0.237 ->
+# 0.244, 768x2304 0.201 -> 0.207, 768x768 0.065 -> 0.074; 8.92 -> 9.25 ms a step): the last
+# splits' sums, 7 partial tiles read by one SM each, stand at the grid's tail, where the
+# reduction kernel spread them over every SM (scripts/epilogue_variants.py "last-split-sums",
+# bench/results/runs/epilogue_variants_graph_12l_last_split_4a8fb19.json)
 LAST_SPLIT_SUMS = False
 # Columns of the last split's sum at a time: a partial tile loaded beside the running sum
 # whole took 255 registers and spilled at 128x256 (offline sm_90a ptxas, 8 warps)
