@@ -29,6 +29,8 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
   casts-unbatched the forward's weight casts one launch each (fuse.BATCH_OPERAND_CASTS off)
   last-split-sums split-K's partials added up by the last split of each tile to finish
                 (matmul.LAST_SPLIT_SUMS), no reduction kernel
+  split-gain:X  the configurator's one-wave split taken where the model gains more than X
+                (configurator.ONE_WAVE_SPLIT_MIN_GAIN; 0: every gain, as before 2026-12-05)
 
     python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--variants a,b] [--graph] [--out DIR]
 
@@ -64,6 +66,8 @@ def apply_variant(variant: str) -> None:
     cf.WS_TILES.update(WS_VARIANTS.get(variant, {}))
     if variant == "casts-unbatched":
         fz.BATCH_OPERAND_CASTS = False
+    if variant.startswith("split-gain:"):
+        cf.ONE_WAVE_SPLIT_MIN_GAIN = float(variant.split(":")[1])
     if variant == "last-split-sums":
         from nova.codegen.triton import matmul as mm
 
@@ -218,7 +222,7 @@ def main() -> None:
         return
     results = []
     for v in opts.variants.split(","):
-        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:", "splitk:")):
+        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:", "splitk:", "split-gain:")):
             raise SystemExit(f"epilogue_variants: unknown variant {v!r} (known: {', '.join(VARIANTS)})")
         run = subprocess.run([sys.executable, __file__, "--child", v, "--layers", str(opts.layers),
                               "--batch", str(opts.batch)] + (["--graph"] if opts.graph else []),

@@ -311,6 +311,15 @@ WS_SPLIT = False
 # 4: a compute-bound tile that step 5 fills the machine with by splitting K is not halved
 # (docs/configurator.md, 4)
 SPLIT_BEFORE_HALVING = True
+# Step 5's one-wave split (S/2 < tiles < S) is taken only where the model gains more than this
+# share over the same tile unsplit: the model charges a split its partials and a launch but
+# not each work item's pipeline fill and fp32 tile store, and there the gain it sees can be
+# a few percent. Measured on the H200 (scripts/split_variants.py,
+# bench/results/runs/split_variants_bf16_b32_edf14a3.json): GPT-2's 768x2304x32768 weight
+# gradient, 108 tiles of 128x128, split 6 for a model gain of 1.4% ran 0.195 ms against 0.175
+# unsplit (cuBLAS 0.168); the one-wave splits the model gains 25-48% on (768x3072, 3072x768,
+# the LM head's dh) are faster split (0.230 against 0.297 unsplit)
+ONE_WAVE_SPLIT_MIN_GAIN = 0.10
 # 4b: the share of a tile grid's products past M and N (its edge tiles' padding) that makes
 # the next smaller tile worth taking (docs/configurator.md, 4b)
 PAD_WASTE = 0.125
@@ -518,6 +527,7 @@ def plan_matmul(
         return wave_time(t, s)
 
     tail = tiles / S - tiles // S
+    gain = 0.0  # the least share of T(1) a split must save, by the model
     if tiles * 2 <= S:
         s = underfilled_split(t)
     elif 0 < tail <= 0.5 and k_steps >= 4:
@@ -528,10 +538,11 @@ def plan_matmul(
         # (e.g. a weight gradient 768 x 3072 x 32768: 72 tiles of 128x256 keep 60 of 132
         # SMs idle, T(7) = 0.66 T(1))
         s = min(range(2, k_steps // 2 + 1), key=model_time)
+        gain = ONE_WAVE_SPLIT_MIN_GAIN
     else:
         s = 1
     split = 1
-    if s >= 2 and model_time(s) < model_time(1):
+    if s >= 2 and model_time(s) < (1 - gain) * model_time(1):
         k_split = _cdiv(_cdiv(K, s), bk) * bk  # whole BLOCK_Ks per split, as the launcher does
         split = _cdiv(K, k_split)
 
