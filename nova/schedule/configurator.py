@@ -318,7 +318,11 @@ SPLIT_BEFORE_HALVING = True
 # bench/results/runs/split_variants_bf16_b32_edf14a3.json): GPT-2's 768x2304x32768 weight
 # gradient, 108 tiles of 128x128, split 6 for a model gain of 1.4% ran 0.195 ms against 0.175
 # unsplit (cuBLAS 0.168); the one-wave splits the model gains 25-48% on (768x3072, 3072x768,
-# the LM head's dh) are faster split (0.230 against 0.297 unsplit)
+# the LM head's dh) are faster split (0.230 against 0.297 unsplit). In the 12-layer bf16 b32
+# step's CUDA graph (scripts/epilogue_variants.py "split-gain:0",
+# bench/results/runs/epilogue_variants_graph_12l_split_gain_3758a41.json) the weight gradient
+# took 0.170 ms a launch unsplit (128x128x64 s5) against 0.203 split 6, the step 65.46 ms
+# against 66.16 (kernels 60.79 against 61.11)
 ONE_WAVE_SPLIT_MIN_GAIN = 0.10
 # 4b: the share of a tile grid's products past M and N (its edge tiles' padding) that makes
 # the next smaller tile worth taking (docs/configurator.md, 4b)
