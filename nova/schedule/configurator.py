@@ -316,8 +316,8 @@ SPLIT_BEFORE_HALVING = True
 # not each work item's pipeline fill and fp32 tile store, and there the gain it sees can be
 # a few percent. Measured on the H200 (scripts/split_variants.py,
 # bench/results/runs/split_variants_bf16_b32_edf14a3.json): GPT-2's 768x2304x32768 weight
-# gradient, 108 tiles of 128x128, split 6 for a model gain of 1.4% ran 0.195 ms against 0.175
-# unsplit (cuBLAS 0.168); the one-wave splits the model gains 25-48% on (768x3072, 3072x768,
+# gradient, 108 tiles of 128x128, split 6 for a model gain of 4.4% ran 0.195 ms against 0.175
+# unsplit (cuBLAS 0.168); the one-wave splits the model gains 20-34% on (768x3072, 3072x768,
 # the LM head's dh) are faster split (0.230 against 0.297 unsplit). In the 12-layer bf16 b32
 # step's CUDA graph (scripts/epilogue_variants.py "split-gain:0",
 # bench/results/runs/epilogue_variants_graph_12l_split_gain_3758a41.json) the weight gradient
