@@ -322,7 +322,9 @@ SPLIT_BEFORE_HALVING = True
 # step's CUDA graph (scripts/epilogue_variants.py "split-gain:0",
 # bench/results/runs/epilogue_variants_graph_12l_split_gain_3758a41.json) the weight gradient
 # took 0.170 ms a launch unsplit (128x128x64 s5) against 0.203 split 6, the step 65.46 ms
-# against 66.16 (kernels 60.79 against 61.11)
+# against 66.16 (kernels 60.79 against 61.11). The same weight gradient of the tf32 step at
+# batch 16 (768x2304x16384, 128x128x32 staged) runs unsplit too: not yet timed (split 6 it took
+# 0.324 ms against cuBLAS's 0.276, bench/results/runs/tf32_variants_d7039cd.json)
 ONE_WAVE_SPLIT_MIN_GAIN = 0.10
 # 4b: the share of a tile grid's products past M and N (its edge tiles' padding) that makes
 # the next smaller tile worth taking (docs/configurator.md, 4b)
