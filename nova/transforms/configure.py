@@ -104,13 +104,12 @@ def configure_fused(op: nv.FusedOp, device: DeviceSpec) -> LoweringConfig:
 
     if op.props()["kind"] != "elementwise":
         raise NoScheduleError(f"the configure stage has no schedule rule for {op.name} of kind {op.props()['kind']!r}")
-    streams = [v for v in op.operands if numel(shape_of(v.type)) > 1] + list(op.results)
+    streamed = [numel(shape_of(v.type)) > 1 for v in op.operands]
+    streams = [v for v, s in zip(op.operands, streamed) if s] + list(op.results)
     dts = [_SIZE_ALIKE.get(d, d) for d in (to_torch_dtype(elem_of(v.type)) for v in streams)]
     dt = max(dts, key=lambda d: d.itemsize)
-    count = len(streams)
     parts = segments_of(op)
-    if parts:
-        count = max(sum(1 for j in ins if numel(shape_of(op.operands[j].type)) > 1) + len(outs) for ins, _, outs in parts)
+    count = max(sum(streamed[j] for j in ins) + len(outs) for ins, _, outs in parts) if parts else len(streams)
     # configure_elementwise counts the inputs besides its one output
     return cf.configure_elementwise(numel(op.iteration_shape()), dt, max(1, count - 1), device)
 

@@ -453,6 +453,8 @@ def matmul_source(
     if last and (serial or not split or epilogue is not None or persistent):
         raise ValueError("matmul: the last-split sums are a split, one-program-per-work-item kernel storing C "
                          "(no epilogue, not serial)")
+    split_partials = split and not serial  # each split writes an fp32 partial tile, [S, B, M, N]
+    kernel_bias = has_bias and (not split or serial or last)  # added here, not by the reduction kernel
 
     if in_name == "float32" and precision == "bf16":
         cast = "\n            a = a.to(tl.bfloat16)\n            b = b.to(tl.bfloat16)"
@@ -483,7 +485,7 @@ def matmul_source(
     params = ["a_ptr", "b_ptr"] if ws or not tma else ["a_desc", "b_desc"]
     if not fused:
         params.append("c_desc" if c_tma else "c_ptr")
-    if has_bias and (not split or serial or last):
+    if kernel_bias:
         params.append("bias_ptr")
     if serial:  # the running sums' workspace [B, M, N] f32 and a lock a tile (zeros at launch)
         params += ["ws_ptr", "lock_ptr"]
@@ -505,9 +507,9 @@ def matmul_source(
     if batched:
         params += [] if tma else ["stride_ab", "stride_bb"]
         params += [] if fused or c_tma else ["stride_cb"]
-    if split and not serial:
+    if split_partials:
         params.append("stride_cs")
-    if has_bias and (not split or serial or last):
+    if kernel_bias:
         params.append("stride_bias")
     if last:
         params += ["stride_om", "stride_on"] + (["stride_ob"] if batched else [])
@@ -542,7 +544,7 @@ def matmul_source(
         a_base = "a_ptr + pid_b.to(tl.int64) * stride_ab"
         b_base = "b_ptr + pid_b.to(tl.int64) * stride_bb"
         c_base = "c_ptr + pid_b.to(tl.int64) * stride_cb"
-    if split and not serial:
+    if split_partials:
         c_base += " + pid_s.to(tl.int64) * stride_cs"
     if split:
         k_range = "k0 = pid_s * K_SPLIT\n        k_len = tl.minimum(K - k0, K_SPLIT)"
@@ -580,7 +582,7 @@ def matmul_source(
             "\n        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0)"
             "\n        acc += bias.to(tl.float32)[None, :]"
         )
-    store_ty = "tl.float32" if split and not serial else _TL_DTYPE[out_name]
+    store_ty = "tl.float32" if split_partials else _TL_DTYPE[out_name]
     if c_tma:
         # the tile's place again, from a second counter: in the flattened persistent loop the
         # next tile's loads are issued before this store, and its indices need not stay live
@@ -758,7 +760,7 @@ batched {'yes' if batched else 'no'}, index {'int64' if index_64 else 'int32'}
         """)
     helpers = epilogue.helpers.strip("\n") + "\n\n\n" if epilogue is not None and epilogue.helpers else ""
     text = header + "\n\n" + helpers + kernel
-    if split and not serial and not last:
+    if split_partials and not last:
         text += "\n\n" + _reduce_source(name + "_reduce", has_bias, _TL_DTYPE[out_name], epilogue)
     for j, c in enumerate(epilogue.sums if epilogue is not None else ()):
         text += "\n\n" + colsum_source(f"{name}_colsum{j}", c.acc, tag(c.dtype))
@@ -1689,6 +1691,8 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     fused = ep is not None and not split
     serial = split and ep is None and not cfg.persistent and SERIAL_SPLIT
     last = split and ep is None and not cfg.persistent and not serial and LAST_SPLIT_SUMS
+    split_partials = split and not serial  # each split writes an fp32 partial tile, [S, B, M, N]
+    kernel_bias = bias is not None and (not split or serial or last)  # added in the main kernel
     ws_strides = _ws_plan(cfg, tma, a3, b3, batched, in_name, ep)
     if ws_strides is not None:
         tma = (dataclasses.replace(tma[0], ws=True), None)
@@ -1722,7 +1726,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     if serial:  # the running sums and the tiles' locks (each split s waits for s)
         ws = torch.empty((batch, M, N), dtype=torch.float32, device=a.device)
         locks = torch.zeros((batch * tiles,), dtype=torch.int32, device=a.device)
-    if split and not serial:
+    if split_partials:
         ws = torch.empty((splits, batch, M, N), dtype=torch.float32, device=a.device)
         dst, dst_strides = ws, (N, 1)
     else:
@@ -1732,7 +1736,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     args = list(tma[1]) if tma and ws_strides is None else [a3, b3]
     if not fused:
         args.append(c_desc if c_desc is not None else dst)
-    if bias is not None and (not split or serial or last):
+    if kernel_bias:
         args.append(bias)
     if serial:
         args += [ws, locks]
@@ -1755,10 +1759,10 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
         if not tma:
             args += [a3.stride(0) if a3.shape[0] > 1 else 0, b3.stride(0) if b3.shape[0] > 1 else 0]
         if not fused and c_desc is None:
-            args.append(M * N if split and not serial else c3.stride(0))
-    if split and not serial:
+            args.append(M * N if split_partials else c3.stride(0))
+    if split_partials:
         args.append(batch * M * N)
-    if bias is not None and (not split or serial or last):
+    if kernel_bias:
         args.append(bias.stride(0))
     if last:
         args += [c3.stride(1), c3.stride(2)] + ([c3.stride(0)] if batched else [])
@@ -1783,7 +1787,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     else:
         kern.main[grid](*args, **options)
 
-    if split and not serial and not last:
+    if split_partials and not last:
         n_out = batch * M * N
         rgrid = (cdiv(n_out, REDUCE_BLOCK),)
         if sums:  # over [REDUCE_ROWS, REDUCE_COLS] tiles (_reduce_tiles_source)
