@@ -132,6 +132,11 @@ class NovaOp(IRDLOperation):
     # summed into the bias gradient and written for the next matmuls), and compute
     # other elementwise ops of the prologue shape from them, stored too
     PROLOGUE_STORES: ClassVar[bool] = False
+    # a row-wise reduction with a prologue and an epilogue whose kernel stores prologue
+    # values (those its group yields) in its first pass over each row (layer_norm: the
+    # residual stream's sum its prologue computes, written for the next residual add
+    # and the backward); its prologue is still only what the head reads
+    PROLOGUE_ROW_STORES: ClassVar[bool] = False
     # a row-wise reduction with an epilogue whose kernel also sums epilogue values over
     # its rows (``column_sum``s of them in its group: a bias gradient of the residual
     # gradient a LayerNorm backward's epilogue adds), in per-program partials it adds up
@@ -857,6 +862,7 @@ class LayerNormOp(NovaOp):
     CATEGORY: ClassVar = "reduction"
     PROLOGUE: ClassVar = (0,)
     EPILOGUE: ClassVar = True
+    PROLOGUE_ROW_STORES: ClassVar = True
     input = operand_def(TensorType)
     weight = operand_def(TensorType)
     bias = operand_def(TensorType)
@@ -1395,7 +1401,11 @@ class FusedOp(NovaOp):
     yielded and read by any inner op, and every other op of the group is a
     prologue op too (of the prologue shape, or of one element; it may read
     nothing of the head), computed at each element and stored where yielded:
-    results are then the head's and prologue values. A row-wise head that sums its
+    results are then the head's and prologue values. A row-wise head that stores
+    prologue values in its first pass over a row (``PROLOGUE_ROW_STORES``) keeps
+    its prologue and epilogue as above, but prologue values of the prologue shape
+    may be yielded (read outside the group, stored), though still by no epilogue
+    op. A row-wise head that sums its
     epilogue's values (``EPILOGUE_SUMS``) may be followed by column sums
     (``column_sum``) of epilogue values of its row shape, which nothing inside reads:
     results are then also those sums."""
@@ -1551,6 +1561,7 @@ class FusedOp(NovaOp):
                 stack.extend(v.owner for v in o.operands if isinstance(v.owner, Operation))
         yielded = set(self.body.block.last_op.operands)
         stores = bool(head.PROLOGUE and head.PROLOGUE_STORES)
+        row_stores = bool(head.PROLOGUE and head.PROLOGUE_ROW_STORES)
         for op in ops:
             if op is head:
                 continue
@@ -1577,9 +1588,11 @@ class FusedOp(NovaOp):
                 if shape_of(r.type) != shape and numel(shape_of(r.type)) != 1:
                     raise VerifyException(f"{self.name} (reduction): {op.name} gives {shape_of(r.type)}, neither the "
                                           f"{part} shape {shape} nor one element")
-                if part == "prologue" and (r in yielded or numel(shape_of(r.type)) != 1 and any(
+                stored = row_stores and shape_of(r.type) == pro_shape  # yielded: written in the first pass
+                if part == "prologue" and (r in yielded and not stored or numel(shape_of(r.type)) != 1 and any(
                         u.operation is head and u.index not in head.PROLOGUE
-                        or u.operation is not head and u.operation not in prologue for u in r.uses)):
+                        or u.operation is not head and u.operation not in prologue
+                        and not (stored and isinstance(u.operation, YieldOp)) for u in r.uses)):
                     raise VerifyException(f"{self.name} (reduction): the prologue value of {op.name} is read "
                                           f"outside the prologue")  # fmt: skip
             if any(v in head.results[1:] for v in op.operands):

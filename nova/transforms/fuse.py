@@ -134,8 +134,30 @@ here, into loops, prologues and epilogues.
                "shared recompute" below): one reduce kernel reading dh, the saved
                matmul result and the bias, writing the bias gradient, GELU's bf16
                backward and the bf16 GELU the weight gradient reads. A shared value
-               merging into such a group is stored from it. Row-wise heads (layer_norm
-               and its backward read a row twice) store no prologue value.
+               merging into such a group is stored from it. Row-wise heads read a row
+               twice or more (looping over column blocks): only layer_norm stores, below.
+  row stores   a row-wise head that stores prologue values in its first pass over a
+               row (``PROLOGUE_ROW_STORES``: layer_norm; ``ROW_PROLOGUE_STORES``
+               switches the rule) takes an elementwise op of its prologue shape that it
+               reads (directly or through its prologue) though others read it too (the
+               first such head in block order, where several do; the others' prologues
+               read the stored value), unless the op, or a producer of its shape only
+               it reads, reads a contraction's result without widening it
+               (``_keeps_epilogue``: an f32 matmul's bias and residual adds cost its
+               epilogue no wider store, and a row kernel would read the f32 result
+               back). GPT-2 in bf16: the residual stream's sum r + (cast(x @ w) + b)
+               after each projection leaves the matmul's epilogue for the next
+               LayerNorm's prologue, which stores it for the next residual add and the
+               backward; the matmul writes its bf16 result (the backward's remat reads
+               the attention projection's anyway) instead of reading the f32 residual
+               and writing the f32 sum while its tensor cores idle (the attention
+               projection with that epilogue 0.154 ms a layer against 0.065 bare at
+               215611d; torch.compile computes these adds in its LayerNorm kernels too).
+               Bytes at batch 32, each of a layer's two: the projection's epilogue 250
+               (attention) or 200 (MLP) -> 50 MB, the LayerNorm 150 -> 300 MB. The first
+               LayerNorm takes the embeddings' sum (one launch less, its read saved; in
+               tf32 too). An epilogue op never reads a stored prologue value (the row
+               kernel computes none). Not yet timed on the H200.
   reduction    (row epilogue) an elementwise op reading the first result of a
   epilogue     row-wise reduction that takes an epilogue (``EPILOGUE``: layer_norm
                and its backward), with that result's shape, joins its group, and
@@ -271,6 +293,11 @@ SMALL_ARGS = 128
 # switch for that A/B (scripts/epilogue_variants.py "casts-unbatched", or
 # scripts/step_launches.py --set transforms.fuse.BATCH_OPERAND_CASTS=False).
 BATCH_OPERAND_CASTS = True
+# The residual stream's sums computed in the next LayerNorm's prologue and stored from
+# it (the module docstring, "row stores"), not in the projections' epilogues. Not yet
+# timed on the H200; the switch is for that A/B (scripts/epilogue_variants.py
+# "row-stores-off").
+ROW_PROLOGUE_STORES = True
 
 
 def fusible(op: Operation) -> bool:
@@ -304,6 +331,12 @@ def stores_prologue(head: Operation) -> bool:
     group (``PROLOGUE_STORES``; it takes no epilogue): its group may hold any
     elementwise op of the prologue shape, computed at each element and stored."""
     return bool(head.PROLOGUE) and head.PROLOGUE_STORES and epilogue_shape(head) is None
+
+
+def stores_rows(head: Operation) -> bool:
+    """A row-wise head whose kernel stores prologue values in its first pass over a
+    row (``PROLOGUE_ROW_STORES``: layer_norm), where ``ROW_PROLOGUE_STORES`` is on."""
+    return ROW_PROLOGUE_STORES and bool(head.PROLOGUE) and head.PROLOGUE_ROW_STORES
 
 
 def epilogue_shape(head: Operation) -> tuple[int, ...] | None:
@@ -428,7 +461,11 @@ class _Grouping:
         op that can be that head's prologue (``prologue_of``, readers first); or,
         for a head that stores its prologue's values (``stores_prologue``), ``op``
         costs more than any epilogue may (``EPILOGUE_MAX_FLOPS``: it is a kernel of
-        its own or this prologue) and its other readers read the stored value."""
+        its own or this prologue) and its other readers read the stored value; or
+        else the first of those heads that stores prologue values in its first pass
+        over a row (``stores_rows``), where no contraction's epilogue would compute
+        ``op`` without a wider store (``_keeps_epilogue``): its other readers, other
+        heads' prologues among them, read the stored value."""
         if op.FLAT_INDEX or not op.results[0].uses:
             return None
         heads, outside = set(), False
@@ -440,12 +477,38 @@ class _Grouping:
                 heads.add(self.prologue_of[r])
             else:
                 outside = True
-        if len(heads) != 1:
-            return None
+        row = min((h for h in heads if stores_rows(h)), key=self.pos.__getitem__, default=None)
+        if len(heads) != 1 or outside and not (stores_prologue(next(iter(heads)))
+                                               and flops_per_element(op) > EPILOGUE_MAX_FLOPS):  # fmt: skip
+            if row is None or self._keeps_epilogue(op):
+                return None
+            heads = {row}
         (head,) = heads
-        if outside and not (stores_prologue(head) and flops_per_element(op) > EPILOGUE_MAX_FLOPS):
-            return None
         return head if shape_of(op.results[0].type) == prologue_shape(head) else None
+
+    def _keeps_epilogue(self, op: Operation) -> bool:
+        """Whether ``op``, or a producer of its shape that only it reads (and so on
+        up), reads a contraction's result (or its relabelled rows) without widening
+        it: in the contraction's epilogue such a chain costs no wider store (an f32
+        matmul's bias and residual adds), so it stays there rather than in a row
+        kernel's prologue, which would read the contraction's result back."""
+        shape, stack, seen = shape_of(op.results[0].type), [op], set()
+        while stack:
+            o = stack.pop()
+            if o in seen:
+                continue
+            seen.add(o)
+            for v in o.operands:
+                src = v.owner
+                if not isinstance(src, Operation):
+                    continue
+                if epilogue_head(src) or relabels_rows(src):
+                    if _itemsize(o.results[0]) <= _itemsize(v):
+                        return True
+                elif (fusible(src) and src not in self.virtual and shape_of(src.results[0].type) == shape
+                      and all(u.operation is o for u in src.results[0].uses)):  # fmt: skip
+                    stack.append(src)
+        return False
 
     def absorbable(self, members: list[Operation], head: Operation, closed: bool = True) -> bool:
         """Whether ``members`` can be ``head``'s prologue: elementwise ops of its
@@ -458,8 +521,8 @@ class _Grouping:
         for m in members:
             if not fusible(m) or m.FLAT_INDEX or shape_of(m.results[0].type) != shape:
                 return False
-            if stores_prologue(head):
-                continue
+            if stores_prologue(head) or stores_rows(head) and self.prologue_of.get(m) is head:
+                continue  # its other readers read the stored value
             for u in m.results[0].uses:
                 r = u.operation
                 if r in inside or r is head and u.index in head.PROLOGUE:
@@ -486,6 +549,9 @@ class _Grouping:
             return False
         if prologue and not self.absorbable(sorted(prologue, key=self.pos.__getitem__), head):
             return False
+        if not stores_prologue(head) and any(u.operation in inside and u.operation not in prologue
+                                             and u.operation is not head for m in prologue for u in m.results[0].uses):
+            return False  # an epilogue op reading a prologue value (a stored one): the row kernel computes none
         stores = stores_prologue(head)  # the other members: ops of the prologue computed and stored
         shape = prologue_shape(head) if stores else epilogue_shape(head)
         for m in members:

@@ -184,6 +184,26 @@ def test_layer_norm_looping_over_column_blocks_takes_its_epilogue(elem):
     _check(_ln_step((3, 40), elem, keep_y=True), cfg, tol=2**-7)
 
 
+@pytest.mark.parametrize("n, block", [(32, None), (40, None), (40, 16)], ids=["full", "ragged", "looping"])
+def test_layer_norm_stores_the_residual_sum_its_prologue_computes(n, block):
+    """The residual stream's sum after a bf16 projection, h = r + (cast(p) + bias), in
+    the LayerNorm's prologue (``PROLOGUE_ROW_STORES``): stored in the first pass over
+    each row for its other reader (here the return), the bf16 output cast in the
+    epilogue; looping over column blocks (16 of 40), stored in the first of three
+    passes."""
+    module, fn, b = _step(Slot("batch", "p", tensor([2, 3, n], bf16)), Slot("param", "bias", tensor([n], f32)),
+                          Slot("batch", "r", tensor([2, 3, n], f32)), Slot("param", "w", tensor([n], f32)),
+                          Slot("param", "lb", tensor([n], f32)))  # fmt: skip
+    p, bias, r, w, lb = fn.body.block.args
+    h = b.add(r, b.add(b.cast(p, f32), bias))
+    y, mean, rstd = b.create(nv.LayerNormOp, [h, w, lb], {"eps": 1e-5}).results
+    set_results(fn, [("loss", "y", b.cast(y, bf16)), ("loss", "h", h), ("loss", "mean", mean)])
+    cfg = LoweringConfig(kind="reduction", block=block, num_warps=4) if block else None
+    (g,) = _check(module, cfg, tol=2**-7)
+    assert [o.name for o in g.inner_ops()] == ["nova.cast", "nova.add", "nova.add", "nova.layer_norm", "nova.cast"]
+    assert len(g.results) == 3 and list(g.operands)[:3] == [p, bias, r]
+
+
 # ----------------------------------------------------------------------------
 # layer_norm_backward with its prologue and epilogue
 

@@ -484,18 +484,74 @@ def test_a_chain_only_the_reduction_reads_is_its_prologue_and_a_shared_value_is_
     assert [str(r.type) for r in op.results] == ["tensor<4x8xf32>", "tensor<4x1xf32>"]
 
 
-def test_a_layer_norm_prologue_value_read_elsewhere_stays_outside():
-    """A row-wise head (layer_norm) may read its row twice: it stores no prologue
-    value, so an op the return also reads stays outside and is read."""
-    module, fn, b = _step(Slot("batch", "x", tensor([4, 8], f32)), Slot("param", "w", tensor([8], f32)),
-                          Slot("param", "lb", tensor([8], f32)))  # fmt: skip
-    x, w, lb = fn.body.block.args
-    e = b.one(nv.ExpOp, [x])
-    y = _ln(b, b.add(e, e), w, lb)[0]
-    set_results(fn, [("loss", "y", y), ("loss", "e", e)])
-    ops = _fused(module)
+def test_a_layer_norm_stores_a_prologue_value_read_elsewhere():
+    """A LayerNorm's kernel stores prologue values in its first pass over a row
+    (``PROLOGUE_ROW_STORES``): an op the return also reads is computed in its
+    prologue and stored, not a kernel of its own whose result the LayerNorm reads
+    back; the switch off, it stays outside and is read."""
+    def build():
+        module, fn, b = _step(Slot("batch", "x", tensor([4, 8], f32)), Slot("param", "w", tensor([8], f32)),
+                              Slot("param", "lb", tensor([8], f32)))  # fmt: skip
+        x, w, lb = fn.body.block.args
+        e = b.one(nv.ExpOp, [x])
+        y = _ln(b, b.add(e, e), w, lb)[0]
+        set_results(fn, [("loss", "y", y), ("loss", "e", e)])
+        return module, x, e
+
+    module, x, e = build()
+    (op,) = _fused(module)
+    assert _inner(op) == ["nova.exp", "nova.add", "nova.layer_norm"] and list(op.operands)[0] is x
+    assert [str(r.type) for r in op.results] == ["tensor<4x8xf32>", "tensor<4x8xf32>"]  # y, e
+    fz.ROW_PROLOGUE_STORES = False
+    try:
+        module, x, e = build()
+        ops = _fused(module)
+    finally:
+        fz.ROW_PROLOGUE_STORES = True
     (op,) = [o for o in ops if isinstance(o, nv.FusedOp)]
     assert _inner(op) == ["nova.add", "nova.layer_norm"] and op.operands[0] is e and e.owner in ops
+
+
+def _residual_ln(mm_dtype):
+    """A GPT block's projection and the next LayerNorm: h = r + (x @ w + bias), the
+    matmul's result widened first where it is bf16, LayerNorm(h) in bf16 for the next
+    matmul, h read again (the next residual add, the backward): returned."""
+    module, fn, b = _step(Slot("param", "x", tensor([16, 32], mm_dtype)), Slot("param", "w", tensor([32, 32], mm_dtype)),
+                          Slot("param", "bias", tensor([32], f32)), Slot("param", "res", tensor([2, 8, 32], f32)),
+                          Slot("param", "ln_w", tensor([32], f32)), Slot("param", "ln_b", tensor([32], f32)))  # fmt: skip
+    x, w, bias, res, ln_w, ln_b = fn.body.block.args
+    mm = b.matmul(x, w)
+    out = b.reshape(mm, [2, 8, 32])
+    h = b.add(res, b.add(b.cast(out, f32) if mm_dtype == bf16 else out, bias))
+    y = b.cast(_ln(b, h, ln_w, ln_b)[0], bf16)
+    set_results(fn, [("loss", "y", y), ("loss", "h", h)])
+    return module, fn, mm, h
+
+
+def test_a_residual_sum_of_a_bf16_matmul_is_computed_in_the_layer_norms_prologue_and_stored():
+    """The residual stream's sum after a bf16 projection (the ``row stores`` rule):
+    in the projection's epilogue it makes the matmul read the f32 residual and write
+    the f32 sum while its tensor cores idle; in the LayerNorm's prologue the matmul
+    writes its bf16 result and the memory-bound row kernel reads it with the
+    residual, and stores the sum for its other readers."""
+    module, fn, mm, h = _residual_ln(bf16)
+    ops = _fused(module)
+    assert isinstance(mm.owner, nv.MatmulOp) and mm.owner in ops  # no epilogue: it writes bf16
+    (op,) = [o for o in ops if isinstance(o, nv.FusedOp)]
+    assert isinstance(_reduction(op), nv.LayerNormOp)
+    assert _inner(op) == ["nova.cast", "nova.add", "nova.add", "nova.layer_norm", "nova.cast"]
+    assert sorted(str(r.type) for r in op.results) == ["tensor<2x8x32xbf16>", "tensor<2x8x32xf32>"]  # y, h
+
+
+def test_a_residual_sum_of_an_f32_matmul_stays_in_its_epilogue():
+    """An f32 matmul (tf32) computes the bias and residual adds in its epilogue at no
+    wider store; in the LayerNorm's prologue the row kernel would read its f32 result
+    back (``_keeps_epilogue``): they stay in the epilogue."""
+    module, fn, mm, h = _residual_ln(f32)
+    ops = _fused(module)
+    contraction, row = [o for o in ops if isinstance(o, nv.FusedOp)]
+    assert _inner(contraction) == ["nova.matmul", "nova.reshape", "nova.add", "nova.add"]
+    assert _inner(row) == ["nova.layer_norm", "nova.cast"] and row.operands[0] is contraction.results[0]
 
 
 def test_layer_norm_writes_its_epilogue_instead_of_its_f32_output():
@@ -771,7 +827,17 @@ def test_a_remat_recompute_only_reductions_read_is_recomputed_in_each_prologue()
 
 
 def test_a_chain_the_remat_stage_did_not_make_is_computed_once_for_its_readers():
+    """Computed once, in the LayerNorm's prologue, which stores it for the backward
+    (``PROLOGUE_ROW_STORES``); the switch off, in a kernel of its own."""
     ops = _fused(_recomputed_residual(remat=False))
+    assert isinstance(_reduction(ops[0]), nv.LayerNormOp)
+    assert _inner(ops[0]) == ["nova.cast", "nova.add", "nova.add", "nova.layer_norm", "nova.cast"]
+    assert isinstance(ops[1], nv.LayerNormBackwardOp) and ops[1].operands[1].owner is ops[0]
+    fz.ROW_PROLOGUE_STORES = False
+    try:
+        ops = _fused(_recomputed_residual(remat=False))
+    finally:
+        fz.ROW_PROLOGUE_STORES = True
     assert isinstance(ops[0], nv.FusedOp) and ops[0].props()["kind"] == "elementwise"
     assert _inner(ops[0]) == ["nova.cast", "nova.add", "nova.add"]
     assert isinstance(_reduction(ops[1]), nv.LayerNormOp) and isinstance(ops[2], nv.LayerNormBackwardOp)
@@ -953,7 +1019,8 @@ def test_the_reduction_group_verifies_its_structure():
     block.erase_op(twice)
     op.verify()
 
-    # a row-wise head (layer_norm) stores none: a prologue value read outside it is refused
+    # a layer_norm stores the prologue values its group yields (``PROLOGUE_ROW_STORES``), but no
+    # other op of the group may read one: its row kernel computes no such op
     module, fn, b = _step(Slot("batch", "x", tensor([4, 8], bf16)), Slot("param", "w", tensor([8], f32)),
                           Slot("param", "lb", tensor([8], f32)))  # fmt: skip
     x, w, lb = fn.body.block.args
@@ -961,11 +1028,24 @@ def test_the_reduction_group_verifies_its_structure():
     (op,) = [o for o in _fused(module) if isinstance(o, nv.FusedOp)]
     block = op.body.block
     cast, ln = op.inner_ops()
+    yields = list(block.last_op.operands)
+    block.last_op.operands = [*yields, cast.results[0]]
+    op._verify_reduction(op.inner_ops())  # the group's structure (its results' types aside): stored
+    block.last_op.operands = yields
     twice = nv.AddOp.create(operands=[cast.results[0], cast.results[0]], result_types=[cast.results[0].type])
     block.insert_op_before(twice, ln)
     block.last_op.operands = [twice.results[0]]
     with pytest.raises(VerifyException, match="read outside the prologue"):
         op.verify()
+
+    # a LayerNorm backward stores none: its prologue value yielded is refused
+    module, fn, mm = _ln_backward_step()
+    (op,) = [o for o in _fused(module) if isinstance(o, nv.FusedOp)]
+    block = op.body.block
+    widened = op.inner_ops()[0]
+    block.last_op.operands = [*block.last_op.operands, widened.results[0]]
+    with pytest.raises(VerifyException, match="read outside the prologue"):
+        op._verify_reduction(op.inner_ops())
 
 
 # ----------------------------------------------------------------------------

@@ -260,7 +260,9 @@ def fusion_of(op: nv.FusedOp) -> tuple[nv.NovaOp, Fusion]:
     roundings as ``fused_body``. Under a head that stores prologue values
     (``NovaOp.PROLOGUE_STORES``: the dialect's verifier makes every other inner op
     a prologue op), the prologue is every inner op, and each value of it the group
-    yields is one more of the chain's values, stored at each element."""
+    yields is one more of the chain's values, stored at each element; under a
+    row-wise head that stores prologue values in its first pass over a row
+    (``PROLOGUE_ROW_STORES``), the prologue's values the group yields are too."""
     head = op.reduction()
     if head is None:
         raise UnsupportedError(f"{op.name}: not a reduction group")
@@ -279,6 +281,7 @@ def fusion_of(op: nv.FusedOp) -> tuple[nv.NovaOp, Fusion]:
         return seen
 
     stores_mode = bool(head.PROLOGUE and head.PROLOGUE_STORES)
+    row_stores = bool(head.PROLOGUE and head.PROLOGUE_ROW_STORES)  # yielded prologue values, stored in pass 1
     prologue = {o for o in inner if o is not head} if stores_mode else closure(head.operands)
     sum_ops = op.epilogue_sums()  # column sums of epilogue values (the verifier: nothing inside reads them)
     epilogue = [o for o in inner if o is not head and o not in prologue and o not in sum_ops]
@@ -300,7 +303,7 @@ def fusion_of(op: nv.FusedOp) -> tuple[nv.NovaOp, Fusion]:
             else:
                 reads.append(("input", list(block.args).index(v)))
         for v in yields:
-            if stores_mode and v.owner in prologue and v not in pro_stored:
+            if (stores_mode or row_stores) and v.owner in prologue and v not in pro_stored:
                 pro_stored[v] = len(pro_stores)
                 pro_stores.append((len(values), _dtype(v)))
                 values.append(var[v])
@@ -316,7 +319,7 @@ def fusion_of(op: nv.FusedOp) -> tuple[nv.NovaOp, Fusion]:
         operands, inputs, lines, helpers = _chain(epilogue, block, "q", var)
         values = []
         for v in yields:
-            if v.owner in order and v.owner is not head and v.owner not in sum_ops:
+            if v.owner in order and v.owner is not head and v.owner not in sum_ops and v not in pro_stored:
                 stored[v] = len(values)
                 values.append(var[v])
                 stores.append(_dtype(v))

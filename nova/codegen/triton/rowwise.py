@@ -325,9 +325,11 @@ class RowFusion:
 
     def params(self) -> list[str]:
         """Pointers: each chain's operands, then the epilogue's outputs, then the
-        partial rows [P, n] of its column sums (``Fusion.sums``)."""
+        partial rows [P, n] of its column sums (``Fusion.sums``), then the stored
+        prologue values (``Fusion.prologue_stores``)."""
         out = [f"{c.prefix}ptr{k}" for c in self._chains() for k in range(len(c.operands))]
-        return out + [f"qout{j}" for j in range(len(self.f.stores))] + [f"qsum{j}" for j in range(len(self.f.sums))]
+        return (out + [f"qout{j}" for j in range(len(self.f.stores))] + [f"qsum{j}" for j in range(len(self.f.sums))]
+                + [f"pout{j}" for j in range(len(self.f.prologue_stores))])  # fmt: skip
 
     def sum_init(self) -> str:
         """Before a program's rows (per column block): the column sums' accumulators."""
@@ -384,9 +386,18 @@ class RowFusion:
         value = convert(var, vtag, _TAG_OF[self.acc])
         return f"{name} = tl.where({mask}, {value}, 0.0)" if mask else f"{name} = {value}"
 
-    def prologue(self, cvar: str, mask: str | None) -> str:
-        """The prologue's loads and chain at columns ``cvar`` (nothing without one)."""
-        return "\n".join(self._loads(self.f.prologue, cvar, mask)) if self.f.prologue is not None else ""
+    def prologue(self, cvar: str, mask: str | None, store: bool = False) -> str:
+        """The prologue's loads and chain at columns ``cvar`` (nothing without one);
+        with ``store`` (the first pass over the row), its stored values written
+        contiguously at the row's flat index, as the head's own first result."""
+        if self.f.prologue is None:
+            return ""
+        lines = self._loads(self.f.prologue, cvar, mask)
+        m = f", mask={mask}" if mask else ""
+        for j, (k, dtype) in enumerate(self.f.prologue_stores if store else ()):
+            var, vtag = self.f.prologue.values[k]
+            lines.append(f"tl.store(pout{j} + row * {self.n} + {cvar}, {convert(var, vtag, tag(dtype))}{m})")
+        return "\n".join(lines)
 
     def epilogue(self, value: str, out: str, cvar: str, mask: str | None) -> str:
         """After the head computed its first result ``value`` (statistics type) at
@@ -420,7 +431,9 @@ def _fusion_outputs(name: str, fusion: Fusion | None, specs, outs, device) -> tu
     if fusion is None:
         res = results(name, specs, outs, device)
         return res, res
+    # an epilogue's or a stored prologue's value has the rows' shape, the head's first result's
     out_specs = [specs[i] if how == "head" else ((specs[0][0][-1],), fusion.sums[i][1]) if how == "sum"
+                 else (specs[0][0], fusion.prologue_stores[i][1]) if how == "prologue"
                  else (specs[0][0], fusion.stores[i]) for how, i in fusion.outputs]  # fmt: skip
     res = results(name, out_specs, outs, device)
     return [res[fusion.head_output(i)] if fusion.stored(i) else None for i in range(len(specs))], res
@@ -431,6 +444,14 @@ def _epilogue_outs(res: list, fusion: Fusion | None) -> list:
     if fusion is None:
         return []
     return [res[fusion.outputs.index(("epilogue", j))] for j in range(len(fusion.stores))]
+
+
+def _prologue_outs(res: list, fusion: Fusion | None) -> list:
+    """The stored prologue values' tensors among a launch's results, in
+    ``Fusion.prologue_stores`` order."""
+    if fusion is None:
+        return []
+    return [res[fusion.outputs.index(("prologue", j))] for j in range(len(fusion.prologue_stores))]
 
 
 def _sum_outs(res: list, fusion: Fusion | None) -> list:
@@ -618,9 +639,10 @@ def layer_norm_source(shape, dtype, eps: float, block: int, looping: bool, fusio
     ptrs += [("y_row", f"y_ptr + row * {n}")] if rf.stored(0) else []
     head = _code(head, "\n".join(f"{v} = {e}" for v, e in ptrs), rf.row_lines())
 
-    def x_at(c: str, mask: str | None) -> str:
+    def x_at(c: str, mask: str | None, first: bool = False) -> str:
         other = f", mask={mask}, other=0.0" if mask else ""
-        return _code(rf.prologue(c, mask), rf.operand(0, "x", f"tl.load(x_row + {c} * sxc{other}).to({acc})", c, mask))
+        return _code(rf.prologue(c, mask, store=first),
+                     rf.operand(0, "x", f"tl.load(x_row + {c} * sxc{other}).to({acc})", c, mask))
 
     def y_out(c: str, mask: str | None) -> str:
         m = f", mask={mask}" if mask else ""
@@ -631,7 +653,7 @@ def layer_norm_source(shape, dtype, eps: float, block: int, looping: bool, fusio
         mask = None if n == block else _mask(n, block)
         ld, _ = _masked(n, block)
         center = "x - mean" if n == block else f"tl.where({mask}, x - mean, 0.0)"
-        body = _code(x_at("cols", mask), f"""
+        body = _code(x_at("cols", mask, first=True), f"""
             mean = tl.sum(x, axis=0) / {n}
             xc = {center}
             rstd = tl.rsqrt(tl.sum(xc * xc, axis=0) / {n} + EPS)
@@ -642,7 +664,7 @@ def layer_norm_source(shape, dtype, eps: float, block: int, looping: bool, fusio
     else:  # three passes: mean, then the centered variance (exact as the reference), then y
         m = f"c < {n}"
         loop = f"for c0 in range(0, {n}, BLOCK):\n    c = c0 + cols"
-        body = _code(f"part = tl.zeros((BLOCK,), {acc})", loop, (x_at("c", m), 1), ("part += x", 1), f"""
+        body = _code(f"part = tl.zeros((BLOCK,), {acc})", loop, (x_at("c", m, first=True), 1), ("part += x", 1), f"""
             mean = tl.sum(part, axis=0) / {n}
             part = tl.zeros((BLOCK,), {acc})
         """, loop, (x_at("c", m), 1), (f"""
@@ -669,6 +691,8 @@ def _fused_head(op, fusion: Fusion | None, row_operands: tuple[int, ...]) -> Non
     prologue are the group's own."""
     if fusion is None:
         return
+    if fusion.prologue_stores and not op.PROLOGUE_ROW_STORES:
+        raise UnsupportedError(f"{op.name}: its row template stores no prologue value")
     for j in range(len(op.operands)):
         if j not in row_operands and fusion.direct(j) is None:
             raise UnsupportedError(f"{op.name}: operand {j} cannot come from a prologue")
@@ -702,7 +726,8 @@ def lower_layer_norm(op, cfg: LoweringConfig | None = None, *, max_row_block: in
             _check_span(name, rows.n, block, w.stride(0), b.stride(0), *([x.stride(-1)] if x is not None else []))
             ptrs, strides = rf.args(inputs)
             kernel[(rows.count,)](*([x] if x is not None else []), w, b, *(t for t in (y, mean, rstd) if t is not None),
-                                  *ptrs, *_epilogue_outs(res, fusion), *(rows.args(x) if x is not None else []),
+                                  *ptrs, *_epilogue_outs(res, fusion), *_prologue_outs(res, fusion),
+                                  *(rows.args(x) if x is not None else []),
                                   w.stride(0), b.stride(0), *strides, **opts)  # fmt: skip
         elif rows.count:  # rows of no elements: the mean of nothing
             for t in (mean, rstd):
