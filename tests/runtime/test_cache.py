@@ -299,11 +299,11 @@ def _edit_ir(entry: dict, edit, fix_checksum=True) -> dict:
 def _break_verification(ir: dict) -> None:
     # an op whose result type disagrees with what its operands give (the nova verifier's infer)
     for op in ir["ops"]:
-        if op[0] == "nova.add":
+        if op[0] in ("nova.add", "nova.transpose", "nova.matmul"):
             ir["attrs"].append("tensor<3x5xf32>")
             op[2] = [len(ir["attrs"]) - 1]
             return
-    raise AssertionError("no nova.add")
+    raise AssertionError("no nova.add, nova.transpose or nova.matmul")
 
 
 def _offset_row(ir: dict) -> list:
