@@ -27,6 +27,10 @@ stage), and the IR after each stage is kept as text for ``explain()``.
               known before the loss): one logits matmul per chunk instead of two
   remat       recompute cheap elementwise values in the backward instead of keeping
               them from the forward; with memory_budget, more until the plan fits
+  norm_recompute  a LayerNorm output remat recomputes for a weight gradient is computed
+              from the forward's statistics beside the LayerNorm backward reading the
+              same row (the weight gradient moves after it), so fuse puts it in that
+              backward's kernel
   tf32_operands  (GPU targets, tf32) a value only tf32 matmuls read is stored rounded
               by its producer's kernel, and the matmuls take it as prerounded
   fuse        elementwise ops grouped into nova.fused ops (one kernel each):
@@ -152,6 +156,12 @@ def _remat(c: Compilation) -> None:
     c.remat = remat(c.module, c.memory_budget)
 
 
+def _norm_recompute(c: Compilation) -> None:
+    from nova.transforms.norm_recompute import norm_recompute
+
+    norm_recompute(c.module)
+
+
 def _tf32_operands(c: Compilation) -> None:
     if c.device is None:
         return  # the reference target's matmuls are torch's (tf32 rounding on CUDA, fp32 on the CPU)
@@ -207,6 +217,7 @@ STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
     ("simplify", _simplify),
     ("loss_grad", _loss_grad),
     ("remat", _remat),
+    ("norm_recompute", _norm_recompute),
     ("tf32_operands", _tf32_operands),
     ("fuse", _fuse),
     ("configure", _configure),

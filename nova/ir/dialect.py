@@ -892,6 +892,7 @@ class LayerNormBackwardOp(NovaOp):
     PROLOGUE: ClassVar = (0, 1)
     EPILOGUE: ClassVar = True
     EPILOGUE_SUMS: ClassVar = True
+    PROLOGUE_ROW_STORES: ClassVar = True
     grad = operand_def(TensorType)
     input = operand_def(TensorType)
     weight = operand_def(TensorType)
@@ -1364,6 +1365,37 @@ def tf32_rounded(value: SSAValue) -> bool:
     return isinstance(op, RoundTf32Op)
 
 
+def row_sides(head: Operation, ops: list[Operation]) -> set[Operation]:
+    """Of ``ops`` (a would-be or built "reduction" group's ops but its head and column
+    sums, in block order), the side ops of a row-wise ``head`` that stores prologue
+    values in its first pass over a row (``PROLOGUE_ROW_STORES``): those outside the
+    prologue (what the head reads, directly or not) and outside the epilogue (what
+    reads the head's first result, directly or not, and what those read besides the
+    prologue), e.g. a LayerNorm recompute from the forward's statistics beside the
+    backward that reads the same row; the kernel computes them with the prologue, in
+    every pass, and stores them in the first."""
+    inner = set(ops)
+    prologue: set[Operation] = set()
+    stack = [v.owner for v in head.operands if v.owner in inner]
+    while stack:
+        o = stack.pop()
+        if o not in prologue:
+            prologue.add(o)
+            stack.extend(v.owner for v in o.operands if v.owner in inner)
+    epilogue: set[Operation] = set()
+    for o in ops:  # block order: what reads the head's first result, directly or not
+        if any(v is head.results[0] or v.owner in epilogue for v in o.operands):
+            epilogue.add(o)
+    stack = list(epilogue)
+    while stack:  # and what those read besides the prologue (one-element values, casts of arguments)
+        o = stack.pop()
+        for v in o.operands:
+            if v.owner in inner and v.owner not in prologue and v.owner not in epilogue:
+                epilogue.add(v.owner)
+                stack.append(v.owner)
+    return inner - prologue - epilogue
+
+
 @irdl_op_definition
 class FusedOp(NovaOp):
     """A group of ops that runs as one kernel. Operands: the group's inputs from
@@ -1405,7 +1437,9 @@ class FusedOp(NovaOp):
     prologue values in its first pass over a row (``PROLOGUE_ROW_STORES``) keeps
     its prologue and epilogue as above, but prologue values of the prologue shape
     may be yielded (read outside the group, stored), though still by no epilogue
-    op. A row-wise head that sums its
+    op, and the group may hold side ops (``prologue_sides``: neither read by the
+    head nor reading its first result), of the prologue shape, computed with the
+    prologue from its values and stored where yielded. A row-wise head that sums its
     epilogue's values (``EPILOGUE_SUMS``) may be followed by column sums
     (``column_sum``) of epilogue values of its row shape, which nothing inside reads:
     results are then also those sums."""
@@ -1439,6 +1473,14 @@ class FusedOp(NovaOp):
         category reduction but the head)."""
         head = self.reduction()
         return [o for o in self.inner_ops() if o is not head and isinstance(o, NovaOp) and o.CATEGORY == "reduction"]
+
+    def prologue_sides(self) -> set[Operation]:
+        """A "reduction" group's side ops (``row_sides``); empty but under a head that
+        stores prologue values in its first pass over a row."""
+        head = self.reduction()
+        if head is None or not (head.PROLOGUE and head.PROLOGUE_ROW_STORES):
+            return set()
+        return row_sides(head, [o for o in self.inner_ops() if o is not head and o not in self.epilogue_sums()])
 
     def iteration_shape(self) -> tuple[int, ...]:
         """The shape the group's elementwise ops run over (a contraction group's
@@ -1562,6 +1604,8 @@ class FusedOp(NovaOp):
         yielded = set(self.body.block.last_op.operands)
         stores = bool(head.PROLOGUE and head.PROLOGUE_STORES)
         row_stores = bool(head.PROLOGUE and head.PROLOGUE_ROW_STORES)
+        sides = self.prologue_sides()  # computed with the prologue, so of its shape
+        prologue |= sides
         for op in ops:
             if op is head:
                 continue

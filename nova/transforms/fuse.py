@@ -158,6 +158,19 @@ here, into loops, prologues and epilogues.
                LayerNorm takes the embeddings' sum (one launch less, its read saved; in
                tf32 too). An epilogue op never reads a stored prologue value (the row
                kernel computes none). Not yet timed on the H200.
+  row sides    such a head's group also takes side ops (``nv.row_sides``): elementwise
+               ops of its prologue shape, not read by the head, reading no result of it,
+               whose full-size operands are values of its prologue, other side ops, or
+               row operands it loads as they are (the rest broadcasts: per-row
+               statistics, per-column weights), bound to the first such head after them
+               (``_side_head``); the kernel computes them with its prologue and stores
+               them in its first pass over a row. The case: norm_recompute's LayerNorm
+               output from the forward's statistics, ((x - mean) * rstd) * w + b in
+               bf16 for the weight gradient, in the kernel of the LayerNorm backward
+               that reads the same x (loaded, or recomputed in its prologue, which
+               ``share_recomputes`` then does not clone for the side ops:
+               ``_row_sides_read``): GPT-2's 24 LayerNorm recompute launches gone, each
+               a read of x (100 MB at bf16 batch 32) saved. Not yet timed on the H200.
   reduction    (row epilogue) an elementwise op reading the first result of a
   epilogue     row-wise reduction that takes an epilogue (``EPILOGUE``: layer_norm
                and its backward), with that result's shape, joins its group, and
@@ -439,6 +452,11 @@ class _Grouping:
             head = self._prologue_reader(op) if op not in self.virtual and fusible(op) else None
             if head is not None:
                 self.prologue_of[op] = head
+        self.side_of: dict[Operation, Operation] = {}
+        for op in self.ops:  # producers first
+            head = self._side_head(op) if op not in self.virtual and fusible(op) else None
+            if head is not None:
+                self.side_of[op] = head
         for op in self.ops:
             if op in self.virtual:
                 continue
@@ -452,7 +470,7 @@ class _Grouping:
             ok = fusible(op) and op not in self.tail
             self.node[op] = Node([op], self.pos[op], shape_of(op.results[0].type) if ok else None, ok)
             if ok:
-                self.node[op].bound = self.prologue_of.get(op)
+                self.node[op].bound = self.prologue_of.get(op) or self.side_of.get(op)
 
     # --- a reduction's prologue ----------------------------------------------
     def _prologue_reader(self, op: Operation) -> Operation | None:
@@ -485,6 +503,33 @@ class _Grouping:
             heads = {row}
         (head,) = heads
         return head if shape_of(op.results[0].type) == prologue_shape(head) else None
+
+    def _side_head(self, op: Operation) -> Operation | None:
+        """The row-wise head that stores prologue values (``stores_rows``) whose side op
+        ``op`` can be (the module docstring, "row sides"), or None: ``op`` is of that
+        head's prologue shape, not read by the head, and every value of that size it
+        reads is a value of the head's prologue or of its side ops, or a row operand
+        the head loads as it is (the others are broadcasts: per-row statistics,
+        per-column weights), so the kernel computes it from the row it holds."""
+        if op.FLAT_INDEX or op in self.prologue_of or op in self.tail or not op.results[0].uses:
+            return None
+        n, heads = numel(shape_of(op.results[0].type)), None
+        for v in self.inputs[op]:
+            if numel(shape_of(v.type)) < n:
+                continue
+            owner = v.owner
+            found = {u.operation for u in v.uses if reduction_head(u.operation) and stores_rows(u.operation)
+                     and u.index in u.operation.PROLOGUE}  # fmt: skip
+            if isinstance(owner, Operation) and (owner in self.prologue_of or owner in self.side_of):
+                found.add(self.prologue_of.get(owner) or self.side_of.get(owner))
+            heads = found if heads is None else heads & found
+        # the kernel that computes it comes after it (where its readers are): the first such head
+        head = min((h for h in heads or () if self.pos[h] > self.pos[op]), key=self.pos.__getitem__, default=None)
+        if head is None:
+            return None
+        if not stores_rows(head) or shape_of(op.results[0].type) != prologue_shape(head):
+            return None
+        return None if any(u.operation is head for u in op.results[0].uses) else head
 
     def _keeps_epilogue(self, op: Operation) -> bool:
         """Whether ``op``, or a producer of its shape that only it reads (and so on
@@ -521,7 +566,8 @@ class _Grouping:
         for m in members:
             if not fusible(m) or m.FLAT_INDEX or shape_of(m.results[0].type) != shape:
                 return False
-            if stores_prologue(head) or stores_rows(head) and self.prologue_of.get(m) is head:
+            if stores_prologue(head) or stores_rows(head) and (self.prologue_of.get(m) is head
+                                                               or self.side_of.get(m) is head):
                 continue  # its other readers read the stored value
             for u in m.results[0].uses:
                 r = u.operation
@@ -549,6 +595,11 @@ class _Grouping:
             return False
         if prologue and not self.absorbable(sorted(prologue, key=self.pos.__getitem__), head):
             return False
+        if stores_rows(head):  # side ops: computed with the prologue, stored
+            sides = nv.row_sides(head, [m for m in members if m is not head])
+            if not self.absorbable(sorted(sides, key=self.pos.__getitem__), head):
+                return False
+            prologue = prologue | sides
         if not stores_prologue(head) and any(u.operation in inside and u.operation not in prologue
                                              and u.operation is not head for m in prologue for u in m.results[0].uses):
             return False  # an epilogue op reading a prologue value (a stored one): the row kernel computes none
@@ -778,7 +829,7 @@ class _Grouping:
                 # input fusion: the nodes kept for its prologue, producers of producers too (every
                 # one can join: their inputs lie before them, their only readers are in the prologue)
                 kept: dict[int, Node] = {}
-                stack = list(self.inputs[op])
+                stack = [*self.inputs[op], *(m.results[0] for m, h in self.side_of.items() if h is op)]
                 while stack:
                     owner = stack.pop().owner
                     n = self.node.get(owner) if isinstance(owner, Operation) else None
@@ -1134,6 +1185,24 @@ def _one_kernel_for_readers(op: Operation, uses: list, kinds: list, order: dict[
     return True
 
 
+def _row_sides_read(op: Operation, uses: list, kinds: list) -> bool:
+    """Whether ``op``'s value is read by one row-wise head that stores prologue
+    values (``stores_rows``), as a prologue operand, and otherwise only by elementwise
+    ops of its shape that read nothing else of its size (the head's side ops to be:
+    a LayerNorm recompute from the forward's statistics beside its backward): one
+    kernel computes it for all of them, in the head's prologue."""
+    if kinds.count("prologue") != 1 or set(kinds) - {"prologue", "elementwise"}:
+        return False
+    n = numel(shape_of(op.results[0].type))
+    for u, kind in zip(uses, kinds, strict=True):
+        r = u.operation
+        if kind == "prologue" and not stores_rows(r):
+            return False
+        if kind == "elementwise" and any(v is not op.results[0] and numel(shape_of(v.type)) >= n for v in r.operands):
+            return False
+    return True
+
+
 def share_recomputes(block: Block) -> set[Operation]:
     """A recompute of the remat stage (every op ``nova.remat``) whose readers can each
     compute it (``_shared_reader``: reductions reading it as prologue operands, the
@@ -1182,7 +1251,7 @@ def share_recomputes(block: Block) -> set[Operation]:
         k, out = len(uses), _itemsize(op.results[0])
         if in_bytes >= out and not all("nova.remat" in m.attributes for m in chain):
             continue  # neither remat's recompute nor widening
-        if _one_kernel_for_readers(op, uses, kinds, order):
+        if _one_kernel_for_readers(op, uses, kinds, order) or _row_sides_read(op, uses, kinds):
             continue  # one kernel computes it for every reader: nothing written, nothing computed twice
         written = (k + 1 if "elementwise" not in kinds else k) * out
         if (k - 1) * in_bytes > written or sum(flops_per_element(m) for m in chain) > EPILOGUE_MAX_FLOPS:

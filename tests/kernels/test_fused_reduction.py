@@ -278,6 +278,32 @@ def test_layer_norm_backward_looping_takes_its_prologue_and_epilogue():
     _check(_ln_backward(40, dropout=False), cfg, tol=2e-2)
 
 
+@pytest.mark.parametrize("recomputed", [False, True], ids=["saved-x", "recomputed-x"])
+@pytest.mark.parametrize("block", [None, 16], ids=["registers", "looping"])
+def test_layer_norm_backward_computes_and_stores_the_layer_norm_recompute_beside_it(recomputed, block):
+    """norm_recompute's LayerNorm output from the forward's statistics, y = ((x - mean)
+    * rstd) * w + b in bf16, as side ops of the backward reading the same row
+    (``nv.row_sides``): computed with its prologue, stored in the first pass over each
+    row; x as it is (a saved residual) or the residual stream recomputed in the
+    prologue (h = r + (cast(p) + bias), which the side ops read there)."""
+    n = 40
+    module, fn, b = _step(Slot("batch", "p", tensor([2, 3, n], bf16)), Slot("param", "bias", tensor([n], f32)),
+                          Slot("batch", "r", tensor([2, 3, n], f32)), Slot("param", "w", tensor([n], f32)),
+                          Slot("param", "lb", tensor([n], f32)), Slot("batch", "g", tensor([2, 3, n], bf16)),
+                          Slot("batch", "mean", tensor([2, 3], f32)), Slot("batch", "rstd", tensor([2, 3], f32)))  # fmt: skip
+    p, bias, r, w, lb, g, mean, rstd = fn.body.block.args
+    x = b.add(r, b.add(b.cast(p, f32), bias)) if recomputed else r
+    centered = b.sub(x, b.reshape(mean, [2, 3, 1]))
+    y16 = b.cast(b.add(b.mul(b.mul(centered, b.reshape(rstd, [2, 3, 1])), w), lb), bf16)
+    dx, dw, db = b.create(nv.LayerNormBackwardOp, [b.cast(g, f32), x, w, mean, rstd], {}).results
+    set_results(fn, [("loss", "y16", y16), ("loss", "dx", b.cast(dx, bf16)), ("grad", "w", dw), ("grad", "b", db)])
+    cfg = LoweringConfig(kind="reduction", block=block, num_warps=4) if block else None
+    (grp,) = _check(module, cfg, tol=2e-2)
+    assert isinstance(grp.reduction(), nv.LayerNormBackwardOp)
+    assert {o.name for o in grp.prologue_sides()} == {"nova.sub", "nova.mul", "nova.add", "nova.cast"}
+    assert len(grp.results) == 4
+
+
 def test_a_remat_recompute_runs_in_a_layer_norm_and_its_backward():
     """remat's residual-stream recompute (bf16 projection widened, + bias, + the
     residual) in both prologues: a LayerNorm recompute and its backward."""
@@ -345,6 +371,38 @@ def test_a_gpt_step_with_reduction_groups_is_the_step_without_them(monkeypatch):
     assert set(heads) == {nv.LayerNormOp, nv.LayerNormBackwardOp, nv.ReduceSumOp}
     assert not any(isinstance(op, nv.FusedOp) and op.reduction() is not None
                    for op in step_func(unfused._last.compilation.module).body.block.ops)
+
+
+def test_a_gpt_step_with_its_layer_norm_recomputes_in_the_backwards_is_the_step_without(monkeypatch):
+    """A small GPT in bf16 on the Triton backend: remat's LayerNorm recomputes as
+    norm_recompute writes them (the formula on the forward's statistics, computed in
+    the LayerNorm backward's kernel) against the step without that stage (a
+    layer_norm kernel of their own): the loss and every parameter after two AdamW
+    steps bit-identical."""
+    import nova
+    from nova import pipeline
+    from nova.models import GPT, GPTConfig
+
+    torch.manual_seed(0)  # (remat recomputes both LayerNorm outputs at this size: asserted below)
+    ref = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=32, bias=True))
+    plain, mine = copy.deepcopy(ref), copy.deepcopy(ref)
+    step = nova.compile(mine, torch.optim.AdamW(mine.parameters(), lr=1e-3), backend="triton", precision="bf16")
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 64, (4, 32), generator=g), torch.randint(0, 64, (4, 32), generator=g))
+               for _ in range(2)]  # fmt: skip
+    got = [step(x, y).item() for x, y in batches]
+    with monkeypatch.context() as m:
+        m.setattr(pipeline, "STAGES", [s for s in pipeline.STAGES if s[0] != "norm_recompute"])
+        without = nova.compile(plain, torch.optim.AdamW(plain.parameters(), lr=1e-3), backend="triton",
+                               precision="bf16")  # fmt: skip
+        want = [without(x, y).item() for x, y in batches]
+    assert got == want
+    for p, q in zip(mine.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p, q)
+    ops = step_func(step._last.compilation.module).body.block.ops
+    assert sum(isinstance(op, nv.FusedOp) and bool(op.prologue_sides()) for op in ops) == 2
+    assert sum(isinstance(o, nv.LayerNormOp) and "nova.remat" in o.attributes
+               for o in without._last.compilation.module.walk()) == 2  # fmt: skip
 
 
 def test_a_gpt_step_with_the_layer_norm_backwards_bias_sums_matches_the_reference():

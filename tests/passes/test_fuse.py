@@ -1032,20 +1032,26 @@ def test_the_reduction_group_verifies_its_structure():
     block.last_op.operands = [*yields, cast.results[0]]
     op._verify_reduction(op.inner_ops())  # the group's structure (its results' types aside): stored
     block.last_op.operands = yields
+    # a side op (``prologue_sides``: neither read by the head nor reading its result), stored
     twice = nv.AddOp.create(operands=[cast.results[0], cast.results[0]], result_types=[cast.results[0].type])
     block.insert_op_before(twice, ln)
-    block.last_op.operands = [twice.results[0]]
+    assert op.prologue_sides() == {twice}
+    block.last_op.operands = [*yields, twice.results[0]]
+    op._verify_reduction(op.inner_ops())
+    # an epilogue op (on the head's first result) reading a prologue value: refused
+    both = nv.MulOp.create(operands=[ln.results[0], cast.results[0]], result_types=[cast.results[0].type])
+    block.insert_op_before(both, block.last_op)
+    block.last_op.operands = [both.results[0]]
     with pytest.raises(VerifyException, match="read outside the prologue"):
-        op.verify()
+        op._verify_reduction(op.inner_ops())
 
-    # a LayerNorm backward stores none: its prologue value yielded is refused
+    # a LayerNorm backward stores them too (its side ops: the LayerNorm recompute beside it)
     module, fn, mm = _ln_backward_step()
     (op,) = [o for o in _fused(module) if isinstance(o, nv.FusedOp)]
     block = op.body.block
     widened = op.inner_ops()[0]
     block.last_op.operands = [*block.last_op.operands, widened.results[0]]
-    with pytest.raises(VerifyException, match="read outside the prologue"):
-        op._verify_reduction(op.inner_ops())
+    op._verify_reduction(op.inner_ops())
 
 
 # ----------------------------------------------------------------------------

@@ -262,7 +262,8 @@ def fusion_of(op: nv.FusedOp) -> tuple[nv.NovaOp, Fusion]:
     a prologue op), the prologue is every inner op, and each value of it the group
     yields is one more of the chain's values, stored at each element; under a
     row-wise head that stores prologue values in its first pass over a row
-    (``PROLOGUE_ROW_STORES``), the prologue's values the group yields are too."""
+    (``PROLOGUE_ROW_STORES``), the prologue's values the group yields are too, and
+    its side ops (``FusedOp.prologue_sides``) are part of the prologue's chain."""
     head = op.reduction()
     if head is None:
         raise UnsupportedError(f"{op.name}: not a reduction group")
@@ -283,6 +284,7 @@ def fusion_of(op: nv.FusedOp) -> tuple[nv.NovaOp, Fusion]:
     stores_mode = bool(head.PROLOGUE and head.PROLOGUE_STORES)
     row_stores = bool(head.PROLOGUE and head.PROLOGUE_ROW_STORES)  # yielded prologue values, stored in pass 1
     prologue = {o for o in inner if o is not head} if stores_mode else closure(head.operands)
+    prologue |= op.prologue_sides()  # (row stores: computed with the prologue, stored where yielded)
     sum_ops = op.epilogue_sums()  # column sums of epilogue values (the verifier: nothing inside reads them)
     epilogue = [o for o in inner if o is not head and o not in prologue and o not in sum_ops]
     epilogue = sorted(set(epilogue) | closure([v for o in epilogue for v in o.operands if v.owner in prologue]),

@@ -743,7 +743,8 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: 
     partial column sums of g * xhat and g into row p of buffers [P, n] (fp32, fp64
     for f64); the ``colsum`` kernel then adds the P partials in order. With a
     ``fusion`` (nova.fused "reduction"): g and x computed by the prologue, grad_input
-    fed to the epilogue (stored only where the group yields it)."""
+    fed to the epilogue (stored only where the group yields it), the prologue's values
+    the group yields (its side ops' among them) stored in the first pass over a row."""
     rows = Rows(shape, len(shape) - 1)
     n, acc, out = rows.n, acc_type(dtype), _TL[dtype]
     rf = RowFusion(fusion, 5, 3, rows, acc)
@@ -766,9 +767,9 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: 
         "\n".join(f"{v} = {e}" for v, e in ptrs), rf.row_lines())  # fmt: skip
     grad = f"d = rstd / {n} * ({n} * gxhat - c1 - xhat * c2)"
 
-    def xg_at(c: str, mask: str | None) -> str:
+    def xg_at(c: str, mask: str | None, first: bool = False) -> str:
         other = f", mask={mask}, other=0.0" if mask else ""
-        return _code(rf.prologue(c, mask),
+        return _code(rf.prologue(c, mask, store=first),
                      rf.operand(1, "x", f"tl.load(x_row + {c} * sxc{other}).to({acc})", c, mask),
                      rf.operand(0, "g", f"tl.load(g_row + {c} * sgc{other}).to({acc})", c, mask))
 
@@ -787,7 +788,7 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: 
             part_b = tl.zeros((BLOCK,), {acc})
         """, rf.sum_init(), f"""
             for row in tl.range(row_start, row_end, num_stages={LN_BWD_ROW_STAGES}):
-        """, (row_head, 1), (xg_at("cols", mask), 1), (f"""
+        """, (row_head, 1), (xg_at("cols", mask, first=True), 1), (f"""
             xhat = {xhat}
             gxhat = g * w
             c1 = tl.sum(gxhat, axis=0)
@@ -805,17 +806,20 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: 
         # column block: grad_input of every row and the block's partial sums, held in
         # registers across the rows (no read-modify-write of the partial rows).
         m = f"c < {n}"
-        load2 = _code(xg_at("c", m), f"""
-            xhat = tl.where(c < {n}, (x - mean) * rstd, 0.0)
-            gxhat = g * w
-        """)
+
+        def load2(first: bool) -> str:
+            return _code(xg_at("c", m, first), f"""
+                xhat = tl.where(c < {n}, (x - mean) * rstd, 0.0)
+                gxhat = g * w
+            """)
+
         body = _code("for row in range(row_start, row_end):", (row_head, 1), (f"""
             a1 = tl.zeros((BLOCK,), {acc})
             a2 = tl.zeros((BLOCK,), {acc})
             for c0 in range(0, {n}, BLOCK):
                 c = c0 + cols
                 w = tl.load(w_ptr + c * swc, mask=c < {n}, other=0.0).to({acc})
-        """, 1), (load2, 2), (f"""
+        """, 1), (load2(True), 2), (f"""
                 a1 += gxhat
                 a2 += gxhat * xhat
             tl.store(c1_ptr + row, tl.sum(a1, axis=0))
@@ -826,7 +830,7 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: 
             w = tl.load(w_ptr + c * swc, mask=c < {n}, other=0.0).to({acc})
             part_w = tl.zeros((BLOCK,), {acc})
             part_b = tl.zeros((BLOCK,), {acc})
-        """, 0), (rf.sum_init(), 1), ("for row in range(row_start, row_end):", 1), (row_head, 2), (load2, 2), (f"""
+        """, 0), (rf.sum_init(), 1), ("for row in range(row_start, row_end):", 1), (row_head, 2), (load2(False), 2), (f"""
             c1 = tl.load(c1_ptr + row)
             c2 = tl.load(c2_ptr + row)
             {grad}
@@ -937,7 +941,8 @@ def lower_layer_norm_backward(
         ptrs, strides = rf.args(inputs)
         main[(progs,)](
             *(t for t in (g, x) if t is not None), w, mean, rstd, *([dx] if dx is not None else []), pw, pb,
-            *row_sums, *ptrs, *_epilogue_outs(res, fusion), *psums, *(rows.args(g) if g is not None else []),
+            *row_sums, *ptrs, *_epilogue_outs(res, fusion), *psums, *_prologue_outs(res, fusion),
+            *(rows.args(g) if g is not None else []),
             *(rows.args(x) if x is not None else []), w.stride(0), *stat_strides, *strides, per, **opts,
         )  # fmt: skip
         colsum[(-(-n // _COLSUM_N),)](pw, pb, *psums, dw, db, *_sum_outs(res, fusion), progs, num_warps=4)
