@@ -32,8 +32,11 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
   split-gain:X  the configurator's one-wave split taken where the model gains more than X
                 (configurator.ONE_WAVE_SPLIT_MIN_GAIN; 0: every gain, as before 2026-12-05)
   row-stores-off  the residual stream's sums in the projections' epilogues, not computed
-                and stored by the next LayerNorm's prologue (fuse.ROW_PROLOGUE_STORES off:
-                the step before 2026-12-05's second session)
+                and stored by the next LayerNorm's prologue (fuse.ROW_PROLOGUE_STORES off),
+                and remat's LayerNorm recomputes kernels of their own (no norm_recompute
+                stage): the step before 2026-12-05's second session
+  norm-recompute-off  remat's LayerNorm recomputes kernels of their own (no norm_recompute
+                stage), the row stores on
 
     python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--variants a,b] [--graph] [--out DIR]
 
@@ -53,7 +56,7 @@ from pathlib import Path
 
 VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "tile-grid-nobackward",
             "tile-grid-noresidual", "ws-off", "ws-plain", "ws-epi128", "ws-epi256", "two-pass-split",
-            "casts-unbatched", "last-split-sums", "row-stores-off")
+            "casts-unbatched", "last-split-sums", "row-stores-off", "norm-recompute-off")
 # each ws variant's changes to configurator.WS_TILES
 WS_VARIANTS = {"ws-off": {"plain": None, "epilogue": None}, "ws-plain": {"epilogue": None},
                "ws-epi128": {"epilogue": (128, 128, 4)}, "ws-epi256": {"epilogue": (128, 256, 4)}}
@@ -71,6 +74,10 @@ def apply_variant(variant: str) -> None:
         fz.BATCH_OPERAND_CASTS = False
     if variant == "row-stores-off":
         fz.ROW_PROLOGUE_STORES = False
+    if variant in ("row-stores-off", "norm-recompute-off"):
+        from nova import pipeline
+
+        pipeline.STAGES[:] = [s for s in pipeline.STAGES if s[0] != "norm_recompute"]
     if variant.startswith("split-gain:"):
         cf.ONE_WAVE_SPLIT_MIN_GAIN = float(variant.split(":")[1])
     if variant == "last-split-sums":
