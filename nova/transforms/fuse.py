@@ -162,9 +162,11 @@ here, into loops, prologues and epilogues.
                ops of its prologue shape, not read by the head, reading no result of it,
                whose full-size operands are values of its prologue, other side ops, or
                row operands it loads as they are (the rest broadcasts: per-row
-               statistics, per-column weights), bound to the first such head after them
-               (``_side_head``); the kernel computes them with its prologue and stores
-               them in its first pass over a row. The case: norm_recompute's LayerNorm
+               statistics, per-column weights), recomputes of the remat stage (a side op
+               its head cannot take would join no other group), bound to the first such
+               head after them (``_side_head``); the kernel computes them with its
+               prologue and stores them in its first pass over a row. The case:
+               norm_recompute's LayerNorm
                output from the forward's statistics, ((x - mean) * rstd) * w + b in
                bf16 for the weight gradient, in the kernel of the LayerNorm backward
                that reads the same x (loaded, or recomputed in its prologue, which
@@ -510,8 +512,12 @@ class _Grouping:
         head's prologue shape, not read by the head, and every value of that size it
         reads is a value of the head's prologue or of its side ops, or a row operand
         the head loads as it is (the others are broadcasts: per-row statistics,
-        per-column weights), so the kernel computes it from the row it holds."""
-        if op.FLAT_INDEX or op in self.prologue_of or op in self.tail or not op.results[0].uses:
+        per-column weights), so the kernel computes it from the row it holds. Only
+        recomputes of the remat stage (``nova.remat``: norm_recompute's formula and its
+        cast, placed before their backward with their readers after it): a side op
+        bound to a head whose kernel cannot take it would join no other group."""
+        if (op.FLAT_INDEX or op in self.prologue_of or op in self.tail or not op.results[0].uses
+                or "nova.remat" not in op.attributes):  # fmt: skip
             return None
         n, heads = numel(shape_of(op.results[0].type)), None
         for v in self.inputs[op]:
@@ -1198,8 +1204,9 @@ def _row_sides_read(op: Operation, uses: list, kinds: list) -> bool:
         r = u.operation
         if kind == "prologue" and not stores_rows(r):
             return False
-        if kind == "elementwise" and any(v is not op.results[0] and numel(shape_of(v.type)) >= n for v in r.operands):
-            return False
+        if kind == "elementwise" and ("nova.remat" not in r.attributes or any(
+                v is not op.results[0] and numel(shape_of(v.type)) >= n for v in r.operands)):
+            return False  # (a recompute's: norm_recompute's formula, placed so its kernel can be the head's)
     return True
 
 
