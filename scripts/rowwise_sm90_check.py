@@ -23,6 +23,7 @@ import io
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -90,6 +91,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("NOVA_STEP_CACHE", "0")
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="rowwise_sm90_")  # a cached kernel prints no ptxas log
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
     from gpt2_h200 import compile_gpt2_h200

@@ -1441,8 +1441,9 @@ class FusedOp(NovaOp):
     head nor reading its first result), of the prologue shape, computed with the
     prologue from its values and stored where yielded. A row-wise head that sums its
     epilogue's values (``EPILOGUE_SUMS``) may be followed by column sums
-    (``column_sum``) of epilogue values of its row shape, which nothing inside reads:
-    results are then also those sums."""
+    (``column_sum``) of epilogue values of its row shape (or of its first result,
+    where an epilogue reads it), which nothing inside reads: results are then also
+    those sums."""
 
     name = "nova.fused"
     CATEGORY: ClassVar = "fused"
@@ -1645,7 +1646,10 @@ class FusedOp(NovaOp):
         for op in sums:  # column sums of epilogue values, finished after every row
             x = op.operands[0] if len(op.operands) == 1 else None
             inner = x is not None and not isinstance(x, BlockArgument) and x.owner in ops
-            if not column_sum(op) or not inner or x.owner is head or x.owner in prologue or shape_of(x.type) != epi_shape:
+            # an epilogue value, or the head's first result as the epilogue reads it
+            first = inner and x is head.results[0] and any(x in o.operands for o in ops if o is not head)
+            if (not column_sum(op) or not inner or x.owner is head and not first or x.owner in prologue
+                    or shape_of(x.type) != epi_shape):  # fmt: skip
                 raise VerifyException(f"{self.name} (reduction): {op.name} must be a column sum of an epilogue value of "
                                       f"{head.name}'s row shape {epi_shape}")
             if any(not isinstance(u.operation, YieldOp) for u in op.results[0].uses):

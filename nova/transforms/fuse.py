@@ -185,8 +185,11 @@ here, into loops, prologues and epilogues.
                One reduction per group, but for column sums (``nv.column_sum``) of
                an epilogue value of a head that sums them (``EPILOGUE_SUMS``:
                LayerNorm's backward, the residual gradient its epilogue adds, the
-               projections' bias gradients), which join after the grouping though
-               the value is read outside too (it is written anyway; the sum's read
+               projections' bias gradients; or the head's first result where an
+               epilogue reads it: the final LayerNorm's backward, whose input
+               gradient the last projection's bias gradient sums), which join after
+               the grouping though the value is read outside too (it is written
+               anyway; the sum's read
                of it, 100 MB of f32 a launch at GPT-2 batch 32, is saved): the
                kernel adds it up over its rows into per-program partials beside
                its weight and bias gradients (the sum's order is not the reduce
@@ -773,13 +776,18 @@ class _Grouping:
     def _join_row_sum(self, op: Operation, x: SSAValue, target: Node) -> None:
         """A column sum of an epilogue value of a row-wise head that sums them
         (``EPILOGUE_SUMS``: LayerNorm's backward, the residual gradient its epilogue
-        adds) joins its group: the kernel adds the value up over its rows into
+        adds), or of the head's first result where an epilogue reads it (the final
+        LayerNorm's backward: its input gradient is the last projection's residual
+        gradient), joins its group: the kernel adds the value up over its rows into
         per-program partials beside its own weight and bias gradients. The value may
         be read outside too (it is written anyway: the sum's read of it is saved)."""
         head = next((m for m in target.members if reduction_head(m)), None)
-        if head is None or not head.EPILOGUE_SUMS or x.owner is head or x.owner not in target.members:
+        if head is None or not head.EPILOGUE_SUMS or x.owner not in target.members:
             return
-        if shape_of(x.type) != epilogue_shape(head) or not fusible(x.owner):
+        if x.owner is head:  # its first result, as stored, where an epilogue reads it (the kernel's ``qin``)
+            if x is not head.results[0] or not any(x in m.operands for m in target.members if m is not head):
+                return
+        elif shape_of(x.type) != epilogue_shape(head) or not fusible(x.owner):
             return
         prologue = prologue_shape(head)
         if prologue is not None and x.owner in self._closure(head, target.members):

@@ -208,7 +208,7 @@ def test_layer_norm_stores_the_residual_sum_its_prologue_computes(n, block):
 # layer_norm_backward with its prologue and epilogue
 
 
-def _ln_backward(n=40, rows=(2, 3), dropout=True, bias_sum=False):
+def _ln_backward(n=40, rows=(2, 3), dropout=True, bias_sum=False, sum_dx=False):
     """A GPT block's LayerNorm backward: the incoming gradient a bf16 matmul result
     widened, the residual gradient added, a dropout mask applied, the sum cast."""
     m = rows[0] * rows[1]
@@ -223,7 +223,7 @@ def _ln_backward(n=40, rows=(2, 3), dropout=True, bias_sum=False):
     total = b.add(res, dx)
     if dropout:
         total = b.mul(total, b.cast(keep, f32))
-    sums = [("grad", "proj_bias", b.reduce_sum(total, [0, 1]))] if bias_sum else []
+    sums = [("grad", "proj_bias", b.reduce_sum(dx if sum_dx else total, [0, 1]))] if bias_sum else []
     set_results(fn, [("grad", "w", dw), ("grad", "b", db), ("loss", "total", total),
                      ("loss", "t16", b.cast(total, bf16)), *sums])  # fmt: skip
     return module
@@ -236,16 +236,17 @@ def test_layer_norm_backward_widens_its_gradient_and_adds_the_residual_gradient(
     assert names[:2] == ["nova.cast", "nova.layer_norm_backward"] and names[-1] == "nova.cast"
 
 
+@pytest.mark.parametrize("sum_dx", [False, True], ids=["residual-gradient", "head-result"])
 @pytest.mark.parametrize("looping", [False, True], ids=["in-registers", "looping"])
 @pytest.mark.parametrize("n", [32, 40], ids=["full", "ragged"])
-def test_layer_norm_backward_sums_its_epilogue_value_over_its_rows(n, looping):
+def test_layer_norm_backward_sums_its_epilogue_value_over_its_rows(n, looping, sum_dx):
     """The projection's bias gradient, the column sum of the residual gradient the
     LayerNorm backward's epilogue adds, joins the group (``EPILOGUE_SUMS``): summed in
     the kernel's per-program partials beside the weight and bias gradients, then in
     their final pass. The other outputs stay bit-identical to the unfused kernels'; the
     sum, in another order than the reduce kernel's, within fp32 rounding of it, and
     the same bits run after run."""
-    module = _ln_backward(n, rows=(3, 7), bias_sum=True)
+    module = _ln_backward(n, rows=(3, 7), bias_sum=True, sum_dx=sum_dx)  # (or of dx itself, the epilogue's qin)
     fn = step_func(module)
     unfused = module.clone()
     cfg = LoweringConfig(kind="reduction", block=16, num_warps=4) if looping else None

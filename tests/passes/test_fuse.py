@@ -617,18 +617,34 @@ def test_a_layer_norm_backward_widens_its_gradient_and_adds_the_residual_gradien
 def test_a_column_sum_of_a_layer_norm_backwards_epilogue_value_joins_it(case):
     """The projection's bias gradient (the residual gradient summed over tokens) joins
     the LayerNorm backward's group whose epilogue adds that gradient, though the value
-    is read outside too (``EPILOGUE_SUMS``); the sum of the head's own result, or over
-    only some of the rows, stays a reduce kernel of its own."""
+    is read outside too (``EPILOGUE_SUMS``); so does a sum of the head's own result
+    where an epilogue reads it (the final LayerNorm's backward: its input gradient is
+    the last projection's residual gradient); a sum over only some of the rows stays
+    a reduce kernel of its own."""
     module, fn, mm = _ln_backward_step(summed={"epilogue-value": "total", "head-result": "dx",
                                                "over-some-rows": "rows"}[case])  # fmt: skip
     ops = _fused(module)
     (op,) = [o for o in ops if isinstance(o, nv.FusedOp)]
-    joined = case == "epilogue-value"
+    joined = case != "over-some-rows"
     assert [o.name for o in op.epilogue_sums()] == (["nova.reduce_sum"] if joined else [])
     assert any(isinstance(o, nv.ReduceSumOp) for o in ops) != joined
     if joined:  # the weight, bias and projection bias gradients; the summed value still written for its readers
         types = [str(r.type) for r in op.results]
         assert types.count("tensor<8xf32>") == 3 and "tensor<2x3x8xf32>" in types
+
+
+def test_a_column_sum_of_a_layer_norm_backwards_result_no_epilogue_reads_stays_out():
+    """No epilogue (the kernel's ``qin``) to sum the head's result from: the sum stays a
+    reduce kernel of its own."""
+    module, fn, b = _step(Slot("batch", "g", tensor([2, 3, 8], bf16)), Slot("batch", "x", tensor([2, 3, 8], f32)),
+                          Slot("param", "w", tensor([8], f32)), Slot("batch", "mean", tensor([2, 3], f32)),
+                          Slot("batch", "rstd", tensor([2, 3], f32)))  # fmt: skip
+    g, x, w, mean, rstd = fn.body.block.args
+    dx, dw, db = b.create(nv.LayerNormBackwardOp, [b.cast(g, f32), x, w, mean, rstd], {}).results
+    set_results(fn, [("grad", "w", dw), ("grad", "b", db), ("loss", "dx", dx), ("grad", "s", b.reduce_sum(dx, [0, 1]))])
+    ops = _fused(module)
+    (op,) = [o for o in ops if isinstance(o, nv.FusedOp)]
+    assert op.epilogue_sums() == [] and any(isinstance(o, nv.ReduceSumOp) for o in ops)
 
 
 def test_the_layer_norm_backward_group_verifies_its_column_sums():
