@@ -135,7 +135,9 @@ class NovaOp(IRDLOperation):
     # a row-wise reduction with a prologue and an epilogue whose kernel stores prologue
     # values (those its group yields) in its first pass over each row (layer_norm: the
     # residual stream's sum its prologue computes, written for the next residual add
-    # and the backward); its prologue is still only what the head reads
+    # and the backward); its prologue is still only what the head reads, and its group
+    # may hold side ops computed with the prologue and stored (``row_sides``:
+    # layer_norm_backward, the LayerNorm recompute norm_recompute puts beside it)
     PROLOGUE_ROW_STORES: ClassVar[bool] = False
     # a row-wise reduction with an epilogue whose kernel also sums epilogue values over
     # its rows (``column_sum``s of them in its group: a bias gradient of the residual

@@ -63,8 +63,9 @@ clone, and its narrower source (the bf16 matmul output) then serves both.
 Budget: then, one choice at a time, the one that frees the most bytes at t*
 per byte the recompute reads and writes (elementwise kernels are
 bandwidth-bound), until the predicted peak (``plan_memory``'s full plan of the
-IR as the next stage, fuse, groups it: ``peak_bytes``) fits; if no choice is left, ``MemoryBudgetError`` names the
-budget and the smallest peak reached.
+IR as the next stages, norm_recompute and fuse, make it: ``peak_bytes``) fits;
+if no choice is left, ``MemoryBudgetError`` names the budget and the smallest
+peak reached.
 
 Results: the list of ``Choice`` (``remat()`` returns it, the pipeline keeps it as
 ``Compilation.remat``) and ``report()`` for ``explain()``. Clones carry the
@@ -446,11 +447,14 @@ def _default_rounds(fn, live: _Live, chosen: list[Choice]) -> _Live:
 
 
 def _peak(module: ModuleOp) -> int:
-    """The predicted peak of the step the later stages make of this IR: the fuse
-    stage's groups (fewer intermediates, a few moved) planned, as the final plan is."""
+    """The predicted peak of the step the later stages make of this IR: norm_recompute's
+    moves (a weight gradient after the LayerNorm backward) and the fuse stage's groups
+    (fewer intermediates, a few moved) planned, as the final plan is."""
     from nova.transforms.fuse import fuse
+    from nova.transforms.norm_recompute import norm_recompute
 
     fused = module.clone()
+    norm_recompute(fused)
     fuse(fused)
     return pm.plan_memory(fused).peak_bytes
 
