@@ -340,7 +340,8 @@ def test_the_lowering_configures_each_distinct_matmul_once(device, monkeypatch):
 def test_dw_accumulates_in_the_matmul_epilogue_bit_for_bit(device, dtype, split_k):
     """dw += d^T @ h[chunk] as the matmul's epilogue over the old accumulator (in place)
     is the matmul's f32 product added to it afterwards, bit for bit: ragged tiles, d^T
-    read column-major as the lowering reads it, one-pass and split-K."""
+    read column-major as the lowering reads it, one-pass and split-K; and the last
+    chunk's sum stored into a bf16 dw is that f32 sum rounded."""
     from nova.codegen.triton import matmul as mm
     from nova.codegen.triton.linear_ce import accumulate, accumulate_into
     from nova.schedule.config import LoweringConfig
@@ -361,8 +362,14 @@ def test_dw_accumulates_in_the_matmul_epilogue_bit_for_bit(device, dtype, split_
     # as the lowering launches it (the launcher's configuration, as an epilogue kernel)
     # against the launcher's plain matmul added in
     want = again + mm.matmul(d.t(), h, out_dtype=torch.float32)
+    before = again.clone()
     accumulate_into(again, d.t(), h, "ieee")
     assert same_bits(again, want)
+    # the last chunk into a 16-bit dw: the f32 sum rounded once, as copying it into dw rounds it
+    # (the accumulator only read)
+    out16 = torch.empty(vocab, width, dtype=torch.bfloat16, device=device)
+    accumulate_into(before, d.t(), h, "ieee", accumulate(vocab, width, torch.bfloat16), out=out16)
+    assert same_bits(out16, want.to(torch.bfloat16))
 
 
 class TiedLM(torch.nn.Module):

@@ -222,15 +222,17 @@ def _count_source(ignore: int) -> str:
 _LAYOUTS = ("row", "col", "strided")  # mm.layout's answers
 
 
-def accumulate(M: int, N: int) -> mm.Epilogue:
+def accumulate(M: int, N: int, out_dtype: torch.dtype = torch.float32) -> mm.Epilogue:
     """The epilogue of ``acc += a @ b`` for an f32 [M, N] ``acc`` given as both its
     operand and its output (``mm.matmul_epilogue(a, b, ep, [acc], f32, outs=[acc])``):
     each element of the old value is read and written by the program of its tile, and
     ``old + tile`` is one f32 rounding, as the matmul's f32 result added in afterwards
-    (``old + part``) is: the same bits, without the partial's buffer and pass."""
+    (``old + part``) is: the same bits, without the partial's buffer and pass. With a
+    16-bit ``out_dtype`` the sum is stored rounded once to it (the last chunk's, into a
+    16-bit weight gradient: what the f32 sum copied into it would hold)."""
     f32 = torch.float32
     return mm.Epilogue(shape=(M, N), operands=(Operand((M, N), f32, load="raw"),), body="e_acc = ex0 + e_tile",
-                       stores=(("e_acc", "f32", f32),), out_shapes=((M, N),))
+                       stores=(("e_acc", "f32", out_dtype),), out_shapes=((M, N),))
 
 
 class Configs:
@@ -256,16 +258,17 @@ class Configs:
 
 def accumulate_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, precision: str, ep: mm.Epilogue | None = None,
                     record: dict | None = None, configs: Configs | None = None,
-                    prerounded: tuple[str, ...] = ()) -> None:
+                    prerounded: tuple[str, ...] = (), out: torch.Tensor | None = None) -> None:
     """``acc += a @ b`` (f32 ``acc``) through ``accumulate``'s epilogue, configured as the
     launcher configures ``a @ b`` (``mm.matmul(cfg=None)``) but as an epilogue kernel
     (``epilogue=True``: the configurator's rule for kernels storing through pointers);
     the same tile, BLOCK_K and split, so the same sums per tile. ``configs``: the
-    lowering's schedules (asked once per shape). ``prerounded`` as for ``mm.matmul``."""
+    lowering's schedules (asked once per shape). ``prerounded`` as for ``mm.matmul``.
+    ``out``: where the sum goes instead of ``acc`` (``ep`` storing its dtype)."""
     cfg = (configs or Configs(precision))(a, b, torch.float32, epilogue=True)
     ep = ep or accumulate(*acc.shape)
-    mm.matmul_epilogue(a, b, ep, [acc], torch.float32, cfg=cfg, precision=precision, outs=[acc], record=record,
-                       prerounded=prerounded)
+    mm.matmul_epilogue(a, b, ep, [acc], torch.float32, cfg=cfg, precision=precision,
+                       outs=[out if out is not None else acc], record=record, prerounded=prerounded)
 
 
 def _matmul_scratch(M: int, N: int, K: int, dtype, out_dtype, precision: str, cfg, a_layouts, b_layouts,
@@ -382,6 +385,7 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
     used: dict[str, str] = {}
     f32 = torch.float32
     dw_add = accumulate(V, D)
+    dw_round: dict = {}  # a 16-bit dw's dtype -> the last chunk's epilogue, storing into it
     configs = Configs(prec)
 
     def chunks():
@@ -433,7 +437,8 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
         db_acc = accumulator(db[0], sc).zero_() if b else None
         # dh's B: w, or under the hoist the [V, D] view of the rounded dense w^T (K contiguous)
         wl, wd = (rounded(w, False), rounded(w, True).t()) if hoist else (w, w)
-        for r0, r1 in chunks():
+        spans = list(chunks())
+        for r0, r1 in spans:
             z = logits(h, wl, r0, r1, buf)
             db_arg = [dbuf] if separate_d else []
             if rows is None:
@@ -447,9 +452,12 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
             if r0 == 0:  # the first chunk's product is the accumulator's first value: no zeroing
                 mm.matmul(z.t(), h[r0:r1], cfg=configs(z.t(), h[r0:r1], f32), precision=prec, out=dw_acc, record=used,
                           prerounded=h_b)
+            elif r1 == N and dw_acc is not dw:  # the last chunk's sum, rounded once into the 16-bit dw
+                ep = dw_round.setdefault(dw.dtype, accumulate(V, D, dw.dtype))
+                accumulate_into(dw_acc, z.t(), h[r0:r1], prec, ep, record=used, configs=configs, prerounded=h_b, out=dw)
             else:
                 accumulate_into(dw_acc, z.t(), h[r0:r1], prec, dw_add, record=used, configs=configs, prerounded=h_b)
-        if dw_acc is not dw:
+        if dw_acc is not dw and len(spans) == 1:
             dw.copy_(dw_acc)  # rounded once
         if b and db_acc is not db[0]:
             db[0].copy_(db_acc)
