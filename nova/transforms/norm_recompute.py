@@ -16,9 +16,10 @@ with F's mean and rstd (the LayerNorm kernel's and the reference executor's own
 formula, on the same statistics they computed y from: the same bits as F's y), and
 moves the ops that read y through anything but elementwise ops of its shape (its
 views, the weight gradient's matmul and what reads that) to just after the
-backward B. The fuse stage then computes y in B's kernel from the row B holds
-(``fuse``'s "row sides", ``nv.row_sides``): the recompute's read of x and its launch
-are gone, its store stays.
+backward B (in their order; a collective of the distribute stage after a moved one
+moves too, so the collectives keep their order). The fuse stage then computes y in
+B's kernel from the row B holds (``fuse``'s "row sides", ``nv.row_sides``): the
+recompute's read of x and its launch are gone, its store stays.
 
 Where, precisely: R is a ``layer_norm`` of the remat stage (``nova.remat``) whose
 mean and rstd nothing reads, of an f32 or f64 input (a narrower one is widened for
@@ -81,8 +82,10 @@ def _rewrite(block, r: nv.LayerNormOp) -> bool:
             if stats is not None:
                 back = op
                 break
-        if _reads(op, moving):
-            moved.append(op)
+        collective = isinstance(op, nv.NovaOp) and op.CATEGORY == "collective"
+        if _reads(op, moving) or collective and any(
+                isinstance(m, nv.NovaOp) and m.CATEGORY == "collective" for m in moved):  # fmt: skip
+            moved.append(op)  # (a collective after a moved one moves too: their order stays)
             moving |= set(op.results)
         elif _reads(op, rows):
             if (isinstance(op, nv.NovaOp) and op.CATEGORY == "elementwise" and len(op.results) == 1

@@ -83,6 +83,28 @@ def test_the_recompute_is_the_formula_on_the_forward_statistics_and_its_matmul_m
     assert formula[0].operands[0] is norms[0].results[1] and formula[1].operands[0] is norms[0].results[2]
 
 
+def test_collectives_after_a_moved_one_move_too_and_keep_their_order():
+    """data_parallel: the bucket all-reduce reading the weight gradient moves after the
+    backward with it, and so does a later all-reduce that does not read it (the
+    collectives, which no pass may reorder, keep their order)."""
+    module, fn = _block()
+    block = fn.body.block
+    ops = _ops(fn)
+    dw = next(o for o in ops if isinstance(o, nv.CastOp) and str(o.results[0].type) == "tensor<16x24xf32>")
+    back = next(o for o in ops if isinstance(o, nv.LayerNormBackwardOp))
+    b = OpBuilder(block, before=back, location="test.py:1")
+    first = b.create(nv.AllReduceOp, [dw.results[0]], {"world_size": 2, "bucket": 0, "average": True})
+    second = b.create(nv.AllReduceOp, [fn.body.block.args[4]], {"world_size": 2, "bucket": 1, "average": True})
+    for o in (first, second):
+        for u in list(o.operands[0].uses):
+            if u.operation.name == "func.return":
+                u.operation.operands[u.index] = o.results[0]
+    assert norm_recompute(module) == 1
+    module.verify()
+    order = _ops(fn)
+    assert order.index(back) < order.index(first) < order.index(second)
+
+
 @pytest.mark.parametrize("case", ["stats-read", "bf16", "other-weight", "backward-reads-y"])
 def test_where_the_rewrite_would_not_be_exact_or_not_the_same_rows_nothing_changes(case):
     module, fn = _block(elem=bf16 if case == "bf16" else f32, stats_read=case == "stats-read",
