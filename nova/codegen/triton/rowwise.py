@@ -439,26 +439,14 @@ def _fusion_outputs(name: str, fusion: Fusion | None, specs, outs, device) -> tu
     return [res[fusion.head_output(i)] if fusion.stored(i) else None for i in range(len(specs))], res
 
 
-def _epilogue_outs(res: list, fusion: Fusion | None) -> list:
-    """The epilogue's output tensors among a launch's results, in store order."""
+def _outs(res: list, fusion: Fusion | None, how: str) -> list:
+    """The tensors among a launch's results that ``fusion`` stores as ``how``, in its
+    order of them: "epilogue" (``Fusion.stores``), "prologue" (``prologue_stores``),
+    "sum" (``sums``)."""
     if fusion is None:
         return []
-    return [res[fusion.outputs.index(("epilogue", j))] for j in range(len(fusion.stores))]
-
-
-def _prologue_outs(res: list, fusion: Fusion | None) -> list:
-    """The stored prologue values' tensors among a launch's results, in
-    ``Fusion.prologue_stores`` order."""
-    if fusion is None:
-        return []
-    return [res[fusion.outputs.index(("prologue", j))] for j in range(len(fusion.prologue_stores))]
-
-
-def _sum_outs(res: list, fusion: Fusion | None) -> list:
-    """The epilogue's column sums among a launch's results, in ``Fusion.sums`` order."""
-    if fusion is None:
-        return []
-    return [res[fusion.outputs.index(("sum", j))] for j in range(len(fusion.sums))]
+    count = len({"epilogue": fusion.stores, "prologue": fusion.prologue_stores, "sum": fusion.sums}[how])
+    return [res[fusion.outputs.index((how, j))] for j in range(count)]
 
 
 # --------------------------------------------------------------------------- softmax / log_softmax
@@ -726,7 +714,7 @@ def lower_layer_norm(op, cfg: LoweringConfig | None = None, *, max_row_block: in
             _check_span(name, rows.n, block, w.stride(0), b.stride(0), *([x.stride(-1)] if x is not None else []))
             ptrs, strides = rf.args(inputs)
             kernel[(rows.count,)](*([x] if x is not None else []), w, b, *(t for t in (y, mean, rstd) if t is not None),
-                                  *ptrs, *_epilogue_outs(res, fusion), *_prologue_outs(res, fusion),
+                                  *ptrs, *_outs(res, fusion, "epilogue"), *_outs(res, fusion, "prologue"),
                                   *(rows.args(x) if x is not None else []),
                                   w.stride(0), b.stride(0), *strides, **opts)  # fmt: skip
         elif rows.count:  # rows of no elements: the mean of nothing
@@ -941,11 +929,11 @@ def lower_layer_norm_backward(
         ptrs, strides = rf.args(inputs)
         main[(progs,)](
             *(t for t in (g, x) if t is not None), w, mean, rstd, *([dx] if dx is not None else []), pw, pb,
-            *row_sums, *ptrs, *_epilogue_outs(res, fusion), *psums, *_prologue_outs(res, fusion),
+            *row_sums, *ptrs, *_outs(res, fusion, "epilogue"), *psums, *_outs(res, fusion, "prologue"),
             *(rows.args(g) if g is not None else []),
             *(rows.args(x) if x is not None else []), w.stride(0), *stat_strides, *strides, per, **opts,
         )  # fmt: skip
-        colsum[(-(-n // _COLSUM_N),)](pw, pb, *psums, dw, db, *_sum_outs(res, fusion), progs, num_warps=4)
+        colsum[(-(-n // _COLSUM_N),)](pw, pb, *psums, dw, db, *_outs(res, fusion, "sum"), progs, num_warps=4)
         return res
 
     return Kernel(name, src, launch, config=_effective(cfg, block, warps), extra={"looping": looping},
