@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import io
 import os
-import re
 import sys
 import tempfile
 import time
@@ -52,8 +51,7 @@ def _compile(fn, args, opts) -> tuple[str, float]:
     from triton.compiler import ASTSource
 
     sig, consts, attrs = {}, {}, {}
-    names = [a for a in fn.arg_names]
-    for i, (a, v) in enumerate(zip(names, args, strict=False)):
+    for i, (a, v) in enumerate(zip(fn.arg_names, args, strict=True)):  # (the row templates take no defaults)
         if isinstance(v, torch.Tensor):
             sig[a] = _PTR[v.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -70,8 +68,6 @@ def _compile(fn, args, opts) -> tuple[str, float]:
             sig[a] = "fp32"
         else:
             raise SystemExit(f"rowwise_sm90_check: {fn.__name__}: argument {a} of type {type(v).__name__}")
-    for a in names[len(args):]:
-        sig[a] = "constexpr"  # defaults (none in the row templates)
     options = {k: v for k, v in opts.items() if k in ("num_warps", "num_stages", "enable_fp_fusion")}
     log = io.StringIO()
     triton.knobs.nvidia.dump_ptxas_log = True
@@ -94,6 +90,7 @@ def main() -> None:
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="rowwise_sm90_")  # a cached kernel prints no ptxas log
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+    from epilogue_sm90_check import _ptxas
     from gpt2_h200 import compile_gpt2_h200
     from nova.backends.triton import config_of
     from nova.codegen.triton import fused as fk, rowwise
@@ -129,8 +126,7 @@ def main() -> None:
                 failed = True
                 print(f"    {fn.fn.__name__}: FAILED {type(e).__name__}: {str(e)[:300]}")
                 continue
-            regs = re.findall(r"Used (\d+) registers", log)
-            spills = re.findall(r"(\d+) bytes spill stores", log)
+            regs, spills = _ptxas(log)
             print(f"    {fn.fn.__name__}: {opts.get('num_warps')} warps, registers {','.join(regs)}, "
                   f"spill stores {','.join(spills) or '0'} bytes, {secs:.1f} s")
     rowwise.load_kernel = real
