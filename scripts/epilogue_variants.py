@@ -20,6 +20,10 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
                 head's dh) split N ways instead (N >= 2)
   colsplit:N    the shipped configurator, every column reduction (bias gradients, and
                 GELU's backward computed in the c_fc one's prologue) split N ways
+  colblock:B[:N]  every column reduction B contiguous kept elements a program (the
+                configurator's: a warp's row of 16-byte loads of the reduced value,
+                128 at f32, though a fused one may load bf16), split as the
+                configurator says (or N ways)
   ws-off        no warp-specialized kernel (configurator.WS_TILES all None: step 8's kernels)
   ws-plain      warp specialization for the matmuls that store C only
   ws-epi128     warp specialization with epilogue kernels at 128x128 too
@@ -122,6 +126,16 @@ def apply_variant(variant: str) -> None:
             cfg = planned(*a, **k)
             return dataclasses.replace(cfg, split_k=splits) if cfg.split_k > 1 else cfg
         cf.configure_matmul = configure_split
+    if variant.startswith("colblock:"):
+        import dataclasses
+
+        fields = variant.split(":")[1:]
+        column_cfg = cf.configure_column_reduction
+
+        def configure_column(*a, **k):
+            cfg = column_cfg(*a, **k)
+            return dataclasses.replace(cfg, block=int(fields[0]), split_k=int(fields[1]) if len(fields) > 1 else cfg.split_k)
+        cf.configure_column_reduction = configure_column
     if variant.startswith("colsplit:"):
         import dataclasses
 
@@ -234,7 +248,7 @@ def main() -> None:
         return
     results = []
     for v in opts.variants.split(","):
-        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:", "splitk:", "split-gain:")):
+        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:", "colblock:", "splitk:", "split-gain:")):
             raise SystemExit(f"epilogue_variants: unknown variant {v!r} (known: {', '.join(VARIANTS)})")
         run = subprocess.run([sys.executable, __file__, "--child", v, "--layers", str(opts.layers),
                               "--batch", str(opts.batch)] + (["--graph"] if opts.graph else []),
