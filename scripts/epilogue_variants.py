@@ -24,6 +24,9 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
                 configurator's: a warp's row of 16-byte loads of the reduced value,
                 128 at f32, though a fused one may load bf16), split as the
                 configurator says (or N ways)
+  coltile:B:W   every column reduction B kept elements a program at W warps, 16 reduced
+                rows a chunk as shipped (reduce.TILE = 16 B): the same sums in the same
+                order as the shipped kernel, so the losses must be bit-identical
   ws-off        no warp-specialized kernel (configurator.WS_TILES all None: step 8's kernels)
   ws-plain      warp specialization for the matmuls that store C only
   ws-epi128     warp specialization with epilogue kernels at 128x128 too
@@ -136,6 +139,15 @@ def apply_variant(variant: str) -> None:
             cfg = column_cfg(*a, **k)
             return dataclasses.replace(cfg, block=int(fields[0]), split_k=int(fields[1]) if len(fields) > 1 else cfg.split_k)
         cf.configure_column_reduction = configure_column
+    if variant.startswith("coltile:"):
+        import dataclasses
+
+        from nova.codegen.triton import reduce as rd
+
+        b, w = (int(f) for f in variant.split(":")[1:])
+        rd.TILE = 16 * b
+        column_tile = cf.configure_column_reduction
+        cf.configure_column_reduction = lambda *a, **k: dataclasses.replace(column_tile(*a, **k), block=b, num_warps=w)
     if variant.startswith("colsplit:"):
         import dataclasses
 
@@ -248,7 +260,7 @@ def main() -> None:
         return
     results = []
     for v in opts.variants.split(","):
-        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:", "colblock:", "splitk:", "split-gain:")):
+        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:", "colblock:", "coltile:", "splitk:", "split-gain:")):
             raise SystemExit(f"epilogue_variants: unknown variant {v!r} (known: {', '.join(VARIANTS)})")
         run = subprocess.run([sys.executable, __file__, "--child", v, "--layers", str(opts.layers),
                               "--batch", str(opts.batch)] + (["--graph"] if opts.graph else []),
