@@ -151,6 +151,12 @@ class NovaOp(IRDLOperation):
     SUMS: ClassVar[bool] = False
 
     @classmethod
+    def stores_prologue_rows(cls) -> bool:
+        """A row-wise reduction that takes a prologue and stores its values in the
+        first pass over a row (``PROLOGUE_ROW_STORES``)."""
+        return bool(cls.PROLOGUE) and cls.PROLOGUE_ROW_STORES
+
+    @classmethod
     def complete(cls, props: dict) -> dict:
         """``props`` with the defaults of the properties it leaves out."""
         return {**cls.PROP_DEFAULTS, **props} if cls.PROP_DEFAULTS else props
@@ -1367,6 +1373,19 @@ def tf32_rounded(value: SSAValue) -> bool:
     return isinstance(op, RoundTf32Op)
 
 
+def producers(values, inside) -> set[Operation]:
+    """The ops of ``inside`` (a set) that compute ``values``, directly or not (of a
+    group's head: its prologue)."""
+    seen: set[Operation] = set()
+    stack = [v.owner for v in values if v.owner in inside]
+    while stack:
+        o = stack.pop()
+        if o not in seen:
+            seen.add(o)
+            stack.extend(v.owner for v in o.operands if v.owner in inside)
+    return seen
+
+
 def row_sides(head: Operation, ops: list[Operation]) -> set[Operation]:
     """Of ``ops`` (a would-be or built "reduction" group's ops but its head and column
     sums, in block order), the side ops of a row-wise ``head`` that stores prologue
@@ -1377,13 +1396,7 @@ def row_sides(head: Operation, ops: list[Operation]) -> set[Operation]:
     backward that reads the same row; the kernel computes them with the prologue, in
     every pass, and stores them in the first."""
     inner = set(ops)
-    prologue: set[Operation] = set()
-    stack = [v.owner for v in head.operands if v.owner in inner]
-    while stack:
-        o = stack.pop()
-        if o not in prologue:
-            prologue.add(o)
-            stack.extend(v.owner for v in o.operands if v.owner in inner)
+    prologue = producers(head.operands, inner)
     epilogue: set[Operation] = set()
     for o in ops:  # block order: what reads the head's first result, directly or not
         if any(v is head.results[0] or v.owner in epilogue for v in o.operands):
@@ -1481,7 +1494,7 @@ class FusedOp(NovaOp):
         """A "reduction" group's side ops (``row_sides``); empty but under a head that
         stores prologue values in its first pass over a row."""
         head = self.reduction()
-        if head is None or not (head.PROLOGUE and head.PROLOGUE_ROW_STORES):
+        if head is None or not head.stores_prologue_rows():
             return set()
         return row_sides(head, [o for o in self.inner_ops() if o is not head and o not in self.epilogue_sums()])
 
@@ -1597,16 +1610,10 @@ class FusedOp(NovaOp):
                 raise VerifyException(f"{self.name} (reduction): {head.name}'s operand {j} is no prologue operand "
                                       "and must be a block argument")
         # the prologue: every op the head reads, directly or through other inner ops
-        prologue: set[Operation] = set()
-        stack = [v.owner for v in head.operands if isinstance(v.owner, Operation)]
-        while stack:
-            o = stack.pop()
-            if o not in prologue:
-                prologue.add(o)
-                stack.extend(v.owner for v in o.operands if isinstance(v.owner, Operation))
+        prologue = producers(head.operands, set(ops))
         yielded = set(self.body.block.last_op.operands)
         stores = bool(head.PROLOGUE and head.PROLOGUE_STORES)
-        row_stores = bool(head.PROLOGUE and head.PROLOGUE_ROW_STORES)
+        row_stores = head.stores_prologue_rows()
         sides = self.prologue_sides()  # computed with the prologue, so of its shape
         prologue |= sides
         for op in ops:

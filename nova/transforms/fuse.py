@@ -354,7 +354,7 @@ def stores_prologue(head: Operation) -> bool:
 def stores_rows(head: Operation) -> bool:
     """A row-wise head whose kernel stores prologue values in its first pass over a
     row (``PROLOGUE_ROW_STORES``: layer_norm), where ``ROW_PROLOGUE_STORES`` is on."""
-    return ROW_PROLOGUE_STORES and bool(head.PROLOGUE) and head.PROLOGUE_ROW_STORES
+    return ROW_PROLOGUE_STORES and head.stores_prologue_rows()
 
 
 def epilogue_shape(head: Operation) -> tuple[int, ...] | None:
@@ -797,14 +797,7 @@ class _Grouping:
 
     def _closure(self, head: Operation, members: list[Operation]) -> set[Operation]:
         """The members ``head`` reads, directly or not (its prologue)."""
-        inside, seen = set(members), set()
-        stack = [v.owner for v in head.operands if isinstance(v.owner, Operation) and v.owner in inside]
-        while stack:
-            o = stack.pop()
-            if o not in seen:
-                seen.add(o)
-                stack.extend(v.owner for v in o.operands if isinstance(v.owner, Operation) and v.owner in inside)
-        return seen
+        return nv.producers(head.operands, set(members))
 
     def join_column_sums(self) -> None:
         """The column-sum rule (the module docstring, "column sum"): after the

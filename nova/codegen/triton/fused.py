@@ -272,17 +272,10 @@ def fusion_of(op: nv.FusedOp) -> tuple[nv.NovaOp, Fusion]:
     order = {o: i for i, o in enumerate(inner)}
 
     def closure(values) -> set:
-        seen: set = set()
-        stack = [v.owner for v in values if v.owner in order]
-        while stack:
-            o = stack.pop()
-            if o not in seen:
-                seen.add(o)
-                stack.extend(v.owner for v in o.operands if v.owner in order)
-        return seen
+        return nv.producers(values, order.keys())
 
     stores_mode = bool(head.PROLOGUE and head.PROLOGUE_STORES)
-    row_stores = bool(head.PROLOGUE and head.PROLOGUE_ROW_STORES)  # yielded prologue values, stored in pass 1
+    row_stores = head.stores_prologue_rows()  # yielded prologue values, stored in pass 1
     prologue = {o for o in inner if o is not head} if stores_mode else closure(head.operands)
     prologue |= op.prologue_sides()  # (row stores: computed with the prologue, stored where yielded)
     sum_ops = op.epilogue_sums()  # column sums of epilogue values (the verifier: nothing inside reads them)
