@@ -17,7 +17,14 @@ byte through L2), ``sm__inst_executed.sum`` (warp instructions: the SMs' share o
 and ``gpu__time_duration.sum``; the kernels' own state is saved and restored between
 replays. Prints per engine the totals and the kernels by DRAM bytes, and writes
 ``dram_bytes_<model>_<precision>_b<batch>.json`` (per kernel name: launches, DRAM read and
-written, L2 bytes, warp instructions, ncu's time) to ``--out``."""
+written, L2 bytes, warp instructions, ncu's time) to ``--out``.
+
+``--stalls REGEX``: instead, why the kernels whose names match REGEX take their time: ncu's
+SpeedOfLight, Occupancy, LaunchStats, WarpStateStats and SchedulerStats sections for the first
+``--launches`` matching launches of one step (each engine in ``--engines``), every metric
+written raw to ``stalls_<model>_<precision>_b<batch>_<engine>.csv`` and, per launch, the
+throughputs, the occupancy, the issue rate and the warp stall reasons (cycles a warp spends
+stalled per issued instruction, by reason, largest first) printed."""
 
 from __future__ import annotations
 
@@ -82,6 +89,70 @@ def parse(text: str) -> dict:
     return dict(out)
 
 
+# what --stalls prints of each launch besides the stall reasons (ncu's raw metric names)
+STALL_CONTEXT = (
+    ("time us", "gpu__time_duration.sum", 1e-3),
+    ("DRAM % peak", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", 1),
+    ("SM % peak", "sm__throughput.avg.pct_of_peak_sustained_elapsed", 1),
+    ("occupancy %", "sm__warps_active.avg.pct_of_peak_sustained_active", 1),
+    ("issue %", "smsp__issue_active.avg.pct_of_peak_sustained_active", 1),
+    ("registers", "launch__registers_per_thread", 1),
+    ("blocks/SM by registers", "launch__occupancy_limit_registers", 1),
+)
+
+
+_STALLED = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
+
+
+def stall_report(text: str) -> list[dict]:
+    """ncu's raw CSV of a --stalls run -> per launch, in order: ``name``, ``context`` (STALL_CONTEXT's
+    labels -> values, where the CSV has them) and ``reasons`` ((reason, stalled cycles per issued
+    instruction), largest first, zeros left out)."""
+    rows = list(csv.reader(io.StringIO("\n".join(ln for ln in text.splitlines() if ln.startswith('"')))))
+    if len(rows) < 2:
+        return []
+    col = {h: i for i, h in enumerate(rows[0])}
+    data = rows[2:] if rows[1][col.get("ID", 0)] == "" else rows[1:]  # (a row of units after the header)
+
+    def value(r, name):
+        try:
+            return float(r[col[name]].replace(",", "")) if name in col else None
+        except ValueError:  # "n/a"
+            return None
+
+    out = []
+    for r in data:
+        reasons = [(h[len(_STALLED[0]):-len(_STALLED[1])], value(r, h)) for h in col
+                   if h.startswith(_STALLED[0]) and h.endswith(_STALLED[1])]  # fmt: skip
+        out.append({"name": r[col["Kernel Name"]],
+                    "context": {label: v * scale for label, name, scale in STALL_CONTEXT
+                                if (v := value(r, name)) is not None},
+                    "reasons": sorted(((n, v) for n, v in reasons if v), key=lambda t: -t[1])})  # fmt: skip
+    return out
+
+
+def stalls(engine: str, opts, ncu: str) -> None:
+    """--stalls: the sections of the matching launches, raw to a CSV, the stall reasons printed."""
+    cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--kernel-name", f"regex:{opts.stalls}",
+           "--launch-count", str(opts.launches), *(a for s in ("SpeedOfLight", "Occupancy", "LaunchStats",
+           "WarpStateStats", "SchedulerStats") for a in ("--section", s)), "--csv", "--page", "raw",
+           "--print-units", "base", sys.executable, __file__, "--child", engine, "--model", opts.model,
+           "--precision", opts.precision, "--batch", str(opts.batch)]  # fmt: skip
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=opts.timeout, env=dict(os.environ))
+    opts.out.mkdir(parents=True, exist_ok=True)
+    path = opts.out / f"stalls_{opts.model}_{opts.precision}_b{opts.batch}_{engine.replace('.', '_')}.csv"
+    path.write_text("\n".join(ln for ln in done.stdout.splitlines() if ln.startswith('"')) + "\n")
+    launches = stall_report(done.stdout)
+    if done.returncode != 0 or not launches:
+        print(f"== {engine}: ncu exited {done.returncode}, {len(launches)} launches\n{done.stderr[-3000:]}\n"
+              f"{done.stdout[-2000:]}")
+        return
+    print(f"== {engine}: {len(launches)} launches matching {opts.stalls!r} (every metric: {path.name})")
+    for k in launches:
+        print(f"- {k['name'][:110]}\n    " + ", ".join(f"{label} {v:.1f}" for label, v in k["context"].items()))
+        print("    stalled cycles per issue: " + ", ".join(f"{n} {v:.2f}" for n, v in k["reasons"][:8]))
+
+
 def run_engine(engine: str, opts, ncu: str) -> dict:
     cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--metrics", ",".join(METRICS),
            "--csv", "--page", "raw", "--print-units", "base", sys.executable, __file__, "--child", engine, "--model", opts.model,
@@ -102,6 +173,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--timeout", type=int, default=260, help="seconds for each engine's ncu run")
+    ap.add_argument("--stalls", metavar="REGEX", help="instead: the warp stall reasons of the launches whose kernel "
+                    "names match REGEX (ncu's sections; see the module docstring)")
+    ap.add_argument("--launches", type=int, default=4, help="with --stalls: how many matching launches")
     ap.add_argument("--child")
     opts = ap.parse_args()
     if opts.child:
@@ -112,6 +186,10 @@ def main() -> None:
     if ncu is None:
         raise SystemExit("dram_bytes: ncu (Nsight Compute) not found on the PATH, in /usr/local/cuda/bin "
                          "or /opt/nvidia/nsight-compute/*/")
+    if opts.stalls:
+        for engine in opts.engines.split(","):
+            stalls(engine, opts, ncu)
+        return
     from importlib.metadata import version
 
     smi = shutil.which("nvidia-smi")

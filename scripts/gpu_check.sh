@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|launches|lce-rows|variants|dram|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|launches|lce-rows|variants|dram|stalls|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -86,6 +86,10 @@ fi
 if [[ $what == dram ]]; then  # DRAM and L2 bytes per kernel from ncu's counters, Nova beside torch.compile (scripts/dram_bytes.py)
   shift
   timeout 560 python3 scripts/dram_bytes.py --out "$OUT" "$@" 2>&1 | tee "$OUT/dram_bytes.log" | tail -70
+fi
+if [[ $what == stalls ]]; then  # warp stall reasons of the kernels matching a regex (scripts/dram_bytes.py --stalls)
+  shift
+  timeout 560 python3 scripts/dram_bytes.py --out "$OUT" --engines nova --stalls "$@" 2>&1 | tee "$OUT/stalls.log" | tail -80
 fi
 if [[ $what == bench ]]; then
   shift

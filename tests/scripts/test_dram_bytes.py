@@ -45,3 +45,25 @@ def test_no_units_row_and_no_kernels():
     with_inst = "\n".join([HEADER + ',"sm__inst_executed.sum"', _row(0, "k", "1", "2", "3", "4") + ',"5,000"'])
     assert parse(with_inst)["k"]["inst"] == 5000.0
     assert parse("==PROF== no kernels were profiled") == {}
+
+
+def test_stall_report_reads_each_launch_its_context_and_its_stall_reasons_largest_first():
+    from dram_bytes import stall_report
+
+    stalled = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+    header = ('"ID","Kernel Name","gpu__time_duration.sum","sm__warps_active.avg.pct_of_peak_sustained_active",'
+              + ",".join(f'"{stalled.format(r)}"' for r in ("barrier", "long_scoreboard", "math_pipe_throttle")))
+    text = "\n".join([
+        "==PROF== Connected to process 7 (/usr/bin/python3)",
+        header,
+        '"","","nsecond","%","inst","inst","inst"',
+        '"0","layer_norm_backward_kernel","196,000","24.5","1.25","9.5","0"',
+        '"1","nova_fused_reduce_sum_gelu","261000","n/a","0.5","3.0","4.25"',
+    ])  # fmt: skip
+    first, second = stall_report(text)
+    assert first["name"] == "layer_norm_backward_kernel"
+    assert first["context"] == {"time us": 196.0, "occupancy %": 24.5}
+    assert first["reasons"] == [("long_scoreboard", 9.5), ("barrier", 1.25)]  # zeros left out
+    assert second["context"] == {"time us": 261.0}  # "n/a" left out
+    assert [n for n, _ in second["reasons"]] == ["math_pipe_throttle", "long_scoreboard", "barrier"]
+    assert stall_report("==PROF== no kernels were profiled") == []
