@@ -25,8 +25,9 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
                 128 at f32, though a fused one may load bf16), split as the
                 configurator says (or N ways)
   coltile:B:W   every column reduction B kept elements a program at W warps, 16 reduced
-                rows a chunk as shipped (reduce.TILE = 16 B): the same sums in the same
-                order as the shipped kernel, so the losses must be bit-identical
+                rows a chunk and the split as shipped (reduce.TILE = 16 B): the same chunks,
+                but Triton may lay the [B, 16] accumulator's final row sums out otherwise
+                (at 256:8 the losses were not bit-identical to the shipped step's, 92bcf2f)
   ws-off        no warp-specialized kernel (configurator.WS_TILES all None: step 8's kernels)
   ws-plain      warp specialization for the matmuls that store C only
   ws-epi128     warp specialization with epilogue kernels at 128x128 too
