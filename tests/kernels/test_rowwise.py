@@ -165,6 +165,24 @@ def test_layer_norm_backward_deterministic(device, dtype, limit):
     assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+@PATHS
+def test_layer_norm_backward_row_sums_as_one_reduction(device, limit, monkeypatch):
+    """LN_BWD_PAIR_SUMS: c1 and c2 from one two-operand tl.reduce (off as shipped, for a
+    device A/B): the same gradients as the reference, ragged rows and partial programs."""
+    from nova.codegen.triton import rowwise
+
+    monkeypatch.setattr(rowwise, "LN_BWD_PAIR_SUMS", True)
+    gen = torch.Generator().manual_seed(15)
+    x = rand(3, 7, 13, device=device, gen=gen)
+    w, b = rand(13, device=device, gen=gen), rand(13, device=device, gen=gen)
+    _, mean, rstd = IMPLS[nv.LayerNormOp](build(nv.LayerNormOp, [x, w, b], {"eps": 1e-5}), [x, w, b])
+    g = rand(3, 7, 13, device=device, gen=gen)
+    ins = [g, x, w, mean, rstd]
+    op = build(nv.LayerNormBackwardOp, ins)
+    assert "_pair_add" in lowering(op)(op, None, max_row_block=limit, partial_programs=4).source
+    run_and_compare(op, ins, max_row_block=limit, partial_programs=4)
+
+
 # --------------------------------------------------------------------------- cross_entropy
 
 

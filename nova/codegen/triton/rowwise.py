@@ -78,6 +78,17 @@ PARTIALS_PER_SM = 4
 # its five fused LayerNorm backwards 0.584 ms against 0.696 at two stages (~3.4 against
 # ~2.9 TB/s); more partial-sum programs per SM did not help (6: 0.779, 8: 0.765 ms).
 LN_BWD_ROW_STAGES = 3
+# A layer_norm_backward row's two sums (c1 = sum(g w), c2 = sum(g w xhat)) as one two-operand
+# reduction: one cross-warp exchange a row instead of two, the same combine tree per sum
+# (``tl.sum`` is ``tl.reduce`` with an add), so the same bits on the GPU. Off: not measured
+# yet (scripts/epilogue_variants.py "ln-pair-sums"; the Triton interpreter runs a generic
+# reduce element by element, so there the bits are not tl.sum's).
+LN_BWD_PAIR_SUMS = False
+_PAIR_ADD = '''
+@triton.jit
+def _pair_add(a1, a2, b1, b2):
+    return a1 + b1, a2 + b2
+'''
 # Fewest warps a layer_norm_backward program gets (more for longer rows: ~8 elements per
 # thread per row tensor)
 LN_BWD_MIN_WARPS = 4
@@ -755,6 +766,13 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: 
         "\n".join(f"{v} = {e}" for v, e in ptrs), rf.row_lines())  # fmt: skip
     grad = f"d = rstd / {n} * ({n} * gxhat - c1 - xhat * c2)"
 
+    def row_sums(e1: str, e2: str) -> str:
+        """Lines (indented for the templates below) setting c1 and c2, the sums of ``e1``
+        and ``e2`` over the row (``LN_BWD_PAIR_SUMS``: as one reduction)."""
+        if LN_BWD_PAIR_SUMS:
+            return f"c1, c2 = tl.reduce(({e1}, {e2}), 0, _pair_add)"
+        return f"c1 = tl.sum({e1}, axis=0)\n{' ' * 12}c2 = tl.sum({e2}, axis=0)"
+
     def xg_at(c: str, mask: str | None, first: bool = False) -> str:
         other = f", mask={mask}, other=0.0" if mask else ""
         return _code(rf.prologue(c, mask, store=first),
@@ -779,8 +797,7 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: 
         """, (row_head, 1), (xg_at("cols", mask, first=True), 1), (f"""
             xhat = {xhat}
             gxhat = g * w
-            c1 = tl.sum(gxhat, axis=0)
-            c2 = tl.sum(gxhat * xhat, axis=0)
+            {row_sums("gxhat", "gxhat * xhat")}
             {grad}
         """, 1), (d_out("cols", mask), 1), (f"""
             part_w += g * xhat
@@ -810,8 +827,9 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: 
         """, 1), (load2(True), 2), (f"""
                 a1 += gxhat
                 a2 += gxhat * xhat
-            tl.store(c1_ptr + row, tl.sum(a1, axis=0))
-            tl.store(c2_ptr + row, tl.sum(a2, axis=0))
+            {row_sums("a1", "a2")}
+            tl.store(c1_ptr + row, c1)
+            tl.store(c2_ptr + row, c2)
         tl.debug_barrier()  # phase B reads row sums that other threads of the program stored
         for c0 in range(0, {n}, BLOCK):
             c = c0 + cols
@@ -839,6 +857,7 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: 
                *stat_strides, *rf.stride_params(), "ROWS_PER_PROG"]  # fmt: skip
     header = _header("layer_norm_backward", f"shape {list(shape)}, {_plan_line(dtype, block, looping)}", {"BLOCK": block})
     helpers = ("\n" + rf.helpers.strip("\n") + "\n") if rf.helpers else ""
+    helpers += _PAIR_ADD if LN_BWD_PAIR_SUMS else ""
     sums = [_TL[d] for _, d in rf.f.sums]
     return (header + helpers + _kernel("layer_norm_backward_kernel", params, _code(head, body))
             + colsum_source("layer_norm_backward_colsum", n, acc, [out, out, *sums]))
