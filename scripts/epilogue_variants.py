@@ -24,6 +24,8 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
                 configurator's: a warp's row of 16-byte loads of the reduced value,
                 128 at f32, though a fused one may load bf16), split as the
                 configurator says (or N ways)
+  colstages:S   every column reduction's chunk loop software-pipelined S stages
+                (reduce.COLUMN_STAGES; the same chunks in the same order: bit-identical)
   coltile:B:W   every column reduction B kept elements a program at W warps, 16 reduced
                 rows a chunk and the split as shipped (reduce.TILE = 16 B): the same chunks,
                 but Triton may lay the [B, 16] accumulator's final row sums out otherwise
@@ -147,6 +149,10 @@ def apply_variant(variant: str) -> None:
             cfg = column_cfg(*a, **k)
             return dataclasses.replace(cfg, block=int(fields[0]), split_k=int(fields[1]) if len(fields) > 1 else cfg.split_k)
         cf.configure_column_reduction = configure_column
+    if variant.startswith("colstages:"):
+        from nova.codegen.triton import reduce as rd
+
+        rd.COLUMN_STAGES = int(variant.split(":")[1])
     if variant.startswith("coltile:"):
         import dataclasses
 
@@ -268,7 +274,7 @@ def main() -> None:
         return
     results = []
     for v in opts.variants.split(","):
-        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:", "colblock:", "coltile:", "splitk:", "split-gain:")):
+        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:", "colblock:", "colstages:", "coltile:", "splitk:", "split-gain:")):
             raise SystemExit(f"epilogue_variants: unknown variant {v!r} (known: {', '.join(VARIANTS)})")
         run = subprocess.run([sys.executable, __file__, "--child", v, "--layers", str(opts.layers),
                               "--batch", str(opts.batch)] + (["--graph"] if opts.graph else []),

@@ -109,6 +109,21 @@ def test_configured_column_reduction(cls):
     assert run(cls, x, (0, 1), False, cfg).extra["split"] == rd.plan(x.shape, (0, 1), cfg).split > 1
 
 
+@pytest.mark.parametrize("cls", [nv.ReduceSumOp, nv.ReduceMaxOp], ids=lambda c: c.name)
+def test_pipelined_column_loop_sums_the_same_chunks(cls, monkeypatch):
+    """COLUMN_STAGES > 1 (off as shipped, for a device A/B): a column reduction's chunk
+    loop as tl.range(num_stages=...), the same chunks in the same order: bit for bit the
+    plain loop's result; a row reduction's loop is left as it is."""
+    x = draw((600, 40), F32, seed=9).contiguous()
+    cfg = LoweringConfig(kind="reduction", block=8, split_k=3, num_warps=1)
+    plain = run(cls, x, (0,), False, cfg).launch([x])[0]
+    monkeypatch.setattr(rd, "COLUMN_STAGES", 3)
+    kernel = run(cls, x, (0,), False, cfg)
+    assert "num_stages=3" in kernel.source
+    assert torch.equal(kernel.launch([x])[0], plain)
+    assert "num_stages" not in run(cls, x, (1,), False).source  # inner: unchanged
+
+
 def test_reduce_max_nan_and_inf():
     x = draw((4, 6), F32, seed=4).contiguous()
     x[1, 2] = float("nan")

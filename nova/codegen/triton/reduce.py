@@ -59,6 +59,12 @@ TARGET_PROGRAMS = 264
 # walking 13 dependent steps, 6.7 us a launch on the H200; at 16 rows, 48 programs in 2.
 FINAL_PROGRAMS = 48
 MIN_SPLIT_CHUNKS = 4  # a split must walk at least this many BLOCK_C chunks to pay for its workspace row
+# Software-pipeline stages of a column reduction's chunk loop (the kept axis contiguous: a
+# bias gradient, GELU's backward with the c_fc one): above 1, ``tl.range(num_stages=...)``
+# has Triton issue the next chunks' loads while this one computes. The same chunks in the
+# same order, so the same sums. 1 (a plain loop) as shipped: not measured yet
+# (scripts/epilogue_variants.py "colstages:S").
+COLUMN_STAGES = 1
 
 _ACC = {"f32": "f32", "bf16": "f32", "f16": "f32", "f64": "f64", "i64": "i64"}
 _TL = {"f32": "tl.float32", "f64": "tl.float64", "i64": "tl.int64"}
@@ -223,7 +229,8 @@ def reduce_source(
         f"acc = tl.full([{p.block_r}, {p.block_c}], {neutral}, {_TL[acc]})",
         f"c_start = pid_s * {p.chunk}",
         f"c_end = tl.minimum(c_start + {p.chunk}, {p.C})",
-        f"for c0 in range(c_start, c_end, {p.block_c}):",
+        (f"for c0 in tl.range(c_start, c_end, {p.block_c}, num_stages={COLUMN_STAGES}):"
+         if COLUMN_STAGES > 1 and not p.inner else f"for c0 in range(c_start, c_end, {p.block_c}):"),
         f"    cols = c0 + tl.arange(0, {p.block_c})",
         "    if IDX64:",
         "        cols = cols.to(tl.int64)",
