@@ -229,9 +229,10 @@ def reduce_source(
         f"acc = tl.full([{p.block_r}, {p.block_c}], {neutral}, {_TL[acc]})",
         f"c_start = pid_s * {p.chunk}",
         f"c_end = tl.minimum(c_start + {p.chunk}, {p.C})",
-        (f"for c0 in tl.range(c_start, c_end, {p.block_c}, num_stages={COLUMN_STAGES}):"
-         if COLUMN_STAGES > 1 and not p.inner else f"for c0 in range(c_start, c_end, {p.block_c}):"),
-        f"    cols = c0 + tl.arange(0, {p.block_c})",
+        # (the loop's index is not c0: _decompose names the reduced dims' indices c0, c1, ...)
+        (f"for chunk in tl.range(c_start, c_end, {p.block_c}, num_stages={COLUMN_STAGES}):"
+         if COLUMN_STAGES > 1 and not p.inner else f"for chunk in range(c_start, c_end, {p.block_c}):"),
+        f"    cols = chunk + tl.arange(0, {p.block_c})",
         "    if IDX64:",
         "        cols = cols.to(tl.int64)",
         "    cmask = cols < c_end",
