@@ -385,7 +385,8 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
     used: dict[str, str] = {}
     f32 = torch.float32
     dw_add = accumulate(V, D)
-    dw_round: dict = {}  # a 16-bit dw's dtype -> the last chunk's epilogue, storing into it
+    # the last chunk's epilogue under a 16-bit weight (dw has w's type): the sum stored rounded into dw
+    dw_last = accumulate(V, D, to_torch_dtype(elem_of(op.operands[g_in + 1].type)))
     configs = Configs(prec)
 
     def chunks():
@@ -453,8 +454,8 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
                 mm.matmul(z.t(), h[r0:r1], cfg=configs(z.t(), h[r0:r1], f32), precision=prec, out=dw_acc, record=used,
                           prerounded=h_b)
             elif r1 == N and dw_acc is not dw:  # the last chunk's sum, rounded once into the 16-bit dw
-                ep = dw_round.setdefault(dw.dtype, accumulate(V, D, dw.dtype))
-                accumulate_into(dw_acc, z.t(), h[r0:r1], prec, ep, record=used, configs=configs, prerounded=h_b, out=dw)
+                accumulate_into(dw_acc, z.t(), h[r0:r1], prec, dw_last, record=used, configs=configs, prerounded=h_b,
+                                out=dw)
             else:
                 accumulate_into(dw_acc, z.t(), h[r0:r1], prec, dw_add, record=used, configs=configs, prerounded=h_b)
         if dw_acc is not dw and len(spans) == 1:
