@@ -279,6 +279,7 @@ from nova.ir.module import result_slots, return_op, step_func
 from nova.ir.types import elem_of, numel, shape_of, tensor, to_torch_dtype
 from nova.schedule.cost import flops_per_element
 from nova.transforms.plan_memory import UPDATED_ROLES, VIEW_OPS
+from nova.transforms.remat import is_recompute
 
 # A recomputed scalar runs once per thread of every program of each consumer
 # kernel (0-d values in Triton are not per element): 16 ops (a pow is some 40
@@ -435,7 +436,7 @@ class _Grouping:
         # they stay after the reads of the old value (which lets plan_memory write in place);
         # nor the remat stage's recomputes (``nova.remat``): moved up into their forward
         # producer's group, they would be computed early and kept, what remat undid
-        self.late: set[Operation] = {op for op in self.ops if "nova.remat" in op.attributes}
+        self.late: set[Operation] = {op for op in self.ops if is_recompute(op)}
         # and share_recomputes' copies, placed just before their readers: moved up into
         # their producer's group, they would be computed there and written for the reader
         self.late |= set(clones)
@@ -520,7 +521,7 @@ class _Grouping:
         cast, placed before their backward with their readers after it): a side op
         bound to a head whose kernel cannot take it would join no other group."""
         if (op.FLAT_INDEX or op in self.prologue_of or op in self.tail or not op.results[0].uses
-                or "nova.remat" not in op.attributes):  # fmt: skip
+                or not is_recompute(op)):  # fmt: skip
             return None
         n, heads = numel(shape_of(op.results[0].type)), None
         for v in self.inputs[op]:
@@ -1205,7 +1206,7 @@ def _row_sides_read(op: Operation, uses: list, kinds: list) -> bool:
         r = u.operation
         if kind == "prologue" and not stores_rows(r):
             return False
-        if kind == "elementwise" and ("nova.remat" not in r.attributes or any(
+        if kind == "elementwise" and (not is_recompute(r) or any(
                 v is not op.results[0] and numel(shape_of(v.type)) >= n for v in r.operands)):
             return False  # (a recompute's: norm_recompute's formula, placed so its kernel can be the head's)
     return True
@@ -1257,7 +1258,7 @@ def share_recomputes(block: Block) -> set[Operation]:
         ins = {v for m in chain for v in m.operands if not (isinstance(v.owner, Operation) and v.owner in inside)}
         in_bytes = sum(_itemsize(v) for v in ins if numel(shape_of(v.type)) == n)  # broadcasts: read from cache
         k, out = len(uses), _itemsize(op.results[0])
-        if in_bytes >= out and not all("nova.remat" in m.attributes for m in chain):
+        if in_bytes >= out and not all(is_recompute(m) for m in chain):
             continue  # neither remat's recompute nor widening
         if _one_kernel_for_readers(op, uses, kinds, order) or _row_sides_read(op, uses, kinds):
             continue  # one kernel computes it for every reader: nothing written, nothing computed twice

@@ -43,6 +43,7 @@ from nova.ir import dialect as nv
 from nova.ir.builder import OpBuilder
 from nova.ir.module import step_func
 from nova.ir.types import elem_of, shape_of, tensor
+from nova.transforms.remat import REMAT_ATTR, is_recompute
 
 
 def _statistics(r: nv.LayerNormOp, b: nv.LayerNormBackwardOp) -> tuple[SSAValue, SSAValue] | None:
@@ -108,7 +109,7 @@ def _rewrite(block, r: nv.LayerNormOp) -> bool:
     made.append(b.create(nv.MulOp, [made[-1].results[0], w]))
     made.append(b.create(nv.AddOp, [made[-1].results[0], bias]))
     for m in made:  # recomputes of remat's, from where r was
-        for key in ("nova.remat", "nova.loc"):
+        for key in (REMAT_ATTR, "nova.loc"):
             if key in r.attributes:
                 m.attributes[key] = r.attributes[key]
     r.results[0].replace_all_uses_with(made[-1].results[0])
@@ -124,5 +125,5 @@ def _rewrite(block, r: nv.LayerNormOp) -> bool:
 def norm_recompute(module: ModuleOp) -> int:
     """Rewrites every such recompute (the module docstring); returns how many."""
     block = step_func(module).body.block
-    recomputes = [op for op in block.ops if isinstance(op, nv.LayerNormOp) and "nova.remat" in op.attributes]
+    recomputes = [op for op in block.ops if isinstance(op, nv.LayerNormOp) and is_recompute(op)]
     return sum(_rewrite(block, r) for r in recomputes)

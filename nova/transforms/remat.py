@@ -338,6 +338,14 @@ class _Applied:
             op.erase()
 
 
+REMAT_ATTR = "nova.remat"  # on every clone: the rule that made it (``Choice.rule``)
+
+
+def is_recompute(op: Operation) -> bool:
+    """Whether ``op`` is a recompute of this stage (or of a later stage's rewrite of one)."""
+    return REMAT_ATTR in op.attributes
+
+
 def _apply(live: _Live, c: _Candidate) -> _Applied:
     anchor = live.p.steps[c.late - 1].op
     block = anchor.parent_block()
@@ -347,7 +355,7 @@ def _apply(live: _Live, c: _Candidate) -> _Applied:
 
     def clone(op: Operation) -> Operation:
         new = op.clone(value_mapper=mapper)
-        new.attributes["nova.remat"] = StringAttr(c.rule)
+        new.attributes[REMAT_ATTR] = StringAttr(c.rule)
         for k in ("nova.storage", "nova.offset"):
             new.attributes.pop(k, None)
         block.insert_op_before(new, anchor)

@@ -57,6 +57,7 @@ from nova.ir import dialect as nv
 from nova.ir.builder import OpBuilder
 from nova.ir.module import step_func
 from nova.ir.types import elem_of
+from nova.transforms.remat import REMAT_ATTR, is_recompute
 
 
 def _readers(v: SSAValue) -> list[tuple]:
@@ -129,8 +130,8 @@ def tf32_operands(module: ModuleOp, precision: str) -> int:
             b = OpBuilder(block, before=op.next_op)
             b.location = op.attributes["nova.loc"].data if "nova.loc" in op.attributes else None
             r = b.one(nv.RoundTf32Op, [v])
-            if "nova.remat" in op.attributes:  # a recompute's rounding is part of the recompute
-                r.owner.attributes["nova.remat"] = op.attributes["nova.remat"]
+            if is_recompute(op):  # a recompute's rounding is part of the recompute
+                r.owner.attributes[REMAT_ATTR] = op.attributes[REMAT_ATTR]
             # the matmuls (and their views) read the rounded value; a column sum keeps the raw one
             v.replace_uses_with_if(r, lambda use, r=r: use.operation is not r.owner and not nv.column_sum(use.operation))
             done += 1
