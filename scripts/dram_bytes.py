@@ -89,6 +89,15 @@ def parse(text: str) -> dict:
     return dict(out)
 
 
+def _under_ncu(ncu: str, engine: str, opts, what: list[str]) -> subprocess.CompletedProcess:
+    """One step of ``engine`` (this script's ``--child``) under ncu collecting ``what``, its
+    output as a raw CSV in base units; the clocks left as found."""
+    cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", *what, "--csv", "--page", "raw",
+           "--print-units", "base", sys.executable, __file__, "--child", engine, "--model", opts.model,
+           "--precision", opts.precision, "--batch", str(opts.batch)]  # fmt: skip
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=opts.timeout, env=dict(os.environ))
+
+
 # what --stalls prints of each launch besides the stall reasons (ncu's raw metric names)
 STALL_CONTEXT = (
     ("time us", "gpu__time_duration.sum", 1e-3),
@@ -133,12 +142,9 @@ def stall_report(text: str) -> list[dict]:
 
 def stalls(engine: str, opts, ncu: str) -> None:
     """--stalls: the sections of the matching launches, raw to a CSV, the stall reasons printed."""
-    cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--kernel-name", f"regex:{opts.stalls}",
-           "--launch-count", str(opts.launches), *(a for s in ("SpeedOfLight", "Occupancy", "LaunchStats",
-           "WarpStateStats", "SchedulerStats") for a in ("--section", s)), "--csv", "--page", "raw",
-           "--print-units", "base", sys.executable, __file__, "--child", engine, "--model", opts.model,
-           "--precision", opts.precision, "--batch", str(opts.batch)]  # fmt: skip
-    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=opts.timeout, env=dict(os.environ))
+    done = _under_ncu(ncu, engine, opts, ["--kernel-name", f"regex:{opts.stalls}", "--launch-count", str(opts.launches),
+                                          *(a for s in ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats",
+                                                        "SchedulerStats") for a in ("--section", s))])  # fmt: skip
     opts.out.mkdir(parents=True, exist_ok=True)
     path = opts.out / f"stalls_{opts.model}_{opts.precision}_b{opts.batch}_{engine.replace('.', '_')}.csv"
     path.write_text("\n".join(ln for ln in done.stdout.splitlines() if ln.startswith('"')) + "\n")
@@ -154,10 +160,7 @@ def stalls(engine: str, opts, ncu: str) -> None:
 
 
 def run_engine(engine: str, opts, ncu: str) -> dict:
-    cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--metrics", ",".join(METRICS),
-           "--csv", "--page", "raw", "--print-units", "base", sys.executable, __file__, "--child", engine, "--model", opts.model,
-           "--precision", opts.precision, "--batch", str(opts.batch)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=opts.timeout, env=dict(os.environ))
+    done = _under_ncu(ncu, engine, opts, ["--metrics", ",".join(METRICS)])
     kernels = parse(done.stdout)
     if done.returncode != 0 or not kernels:
         print(f"== {engine}: ncu exited {done.returncode}, {len(kernels)} kernels\n{done.stderr[-3000:]}\n{done.stdout[-2000:]}")

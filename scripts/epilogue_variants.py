@@ -139,35 +139,26 @@ def apply_variant(variant: str) -> None:
             cfg = planned(*a, **k)
             return dataclasses.replace(cfg, split_k=splits) if cfg.split_k > 1 else cfg
         cf.configure_matmul = configure_split
+    column: dict = {}  # the column reductions' configurator fields these variants replace
+    fields = [int(f) for f in variant.split(":")[1:]] if variant.startswith(("colblock:", "coltile:", "colsplit:")) else []
     if variant.startswith("colblock:"):
+        column = {"block": fields[0], **({"split_k": fields[1]} if len(fields) > 1 else {})}
+    if variant.startswith("coltile:"):
+        from nova.codegen.triton import reduce as rd
+
+        rd.TILE = 16 * fields[0]
+        column = {"block": fields[0], "num_warps": fields[1]}
+    if variant.startswith("colsplit:"):
+        column = {"split_k": fields[0]}
+    if column:
         import dataclasses
 
-        fields = variant.split(":")[1:]
-        column_cfg = cf.configure_column_reduction
-
-        def configure_column(*a, **k):
-            cfg = column_cfg(*a, **k)
-            return dataclasses.replace(cfg, block=int(fields[0]), split_k=int(fields[1]) if len(fields) > 1 else cfg.split_k)
-        cf.configure_column_reduction = configure_column
+        shipped_column = cf.configure_column_reduction
+        cf.configure_column_reduction = lambda *a, **k: dataclasses.replace(shipped_column(*a, **k), **column)
     if variant.startswith("colstages:"):
         from nova.codegen.triton import reduce as rd
 
         rd.COLUMN_STAGES = int(variant.split(":")[1])
-    if variant.startswith("coltile:"):
-        import dataclasses
-
-        from nova.codegen.triton import reduce as rd
-
-        b, w = (int(f) for f in variant.split(":")[1:])
-        rd.TILE = 16 * b
-        column_tile = cf.configure_column_reduction
-        cf.configure_column_reduction = lambda *a, **k: dataclasses.replace(column_tile(*a, **k), block=b, num_warps=w)
-    if variant.startswith("colsplit:"):
-        import dataclasses
-
-        column = cf.configure_column_reduction
-        cf.configure_column_reduction = lambda *a, **k: dataclasses.replace(column(*a, **k),
-                                                                          split_k=int(variant.split(":")[1]))
     limit = KEPT_OUT_ABOVE.get(variant.rsplit("-", 1)[-1])
     kept_out = None
     if limit is not None:
