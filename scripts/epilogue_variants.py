@@ -24,6 +24,8 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
                 configurator's: a warp's row of 16-byte loads of the reduced value,
                 128 at f32, though a fused one may load bf16), split as the
                 configurator says (or N ways)
+  colregs:R     every column reduction split for one wave of programs at R registers a
+                thread (configurator.COLUMN_PROGRAM_REGS; 72: the GELU backward's)
   colstages:S   every column reduction's chunk loop software-pipelined S stages
                 (reduce.COLUMN_STAGES; the same chunks in the same order: bit-identical)
   coltile:B:W   every column reduction B kept elements a program at W warps, 16 reduced
@@ -155,6 +157,8 @@ def apply_variant(variant: str) -> None:
 
         shipped_column = cf.configure_column_reduction
         cf.configure_column_reduction = lambda *a, **k: dataclasses.replace(shipped_column(*a, **k), **column)
+    if variant.startswith("colregs:"):
+        cf.COLUMN_PROGRAM_REGS = int(variant.split(":")[1])
     if variant.startswith("colstages:"):
         from nova.codegen.triton import reduce as rd
 
@@ -265,7 +269,7 @@ def main() -> None:
         return
     results = []
     for v in opts.variants.split(","):
-        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:", "colblock:", "colstages:", "coltile:", "splitk:", "split-gain:")):
+        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:", "colblock:", "colregs:", "colstages:", "coltile:", "splitk:", "split-gain:")):
             raise SystemExit(f"epilogue_variants: unknown variant {v!r} (known: {', '.join(VARIANTS)})")
         run = subprocess.run([sys.executable, __file__, "--child", v, "--layers", str(opts.layers),
                               "--batch", str(opts.batch)] + (["--graph"] if opts.graph else []),

@@ -846,6 +846,14 @@ def configure_reduction(rows: int, cols: int, dtype, device, kind: str = "sum") 
 COLUMN_TILE = 2048
 COLUMN_WARPS = 4
 MIN_SPLIT_CHUNKS = 4  # a split walks at least this many chunks, so its partial row pays for itself
+# Registers a column program is assumed to take when the split is sized to keep every
+# program resident at once (one wave): the largest prologue the fuse stage puts in one,
+# GPT-2's GELU backward in the c_fc bias gradient's program (8 ops), compiles to 72 a
+# thread on sm_90a (64 at 6 ops, 40 for a bare cast and sum). The split sized by
+# threads alone (10 programs an SM on the H200) gave that kernel 1320 programs where 7 an
+# SM fit: 1.43 waves, 0.261 ms at 2.3 TB/s. None: registers not modelled (as before
+# 2026-12-05's fourth session); scripts/epilogue_variants.py "colregs:R" measures it.
+COLUMN_PROGRAM_REGS: int | None = None
 
 
 def configure_column_reduction(kept: int, reduced: int, dtype, device, kind: str = "sum") -> LoweringConfig:
@@ -868,13 +876,14 @@ def configure_column_reduction(kept: int, reduced: int, dtype, device, kind: str
     chunks = _cdiv(reduced, block_c)
     kept_programs = _cdiv(kept, block)
     in_flight = dev.mem_bandwidth / dev.sm_count * IN_FLIGHT_SECONDS  # bytes one SM keeps in flight
-    per_sm = min(
-        _cdiv(int(in_flight), COLUMN_TILE * elt),
-        dev.max_threads_per_sm // (COLUMN_WARPS * dev.warp_size),
-        dev.max_blocks_per_sm,
-    )
+    resident = (_occupancy_without_smem(dev, COLUMN_WARPS, COLUMN_PROGRAM_REGS) if COLUMN_PROGRAM_REGS
+                else min(dev.max_threads_per_sm // (COLUMN_WARPS * dev.warp_size), dev.max_blocks_per_sm))
+    per_sm = min(_cdiv(int(in_flight), COLUMN_TILE * elt), resident)
     want = dev.sm_count * per_sm
-    split = max(1, min(_cdiv(want, kept_programs), chunks // MIN_SPLIT_CHUNKS))
+    # with registers modelled, no more programs than one wave holds (a second, partial
+    # wave would stream at a fraction of the device's bandwidth)
+    per_kept = want // kept_programs if COLUMN_PROGRAM_REGS else _cdiv(want, kept_programs)
+    split = max(1, min(per_kept, chunks // MIN_SPLIT_CHUNKS))
     programs = kept_programs * split
     return LoweringConfig(
         kind="reduction",
