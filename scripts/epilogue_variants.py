@@ -52,6 +52,10 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
   ln-pair-sums  a LayerNorm backward row's two sums as one two-operand reduction
                 (rowwise.LN_BWD_PAIR_SUMS: one cross-warp exchange a row, not two; the
                 same combine tree, so the losses should be bit-identical)
+  ln-hoist      a fused LayerNorm backward's row-invariant prologue operands (a bias, the
+                LayerNorm's weight and bias) loaded once before its rows
+                (rowwise.LN_BWD_HOIST_INVARIANTS; the same values: bit-identical)
+  ln-hoist-pair both of the above
 
     python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--variants a,b] [--graph] [--out DIR]
 
@@ -71,7 +75,8 @@ from pathlib import Path
 
 VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "tile-grid-nobackward",
             "tile-grid-noresidual", "ws-off", "ws-plain", "ws-epi128", "ws-epi256", "two-pass-split",
-            "casts-unbatched", "last-split-sums", "row-stores-off", "norm-recompute-off", "ln-pair-sums")
+            "casts-unbatched", "last-split-sums", "row-stores-off", "norm-recompute-off", "ln-pair-sums",
+            "ln-hoist", "ln-hoist-pair")
 # each ws variant's changes to configurator.WS_TILES
 WS_VARIANTS = {"ws-off": {"plain": None, "epilogue": None}, "ws-plain": {"epilogue": None},
                "ws-epi128": {"epilogue": (128, 128, 4)}, "ws-epi256": {"epilogue": (128, 256, 4)}}
@@ -93,10 +98,14 @@ def apply_variant(variant: str) -> None:
         from nova import pipeline
 
         pipeline.STAGES[:] = [s for s in pipeline.STAGES if s[0] != "norm_recompute"]
-    if variant == "ln-pair-sums":
+    if variant in ("ln-pair-sums", "ln-hoist-pair"):
         from nova.codegen.triton import rowwise
 
         rowwise.LN_BWD_PAIR_SUMS = True
+    if variant in ("ln-hoist", "ln-hoist-pair"):
+        from nova.codegen.triton import rowwise
+
+        rowwise.LN_BWD_HOIST_INVARIANTS = True
     if variant.startswith("split-gain:"):
         cf.ONE_WAVE_SPLIT_MIN_GAIN = float(variant.split(":")[1])
     if variant == "last-split-sums":

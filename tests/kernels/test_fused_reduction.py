@@ -279,14 +279,21 @@ def test_layer_norm_backward_looping_takes_its_prologue_and_epilogue():
     _check(_ln_backward(40, dropout=False), cfg, tol=2e-2)
 
 
+@pytest.mark.parametrize("hoist", [False, True], ids=["per-row", "hoisted"])
 @pytest.mark.parametrize("recomputed", [False, True], ids=["saved-x", "recomputed-x"])
 @pytest.mark.parametrize("block", [None, 16], ids=["registers", "looping"])
-def test_layer_norm_backward_computes_and_stores_the_layer_norm_recompute_beside_it(recomputed, block):
+def test_layer_norm_backward_computes_and_stores_the_layer_norm_recompute_beside_it(recomputed, block, hoist,
+                                                                                    monkeypatch):
     """norm_recompute's LayerNorm output from the forward's statistics, y = ((x - mean)
     * rstd) * w + b in bf16, as side ops of the backward reading the same row
     (``nv.row_sides``): computed with its prologue, stored in the first pass over each
     row; x as it is (a saved residual) or the residual stream recomputed in the
-    prologue (h = r + (cast(p) + bias), which the side ops read there)."""
+    prologue (h = r + (cast(p) + bias), which the side ops read there). ``hoist``
+    (rowwise.LN_BWD_HOIST_INVARIANTS): the row-invariant operands (bias, w, lb) loaded
+    once before the rows where the row is in registers: the same bits."""
+    from nova.codegen.triton import rowwise
+
+    monkeypatch.setattr(rowwise, "LN_BWD_HOIST_INVARIANTS", hoist)
     n = 40
     module, fn, b = _step(Slot("batch", "p", tensor([2, 3, n], bf16)), Slot("param", "bias", tensor([n], f32)),
                           Slot("batch", "r", tensor([2, 3, n], f32)), Slot("param", "w", tensor([n], f32)),
@@ -307,6 +314,10 @@ def test_layer_norm_backward_computes_and_stores_the_layer_norm_recompute_beside
     assert isinstance(grp.reduction(), nv.LayerNormBackwardOp)
     assert {o.name for o in grp.prologue_sides()} == {"nova.sub", "nova.mul", "nova.add", "nova.cast"}
     assert len(grp.results) == 4
+    src = fk.lower_reduction_group(grp, cfg).source
+    before_rows = src[:src.index("for row in")]
+    # w and lb (and bias where the residual is recomputed) before the rows, or none of them
+    assert before_rows.count("= tl.load(pptr") == ((3 if recomputed else 2) if hoist and block is None else 0)
 
 
 def test_a_remat_recompute_runs_in_a_layer_norm_and_its_backward():

@@ -84,6 +84,12 @@ LN_BWD_ROW_STAGES = 3
 # yet (scripts/epilogue_variants.py "ln-pair-sums"; the Triton interpreter runs a generic
 # reduce element by element, so there the bits are not tl.sum's).
 LN_BWD_PAIR_SUMS = False
+# The chain operands of a fused layer_norm_backward that are the same on every row (the
+# projection's bias and the LayerNorm's weight and bias its prologue reads to recompute the
+# residual and the LayerNorm's output) loaded once before the program's rows, not once a
+# row (GPT-2's 13-op kernel: 3 of its 8 row loads, pipelined through shared memory with
+# the rest). Off: not measured yet (scripts/epilogue_variants.py "ln-hoist").
+LN_BWD_HOIST_INVARIANTS = False
 _PAIR_ADD = '''
 @triton.jit
 def _pair_add(a1, a2, b1, b2):
@@ -320,10 +326,12 @@ class RowFusion:
     epilogue's values are written contiguously at the row's flat index, as the
     head's own first result."""
 
-    def __init__(self, fusion: Fusion | None, n_operands: int, n_results: int, rows: Rows, acc: str):
+    def __init__(self, fusion: Fusion | None, n_operands: int, n_results: int, rows: Rows, acc: str,
+                 hoist: bool = False):
         self.f = fusion or Fusion.plain(n_operands, n_results)
         self.rows, self.acc, self.n = rows, acc, rows.n
         self.rank = len(rows.shape)
+        self.hoist = hoist  # a template walking rows over one column range: ``invariant_loads``
 
     def direct(self, j: int) -> bool:
         return self.f.direct(j) is not None
@@ -375,15 +383,29 @@ class RowFusion:
                 lines.append(f"{c.prefix}row{k} = {c.prefix}ptr{k} + ({' + '.join(terms) or '0'})")
         return "\n".join(lines)
 
-    def _loads(self, c, cvar: str, mask: str | None) -> list[str]:
-        lines = []
+    def _invariant(self, op) -> bool:
+        """A chain operand the same on every row (a bias, a LayerNorm weight, a 0-d value)."""
+        return all(d == self.rank - 1 for _, d, _ in op.terms(self.rank))
+
+    def _load(self, c, k: int, op, base: str, cvar: str, mask: str | None) -> str:
         m = f", mask={mask}, other=0" if mask else ""
-        for k, op in enumerate(c.operands):
-            col = [kd for kd, d, _ in op.terms(self.rank) if d == self.rank - 1]
-            if col:
-                lines.append(f"{c.prefix}x{k} = tl.load({c.prefix}row{k} + {cvar} * {c.prefix}s{k}_{col[0]}{m})")
-            else:  # one value per row (or per step)
-                lines.append(f"{c.prefix}x{k} = tl.load({c.prefix}row{k})")
+        col = [kd for kd, d, _ in op.terms(self.rank) if d == self.rank - 1]
+        if col:
+            return f"{c.prefix}x{k} = tl.load({base} + {cvar} * {c.prefix}s{k}_{col[0]}{m})"
+        return f"{c.prefix}x{k} = tl.load({base})"  # one value per row (or per step)
+
+    def invariant_loads(self, cvar: str, mask: str | None) -> str:
+        """Before a program's rows (``hoist``; the whole row at columns ``cvar``): the
+        loads of the chain operands the same on every row, which ``prologue`` and
+        ``epilogue`` then leave out."""
+        if not self.hoist:
+            return ""
+        return "\n".join(self._load(c, k, op, f"{c.prefix}ptr{k}", cvar, mask)
+                         for c in self._chains() for k, op in enumerate(c.operands) if self._invariant(op))
+
+    def _loads(self, c, cvar: str, mask: str | None) -> list[str]:
+        lines = [self._load(c, k, op, f"{c.prefix}row{k}", cvar, mask) for k, op in enumerate(c.operands)
+                 if not (self.hoist and self._invariant(op))]
         return lines + c.body.splitlines()
 
     def operand(self, j: int, name: str, direct: str, cvar: str, mask: str | None) -> str:
@@ -746,7 +768,7 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: 
     the group yields (its side ops' among them) stored in the first pass over a row."""
     rows = Rows(shape, len(shape) - 1)
     n, acc, out = rows.n, acc_type(dtype), _TL[dtype]
-    rf = RowFusion(fusion, 5, 3, rows, acc)
+    rf = RowFusion(fusion, 5, 3, rows, acc, hoist=LN_BWD_HOIST_INVARIANTS and not looping)
     head = f"""
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -792,7 +814,7 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: 
             w = tl.load(w_ptr + cols * swc{ld(0.0)}).to({acc})
             part_w = tl.zeros((BLOCK,), {acc})
             part_b = tl.zeros((BLOCK,), {acc})
-        """, rf.sum_init(), f"""
+        """, rf.sum_init(), rf.invariant_loads("cols", mask), f"""
             for row in tl.range(row_start, row_end, num_stages={LN_BWD_ROW_STAGES}):
         """, (row_head, 1), (xg_at("cols", mask, first=True), 1), (f"""
             xhat = {xhat}
