@@ -364,6 +364,25 @@ def test_column_reductions(device):
 
 
 @pytest.mark.parametrize("device", sorted(DEVICES))
+def test_column_reductions_split_for_one_wave_at_their_registers(device, monkeypatch):
+    """COLUMN_PROGRAM_REGS: the split keeps every program resident at once (no second,
+    partial wave) at that many registers a thread, and still fills the device: GPT-2's
+    c_fc bias gradient with GELU's backward in its prologue, 72 registers on sm_90a, is
+    7 programs an SM of 4 warps (1320 programs on the H200 with registers unmodelled)."""
+    dev = DEVICES[device]
+    monkeypatch.setattr(cf, "COLUMN_PROGRAM_REGS", 72)
+    per_warp = -(-72 * 32 // cf.REG_ALLOC_UNIT) * cf.REG_ALLOC_UNIT
+    resident = dev.sm_count * min(dev.regs_per_sm // (per_warp * cf.COLUMN_WARPS), dev.max_blocks_per_sm)
+    for reduced, kept in itertools.product((8192, 32768), (768, 2304, 3072, 50304)):
+        c = cf.configure_column_reduction(kept, reduced, "float32", dev)
+        programs = -(-kept // c.block) * c.split_k
+        assert programs <= max(resident, -(-kept // c.block)), (reduced, kept, c)  # one wave
+        assert programs >= dev.sm_count, (reduced, kept, c)  # still every SM busy
+    if device == "H200":
+        assert cf.configure_column_reduction(3072, 32768, "float32", dev).split_k == 38  # 912 of 924 slots
+
+
+@pytest.mark.parametrize("device", sorted(DEVICES))
 def test_elementwise(device):
     dev = DEVICES[device]
     for numel, dtype, n_in in itertools.product((1, 1000, 10**5, 10**8), ("float32", "bfloat16", "float64"), (1, 3, 6)):
