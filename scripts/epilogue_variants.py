@@ -26,6 +26,8 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
                 configurator says (or N ways)
   colregs:R     every column reduction split for one wave of programs at R registers a
                 thread (configurator.COLUMN_PROGRAM_REGS; 72: the GELU backward's)
+  recasts:N     remat's weight recasts for the backward N of one shape a launch
+                (fuse.RECAST_BATCH; 1: one launch each, as before 2026-12-05's fourth session)
   colstages:S   every column reduction's chunk loop software-pipelined S stages
                 (reduce.COLUMN_STAGES; the same chunks in the same order: bit-identical)
   coltile:B:W   every column reduction B kept elements a program at W warps, 16 reduced
@@ -166,6 +168,8 @@ def apply_variant(variant: str) -> None:
 
         shipped_column = cf.configure_column_reduction
         cf.configure_column_reduction = lambda *a, **k: dataclasses.replace(shipped_column(*a, **k), **column)
+    if variant.startswith("recasts:"):
+        fz.RECAST_BATCH = int(variant.split(":")[1])
     if variant.startswith("colregs:"):
         cf.COLUMN_PROGRAM_REGS = int(variant.split(":")[1])
     if variant.startswith("colstages:"):
@@ -278,7 +282,7 @@ def main() -> None:
         return
     results = []
     for v in opts.variants.split(","):
-        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:", "colblock:", "colregs:", "colstages:", "coltile:", "splitk:", "split-gain:")):
+        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:", "colblock:", "colregs:", "recasts:", "colstages:", "coltile:", "splitk:", "split-gain:")):
             raise SystemExit(f"epilogue_variants: unknown variant {v!r} (known: {', '.join(VARIANTS)})")
         run = subprocess.run([sys.executable, __file__, "--child", v, "--layers", str(opts.layers),
                               "--batch", str(opts.batch)] + (["--graph"] if opts.graph else []),

@@ -312,6 +312,16 @@ SMALL_ARGS = 128
 # switch for that A/B (scripts/epilogue_variants.py "casts-unbatched", or
 # scripts/step_launches.py --set transforms.fuse.BATCH_OPERAND_CASTS=False).
 BATCH_OPERAND_CASTS = True
+# remat's recasts of the weights for the backward's matmuls (``late``, each beside its
+# reader): up to this many of one shape in one launch, placed where the first of them
+# was, so a batch's later copies are made that many layers early. GPT-2 124M bf16: 47
+# launches, 0.323 ms of kernels on the H200 at 92bcf2f, where the forward's 48 casts take
+# 4 launches and 0.141 ms (and batching those took the step's graph from 66.01 to 65.65
+# ms); batched, 8 launches, the plan's peak unchanged (8.654 GiB: the peak lies before
+# the backward's first recast). A peak inside the backward can grow by a batch's copies;
+# a memory budget sees it (remat's budget rounds predict the plan after this stage).
+# 1: each its own launch (scripts/epilogue_variants.py "recasts:N").
+RECAST_BATCH = 12
 # The residual stream's sums computed in the next LayerNorm's prologue and stored from
 # it (the module docstring, "row stores"), not in the projections' epilogues. Not yet
 # timed on the H200; the switch is for that A/B (scripts/epilogue_variants.py
@@ -702,7 +712,7 @@ class _Grouping:
         return latest, earliest
 
     def try_merge(self, nodes: list[Node], reshape: Operation | None = None,
-                  column_sum: Operation | None = None) -> Node | None:
+                  column_sum: Operation | None = None, recomputes: bool = False) -> Node | None:
         """Merges ``nodes`` (of one iteration shape, the first's; at most one of
         them a contraction's, and ``reshape`` its result's relabelling when it joins
         now; ``column_sum`` a column sum joining a contraction's node, in a node of
@@ -727,7 +737,10 @@ class _Grouping:
         if heads and heads[0].kind == "reduction" and not self._reduction_ok(members, column_sum):
             return None
         latest, earliest = self._window(members, merging)
-        latest = max([latest, *(self.pos[m] - 1 for m in members if m in self.late)])
+        late = [self.pos[m] - 1 for m in members if m in self.late]
+        # a remat recompute stays in the backward: after its own position, or, in a batch
+        # of ``recomputes`` (``RECAST_BATCH``), after the first of theirs
+        latest = max([latest, *(late[:1] if recomputes else late)])
         inside = set(members)
         head = next((m for n in heads for m in n.members if epilogue_head(m)), None)
         if head is not None and any(v.owner in inside for v in head.operands):
@@ -929,6 +942,7 @@ class _Grouping:
         one launch before the first of their readers. A remat recompute (``late``)
         stays where remat put it."""
         current: dict[tuple[str, tuple[int, ...]], Node] = {}
+        parts: dict[int, int] = {}  # a batch's groups
         for op in self.ops:
             n = self.node.get(op)
             if (n is None or not n.fused or n.kind != "elementwise" or n.shape is None or op is not n.members[-1]
@@ -938,15 +952,20 @@ class _Grouping:
                 key = ("update", n.shape)
             elif BATCH_OPERAND_CASTS and not any(m in self.late for m in n.members) and self._prepares_operands(n):
                 key = ("arguments", n.shape)
+            elif RECAST_BATCH > 1 and all(m in self.late for m in n.members) and self._prepares_operands(n):
+                key = ("recasts", n.shape)
             else:
                 continue
             cur = current.get(key)
-            if cur is not None and cur is not n and self._args(cur) + self._args(n) <= SMALL_ARGS:
-                merged = self.try_merge([cur, n])
+            if (cur is not None and cur is not n and self._args(cur) + self._args(n) <= SMALL_ARGS
+                    and (key[0] != "recasts" or parts[id(cur)] < RECAST_BATCH)):  # fmt: skip
+                merged = self.try_merge([cur, n], recomputes=key[0] == "recasts")
                 if merged is not None:
                     current[key] = merged
+                    parts[id(merged)] = parts[id(cur)] + 1
                     continue
             current[key] = n
+            parts[id(n)] = 1
 
     def groups(self) -> list[Group]:
         seen: set[int] = set()

@@ -1280,6 +1280,41 @@ def test_weight_casts_of_one_shape_launch_together_before_their_first_reader():
     assert ops.index(clone) > matmuls[-2]  # after the forward's six matmuls, before its reader
 
 
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_remat_recasts_of_one_shape_launch_together_in_the_backward(batch, monkeypatch):
+    """RECAST_BATCH: remat's recasts of three [8, 16] weights, each beside its matmul in
+    the backward, launch up to ``batch`` at a time, each batch placed where the first of
+    its recasts was (after the forward's matmuls, before its first reader); 1: each its
+    own op where remat put it."""
+    from nova.codegen.triton.fused import segments_of
+
+    monkeypatch.setattr(fz, "RECAST_BATCH", batch)
+    slots = [Slot("param", "x", tensor([4, 8], f32))]
+    slots += [Slot("param", f"w{k}", tensor([8, 16], f32)) for k in range(3)]
+    module, fn, b = _step(*slots)
+    x, *ws = fn.body.block.args
+    h = b.cast(x, bf16)
+    fwd = [b.matmul(h, b.cast(w, bf16)) for w in ws]  # the forward's casts: one batch of three
+    outs = []
+    for w in reversed(ws):  # the backward, last layer first
+        again = b.cast(w, bf16)
+        again.owner.attributes["nova.remat"] = StringAttr("default")
+        outs.append(b.matmul(h, again))
+    set_results(fn, [("loss", f"f{k}", y) for k, y in enumerate(fwd)] + [("loss", f"b{k}", y) for k, y in enumerate(outs)])
+    ops = _fused(module)
+    matmuls = [i for i, o in enumerate(ops) if isinstance(o, nv.MatmulOp)]
+    recasts = [o for o in ops if "nova.remat" in o.attributes
+               or isinstance(o, nv.FusedOp) and all("nova.remat" in i.attributes for i in o.inner_ops())]  # fmt: skip
+    assert [1 if isinstance(o, nv.CastOp) else len(o.results) for o in recasts] == {1: [1, 1, 1], 2: [2, 1], 3: [3]}[batch]
+    assert list(recasts[0].operands)[:1] == [ws[2]]  # the last layer's weight first
+    for o in recasts:
+        assert matmuls[2] < ops.index(o)  # in the backward
+        readers = [i for i, r in enumerate(ops) if any(v in o.results for v in r.operands)]
+        assert ops.index(o) < min(readers)
+        if isinstance(o, nv.FusedOp):
+            assert _inner(o) == ["nova.cast"] * len(o.results) and len(segments_of(o)) == len(o.results)
+
+
 def test_last_scalars_of_two_shapes_are_two_groups():
     module, fn, b = _step(Slot("hyper", "lr", tensor([], f64)), Slot("param", "w", tensor([1], f64)))
     lr, w = fn.body.block.args
