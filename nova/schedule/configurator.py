@@ -851,9 +851,11 @@ MIN_SPLIT_CHUNKS = 4  # a split walks at least this many chunks, so its partial 
 # GPT-2's GELU backward in the c_fc bias gradient's program (8 ops), compiles to 72 a
 # thread on sm_90a (64 at 6 ops, 40 for a bare cast and sum). The split sized by
 # threads alone (10 programs an SM on the H200) gave that kernel 1320 programs where 7 an
-# SM fit: 1.43 waves, 0.261 ms at 2.3 TB/s. None: registers not modelled (as before
-# 2026-12-05's fourth session); scripts/epilogue_variants.py "colregs:R" measures it.
-COLUMN_PROGRAM_REGS: int | None = None
+# SM fit: 1.43 waves, 0.261 ms at 2.3 TB/s. At 72 (split 38, 912 programs) the 11 such
+# kernels took 2.505 ms against 2.869 on the H200, the qkv bias gradient's 0.571 against
+# 0.588, the 12-layer bf16 step's graph 63.93 against 64.28 ms (11b6733, epilogue_variants
+# "colregs:72"). None: registers not modelled, the split by threads (as before).
+COLUMN_PROGRAM_REGS: int | None = 72
 
 
 def configure_column_reduction(kept: int, reduced: int, dtype, device, kind: str = "sum") -> LoweringConfig:

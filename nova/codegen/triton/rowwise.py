@@ -80,16 +80,22 @@ PARTIALS_PER_SM = 4
 LN_BWD_ROW_STAGES = 3
 # A layer_norm_backward row's two sums (c1 = sum(g w), c2 = sum(g w xhat)) as one two-operand
 # reduction: one cross-warp exchange a row instead of two, the same combine tree per sum
-# (``tl.sum`` is ``tl.reduce`` with an add), so the same bits on the GPU. Off: not measured
-# yet (scripts/epilogue_variants.py "ln-pair-sums"; the Triton interpreter runs a generic
-# reduce element by element, so there the bits are not tl.sum's).
+# (``tl.sum`` is ``tl.reduce`` with an add), so the same bits on the GPU. Off: measured on
+# the H200 (11b6733, scripts/epilogue_variants.py "ln-pair-sums"), bit-identical but no
+# faster (the step 63.80 against 63.86 ms; with the hoisted loads 62.96 against 62.91 in
+# two runs). The Triton interpreter runs a generic reduce element by element, so there the
+# bits are not tl.sum's.
 LN_BWD_PAIR_SUMS = False
 # The chain operands of a fused layer_norm_backward that are the same on every row (the
 # projection's bias and the LayerNorm's weight and bias its prologue reads to recompute the
 # residual and the LayerNorm's output) loaded once before the program's rows, not once a
 # row (GPT-2's 13-op kernel: 3 of its 8 row loads, pipelined through shared memory with
-# the rest). Off: not measured yet (scripts/epilogue_variants.py "ln-hoist").
-LN_BWD_HOIST_INVARIANTS = False
+# the rest; sm_90a: 28.7 KB of shared memory a program against 53.3, 128 registers against
+# 108, still 4 programs an SM). Measured on the H200 (11b6733, scripts/epilogue_variants.py
+# "ln-hoist", the 12-layer bf16 step's graph, bench/results/runs/epilogue_variants_graph_12l_
+# lnhoist_11b6733.json): the 12 13-op kernels 2.343 -> 1.730 ms, the 11 10-op ones 1.858 ->
+# 1.446, the step 63.86 -> 62.91 ms, losses bit-identical.
+LN_BWD_HOIST_INVARIANTS = True
 _PAIR_ADD = '''
 @triton.jit
 def _pair_add(a1, a2, b1, b2):
