@@ -244,8 +244,10 @@ here, into loops, prologues and epilogues.
                GPT-2 124M's 48 forward weight casts in 4 launches instead of 48 (the
                plan's peak unchanged, 8.654 GiB at bf16 batch 32: the copies are made
                at the step's start, where little else is live, and each dies at its
-               layer's forward matmul; remat's recasts for the backward stay one
-               kernel each, beside their readers, so no copy lives across the peak).
+               layer's forward matmul). remat's recasts for the backward batch too,
+               up to ``RECAST_BATCH`` of one shape a launch placed where the first of
+               them was (after the peak, which lies before the backward's first
+               recast on GPT-2: 47 launches become 8, the peak unchanged).
   not fused    ops reading their own flat index (arange, dropout_mask) are
                grouped like any op of their shape, never recomputed as scalars.
   singletons   a group of one op stays that op (no wrapper), unless it recomputes
@@ -260,7 +262,8 @@ into it. A group holding the new value of a param / state is never placed
 before that op's own position: it stays after the reads of the old value, so
 plan_memory can still write it in place; nor is a group holding a recompute of
 the remat stage (``nova.remat``): it stays in the backward, where remat put it,
-instead of joining the forward group of its producer. Inner ops keep their
+instead of joining the forward group of its producer (a batch of recasts: not
+before the first of its recomputes). Inner ops keep their
 attributes (``nova.loc``, ``nova.remat``).
 """
 
