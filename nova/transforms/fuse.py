@@ -942,8 +942,9 @@ class _Grouping:
         updates of biases and LayerNorm weights, of the weights of one shape): a
         multi-tensor update. Groups that read only the step's arguments for the
         matmuls (``_prepares_operands``: the bf16 casts of the weights of one shape):
-        one launch before the first of their readers. A remat recompute (``late``)
-        stays where remat put it."""
+        one launch before the first of their readers. remat's recomputes of such casts
+        (``late``: the weights' recasts for the backward) batch apart from them, up to
+        ``RECAST_BATCH`` of one shape, each batch where the first of its recasts was."""
         current: dict[tuple[str, tuple[int, ...]], Node] = {}
         parts: dict[int, int] = {}  # a batch's groups
         for op in self.ops:
