@@ -866,7 +866,8 @@ def configure_column_reduction(kept: int, reduced: int, dtype, device, kind: str
     share each kept block (a second pass sums their partials). ``split_k`` follows
     from Little's law: enough programs that every SM keeps IN_FLIGHT_SECONDS of its
     DRAM share in flight, one COLUMN_TILE of loads per program, no more programs than
-    an SM holds, and at least MIN_SPLIT_CHUNKS chunks per program."""
+    the SMs hold at once (one wave, at COLUMN_PROGRAM_REGS registers a thread), and at
+    least MIN_SPLIT_CHUNKS chunks per program."""
     _positive(kept=kept, reduced=reduced)
     if kind not in SPLITTABLE_KINDS:
         raise ValueError(f"configurator: a column reduction needs an associative kind {SPLITTABLE_KINDS}, got {kind!r}")
