@@ -26,6 +26,9 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
                 configurator says (or N ways)
   colregs:R     every column reduction split for one wave of programs at R registers a
                 thread (configurator.COLUMN_PROGRAM_REGS; 72: the GELU backward's)
+  ln-fwd-rows:P LayerNorm forwards (a row in registers) as P programs an SM walking rows,
+                loading the row-invariant vectors once a program (rowwise.LN_FWD_PROGRAMS_PER_SM;
+                the same bits)
   recasts:N     remat's weight recasts for the backward N of one shape a launch
                 (fuse.RECAST_BATCH; 1: one launch each, as before 2026-12-05's fourth session)
   colstages:S   every column reduction's chunk loop software-pipelined S stages
@@ -168,6 +171,10 @@ def apply_variant(variant: str) -> None:
 
         shipped_column = cf.configure_column_reduction
         cf.configure_column_reduction = lambda *a, **k: dataclasses.replace(shipped_column(*a, **k), **column)
+    if variant.startswith("ln-fwd-rows:"):
+        from nova.codegen.triton import rowwise
+
+        rowwise.LN_FWD_PROGRAMS_PER_SM = int(variant.split(":")[1])
     if variant.startswith("recasts:"):
         fz.RECAST_BATCH = int(variant.split(":")[1])
     if variant.startswith("colregs:"):
@@ -282,7 +289,7 @@ def main() -> None:
         return
     results = []
     for v in opts.variants.split(","):
-        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:", "colblock:", "colregs:", "recasts:", "colstages:", "coltile:", "splitk:", "split-gain:")):
+        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:", "colblock:", "colregs:", "recasts:", "ln-fwd-rows:", "colstages:", "coltile:", "splitk:", "split-gain:")):
             raise SystemExit(f"epilogue_variants: unknown variant {v!r} (known: {', '.join(VARIANTS)})")
         run = subprocess.run([sys.executable, __file__, "--child", v, "--layers", str(opts.layers),
                               "--batch", str(opts.batch)] + (["--graph"] if opts.graph else []),

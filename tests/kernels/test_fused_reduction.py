@@ -184,13 +184,18 @@ def test_layer_norm_looping_over_column_blocks_takes_its_epilogue(elem):
     _check(_ln_step((3, 40), elem, keep_y=True), cfg, tol=2**-7)
 
 
+@pytest.mark.parametrize("walk", [0, 1], ids=["row-programs", "walking-programs"])
 @pytest.mark.parametrize("n, block", [(32, None), (40, None), (40, 16)], ids=["full", "ragged", "looping"])
-def test_layer_norm_stores_the_residual_sum_its_prologue_computes(n, block):
+def test_layer_norm_stores_the_residual_sum_its_prologue_computes(n, block, walk, monkeypatch):
     """The residual stream's sum after a bf16 projection, h = r + (cast(p) + bias), in
     the LayerNorm's prologue (``PROLOGUE_ROW_STORES``): stored in the first pass over
     each row for its other reader (here the return), the bf16 output cast in the
     epilogue; looping over column blocks (16 of 40), stored in the first of three
-    passes."""
+    passes. ``walk`` (rowwise.LN_FWD_PROGRAMS_PER_SM, a row in registers only):
+    programs walking rows, the bias loaded once a program before them."""
+    from nova.codegen.triton import rowwise
+
+    monkeypatch.setattr(rowwise, "LN_FWD_PROGRAMS_PER_SM", walk)
     module, fn, b = _step(Slot("batch", "p", tensor([2, 3, n], bf16)), Slot("param", "bias", tensor([n], f32)),
                           Slot("batch", "r", tensor([2, 3, n], f32)), Slot("param", "w", tensor([n], f32)),
                           Slot("param", "lb", tensor([n], f32)))  # fmt: skip
@@ -202,6 +207,11 @@ def test_layer_norm_stores_the_residual_sum_its_prologue_computes(n, block):
     (g,) = _check(module, cfg, tol=2**-7)
     assert [o.name for o in g.inner_ops()] == ["nova.cast", "nova.add", "nova.add", "nova.layer_norm", "nova.cast"]
     assert len(g.results) == 3 and list(g.operands)[:3] == [p, bias, r]
+    src = fk.lower_reduction_group(g, cfg).source
+    walking = walk and block is None
+    assert ("for row in" in src) == bool(walking)
+    if walking:  # the bias before the rows
+        assert "= tl.load(pptr1" in src[:src.index("for row in")]
 
 
 # ----------------------------------------------------------------------------

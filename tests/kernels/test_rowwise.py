@@ -150,6 +150,29 @@ def test_layer_norm(device, dtype, limit):
 
 
 @DTYPES
+def test_layer_norm_programs_walking_rows_are_the_per_row_kernel(device, dtype, monkeypatch):
+    """LN_FWD_PROGRAMS_PER_SM: programs walking consecutive rows (w and b loaded once a
+    program) compute each row as the one-program-a-row kernel does: the same bits, for
+    a row count that leaves the last program short, and for a strided normalized dim."""
+    from nova.codegen.triton import rowwise
+
+    gen = torch.Generator().manual_seed(21)
+    x = (rand(3, 101, 11, dtype=torch.float32, gen=gen) + 0.3).to(dtype).to(device)  # 303 rows
+    w, b = rand(11, dtype=dtype, device=device, gen=gen), rand(11, dtype=dtype, device=device, gen=gen)
+    xt = rand(11, 3, 101, dtype=dtype, device=device, gen=gen).permute(1, 2, 0)
+    for xs in (x, xt):
+        op = build(nv.LayerNormOp, [xs, w, b], {"eps": 1e-5})
+        monkeypatch.setattr(rowwise, "LN_FWD_PROGRAMS_PER_SM", 0)
+        per_row = lowering(op)(op, None).launch([xs, w, b])
+        monkeypatch.setattr(rowwise, "LN_FWD_PROGRAMS_PER_SM", 1)  # 132 programs (the interpreter's H200): 3 rows each
+        kernel = lowering(op)(op, None)
+        assert "ROWS_PER_PROG" in kernel.source and "programs walking rows" in kernel.source
+        walked = kernel.launch([xs, w, b])
+        assert all(torch.equal(a, c) for a, c in zip(per_row, walked))
+        run_and_compare(op, [xs, w, b])
+
+
+@DTYPES
 @PATHS
 def test_layer_norm_backward_deterministic(device, dtype, limit):
     gen = torch.Generator().manual_seed(5)

@@ -96,6 +96,14 @@ LN_BWD_PAIR_SUMS = False
 # lnhoist_11b6733.json): the 12 13-op kernels 2.343 -> 1.730 ms, the 11 10-op ones 1.858 ->
 # 1.446, the step 63.86 -> 62.91 ms, losses bit-identical.
 LN_BWD_HOIST_INVARIANTS = True
+# A LayerNorm forward whose row fits in registers as programs walking rows, this many
+# programs an SM, each loading the row-invariant vectors (w, b, and the prologue's bias)
+# once and the next rows' loads pipelined (LN_FWD_ROW_STAGES), not one program a row
+# loading them every row: GPT-2's 24 prologue LayerNorms load 9 KB of those a row from L2
+# beside their 9 KB of row traffic. 0: one program a row (as shipped; not measured yet:
+# scripts/epilogue_variants.py "ln-fwd-rows:P").
+LN_FWD_PROGRAMS_PER_SM = 0
+LN_FWD_ROW_STAGES = 3
 _PAIR_ADD = '''
 @triton.jit
 def _pair_add(a1, a2, b1, b2):
@@ -649,19 +657,25 @@ def lower_log_softmax_backward(
 # --------------------------------------------------------------------------- layer_norm
 
 
-def layer_norm_source(shape, dtype, eps: float, block: int, looping: bool, fusion: Fusion | None = None) -> str:
+def layer_norm_source(shape, dtype, eps: float, block: int, looping: bool, fusion: Fusion | None = None,
+                      row_walk: bool = False) -> str:
     """y = (x - mean) * rstd * w + b over the last dim, with the biased variance and
     rstd = rsqrt(var + eps), as the reference; mean and rstd are outputs too. With
     a ``fusion`` (nova.fused "reduction"): x computed by the prologue, y fed to the
-    epilogue, and only the results the group yields stored."""
+    epilogue, and only the results the group yields stored. ``row_walk`` (a row in
+    registers only): program p takes ROWS_PER_PROG consecutive rows, loading w, b and
+    the chains' row-invariant operands once; each row's math as one program's."""
     rows = Rows(shape, len(shape) - 1)
     n, acc, out = rows.n, acc_type(dtype), _TL[dtype]
-    rf = RowFusion(fusion, 3, 3, rows, acc)
+    walk = row_walk and not looping  # programs walking rows (``row_walk``, LN_FWD_PROGRAMS_PER_SM)
+    rf = RowFusion(fusion, 3, 3, rows, acc, hoist=walk)
     head = f"""
         row = tl.program_id(0).to(tl.int64)
         {{decode}}
         cols = tl.arange(0, BLOCK)
     """.replace("{decode}", "\n        ".join(rows.decode().splitlines()) or "pass")
+    if walk:  # the row comes from the loop below
+        head = "\n".join(rows.decode().splitlines()) or "pass"
     ptrs = [("x_row", f"x_ptr + ({rows.offset('sx')})")] if rf.direct(0) else []
     ptrs += [("y_row", f"y_ptr + row * {n}")] if rf.stored(0) else []
     head = _code(head, "\n".join(f"{v} = {e}" for v, e in ptrs), rf.row_lines())
@@ -680,14 +694,15 @@ def layer_norm_source(shape, dtype, eps: float, block: int, looping: bool, fusio
         mask = None if n == block else _mask(n, block)
         ld, _ = _masked(n, block)
         center = "x - mean" if n == block else f"tl.where({mask}, x - mean, 0.0)"
+        wb = f"""
+            w = tl.load(w_ptr + cols * swc{ld(0.0)}).to({acc})
+            b = tl.load(b_ptr + cols * sbc{ld(0.0)}).to({acc})
+        """
         body = _code(x_at("cols", mask, first=True), f"""
             mean = tl.sum(x, axis=0) / {n}
             xc = {center}
             rstd = tl.rsqrt(tl.sum(xc * xc, axis=0) / {n} + EPS)
-            w = tl.load(w_ptr + cols * swc{ld(0.0)}).to({acc})
-            b = tl.load(b_ptr + cols * sbc{ld(0.0)}).to({acc})
-            y = xc * rstd * w + b
-        """, y_out("cols", mask))
+        """, *([] if walk else [wb]), "y = xc * rstd * w + b", y_out("cols", mask))
     else:  # three passes: mean, then the centered variance (exact as the reference), then y
         m = f"c < {n}"
         loop = f"for c0 in range(0, {n}, BLOCK):\n    c = c0 + cols"
@@ -707,9 +722,19 @@ def layer_norm_source(shape, dtype, eps: float, block: int, looping: bool, fusio
     params = [*(["x_ptr"] if rf.direct(0) else []), "w_ptr", "b_ptr"]
     params += [p for i, p in enumerate(("y_ptr", "mean_ptr", "rstd_ptr")) if rf.stored(i)]
     params += [*rf.params(), *(rows.params("sx") if rf.direct(0) else []), "swc", "sbc", *rf.stride_params()]
-    header = _header("layer_norm", f"shape {list(shape)}, eps {eps!r}, {_plan_line(dtype, block, looping)}",
-                     {"BLOCK": block, "EPS": float(eps)})
+    plan = _plan_line(dtype, block, looping) + (", programs walking rows" if walk else "")
+    header = _header("layer_norm", f"shape {list(shape)}, eps {eps!r}, {plan}", {"BLOCK": block, "EPS": float(eps)})
     helpers = ("\n" + rf.helpers.strip("\n") + "\n") if rf.helpers else ""
+    if walk:  # program p: rows [p ROWS_PER_PROG, (p + 1) ROWS_PER_PROG), the invariant loads once
+        start = """
+            pid = tl.program_id(0)
+            cols = tl.arange(0, BLOCK)
+            row_start = pid.to(tl.int64) * ROWS_PER_PROG
+            row_end = tl.minimum(row_start + ROWS_PER_PROG, {count})
+        """.format(count=rows.count)
+        loop = f"for row in tl.range(row_start, row_end, num_stages={LN_FWD_ROW_STAGES}):"
+        code = _code(start, wb, rf.invariant_loads("cols", mask), loop, (head, 1), (body, 1), (tail, 1))
+        return header + helpers + _kernel("layer_norm_kernel", [*params, "ROWS_PER_PROG"], code)
     return header + helpers + _kernel("layer_norm_kernel", params, _code(head, body, tail))
 
 
@@ -734,8 +759,14 @@ def lower_layer_norm(op, cfg: LoweringConfig | None = None, *, max_row_block: in
     shape, dtype = shape_of(op.operands[0].type), torch_dtype(op.operands[0].type)
     rows = Rows(shape, len(shape) - 1)
     block, looping, warps = row_plan(rows.n, cfg, max_row_block)
-    src = layer_norm_source(shape, dtype, op.props()["eps"], block, looping, fusion)
+    walk = bool(LN_FWD_PROGRAMS_PER_SM) and not looping and rows.count > 0
+    src = layer_norm_source(shape, dtype, op.props()["eps"], block, looping, fusion, row_walk=walk)
     kernel, _ = load_kernel(src, "layer_norm_kernel")
+    progs = per = 0
+    if walk:  # programs walking rows: a fixed count, each ROWS_PER_PROG consecutive rows
+        progs = min(rows.count, LN_FWD_PROGRAMS_PER_SM * _num_sms(lowering_device()))
+        per = -(-rows.count // progs)
+        progs = -(-rows.count // per)
     name = name or f"nova_layer_norm_{_shape_name(shape)}"
     opts = {**_launch_options(cfg, warps), **_NO_CONTRACT}
     specs = result_specs(op)
@@ -752,10 +783,11 @@ def lower_layer_norm(op, cfg: LoweringConfig | None = None, *, max_row_block: in
         if rows.count and rows.n:
             _check_span(name, rows.n, block, w.stride(0), b.stride(0), *([x.stride(-1)] if x is not None else []))
             ptrs, strides = rf.args(inputs)
-            kernel[(rows.count,)](*([x] if x is not None else []), w, b, *(t for t in (y, mean, rstd) if t is not None),
-                                  *ptrs, *_outs(res, fusion, "epilogue"), *_outs(res, fusion, "prologue"),
-                                  *(rows.args(x) if x is not None else []),
-                                  w.stride(0), b.stride(0), *strides, **opts)  # fmt: skip
+            kernel[(progs if walk else rows.count,)](
+                *([x] if x is not None else []), w, b, *(t for t in (y, mean, rstd) if t is not None),
+                *ptrs, *_outs(res, fusion, "epilogue"), *_outs(res, fusion, "prologue"),
+                *(rows.args(x) if x is not None else []), w.stride(0), b.stride(0), *strides,
+                *([per] if walk else []), **opts)  # fmt: skip
         elif rows.count:  # rows of no elements: the mean of nothing
             for t in (mean, rstd):
                 if t is not None:
