@@ -827,11 +827,11 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: 
     grad = f"d = rstd / {n} * ({n} * gxhat - c1 - xhat * c2)"
 
     def row_sums(e1: str, e2: str) -> str:
-        """Lines (indented for the templates below) setting c1 and c2, the sums of ``e1``
-        and ``e2`` over the row (``LN_BWD_PAIR_SUMS``: as one reduction)."""
+        """A line setting c1 and c2, the sums of ``e1`` and ``e2`` over the row
+        (``LN_BWD_PAIR_SUMS``: as one reduction)."""
         if LN_BWD_PAIR_SUMS:
             return f"c1, c2 = tl.reduce(({e1}, {e2}), 0, _pair_add)"
-        return f"c1 = tl.sum({e1}, axis=0)\n{' ' * 12}c2 = tl.sum({e2}, axis=0)"
+        return f"c1, c2 = tl.sum({e1}, axis=0), tl.sum({e2}, axis=0)"
 
     def xg_at(c: str, mask: str | None, first: bool = False) -> str:
         other = f", mask={mask}, other=0.0" if mask else ""
