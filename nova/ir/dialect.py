@@ -1358,6 +1358,13 @@ def column_sum(op: Operation) -> bool:
     return tuple(p["dims"]) == tuple(range(len(shape_of(x)) - 1)) and not p["keepdim"]
 
 
+def first_result_in_epilogue(head: Operation, x: SSAValue, ops) -> bool:
+    """``x`` is row-wise ``head``'s first result and an op of ``ops`` other than ``head``
+    reads it: a row epilogue's input as stored (the kernel's ``qin``), which a column
+    sum of the group may add up."""
+    return x is head.results[0] and any(x in o.operands for o in ops if o is not head)
+
+
 def tf32_rounded(value: SSAValue) -> bool:
     """Whether ``value`` (through layout views) is a ``nova.round_tf32`` result, or a
     group's result that one computes: its bits are tf32 values already (the
@@ -1656,7 +1663,7 @@ class FusedOp(NovaOp):
             x = op.operands[0] if len(op.operands) == 1 else None
             inner = x is not None and not isinstance(x, BlockArgument) and x.owner in ops
             # an epilogue value, or the head's first result as the epilogue reads it
-            first = inner and x is head.results[0] and any(x in o.operands for o in ops if o is not head)
+            first = inner and first_result_in_epilogue(head, x, ops)
             if (not column_sum(op) or not inner or x.owner is head and not first or x.owner in prologue
                     or shape_of(x.type) != epi_shape):  # fmt: skip
                 raise VerifyException(f"{self.name} (reduction): {op.name} must be a column sum of an epilogue value of "

@@ -802,7 +802,7 @@ class _Grouping:
         if head is None or not head.EPILOGUE_SUMS or x.owner not in target.members:
             return
         if x.owner is head:  # its first result, as stored, where an epilogue reads it (the kernel's ``qin``)
-            if x is not head.results[0] or not any(x in m.operands for m in target.members if m is not head):
+            if not nv.first_result_in_epilogue(head, x, target.members):
                 return
         elif shape_of(x.type) != epilogue_shape(head) or not fusible(x.owner):
             return
