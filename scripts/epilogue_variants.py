@@ -25,7 +25,8 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
                 128 at f32, though a fused one may load bf16), split as the
                 configurator says (or N ways)
   colregs:R     every column reduction split for one wave of programs at R registers a
-                thread (configurator.COLUMN_PROGRAM_REGS; 72: the GELU backward's)
+                thread (configurator.COLUMN_PROGRAM_REGS; 72, the GELU backward's, shipped
+                since a6abd7d; 0: registers unmodelled, the split by threads, as before)
   ln-fwd-rows:P LayerNorm forwards (a row in registers) as P programs an SM walking rows,
                 loading the row-invariant vectors once a program (rowwise.LN_FWD_PROGRAMS_PER_SM;
                 the same bits)
@@ -59,8 +60,10 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
                 same combine tree, so the losses should be bit-identical)
   ln-hoist      a fused LayerNorm backward's row-invariant prologue operands (a bias, the
                 LayerNorm's weight and bias) loaded once before its rows
-                (rowwise.LN_BWD_HOIST_INVARIANTS; the same values: bit-identical)
+                (rowwise.LN_BWD_HOIST_INVARIANTS; the same values: bit-identical; shipped
+                since a6abd7d, so now the same as tile-grid)
   ln-hoist-pair both of the above
+  ln-hoist-off  those operands loaded every row (the step before a6abd7d)
 
     python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--variants a,b] [--graph] [--out DIR]
 
@@ -81,7 +84,7 @@ from pathlib import Path
 VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "tile-grid-nobackward",
             "tile-grid-noresidual", "ws-off", "ws-plain", "ws-epi128", "ws-epi256", "two-pass-split",
             "casts-unbatched", "last-split-sums", "row-stores-off", "norm-recompute-off", "ln-pair-sums",
-            "ln-hoist", "ln-hoist-pair")
+            "ln-hoist", "ln-hoist-pair", "ln-hoist-off")
 # each ws variant's changes to configurator.WS_TILES
 WS_VARIANTS = {"ws-off": {"plain": None, "epilogue": None}, "ws-plain": {"epilogue": None},
                "ws-epi128": {"epilogue": (128, 128, 4)}, "ws-epi256": {"epilogue": (128, 256, 4)}}
@@ -107,10 +110,10 @@ def apply_variant(variant: str) -> None:
         from nova.codegen.triton import rowwise
 
         rowwise.LN_BWD_PAIR_SUMS = True
-    if variant in ("ln-hoist", "ln-hoist-pair"):
+    if variant in ("ln-hoist", "ln-hoist-pair", "ln-hoist-off"):
         from nova.codegen.triton import rowwise
 
-        rowwise.LN_BWD_HOIST_INVARIANTS = True
+        rowwise.LN_BWD_HOIST_INVARIANTS = variant != "ln-hoist-off"
     if variant.startswith("split-gain:"):
         cf.ONE_WAVE_SPLIT_MIN_GAIN = float(variant.split(":")[1])
     if variant == "last-split-sums":
