@@ -27,6 +27,8 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
   colregs:R     every column reduction split for one wave of programs at R registers a
                 thread (configurator.COLUMN_PROGRAM_REGS; 72, the GELU backward's, shipped
                 since a6abd7d; 0: registers unmodelled, the split by threads, as before)
+  ln-bwd-stages:S  LayerNorm backwards' row loops pipelined S stages (rowwise.LN_BWD_ROW_STAGES,
+                3 as shipped; the hoisted loads left 28.7 KB of shared memory a program at 3)
   ln-fwd-rows:P LayerNorm forwards (a row in registers) as P programs an SM walking rows,
                 loading the row-invariant vectors once a program (rowwise.LN_FWD_PROGRAMS_PER_SM;
                 the same bits)
@@ -174,6 +176,10 @@ def apply_variant(variant: str) -> None:
 
         shipped_column = cf.configure_column_reduction
         cf.configure_column_reduction = lambda *a, **k: dataclasses.replace(shipped_column(*a, **k), **column)
+    if variant.startswith("ln-bwd-stages:"):
+        from nova.codegen.triton import rowwise
+
+        rowwise.LN_BWD_ROW_STAGES = int(variant.split(":")[1])
     if variant.startswith("ln-fwd-rows:"):
         from nova.codegen.triton import rowwise
 
@@ -292,7 +298,7 @@ def main() -> None:
         return
     results = []
     for v in opts.variants.split(","):
-        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:", "colblock:", "colregs:", "recasts:", "ln-fwd-rows:", "colstages:", "coltile:", "splitk:", "split-gain:")):
+        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:", "colblock:", "colregs:", "recasts:", "ln-fwd-rows:", "ln-bwd-stages:", "colstages:", "coltile:", "splitk:", "split-gain:")):
             raise SystemExit(f"epilogue_variants: unknown variant {v!r} (known: {', '.join(VARIANTS)})")
         run = subprocess.run([sys.executable, __file__, "--child", v, "--layers", str(opts.layers),
                               "--batch", str(opts.batch)] + (["--graph"] if opts.graph else []),
