@@ -76,6 +76,7 @@ bench/results/runs/epilogue_variants_d5443cd.json."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import collections
 import json
 import os
@@ -90,6 +91,15 @@ VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "t
 # each ws variant's changes to configurator.WS_TILES
 WS_VARIANTS = {"ws-off": {"plain": None, "epilogue": None}, "ws-plain": {"epilogue": None},
                "ws-epi128": {"epilogue": (128, 128, 4)}, "ws-epi256": {"epilogue": (128, 256, 4)}}
+# NAME:VALUE variants that set one module switch: NAME -> (module, attribute, the value's type)
+NUMBER_SWITCHES = {
+    "split-gain": ("nova.schedule.configurator", "ONE_WAVE_SPLIT_MIN_GAIN", float),
+    "recasts": ("nova.transforms.fuse", "RECAST_BATCH", int),
+    "colregs": ("nova.schedule.configurator", "COLUMN_PROGRAM_REGS", int),
+    "colstages": ("nova.codegen.triton.reduce", "COLUMN_STAGES", int),
+    "ln-bwd-stages": ("nova.codegen.triton.rowwise", "LN_BWD_ROW_STAGES", int),
+    "ln-fwd-rows": ("nova.codegen.triton.rowwise", "LN_FWD_PROGRAMS_PER_SM", int),
+}
 KEPT_OUT_ABOVE = {"light": 4, "nobackward": 8}  # variant suffix -> FLOPs an element an epilogue op may cost
 
 
@@ -116,8 +126,6 @@ def apply_variant(variant: str) -> None:
         from nova.codegen.triton import rowwise
 
         rowwise.LN_BWD_HOIST_INVARIANTS = variant != "ln-hoist-off"
-    if variant.startswith("split-gain:"):
-        cf.ONE_WAVE_SPLIT_MIN_GAIN = float(variant.split(":")[1])
     if variant == "last-split-sums":
         from nova.codegen.triton import matmul as mm
 
@@ -176,22 +184,10 @@ def apply_variant(variant: str) -> None:
 
         shipped_column = cf.configure_column_reduction
         cf.configure_column_reduction = lambda *a, **k: dataclasses.replace(shipped_column(*a, **k), **column)
-    if variant.startswith("ln-bwd-stages:"):
-        from nova.codegen.triton import rowwise
-
-        rowwise.LN_BWD_ROW_STAGES = int(variant.split(":")[1])
-    if variant.startswith("ln-fwd-rows:"):
-        from nova.codegen.triton import rowwise
-
-        rowwise.LN_FWD_PROGRAMS_PER_SM = int(variant.split(":")[1])
-    if variant.startswith("recasts:"):
-        fz.RECAST_BATCH = int(variant.split(":")[1])
-    if variant.startswith("colregs:"):
-        cf.COLUMN_PROGRAM_REGS = int(variant.split(":")[1])
-    if variant.startswith("colstages:"):
-        from nova.codegen.triton import reduce as rd
-
-        rd.COLUMN_STAGES = int(variant.split(":")[1])
+    name, _, value = variant.partition(":")
+    if name in NUMBER_SWITCHES:
+        module, attr, kind = NUMBER_SWITCHES[name]
+        setattr(importlib.import_module(module), attr, kind(value))
     limit = KEPT_OUT_ABOVE.get(variant.rsplit("-", 1)[-1])
     kept_out = None
     if limit is not None:
@@ -298,7 +294,8 @@ def main() -> None:
         return
     results = []
     for v in opts.variants.split(","):
-        if v not in VARIANTS and not v.startswith(("tile:", "colsplit:", "colblock:", "colregs:", "recasts:", "ln-fwd-rows:", "ln-bwd-stages:", "colstages:", "coltile:", "splitk:", "split-gain:")):
+        name, sep, _ = v.partition(":")
+        if v not in VARIANTS and not (sep and name in ("tile", "colsplit", "colblock", "coltile", "splitk", *NUMBER_SWITCHES)):
             raise SystemExit(f"epilogue_variants: unknown variant {v!r} (known: {', '.join(VARIANTS)})")
         run = subprocess.run([sys.executable, __file__, "--child", v, "--layers", str(opts.layers),
                               "--batch", str(opts.batch)] + (["--graph"] if opts.graph else []),
