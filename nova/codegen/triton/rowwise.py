@@ -289,6 +289,23 @@ def _num_sms(device: torch.device) -> int:
     return H200_SMS
 
 
+def row_programs(count: int, programs: int) -> tuple[int, int]:
+    """(programs, rows each) for ``count`` rows walked by at most ``programs`` programs of
+    consecutive rows (the templates' ROWS_PER_PROG); no program without rows."""
+    per = -(-count // max(1, min(count, programs))) if count else 0
+    return (-(-count // per) if count else 0), per
+
+
+def _walk_head(count: int) -> str:
+    """A row-walking program's first lines: its rows [row_start, row_end)."""
+    return f"""
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        row_start = pid.to(tl.int64) * ROWS_PER_PROG
+        row_end = tl.minimum(row_start + ROWS_PER_PROG, {count})
+    """
+
+
 def lowering_device() -> torch.device:
     """The device the kernels are built for: the current GPU, or the CPU under the
     interpreter (standing in for the H200)."""
@@ -669,13 +686,9 @@ def layer_norm_source(shape, dtype, eps: float, block: int, looping: bool, fusio
     n, acc, out = rows.n, acc_type(dtype), _TL[dtype]
     walk = row_walk and not looping  # programs walking rows (``row_walk``, LN_FWD_PROGRAMS_PER_SM)
     rf = RowFusion(fusion, 3, 3, rows, acc, hoist=walk)
-    head = f"""
-        row = tl.program_id(0).to(tl.int64)
-        {{decode}}
-        cols = tl.arange(0, BLOCK)
-    """.replace("{decode}", "\n        ".join(rows.decode().splitlines()) or "pass")
-    if walk:  # the row comes from the loop below
-        head = "\n".join(rows.decode().splitlines()) or "pass"
+    decode = rows.decode() or "pass"
+    # a program a row, or (walking) the row from the loop below
+    head = decode if walk else _code("row = tl.program_id(0).to(tl.int64)", decode, "cols = tl.arange(0, BLOCK)")
     ptrs = [("x_row", f"x_ptr + ({rows.offset('sx')})")] if rf.direct(0) else []
     ptrs += [("y_row", f"y_ptr + row * {n}")] if rf.stored(0) else []
     head = _code(head, "\n".join(f"{v} = {e}" for v, e in ptrs), rf.row_lines())
@@ -726,14 +739,8 @@ def layer_norm_source(shape, dtype, eps: float, block: int, looping: bool, fusio
     header = _header("layer_norm", f"shape {list(shape)}, eps {eps!r}, {plan}", {"BLOCK": block, "EPS": float(eps)})
     helpers = ("\n" + rf.helpers.strip("\n") + "\n") if rf.helpers else ""
     if walk:  # program p: rows [p ROWS_PER_PROG, (p + 1) ROWS_PER_PROG), the invariant loads once
-        start = """
-            pid = tl.program_id(0)
-            cols = tl.arange(0, BLOCK)
-            row_start = pid.to(tl.int64) * ROWS_PER_PROG
-            row_end = tl.minimum(row_start + ROWS_PER_PROG, {count})
-        """.format(count=rows.count)
         loop = f"for row in tl.range(row_start, row_end, num_stages={LN_FWD_ROW_STAGES}):"
-        code = _code(start, wb, rf.invariant_loads("cols", mask), loop, (head, 1), (body, 1), (tail, 1))
+        code = _code(_walk_head(rows.count), wb, rf.invariant_loads("cols", mask), loop, (head, 1), (body, 1), (tail, 1))
         return header + helpers + _kernel("layer_norm_kernel", [*params, "ROWS_PER_PROG"], code)
     return header + helpers + _kernel("layer_norm_kernel", params, _code(head, body, tail))
 
@@ -762,11 +769,7 @@ def lower_layer_norm(op, cfg: LoweringConfig | None = None, *, max_row_block: in
     walk = bool(LN_FWD_PROGRAMS_PER_SM) and not looping and rows.count > 0
     src = layer_norm_source(shape, dtype, op.props()["eps"], block, looping, fusion, row_walk=walk)
     kernel, _ = load_kernel(src, "layer_norm_kernel")
-    progs = per = 0
-    if walk:  # programs walking rows: a fixed count, each ROWS_PER_PROG consecutive rows
-        progs = min(rows.count, LN_FWD_PROGRAMS_PER_SM * _num_sms(lowering_device()))
-        per = -(-rows.count // progs)
-        progs = -(-rows.count // per)
+    progs, per = row_programs(rows.count, LN_FWD_PROGRAMS_PER_SM * _num_sms(lowering_device())) if walk else (0, 0)
     name = name or f"nova_layer_norm_{_shape_name(shape)}"
     opts = {**_launch_options(cfg, warps), **_NO_CONTRACT}
     specs = result_specs(op)
@@ -807,14 +810,10 @@ def layer_norm_backward_source(shape, dtype, block: int, looping: bool, fusion: 
     rows = Rows(shape, len(shape) - 1)
     n, acc, out = rows.n, acc_type(dtype), _TL[dtype]
     rf = RowFusion(fusion, 5, 3, rows, acc, hoist=LN_BWD_HOIST_INVARIANTS and not looping)
-    head = f"""
-        pid = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        row_start = pid.to(tl.int64) * ROWS_PER_PROG
-        row_end = tl.minimum(row_start + ROWS_PER_PROG, {rows.count})
+    head = _code(_walk_head(rows.count), f"""
         pw_row = pw_ptr + pid.to(tl.int64) * {n}
         pb_row = pb_ptr + pid.to(tl.int64) * {n}
-    """
+    """)
     ptrs = [("x_row", f"x_ptr + ({rows.offset('sx')})")] if rf.direct(1) else []
     ptrs += [("g_row", f"g_ptr + ({rows.offset('sg')})")] if rf.direct(0) else []
     ptrs += [("d_row", f"d_ptr + row * {n}")] if rf.stored(0) else []
@@ -977,9 +976,7 @@ def lower_layer_norm_backward(
     opts = {**_launch_options(cfg, warps), **_NO_CONTRACT}
     specs = result_specs(op)
     rf = RowFusion(fusion, 5, 3, rows, acc_type(dtype))
-    progs = max(1, min(rows.count, partial_programs or PARTIALS_PER_SM * _num_sms(lowering_device())))
-    per = -(-rows.count // progs)
-    progs = -(-rows.count // per) if rows.count else 0  # no program without rows
+    progs, per = row_programs(rows.count, partial_programs or PARTIALS_PER_SM * _num_sms(lowering_device()))
     stat = torch.float64 if dtype == torch.float64 else torch.float32
     # pw and pb [progs, n]; a looping kernel also keeps two row sums per row; the gradients a group does not yield
     scratch = (2 * nbytes((progs, n), stat) + (2 * nbytes((rows.count,), stat) if looping else 0)) if n else 0
