@@ -170,6 +170,12 @@ def _tf32_operands(c: Compilation) -> None:
     tf32_operands(c.module, c.precision)
 
 
+def _attention_sums(c: Compilation) -> None:
+    from nova.transforms.attention_sums import attention_sums
+
+    attention_sums(c.module)
+
+
 def _fuse(c: Compilation) -> None:
     from nova.transforms.fuse import fuse
 
@@ -219,6 +225,7 @@ STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
     ("remat", _remat),
     ("norm_recompute", _norm_recompute),
     ("tf32_operands", _tf32_operands),
+    ("attention_sums", _attention_sums),
     ("fuse", _fuse),
     ("configure", _configure),
     ("plan_memory", _plan_memory),

@@ -87,7 +87,7 @@ from pathlib import Path
 VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "tile-grid-nobackward",
             "tile-grid-noresidual", "ws-off", "ws-plain", "ws-epi128", "ws-epi256", "two-pass-split",
             "casts-unbatched", "last-split-sums", "row-stores-off", "norm-recompute-off", "ln-pair-sums",
-            "ln-hoist", "ln-hoist-pair", "ln-hoist-off")
+            "ln-hoist", "ln-hoist-pair", "ln-hoist-off", "attention-sums-off")
 # each ws variant's changes to configurator.WS_TILES
 WS_VARIANTS = {"ws-off": {"plain": None, "epilogue": None}, "ws-plain": {"epilogue": None},
                "ws-epi128": {"epilogue": (128, 128, 4)}, "ws-epi256": {"epilogue": (128, 256, 4)}}
@@ -118,6 +118,10 @@ def apply_variant(variant: str) -> None:
         from nova import pipeline
 
         pipeline.STAGES[:] = [s for s in pipeline.STAGES if s[0] != "norm_recompute"]
+    if variant == "attention-sums-off":  # the qkv bias gradient as a reduction of its own (before 2026-12-05)
+        from nova import pipeline
+
+        pipeline.STAGES[:] = [s for s in pipeline.STAGES if s[0] != "attention_sums"]
     if variant in ("ln-pair-sums", "ln-hoist-pair"):
         from nova.codegen.triton import rowwise
 
@@ -271,7 +275,7 @@ def child(variant: str, layers: int, batch: int, graph: bool = False) -> dict:
     m = step.profile(repeat=3)
     rows = collections.defaultdict(lambda: [0, 0.0])
     for k, t in zip(m.kernels, m.measured_s):
-        if k.kind in ("matmul", "fused", "elementwise", "reduction"):
+        if k.kind in ("matmul", "fused", "elementwise", "reduction", "attention"):
             key = f"{k.kind:11s} {k.shape:32s} {k.config:36s} ops {k.ops}"
             rows[key][0] += 1
             rows[key][1] += t * 1e3

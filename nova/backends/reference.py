@@ -367,7 +367,12 @@ def _attention_bwd(op, xs):
     ds = P * (dp - delta) * p["scale"]
     dq = torch.matmul(ds, _wide(k))
     dk = torch.matmul(ds.transpose(-1, -2), _wide(q))
-    return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
+    grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
+    if not p["sums"]:
+        return grads
+    # each gradient as returned, summed over batch and sequence in the statistics type
+    stat = _result_dtype(op, 3)
+    return [*grads, torch.stack([x.to(stat).sum(dim=(0, 2)) for x in grads])]
 
 
 _NEEDS_DEVICE = (nv.FullOp, nv.ArangeOp)

@@ -1081,16 +1081,24 @@ class AttentionOp(NovaOp):
         q, k, v, *bias = in_types
         _require_float(cls.name, q)
         _check_attention(cls.name, q, k, v, bias)
-        return [q, tensor(shape_of(q)[:3], _stat_elem(q))]
+        return [q, tensor(shape_of(q)[:3], stat_elem(q))]
 
 
-def _stat_elem(t: TensorType) -> Attribute:
+def stat_elem(t: TensorType) -> Attribute:
     # statistics of low-precision tensors are kept in f32
     return elem_of(t) if elem_of(t) == f64 else f32
 
 
 @irdl_op_definition
 class AttentionBackwardOp(NovaOp):
+    """The gradients dq, dk, dv of nova.attention from its output's gradient
+    ``grad`` and its forward's operands, output and lse. With ``sums`` (the
+    attention_sums stage sets it) a fourth result ``grad_sums`` [3, H, D] holds
+    each gradient's sum over the batch and the sequence, of its elements as
+    returned (rounded to the gradients' type), added up in the statistics type
+    (f32; f64 for f64): the bias gradient of a packed qkv projection, which
+    the kernels add up from their tiles instead of reading the gradients back."""
+
     name = "nova.attention_backward"
     CATEGORY: ClassVar = "contraction"
     grad = operand_def(TensorType)
@@ -1102,11 +1110,23 @@ class AttentionBackwardOp(NovaOp):
     bias = opt_operand_def(TensorType)
     causal = prop_def(BoolProp)
     scale = prop_def(FloatProp)
+    sums = opt_prop_def(BoolProp)
     grad_q = result_def(TensorType)
     grad_k = result_def(TensorType)
     grad_v = result_def(TensorType)
+    grad_sums = opt_result_def(TensorType)
     traits = traits_def(Pure())
-    PROPS: ClassVar = ("causal", "scale")
+    PROPS: ClassVar = ("causal", "scale", "sums")
+
+    def props(self) -> dict:
+        # ``sums`` is optional: absent means no column sums (autodiff creates the op without it)
+        p = {k: prop_value(self.properties[k]) for k in ("causal", "scale")}
+        p["sums"] = bool(prop_value(self.properties["sums"])) if "sums" in self.properties else False
+        return p
+
+    @classmethod
+    def complete(cls, props: dict) -> dict:
+        return {k: v for k, v in props.items() if k != "sums" or v}  # sums=False: the property left out
 
     @classmethod
     def infer(cls, in_types, props, hint):
@@ -1114,7 +1134,13 @@ class AttentionBackwardOp(NovaOp):
         _check_attention(cls.name, q, k, v, bias)
         if shape_of(g) != shape_of(q) or shape_of(o) != shape_of(q) or shape_of(lse) != shape_of(q)[:3]:
             raise VerifyException(f"{cls.name}: inconsistent shapes")
-        return [q, k, v]
+        if not props.get("sums"):
+            return [q, k, v]
+        if shape_of(k) != shape_of(q):
+            raise VerifyException(f"{cls.name}: column sums need q, k and v of one shape, got {shape_of(q)}, {shape_of(k)}")
+        _require_float(cls.name, q)
+        b, h, t, d = shape_of(q)
+        return [q, k, v, tensor([3, h, d], stat_elem(q))]
 
 
 # ----------------------------------------------------------------------------

@@ -226,12 +226,19 @@ def attention_backward_cost(op, ins, outs, cfg, precision) -> Cost:
     (recomputes S and P, then dV += P^T dO, dP = dO v^T, dK += dS^T q: 4 matmuls)
     and a dQ kernel (S, dP, dQ += dS k: 3 matmuls): 14 B H Tq Tk D FLOPs (halved
     when causal), 3 launches; bytes every operand and result once plus delta
-    (f32 [B, H, Tq]) written once and read by both walks."""
+    (f32 [B, H, Tq]) written once and read by both walks. With ``sums`` (the
+    gradients' column sums) a fourth launch, and the partials (a row of H D per
+    program and gradient, in the statistics type) written and read once."""
     q, k = shape_of(op.operands[1].type), shape_of(op.operands[2].type)
     dtype = to_torch_dtype(elem_of(op.operands[1].type))
     flops = _attention_flops(q, k, op.props()["causal"], 7)
     delta = 3 * q[0] * q[1] * q[2] * 4
-    return Cost("attention", io_bytes(ins, outs) + delta, flops, _contraction_path(dtype, precision), 3)
+    if not op.props()["sums"]:
+        return Cost("attention", io_bytes(ins, outs) + delta, flops, _contraction_path(dtype, precision), 3)
+    stat = 8 if dtype == torch.float64 else 4
+    bm = cfg.block_m if cfg is not None and cfg.block_m else 64
+    partials = 2 * 3 * q[0] * math.ceil(q[2] / bm) * q[1] * q[3] * stat
+    return Cost("attention", io_bytes(ins, outs) + delta + partials, flops, _contraction_path(dtype, precision), 4)
 
 
 def _lm_head_shapes(op, backward: bool):

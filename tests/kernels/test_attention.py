@@ -346,6 +346,41 @@ def test_tf32_attention_rounds_its_dot_operands_to_nearest(device):
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_r))
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["f32", "bf16", "f64"])
+def test_backward_column_sums(device, dtype, causal):
+    """With ``sums`` the backward also returns each gradient's sum over batch and
+    sequence [3, H, D], of the gradients as returned, in the statistics type: the
+    gradients bit for bit those of the kernels without sums, and the sums those of
+    the returned gradients (masked rows and padded head-dim lanes add nothing): T = 37
+    ragged in 16-row blocks, D = 24 padded to 32, dK/dV over 32-key blocks beside dQ
+    over 16-query blocks (unequal partial counts), and the fused_bwd variant."""
+    fwd, bwd = lowerings()
+    stat = torch.float64 if dtype == torch.float64 else torch.float32
+    kv32 = {"dkdv": LoweringConfig(kind="attention", block_m=16, block_n=32, num_warps=4, num_stages=1)}
+    for tiles, flags in ((None, ()), (kv32, ()), (kv32, ("fused_bwd",))):
+        q, k, v = qkv(2, 3, 37, 37, 24, dtype, device, seed=5)
+        props = {"causal": causal, "scale": 24**-0.5}
+        o, lse = fwd(build(nv.AttentionOp, [q, k, v], props), SMALL).launch([q, k, v])
+        g = rand(*q.shape, dtype=dtype, device=device, gen=torch.Generator().manual_seed(2))
+        ins = [g, q, k, v, o, lse]
+        plain = bwd(build(nv.AttentionBackwardOp, ins, props), SMALL, tiles=tiles, source_flags=flags)
+        op = build(nv.AttentionBackwardOp, ins, {**props, "sums": True})
+        kern = bwd(op, SMALL, tiles=tiles, source_flags=flags)
+        *grads, sums = kern.launch(ins)
+        assert sums.shape == (3, 3, 24) and sums.dtype == stat
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain.launch(ins), strict=True))
+        exact = torch.stack([x.double().sum(dim=(0, 2)) for x in grads])
+        assert rel_err(sums, exact) < (1e-13 if dtype == torch.float64 else 1e-6), rel_err(sums, exact)
+        refs = IMPLS[nv.AttentionBackwardOp](op, ins)
+        check([*grads, sums], refs, dtype, "backward with sums")
+        assert kern.scratch_bytes > plain.scratch_bytes
+        assert "attention_bwd_sums" in kern.source and "attention_bwd_sums" not in plain.source
+    with pytest.raises(Exception, match="one shape"):
+        k2 = rand(2, 3, 20, 24, dtype=dtype, gen=torch.Generator().manual_seed(1))
+        build(nv.AttentionBackwardOp, [g, q, k2, k2, o, lse], {**props, "sums": True})
+
+
 def sm90_cases():
     """Forward and backward for 16-bit (wgmma), fp32 under tf32, and f64 (f64 dot)."""
     fwd, bwd = lowerings()
@@ -380,14 +415,19 @@ def sm90_cases():
     kv = LoweringConfig(kind="attention", block_m=32, block_n=128, num_warps=4, num_stages=3)
     qc = LoweringConfig(kind="attention", block_m=128, block_n=32, num_warps=4, num_stages=3)
     cases.append((lambda op=op: bwd(op, None, source_flags={"fused_bwd"}, tiles={"dkdv": kv, "dq": qc}), ins))
+    # the column sums (the attention_sums stage's op), padded head dim, beside the fused variant
+    x, lse = torch.empty(2, 3, 200, 48, dtype=torch.bfloat16), torch.empty(2, 3, 200)
+    op = build(nv.AttentionBackwardOp, [x, x, x, x, x, lse], {**props, "sums": True})
+    cases.append((lambda op=op: bwd(op, None), [x, x, x, x, x, lse]))
+    cases.append((lambda op=op: bwd(op, None, source_flags={"fused_bwd"}), [x, x, x, x, x, lse]))
     return cases
 
 
 def test_kernels_build_for_sm90():
     """The generated text compiles to sm_90 cubins, f64 dots included (no GPU needed)."""
     out = run_sm90_build(__file__).split()
-    assert out.count("attention_fwd") == 5 and out.count("attention_bwd_dkdv") == 4 and out.count("attention_bwd_dq") == 4
-    assert out.count("attention_bwd_fused") == 2
+    assert out.count("attention_fwd") == 5 and out.count("attention_bwd_dkdv") == 5 and out.count("attention_bwd_dq") == 5
+    assert out.count("attention_bwd_fused") == 3 and out.count("attention_bwd_sums") == 2
 
 
 if __name__ == "__main__":

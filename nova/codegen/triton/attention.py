@@ -37,13 +37,19 @@ Design choices, and why:
   template's ``TF32_RN``), as the step's tf32 matmuls round theirs ("tf32-rn"),
   since the tensor cores alone truncate; f64 operands use an f64 dot with f64
   accumulation.
+* With the op's ``sums`` (the attention_sums stage: a packed qkv projection's bias
+  gradient) each dK/dV and dQ program also adds up the rows of the tiles it stores
+  (as stored, masked rows 0) into a row of partials in launch scratch, and a fourth
+  kernel (``attention_bwd_sums``) adds those up in row order into the [3, H, D] sums:
+  no atomics, the same bits every run.
 * ``SOURCE_FLAGS`` name optional variants of the text (fma_scale: the forward's scale
   inside one FMA; fused_bwd: dK/dV and dQ in one kernel), off unless a lowering is
   given ``source_flags``: candidates that ``scripts/attention_variants.py`` measures
   before a default changes. ``lower_attention_backward(tiles=)`` sets either backward
   kernel's schedule on its own, for the same script.
 * ``launch(inputs, outs)`` writes into ``outs`` when given; the forward needs no
-  scratch, the backward exactly its delta [B*H, Tq] (``Kernel.scratch_bytes``).
+  scratch, the backward exactly its delta [B*H, Tq] and, with sums, their partials
+  (``Kernel.scratch_bytes``).
   The forward's o and the backward's dq, dk, dv are stored through their own four
   strides, so an ``out`` may be any non-overlapping view of [B, H, T, D] (the
   [B, T, H, D] layout that the output projection's [B, T, C] reshape reads as a
@@ -196,8 +202,9 @@ def _input_precision(dtype: torch.dtype, precision: str) -> str:
 class _Gen:
     """Text snippets shared by the forward and backward kernels of one shape."""
 
-    def __init__(self, b, h, tq, tk, d, dtype, causal, scale, bm, bn, ip, bias=False, flags=frozenset()):
+    def __init__(self, b, h, tq, tk, d, dtype, causal, scale, bm, bn, ip, bias=False, flags=frozenset(), sums=False):
         self.b, self.h, self.tq, self.tk, self.d = b, h, tq, tk, d
+        self.sums = sums  # the backward's column sums of dq, dk, dv (the op's ``sums``)
         self.flags = frozenset(flags)  # SOURCE_FLAGS variants of the text
         self.bias = bias  # an additive [B, H, Tq, Tk] (broadcast) score bias operand
         self.bd = max(16, next_pow2(d))
@@ -476,9 +483,12 @@ for m0 in range({lo}, {hi}, BLOCK_M):
         _ind(f"""
             dk_base = {g.head_base('dk')}
             dv_base = {g.head_base('dv')}
-            {g.store("dk_base + offs_n[:, None] * sdkt + offs_d[None, :] * sdkd", f"(dk * {g.scale!r}).to({g.ty})", kv_mask)}
-            {g.store("dv_base + offs_n[:, None] * sdvt + offs_d[None, :] * sdvd", f"dv.to({g.ty})", kv_mask)}
+            dk_out = (dk * {g.scale!r}).to({g.ty})
+            dv_out = dv.to({g.ty})
+            {g.store("dk_base + offs_n[:, None] * sdkt + offs_d[None, :] * sdkd", "dk_out", kv_mask)}
+            {g.store("dv_base + offs_n[:, None] * sdvt + offs_d[None, :] * sdvd", "dv_out", kv_mask)}
         """, 0),
+        _column_sums(g, "start_n // BLOCK_N", _sum_rows(g_q), {"dk_out": 0, "dv_out": 1}, kv_mask, g.tk, g.bn),
     ])
 
     # ---- dQ: one program per query block, walking key blocks
@@ -527,8 +537,10 @@ for n0 in range({lo}, {hi}, BLOCK_N):
         key_loop(True) if (g.causal or tk % g.bn) else "",
         _ind(f"""
             dq_base = {g.head_base('dq')}
-            {g.store("dq_base + offs_m[:, None] * sdqt + offs_d[None, :] * sdqd", f"(dq * {g.scale!r}).to({g.ty})", q_mask)}
+            dq_out = (dq * {g.scale!r}).to({g.ty})
+            {g.store("dq_base + offs_m[:, None] * sdqt + offs_d[None, :] * sdqd", "dq_out", q_mask)}
         """, 0),
+        _column_sums(g, "start_m // BLOCK_M", 0, {"dq_out": None}, q_mask, g.tq, g.bm),
     ])
 
     lse_strides = ["slb", "slh", "slt"] + (_BIAS_STRIDES if g.bias else [])
@@ -538,20 +550,74 @@ for n0 in range({lo}, {hi}, BLOCK_N):
     header = g.header("attention backward", {
         "KV_BLOCK_M": g_kv.bm, "KV_BLOCK_N": g_kv.bn, "Q_BLOCK_M": g_q.bm, "Q_BLOCK_N": g_q.bn, "BLOCK_D": g.bd,
     })
-    dkdv_params = ["q_ptr", "k_ptr", "v_ptr", *z, "do_ptr", "lse_ptr", "delta_ptr", "dk_ptr", "dv_ptr",
+    ps = ["ps_ptr"] if g.sums else []
+    dkdv_params = ["q_ptr", "k_ptr", "v_ptr", *z, "do_ptr", "lse_ptr", "delta_ptr", "dk_ptr", "dv_ptr", *ps,
                    *_strides("q"), *_strides("k"), *_strides("v"), *_strides("do"), *lse_strides, *_strides("dk"),
                    *_strides("dv")]
-    dq_params = ["q_ptr", "k_ptr", "v_ptr", *z, "do_ptr", "lse_ptr", "delta_ptr", "dq_ptr",
+    dq_params = ["q_ptr", "k_ptr", "v_ptr", *z, "do_ptr", "lse_ptr", "delta_ptr", "dq_ptr", *ps,
                  *_strides("q"), *_strides("k"), *_strides("v"), *_strides("do"), *lse_strides, *_strides("dq")]
     src = (
         header
         + _kernel("attention_bwd_delta", ["do_ptr", "o_ptr", "delta_ptr", *_strides("do"), *_strides("o")], delta_body)
         + _kernel("attention_bwd_dkdv", dkdv_params, dkdv_body)
         + _kernel("attention_bwd_dq", dq_params, dq_body)
+        + (_sums_kernel(g_kv, g_q) if g.sums else "")
     )
     if "fused_bwd" in g_kv.flags:
         src += _fused_backward(g_kv, g_q, dkdv_params, dkdv_body, dq_params, dq_body)
     return src
+
+
+# The column sums' partials: one row of H*D per program and gradient, [R, H*D] in the
+# statistics type, R = B * (query blocks + 2 * key blocks): dq's rows first, then dk's,
+# then dv's (``_sum_rows``); the final pass adds each gradient's rows up in order,
+# [SUM_ROWS, SUM_COLS] at a time, one program per SUM_COLS columns and gradient.
+SUM_ROWS, SUM_COLS = 64, 64
+
+
+def _sum_rows(g: _Gen) -> int:
+    """The partials' rows of the dq kernel (``g``'s query blocks, per batch)."""
+    return g.b * math.ceil(g.tq / g.bm)
+
+
+def _column_sums(g: _Gen, block: str, first: int, tiles: dict, mask: str | None, t: int, bt: int) -> str:
+    """The lines that add up each of ``tiles`` (name -> which of the walk's gradients:
+    None for the only one) over its rows (masked rows 0) and store the program's
+    partial row (``_sum_rows``): rows of gradient i start at ``first`` + i * B * blocks;
+    nothing without sums. ``block``: the program's block index along the sequence of
+    ``bt`` rows of ``t``."""
+    if not g.sums:
+        return ""
+    blocks = math.ceil(t / bt)
+    d_mask = "" if g.d == g.bd else f", mask=offs_d < {g.d}"
+    lines = [f"ps_row = b * {blocks} + {block}"]
+    for name, i in tiles.items():
+        x = f"{name}.to({g.acc})" if mask is None else f"tl.where({mask}, {name}.to({g.acc}), 0.0)"
+        row = f"({first + (i or 0) * g.b * blocks} + ps_row)"
+        lines.append(f"tl.store(ps_ptr + {row} * {g.h * g.d} + h * {g.d} + offs_d, tl.sum({x}, axis=0){d_mask})")
+    return "\n".join(lines)
+
+
+def _sums_kernel(g_kv: _Gen, g_q: _Gen) -> str:
+    """``attention_bwd_sums``: the partials (``_sum_rows``) of gradient ``program_id(1)``
+    (0 dq, 1 dk, 2 dv) added up in row order into its [H*D] part of the [3, H, D] sums."""
+    g = g_kv
+    hd = g.h * g.d
+    rq, rkv = _sum_rows(g_q), g.b * math.ceil(g.tk / g.bn)
+    body = _ind(f"""
+        cols = tl.program_id(0) * {SUM_COLS} + tl.arange(0, {SUM_COLS})
+        which = tl.program_id(1)
+        start = tl.where(which == 0, 0, {rq} + (which - 1) * {rkv})
+        rows = tl.where(which == 0, {rq}, {rkv})
+        acc = tl.zeros([{SUM_COLS}], {g.acc})
+        for r0 in range(0, rows, {SUM_ROWS}):
+            r = r0 + tl.arange(0, {SUM_ROWS})
+            ok = (r[:, None] < rows) & (cols[None, :] < {hd})
+            x = tl.load(ps_ptr + (start + r[:, None]).to(tl.int64) * {hd} + cols[None, :], mask=ok, other=0.0)
+            acc += tl.sum(x, axis=0)
+        tl.store(out_ptr + which * {hd} + cols, acc, mask=cols < {hd})
+    """, 0)
+    return _kernel("attention_bwd_sums", ["ps_ptr", "out_ptr"], body)
 
 
 def _fused_backward(g_kv: _Gen, g_q: _Gen, dkdv_params, dkdv_body: str, dq_params, dq_body: str) -> str:
@@ -626,7 +692,7 @@ def _plan(op, cfg, precision: str, kernel: str, exact: bool = False, flags=froze
         _check_dtype(_dtype(op.operands[-1].type))
     bm, bn, warps, stages = attention_plan(tq, tk, d, dtype, cfg, kernel, exact)
     g = _Gen(b, h, tq, tk, d, dtype, bool(p["causal"]), float(p["scale"]), bm, bn, _input_precision(dtype, precision),
-             bias, _check_flags(flags))
+             bias, _check_flags(flags), sums=backward and bool(p["sums"]))
     _check_flags_apply(g)
     return g, warps, stages
 
@@ -744,32 +810,41 @@ def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision
     dkdv_k, _ = load_kernel(src, "attention_bwd_dkdv")
     dq_k, _ = load_kernel(src, "attention_bwd_dq")
     fused_k = load_kernel(src, "attention_bwd_fused")[0] if "fused_bwd" in g_kv.flags else None
+    sums_k = load_kernel(src, "attention_bwd_sums")[0] if g_kv.sums else None
     g = g_q
     name = _name("bwd", g)
     stat = torch.float64 if g.f64 else torch.float32
     bh = g.b * g.h
-    specs = result_specs(op)  # dq, dk, dv
+    specs = result_specs(op)  # dq, dk, dv (, the column sums [3, H, D])
+    # the column sums' partials (``_sum_rows``): dq's rows, then dk's and dv's
+    partial_shape = (_sum_rows(g_q) + 2 * g.b * math.ceil(g.tk / g_kv.bn), g.h * g.d)
 
     every = ("delta", "fused") if fused_k is not None else ("delta", "dkdv", "dq")
+    every += ("sums",) if sums_k is not None else ()
 
-    def launch_kernels(inputs, outs, delta, kernels=every):
+    def launch_kernels(inputs, outs, delta, kernels=every, partials=None):
         do, q, k, v, o, lse, *bias = inputs
         z, z_strides = _bias_args(g, bias)
-        dq, dk, dv = outs
+        dq, dk, dv, *sums = outs
+        if sums_k is not None and partials is None:
+            partials = torch.empty(partial_shape, dtype=stat, device=q.device)
+        ps = [partials] if sums_k is not None else []
         if "delta" in kernels:
             delta_k[(math.ceil(g.tq / _delta_rows(g.bd)), bh)](do, o, delta, *_strides4(do), *_strides4(o),
                                                                 num_warps=4)
         common = [*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do), *lse.stride(), *z_strides]
         if "dkdv" in kernels:
-            dkdv_k[(math.ceil(g.tk / g_kv.bn), bh)](q, k, v, *z, do, lse, delta, dk, dv, *common, *_strides4(dk),
+            dkdv_k[(math.ceil(g.tk / g_kv.bn), bh)](q, k, v, *z, do, lse, delta, dk, dv, *ps, *common, *_strides4(dk),
                                                      *_strides4(dv), num_warps=kv_warps, num_stages=kv_stages)
         if "dq" in kernels:
-            dq_k[(math.ceil(g.tq / g_q.bm), bh)](q, k, v, *z, do, lse, delta, dq, *common, *_strides4(dq),
+            dq_k[(math.ceil(g.tq / g_q.bm), bh)](q, k, v, *z, do, lse, delta, dq, *ps, *common, *_strides4(dq),
                                                   num_warps=q_warps, num_stages=q_stages)
         if "fused" in kernels:
             programs = max(math.ceil(g.tk / g_kv.bn), math.ceil(g.tq / g_q.bm))
-            fused_k[(programs, bh)](q, k, v, *z, do, lse, delta, dq, dk, dv, *common, *_strides4(dq), *_strides4(dk),
-                                    *_strides4(dv), num_warps=kv_warps, num_stages=kv_stages)
+            fused_k[(programs, bh)](q, k, v, *z, do, lse, delta, dq, dk, dv, *ps, *common, *_strides4(dq),
+                                    *_strides4(dk), *_strides4(dv), num_warps=kv_warps, num_stages=kv_stages)
+        if "sums" in kernels:
+            sums_k[(math.ceil(g.h * g.d / SUM_COLS), 3)](partials, sums[0], num_warps=4)
 
     empty = bh * g.d == 0 or g.tq == 0 or g.tk == 0  # nothing to launch: zero gradients
 
@@ -777,18 +852,19 @@ def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision
         _check_inputs(name, op, inputs)
         do, q, k, v, o, lse, *bias = inputs
         z, _ = _bias_args(g, bias)
-        dq, dk, dv = _results(name, specs, outs, q.device, strided=(0, 1, 2))
+        grads = _results(name, specs, outs, q.device, strided=(0, 1, 2))
         if empty:
-            return [dq.zero_(), dk.zero_(), dv.zero_()]
-        _check_spans(name, 256, do, q, k, v, o, *z, dq, dk, dv)
+            return [x.zero_() for x in grads]
+        _check_spans(name, 256, do, q, k, v, o, *z, *grads[:3])
         delta = torch.empty((bh, g.tq), dtype=stat, device=q.device)
-        launch_kernels(inputs, (dq, dk, dv), delta)
-        return [dq, dk, dv]
+        launch_kernels(inputs, grads, delta)
+        return grads
 
+    scratch = nbytes((bh, g.tq), stat) + (nbytes(partial_shape, stat) if sums_k is not None else 0)
     return Kernel(name, src, launch, config=_effective(tiles.get("dkdv", cfg), g_kv, kv_warps, kv_stages),
                   extra={"precision": g.ip, "dq_config": _effective(tiles.get("dq", cfg), g_q, q_warps, q_stages),
                          "launch_kernels": launch_kernels},
-                  scratch_bytes=0 if empty else nbytes((bh, g.tq), stat))
+                  scratch_bytes=0 if empty else scratch)
 
 
 __all__ = ["MAX_HEAD_DIM", "SOURCE_FLAGS", "attention_plan", "attention_forward_source", "attention_backward_source",
