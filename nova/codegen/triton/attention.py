@@ -571,8 +571,10 @@ for n0 in range({lo}, {hi}, BLOCK_N):
 # The column sums' partials: one row of H*D per program and gradient, [R, H*D] in the
 # statistics type, R = B * (query blocks + 2 * key blocks): dq's rows first, then dk's,
 # then dv's (``_sum_rows``); the final pass adds each gradient's rows up in order,
-# [SUM_ROWS, SUM_COLS] at a time, one program per SUM_COLS columns and gradient.
-SUM_ROWS, SUM_COLS = 128, 32
+# up to [SUM_ROWS, SUM_COLS] at a time, one program per SUM_COLS columns and gradient: GPT-2
+# 124M at batch 32 has 512 partial rows a gradient, one load a program (at [128, 32], four
+# dependent loads: 13 us under Nsight Compute on an H100, long-scoreboard stalls).
+SUM_ROWS, SUM_COLS = 512, 16
 # A 16-bit gradient tile's column sum is the first row of ones[16, rows] @ tile, on the
 # tensor cores with f32 accumulation (1 x a bf16 value is exact): tl.sum over the rows of
 # the MMA-layout tile took the dQ kernel from 126 to 158 registers on sm_90a (4 -> 3
@@ -620,14 +622,15 @@ def _sums_kernel(g_kv: _Gen, g_q: _Gen) -> str:
     g = g_kv
     hd = g.h * g.d
     rq, rkv = _sum_rows(g_q), g.b * math.ceil(g.tk / g.bn)
+    tile = min(SUM_ROWS, next_pow2(max(rq, rkv, 1)))
     body = _ind(f"""
         cols = tl.program_id(0) * {SUM_COLS} + tl.arange(0, {SUM_COLS})
         which = tl.program_id(1)
         start = tl.where(which == 0, 0, {rq} + (which - 1) * {rkv})
         rows = tl.where(which == 0, {rq}, {rkv})
         acc = tl.zeros([{SUM_COLS}], {g.acc})
-        for r0 in range(0, rows, {SUM_ROWS}):
-            r = r0 + tl.arange(0, {SUM_ROWS})
+        for r0 in range(0, rows, {tile}):
+            r = r0 + tl.arange(0, {tile})
             ok = (r[:, None] < rows) & (cols[None, :] < {hd})
             x = tl.load(ps_ptr + (start + r[:, None]).to(tl.int64) * {hd} + cols[None, :], mask=ok, other=0.0)
             acc += tl.sum(x, axis=0)
