@@ -87,7 +87,7 @@ from pathlib import Path
 VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "tile-grid-nobackward",
             "tile-grid-noresidual", "ws-off", "ws-plain", "ws-epi128", "ws-epi256", "two-pass-split",
             "casts-unbatched", "last-split-sums", "row-stores-off", "norm-recompute-off", "ln-pair-sums",
-            "ln-hoist", "ln-hoist-pair", "ln-hoist-off", "attention-sums-off")
+            "ln-hoist", "ln-hoist-pair", "ln-hoist-off", "attention-sums-off", "stream-k")
 # each ws variant's changes to configurator.WS_TILES
 WS_VARIANTS = {"ws-off": {"plain": None, "epilogue": None}, "ws-plain": {"epilogue": None},
                "ws-epi128": {"epilogue": (128, 128, 4)}, "ws-epi256": {"epilogue": (128, 256, 4)}}
@@ -134,6 +134,10 @@ def apply_variant(variant: str) -> None:
         from nova.codegen.triton import matmul as mm
 
         mm.LAST_SPLIT_SUMS = True
+    if variant == "stream-k":
+        from nova.codegen.triton import matmul as mm
+
+        mm.STREAM_K_SPLIT = True  # (off as shipped: matmul.STREAM_K_SPLIT)
     if variant == "two-pass-split":
         from nova.codegen.triton import matmul as mm
 

@@ -57,3 +57,35 @@ def test_in_kernel_split_sums_are_the_two_pass_split_on_the_step_shapes(M, N, K,
     assert torch.equal(again, want) and torch.equal(first, want) and torch.equal(graph_out, want)
     ref = a.double() @ b.double()
     assert (got.double() - ref).abs().max().item() <= 2 ** -7 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("M,N,K,la", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k, _ in SHAPES])
+def test_stream_k_on_the_step_shapes(M, N, K, la, monkeypatch):
+    """``matmul.STREAM_K_SPLIT`` (off as shipped) at the step's split shapes: the same bits
+    launch after launch and in a CUDA graph replayed twice, within bf16 rounding of float64
+    and of the two-pass split (its sums' chunks differ). Its time: scripts/epilogue_variants.py
+    stream-k."""
+    monkeypatch.setattr(mm, "STREAM_K_SPLIT", True)
+    g = torch.Generator(device="cuda").manual_seed(M + N)
+    a, b = _operands(M, N, K, la, g)
+    rec: dict = {}
+    got = mm.matmul(a, b, record=rec)
+    assert any("matmul_streamk" in open(p).read() for p in rec), "this shape did not run stream-K"
+    again = mm.matmul(a, b)
+    graph_out = torch.empty_like(got)
+    mm.matmul(a, b, out=graph_out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mm.matmul(a, b, out=graph_out)
+    graph_out.zero_()
+    graph.replay()
+    first = graph_out.clone()
+    graph.replay()
+    monkeypatch.setattr(mm, "STREAM_K_SPLIT", False)
+    split = mm.matmul(a, b)
+    torch.cuda.synchronize()
+    assert torch.equal(again, got) and torch.equal(first, got) and torch.equal(graph_out, got)
+    ref = a.double() @ b.double()
+    scale = ref.abs().max().item()
+    assert (got.double() - ref).abs().max().item() <= 2 ** -7 * scale
+    assert (got.double() - split.double()).abs().max().item() <= 2 ** -7 * scale

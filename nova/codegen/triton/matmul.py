@@ -36,6 +36,10 @@ Design choices, and why:
   instead, in split order behind a lock a tile: the same sums, no second kernel. With
   ``LAST_SPLIT_SUMS`` (off: no faster in the step) the last split of a tile to finish sums its
   tile's S partials in split order: the same sums again, no second kernel, no waiting.
+  With ``STREAM_K_SPLIT`` (off: not yet measured on the device) a 2-D split without an
+  epilogue whose operands take descriptors runs as stream-K (``streamk_source``): one
+  program an SM, each an equal share of the tiles' K-steps, fp32 partial tiles where a
+  share leaves a tile, and a fix-up kernel adding them in program order (deterministic).
 * Persistent: ``grid = min(#SMs, #work items)`` programs loop over work items; the
   work item order (tile fastest, then split, then batch) is the same as the
   one-program-per-tile grid, so both walk tiles in the same L2-friendly order.
@@ -161,6 +165,20 @@ LAST_SPLIT_SUMS = False
 # Columns of the last split's sum at a time: a partial tile loaded beside the running sum
 # whole took 255 registers and spilled at 128x256 (offline sm_90a ptxas, 8 warps)
 LAST_SUM_SLICE = 64
+# Split-K as stream-K (off: built 2026-12-05, not yet measured on the device): a 2-D split
+# config without an epilogue, its operands through host-built descriptors, runs as one
+# program an SM, each taking an equal share of the tiles x K-steps iterations (a share may
+# end inside a tile and the next begin there), storing an fp32 partial tile wherever its
+# share leaves a tile; a fix-up kernel adds each tile's partials up in program order (K
+# order: deterministic, no atomics), adds the bias and casts. Against S splits it has no
+# wave quantization (the H200's 768x3072x32768 weight gradient: 72 tiles x 7 splits = 504
+# programs, 3.8 waves) and writes (tiles + programs) partial tiles, not S x tiles (204
+# against 504 there). ``streamk_source``; the sums' order is not the split's (other chunk
+# boundaries): the result differs from the split kernel's by fp32 rounding.
+STREAM_K_SPLIT = False
+# columns of a tile the fix-up adds up a program (a 128x256 fp32 tile whole is 256 registers
+# a thread at 4 warps)
+STREAM_K_FIXUP_COLS = 64
 # The warp-specialized kernel's global scratch a program: its two device-built
 # descriptors, 128 bytes each (a CUtensorMap), with room for Triton's alignment
 WS_SCRATCH_PER_PROGRAM = 512
@@ -412,6 +430,169 @@ class TmaLayout:
     ws: bool = False
 
 
+def _dot_text(in_name: str, precision: str, prerounded: tuple[str, ...]) -> tuple[str, str]:
+    """(the lines that prepare the loaded ``a`` and ``b`` for the dot, at a K loop's
+    indentation; the dot adding ``a @ b`` into ``acc``) for operands of ``in_name`` under
+    ``precision`` (``prerounded``: the operands already rounded to tf32)."""
+    if in_name == "float32" and precision == "bf16":
+        return "\n            a = a.to(tl.bfloat16)\n            b = b.to(tl.bfloat16)", "tl.dot(a, b, acc)"
+    if in_name == "float32" and precision == "tf32-rn":
+        todo = [x for x in ("a", "b") if x not in prerounded]
+        cast = "".join("\n" + textwrap.indent(TF32_RN.format(x=x), " " * 12) for x in todo)
+        return cast, 'tl.dot(a, b, acc, input_precision="tf32")'
+    if in_name == "float32":
+        return "", f'tl.dot(a, b, acc, input_precision="{precision}")'
+    return "", "tl.dot(a, b, acc)"
+
+
+def _place_lines(p: str, tile: str) -> list[str]:
+    """Tile index ``tile`` -> its (pid_m, pid_n) under the group-M swizzle, as variables
+    prefixed ``p`` (the kernel's num_pid_m, tiles_per_group in scope)."""
+    return [
+        f"{p}group = {tile} // tiles_per_group",
+        f"{p}first_m = {p}group * GROUP_M",
+        f"{p}group_rows = tl.minimum(num_pid_m - {p}first_m, GROUP_M)",
+        f"{p}pid_m = {p}first_m + ({tile} % tiles_per_group) % {p}group_rows",
+        f"{p}pid_n = ({tile} % tiles_per_group) // {p}group_rows",
+    ]
+
+
+def streamk_source(cfg: LoweringConfig, tma: TmaLayout, *, has_bias: bool, precision: str, in_dtype: str,
+                   out_dtype: str, prerounded: tuple[str, ...] = ()) -> str:
+    """Stream-K (``STREAM_K_SPLIT``) for a 2-D C[M, N] = A @ B (+ bias) with A and B
+    through host-built descriptors: ``matmul_streamk`` and ``matmul_streamk_fixup``.
+
+    The iterations are the tiles x K-steps, tile-major (a tile's K-steps in order;
+    tiles in the group-M order of the tile grid). Program p of P takes iterations
+    [p T // P, (p + 1) T // P) (T of them in all) and walks them as segments, one a
+    tile it touches: the tile's K-steps inside its share, accumulated in fp32 and
+    stored whole to its slot of the workspace [P, SEGS, BLOCK_M, BLOCK_N] (segment j
+    of program p: its j-th tile). The fix-up program of tile t (and STREAM_K_FIXUP_COLS
+    of its columns) adds the partials of the programs whose shares meet t in program
+    order, the first p_first = ((t k + 1) P - 1) // T, the last ((t + 1) k P - 1) // T
+    (k the K-steps a tile), each one's segment t - (p T // P) // k; then the bias, the
+    cast and C's store (masked at the edges: the workspace holds whole tiles, zeros
+    past M, N and K from the descriptors' out-of-bounds boxes)."""
+    in_name, out_name = _dtype_name(in_dtype), _dtype_name(out_dtype)
+    cast, dot = _dot_text(in_name, precision, prerounded)
+    a_load = _tma_load("a_desc", tma.a == "row", False, "pid_m * BLOCK_M", "BLOCK_M", k_last=True, k="ki * BLOCK_K")
+    b_load = _tma_load("b_desc", tma.b == "col", False, "pid_n * BLOCK_N", "BLOCK_N", k_last=False, k="ki * BLOCK_K")
+    place, place4 = (("\n" + " " * n).join(_place_lines("", "tile")) for n in (8, 4))
+    cols = min(cfg.block_n, STREAM_K_FIXUP_COLS)
+    bias_param = ["bias_ptr"] if has_bias else []
+    bias_stride = ["stride_bias"] if has_bias else []
+    bias = ("\n    acc += tl.load(bias_ptr + offs_n * stride_bias, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]"
+            if has_bias else "")
+    header = textwrap.dedent(f"""\
+        # Generated by nova.codegen.triton.matmul (stream-K); do not edit.
+        # block {cfg.block_m}x{cfg.block_n}x{cfg.block_k}, group_m {cfg.group_m}
+        # in {in_name}, out {out_name}, precision {precision}, bias {'yes' if has_bias else 'no'}
+        # operands through tensor descriptors (TMA): {tma!r}\
+{', rounded to tf32 before the kernel: ' + ' '.join(prerounded) if prerounded else ''}
+        import triton
+        import triton.language as tl
+
+        BLOCK_M = tl.constexpr({cfg.block_m})
+        BLOCK_N = tl.constexpr({cfg.block_n})
+        BLOCK_K = tl.constexpr({cfg.block_k})
+        GROUP_M = tl.constexpr({cfg.group_m})
+        FIX_COLS = tl.constexpr({cols})
+        """)
+    grid_lines = textwrap.indent(textwrap.dedent("""\
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        tiles = num_pid_m * num_pid_n
+        tiles_per_group = GROUP_M * num_pid_n
+        k_steps = tl.cdiv(K, BLOCK_K)
+        total = tiles.to(tl.int64) * k_steps
+        """), "    ")
+    main = f"""
+@triton.jit(do_not_specialize=["NUM_PROGS", "SEGS"])
+def matmul_streamk(
+    a_desc,
+    b_desc,
+    ws_ptr,
+    M,
+    N,
+    K,
+    NUM_PROGS,
+    SEGS,
+):
+{grid_lines}    pid = tl.program_id(0)
+    it = pid.to(tl.int64) * total // NUM_PROGS
+    end = (pid + 1).to(tl.int64) * total // NUM_PROGS
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    seg = 0
+    while it < end:
+        tile = (it // k_steps).to(tl.int32)
+        k_lo = (it - tile.to(tl.int64) * k_steps).to(tl.int32)
+        k_hi = tl.minimum(k_steps, k_lo + (end - it)).to(tl.int32)
+        {place}
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_lo, k_hi):
+            a = {a_load}
+            b = {b_load}{cast}
+            acc = {dot}
+        slot = (pid.to(tl.int64) * SEGS + seg) * (BLOCK_M * BLOCK_N)
+        tl.store(ws_ptr + slot + rows[:, None] * BLOCK_N + cols[None, :], acc)
+        seg += 1
+        it = tile.to(tl.int64) * k_steps + k_hi
+"""
+    fixup = f"""
+@triton.jit(do_not_specialize=["NUM_PROGS", "SEGS"])
+def matmul_streamk_fixup(
+    ws_ptr,
+    c_ptr,
+    {''.join(x + ', ' for x in bias_param)}M,
+    N,
+    K,
+    NUM_PROGS,
+    SEGS,
+    stride_cm,
+    stride_cn,
+    {''.join(x + ', ' for x in bias_stride)}
+):
+{grid_lines}    tile = tl.program_id(0)
+    first = ((tile.to(tl.int64) * k_steps + 1) * NUM_PROGS - 1) // total
+    last = ((tile.to(tl.int64) + 1) * k_steps * NUM_PROGS - 1) // total
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * FIX_COLS + tl.arange(0, FIX_COLS)
+    acc = tl.zeros((BLOCK_M, FIX_COLS), dtype=tl.float32)
+    for p in range(first, last + 1):
+        seg = tile - (p * total // NUM_PROGS) // k_steps
+        slot = (p * SEGS + seg) * (BLOCK_M * BLOCK_N)
+        acc += tl.load(ws_ptr + slot + rows[:, None] * BLOCK_N + cols[None, :])
+    {place4}
+    offs_m = (pid_m * BLOCK_M + rows).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + cols).to(tl.int64){bias}
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to({_TL_DTYPE[out_name]}), mask=mask)
+"""
+    return header + "\n" + main + "\n" + fixup
+
+
+def streamk_plan(M: int, N: int, K: int, cfg: LoweringConfig, programs: int) -> tuple[int, int]:
+    """(programs, segments a program) of a stream-K launch on ``programs`` SMs: at most one
+    program an iteration; a share of I iterations meets at most cdiv(I, k) + 1 tiles."""
+    k = cdiv(K, cfg.block_k)
+    total = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * k
+    p = max(1, min(programs, total))
+    return p, cdiv(cdiv(total, p), k) + 1
+
+
+@functools.lru_cache(maxsize=None)
+def streamk_kernels(cfg: LoweringConfig, tma: TmaLayout, has_bias: bool, precision: str, in_dtype: str,
+                    out_dtype: str, prerounded: tuple[str, ...], interpreted: bool = False):
+    """(main, fix-up, source path) of ``streamk_source`` (``interpreted`` keys the cache)."""
+    key_cfg = LoweringConfig(kind="matmul", block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
+                             group_m=cfg.group_m)
+    src = streamk_source(key_cfg, tma, has_bias=has_bias, precision=precision, in_dtype=in_dtype,
+                         out_dtype=out_dtype, prerounded=prerounded)
+    main, path = load_kernel(src, "matmul_streamk")
+    return main, load_kernel(src, "matmul_streamk_fixup")[0], str(path)
+
+
 def matmul_source(
     cfg: LoweringConfig,
     *,
@@ -456,19 +637,7 @@ def matmul_source(
     split_partials = split and not serial  # each split writes an fp32 partial tile, [S, B, M, N]
     kernel_bias = has_bias and (not split or serial or last)  # added here, not by the reduction kernel
 
-    if in_name == "float32" and precision == "bf16":
-        cast = "\n            a = a.to(tl.bfloat16)\n            b = b.to(tl.bfloat16)"
-        dot = "tl.dot(a, b, acc)"
-    elif in_name == "float32" and precision == "tf32-rn":
-        todo = [x for x in ("a", "b") if x not in prerounded]
-        cast = "".join("\n" + textwrap.indent(TF32_RN.format(x=x), " " * 12) for x in todo)
-        dot = 'tl.dot(a, b, acc, input_precision="tf32")'
-    elif in_name == "float32":
-        cast = ""
-        dot = f'tl.dot(a, b, acc, input_precision="{precision}")'
-    else:
-        cast = ""
-        dot = "tl.dot(a, b, acc)"
+    cast, dot = _dot_text(in_name, precision, prerounded)
 
     idx = ".to(tl.int64)" if index_64 else ""
     fused = epilogue is not None and not split  # this kernel runs the epilogue
@@ -530,13 +699,7 @@ def matmul_source(
             rest = f"{work} // (tiles * SPLITS)"
         if batched:
             lines.append(f"{p}pid_b = {rest}")
-        lines += [
-            f"{p}group = {p}tile // tiles_per_group",
-            f"{p}first_m = {p}group * GROUP_M",
-            f"{p}group_rows = tl.minimum(num_pid_m - {p}first_m, GROUP_M)",
-            f"{p}pid_m = {p}first_m + ({p}tile % tiles_per_group) % {p}group_rows",
-            f"{p}pid_n = ({p}tile % tiles_per_group) // {p}group_rows",
-        ]
+        lines += _place_lines(p, f"{p}tile")
         return "\n        ".join(lines)
 
     a_base, b_base, c_base = "a_ptr", "b_ptr", "c_ptr"
@@ -1195,13 +1358,17 @@ def scratch_bytes(
     total = sums
     splits = split_k_plan(K, cfg)[1]
     tiles = batch * cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-    if splits > 1 and SERIAL_SPLIT and not epilogue and not cfg.persistent:  # the running sums, a lock a tile
+    tokens = cfg.instruction.split("+")
+    if (splits > 1 and STREAM_K_SPLIT and not epilogue and not cfg.persistent and batch == 1
+            and "tma" in tokens):  # stream-K's partial tiles (a config whose operands take no descriptor: less)
+        programs, segs = streamk_plan(M, N, K, cfg, device_spec(device or torch.device("cpu")).num_sms)
+        total += programs * segs * cfg.block_m * cfg.block_n * f32
+    elif splits > 1 and SERIAL_SPLIT and not epilogue and not cfg.persistent:  # the running sums, a lock a tile
         total += batch * M * N * f32 + tiles * 4
     elif splits > 1:
         total += splits * batch * M * N * f32
         if LAST_SPLIT_SUMS and not epilogue and not cfg.persistent:  # and a count a tile
             total += tiles * 4
-    tokens = cfg.instruction.split("+")
     if "ws" in tokens:
         total += cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * WS_SCRATCH_PER_PROGRAM
     if _dtype_name(a_dtype) == "float32":
@@ -1618,6 +1785,29 @@ def _epilogue_tensors(ep: Epilogue, inputs, outs, a, b, batch, M, N):
     return outs
 
 
+def _run_streamk(a3, b3, bias, cfg, precision, out, c3, tma, in_name, out_name, staged, num_programs, warmup, record):
+    """A 2-D split config without an epilogue as stream-K (``STREAM_K_SPLIT``,
+    ``streamk_source``): the main kernel on one program an SM, then the fix-up."""
+    M, K, N = a3.shape[1], a3.shape[2], b3.shape[2]
+    main, fixup, path = streamk_kernels(cfg, tma[0], bias is not None, precision, in_name, out_name, staged,
+                                        interpreting())
+    if record is not None and path not in record:
+        record[path] = kernel_source(main)
+    programs, segs = streamk_plan(M, N, K, cfg, num_programs or _num_sms(a3.device))
+    ws = torch.empty((programs * segs, cfg.block_m, cfg.block_n), dtype=torch.float32, device=a3.device)
+    args = [*tma[1], ws, M, N, K, programs, segs]
+    fargs = [ws, c3] + ([bias] if bias is not None else []) + [M, N, K, programs, segs, c3.stride(1), c3.stride(2)]
+    fargs += [bias.stride(0)] if bias is not None else []
+    grid = (programs,)
+    fgrid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n), cdiv(cfg.block_n, min(cfg.block_n, STREAM_K_FIXUP_COLS)))
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if warmup:
+        return [main.warmup(*args, grid=grid, **options), fixup.warmup(*fargs, grid=fgrid, num_warps=4)]
+    main[grid](*args, **options)
+    fixup[fgrid](*fargs, num_warps=4)
+    return out
+
+
 def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, record=None, epilogue=None, prerounded=()):
     batched, batch, M, N, K, shape, in_name, out_name, out_dtype, precision = _validate(
         a, b, bias, out, out_dtype, precision, allow_meta=warmup
@@ -1688,6 +1878,9 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
         spans += [(batch * M + margin) * (N + margin)] + [_span(x, margin) for x in ep_inputs]
     index_64 = max(spans) > _INT32_MAX
     tma = _tma_plan(cfg, a3, b3)
+    if split and ep is None and not batched and tma and not cfg.persistent and STREAM_K_SPLIT:
+        return _run_streamk(a3, b3, bias, cfg, precision, out, c3, tma, in_name, out_name, staged, num_programs,
+                            warmup, record)
     fused = ep is not None and not split
     serial = split and ep is None and not cfg.persistent and SERIAL_SPLIT
     last = split and ep is None and not cfg.persistent and not serial and LAST_SPLIT_SUMS

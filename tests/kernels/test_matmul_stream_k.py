@@ -1,0 +1,161 @@
+"""Split-K as stream-K (``matmul.STREAM_K_SPLIT``), through the interpreter: every
+K-step of every tile added exactly once (integer-valued operands: the exact product,
+bit for bit), whatever the number of programs (shares ending inside a tile, shares
+spanning several tiles, more programs than tiles), ragged edges, a bias, 16-bit and
+fp32 operands, the same bits on every launch; only 2-D split configs with descriptor
+operands and no epilogue take it; its scratch is counted."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from nova.codegen.triton import matmul as mm
+from nova.schedule.config import LoweringConfig
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+TMA = LoweringConfig(kind="matmul", block_m=64, block_n=64, block_k=32, group_m=2, split_k=3, num_warps=8,
+                     num_stages=2, instruction="wgmma+tma")
+
+
+def _ints(*shape, gen, dtype):
+    return torch.randint(-3, 4, shape, generator=gen).to(dtype)
+
+
+def _run(a, b, bias, cfg, out_dtype, stream, monkeypatch, programs=None, precision=None):
+    monkeypatch.setattr(mm, "STREAM_K_SPLIT", stream)
+    rec: dict = {}
+    c = mm.matmul(a, b, bias, cfg=cfg, out_dtype=out_dtype, precision=precision, num_programs=programs, record=rec)
+    return c, "".join(open(p).read() for p in rec)
+
+
+@pytest.mark.parametrize("programs", [1, 3, 7, 40], ids=lambda p: f"{p}prog")
+@pytest.mark.parametrize("case", ["bf16", "bf16-bias-ragged", "f32-ieee"])
+def test_stream_k_adds_every_k_step_of_every_tile_once(case, programs, device, monkeypatch):
+    """Integer operands (exact in every dtype and every order of the sums): C is the exact
+    product. 136 x 136 is 3 x 3 tiles of 64 (ragged), K 200 is 7 K-steps of 32: 63
+    iterations over 1, 3, 7 or 40 programs."""
+    g = torch.Generator().manual_seed(3)
+    ragged = "ragged" in case
+    M, N, K = (136, 136, 200) if ragged else (128, 128, 192)
+    dtype = torch.float32 if case.startswith("f32") else torch.bfloat16
+    a = _ints(M, K, gen=g, dtype=dtype)
+    b = _ints(N, K, gen=g, dtype=dtype).t()  # K contiguous: a weight's layout
+    bias = _ints(N, gen=g, dtype=torch.float32) if "bias" in case else None
+    a, b = a.to(device), b.to(device)
+    bias = bias.to(device) if bias is not None else None
+    prec = "ieee" if dtype == torch.float32 else None
+    got, src = _run(a, b, bias, TMA, torch.float32, True, monkeypatch, programs, prec)
+    assert "matmul_streamk_fixup" in src and "matmul_kernel_reduce" not in src
+    want = a.double() @ b.double() + (bias.double() if bias is not None else 0)
+    assert torch.equal(got.double(), want)
+    again, _ = _run(a, b, bias, TMA, torch.float32, True, monkeypatch, programs, prec)
+    assert torch.equal(again, got)
+
+
+def test_stream_k_rounds_as_the_split_kernel_does_within_fp32(device, monkeypatch):
+    """Random bf16 operands, bf16 C: within bf16 rounding of the two-pass split's C (the
+    sums' chunks differ: not bit for bit), and of the exact product."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(130, 256, generator=g).to(torch.bfloat16).to(device)
+    b = torch.randn(96, 256, generator=g).to(torch.bfloat16).t().to(device)
+    got, _ = _run(a, b, None, TMA, torch.bfloat16, True, monkeypatch, 5)
+    split, src = _run(a, b, None, TMA, torch.bfloat16, False, monkeypatch)
+    assert "matmul_kernel_reduce" in src
+    ref = a.double() @ b.double()
+    for c in (got, split):
+        assert ((c.double() - ref).norm() / ref.norm()).item() < 4e-3
+    assert ((got.double() - split.double()).abs() <= 2 ** -7 * split.double().abs() + 1e-6).all()
+
+
+def test_only_2d_descriptor_splits_without_an_epilogue_take_it(device, monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(40, 96, generator=g).to(device)
+    b = torch.randn(96, 24, generator=g).to(device)
+    ptr = dataclasses.replace(TMA, block_m=16, block_n=32, block_k=16, instruction="mma")
+    got, src = _run(a, b, None, ptr, torch.float32, True, monkeypatch, precision="ieee")  # pointer operands
+    assert "matmul_streamk" not in src and "matmul_kernel_reduce" in src
+    a3 = torch.randn(2, 64, 96, generator=g).to(torch.bfloat16).to(device)
+    b3 = torch.randn(2, 96, 64, generator=g).to(torch.bfloat16).to(device)
+    _, src = _run(a3, b3, None, TMA, torch.float32, True, monkeypatch)  # batched
+    assert "matmul_streamk" not in src
+    ep = mm.Epilogue(shape=(64, 64), operands=(), body="y = acc * 2.0", stores=(("y", "f32", torch.float32),),
+                     out_shapes=((64, 64),))
+    monkeypatch.setattr(mm, "STREAM_K_SPLIT", True)
+    rec: dict = {}
+    (y,) = mm.matmul_epilogue(a3[0], b3[0], ep, [], torch.float32, cfg=TMA, record=rec)
+    assert not any("matmul_streamk" in open(p).read() for p in rec)
+    assert torch.allclose(y, 2.0 * (a3[0].float() @ b3[0].float()), rtol=1e-3, atol=1e-3)
+
+
+def test_scratch_counts_the_partial_tiles(monkeypatch):
+    """(programs x segments) fp32 tiles on the stand-in device's SMs, in place of the
+    split's [S, M, N] partials."""
+    monkeypatch.setattr(mm, "STREAM_K_SPLIT", False)
+    split = mm.scratch_bytes(768, 3072, 32768, 1, torch.bfloat16, torch.bfloat16, torch.bfloat16, TMA)
+    monkeypatch.setattr(mm, "STREAM_K_SPLIT", True)
+    stream = mm.scratch_bytes(768, 3072, 32768, 1, torch.bfloat16, torch.bfloat16, torch.bfloat16, TMA)
+    programs, segs = mm.streamk_plan(768, 3072, 32768, TMA, mm.device_spec(torch.device("cpu")).num_sms)
+    assert split == 3 * 768 * 3072 * 4
+    assert stream == programs * segs * 64 * 64 * 4 and programs == 132
+    assert mm.streamk_plan(64, 64, 64, TMA, 132) == (2, 2)  # one tile of 2 K-steps: two programs
+
+
+def _build_sm90() -> None:
+    """Compile both kernels for sm_90a (Triton's ptxas, no GPU) at the step's weight-gradient
+    config (128x256x64, 8 warps, 4 stages; A column-major, B row-major) and print, per kernel:
+    name, registers, spill bytes, shared memory, whether the dot is a wgmma."""
+    import contextlib
+    import io
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nova.codegen.triton.source import load_kernel
+
+    cfg = LoweringConfig(kind="matmul", block_m=128, block_n=256, block_k=64, group_m=4, split_k=7, num_warps=8,
+                         num_stages=4, instruction="wgmma+tma")
+    src = mm.streamk_source(cfg, mm.TmaLayout(a="col", b="row"), has_bias=False, precision="bf16",
+                            in_dtype="bfloat16", out_dtype="bfloat16")
+    ints = {"M": "i32", "N": "i32", "K": "i32", "NUM_PROGS": "i32", "SEGS": "i32"}
+    for name, sig, opts in [
+        ("matmul_streamk", {"a_desc": "tensordesc<bf16[64, 128]>", "b_desc": "tensordesc<bf16[64, 256]>",
+                            "ws_ptr": "*fp32", **ints}, dict(num_warps=8, num_stages=4)),
+        ("matmul_streamk_fixup", {"ws_ptr": "*fp32", "c_ptr": "*bf16", **ints, "stride_cm": "i32", "stride_cn": "i32"},
+         dict(num_warps=4)),
+    ]:
+        fn, _ = load_kernel(src, name)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a.endswith("_ptr")}
+        log = io.StringIO()
+        triton.knobs.nvidia.dump_ptxas_log = True
+        try:
+            with contextlib.redirect_stdout(log):
+                k = triton.compile(ASTSource(fn, sig, {}, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+        finally:
+            triton.knobs.nvidia.dump_ptxas_log = False
+        regs = re.findall(r"Used (\d+) registers", log.getvalue())
+        spills = re.findall(r"(\d+) bytes spill stores", log.getvalue())
+        print("BUILT", name, regs[0], spills[0] if spills else 0, k.metadata.shared,
+              "warp_group_dot" in k.asm["ttgir"])
+
+
+def test_kernels_build_for_sm90():
+    """The main kernel's K loop (inside the share's walk over tiles) is still a wgmma loop
+    with its operand ring pipelined (4 stages of 48 KB in shared memory), no spills; the
+    fix-up spills nothing either. Offline sm_90a, in a process without the interpreter."""
+    from test_rowwise import run_sm90_build
+
+    out = [ln.split()[1:] for ln in run_sm90_build(__file__).splitlines() if ln.startswith("BUILT")]
+    main, fixup = out
+    assert main[0] == "matmul_streamk" and main[2] == "0" and main[4] == "True"
+    assert int(main[3]) >= 4 * (128 + 256) * 64 * 2 and int(main[1]) <= 255
+    assert fixup[0] == "matmul_streamk_fixup" and fixup[2] == "0"
+
+
+if __name__ == "__main__":
+    _build_sm90()
