@@ -87,7 +87,7 @@ from pathlib import Path
 VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "tile-grid-nobackward",
             "tile-grid-noresidual", "ws-off", "ws-plain", "ws-epi128", "ws-epi256", "two-pass-split",
             "casts-unbatched", "last-split-sums", "row-stores-off", "norm-recompute-off", "ln-pair-sums",
-            "ln-hoist", "ln-hoist-pair", "ln-hoist-off", "attention-sums-off", "stream-k")
+            "ln-hoist", "ln-hoist-pair", "ln-hoist-off", "attention-sums-off", "stream-k", "stream-k-all")
 # each ws variant's changes to configurator.WS_TILES
 WS_VARIANTS = {"ws-off": {"plain": None, "epilogue": None}, "ws-plain": {"epilogue": None},
                "ws-epi128": {"epilogue": (128, 128, 4)}, "ws-epi256": {"epilogue": (128, 256, 4)}}
@@ -134,10 +134,12 @@ def apply_variant(variant: str) -> None:
         from nova.codegen.triton import matmul as mm
 
         mm.LAST_SPLIT_SUMS = True
-    if variant == "stream-k":
+    if variant in ("stream-k", "stream-k-all"):
         from nova.codegen.triton import matmul as mm
 
         mm.STREAM_K_SPLIT = True  # (off as shipped: matmul.STREAM_K_SPLIT)
+    if variant == "stream-k-all":  # and the one-wave splits the model gains little on (768x2304) as stream-K too
+        cf.ONE_WAVE_SPLIT_MIN_GAIN = 0.0
     if variant == "two-pass-split":
         from nova.codegen.triton import matmul as mm
 

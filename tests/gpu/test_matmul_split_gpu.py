@@ -3,7 +3,8 @@ on the H200, at the
 GPT-2 124M bf16 step's split shapes (the weight gradients at batch 32, K = 32768 tokens,
 and the LM head's dh, K = the vocabulary), as the configurator schedules them: bit for bit
 the two-pass form, launch after launch and in a CUDA graph replayed twice (each launch's
-locks or counts start from zero), and within bf16 rounding of float64."""
+locks or counts start from zero), and within bf16 rounding of float64; and the same shapes
+as stream-K (``matmul.STREAM_K_SPLIT``)."""
 
 import pytest
 import torch
@@ -23,6 +24,23 @@ def _operands(M, N, K, la, g):
     return a, torch.randn(K, N, device="cuda", generator=g).to(torch.bfloat16)
 
 
+def _launches_and_replays(a, b, rec: dict):
+    """C of a first launch (its sources into ``rec``), of a second, and of a CUDA graph of
+    the launch replayed once and then again: (first, second, first replay, second replay)."""
+    got = mm.matmul(a, b, record=rec)
+    again = mm.matmul(a, b)
+    graph_out = torch.empty_like(got)
+    mm.matmul(a, b, out=graph_out)  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mm.matmul(a, b, out=graph_out)
+    graph_out.zero_()
+    graph.replay()
+    first = graph_out.clone()
+    graph.replay()
+    return got, again, first, graph_out
+
+
 # mode -> (the knob, what its kernel's source holds)
 MODES = {"serial": ("SERIAL_SPLIT", "atomic_cas"), "last": ("LAST_SPLIT_SUMS", "atomic_add")}
 
@@ -37,19 +55,9 @@ def test_in_kernel_split_sums_are_the_two_pass_split_on_the_step_shapes(M, N, K,
     g = torch.Generator(device="cuda").manual_seed(M + N)
     a, b = _operands(M, N, K, la, g)
     rec: dict = {}
-    got = mm.matmul(a, b, record=rec)
+    got, again, first, graph_out = _launches_and_replays(a, b, rec)
     src = open(next(iter(rec))).read()
     assert marker in src, "the configurator did not split this shape: the test no longer covers it"
-    again = mm.matmul(a, b)
-    graph_out = torch.empty_like(got)
-    mm.matmul(a, b, out=graph_out)  # compiled before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        mm.matmul(a, b, out=graph_out)
-    graph_out.zero_()
-    graph.replay()
-    first = graph_out.clone()
-    graph.replay()
     monkeypatch.setattr(mm, knob, False)
     want = mm.matmul(a, b)
     torch.cuda.synchronize()
@@ -69,18 +77,8 @@ def test_stream_k_on_the_step_shapes(M, N, K, la, monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(M + N)
     a, b = _operands(M, N, K, la, g)
     rec: dict = {}
-    got = mm.matmul(a, b, record=rec)
+    got, again, first, graph_out = _launches_and_replays(a, b, rec)
     assert any("matmul_streamk" in open(p).read() for p in rec), "this shape did not run stream-K"
-    again = mm.matmul(a, b)
-    graph_out = torch.empty_like(got)
-    mm.matmul(a, b, out=graph_out)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        mm.matmul(a, b, out=graph_out)
-    graph_out.zero_()
-    graph.replay()
-    first = graph_out.clone()
-    graph.replay()
     monkeypatch.setattr(mm, "STREAM_K_SPLIT", False)
     split = mm.matmul(a, b)
     torch.cuda.synchronize()
