@@ -87,7 +87,8 @@ from pathlib import Path
 VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "tile-grid-nobackward",
             "tile-grid-noresidual", "ws-off", "ws-plain", "ws-epi128", "ws-epi256", "two-pass-split",
             "casts-unbatched", "last-split-sums", "row-stores-off", "norm-recompute-off", "ln-pair-sums",
-            "ln-hoist", "ln-hoist-pair", "ln-hoist-off", "attention-sums-off", "stream-k", "stream-k-all")
+            "ln-hoist", "ln-hoist-pair", "ln-hoist-off", "attention-sums-off", "attn-sums-dq-dot", "stream-k",
+            "stream-k-all")
 # each ws variant's changes to configurator.WS_TILES
 WS_VARIANTS = {"ws-off": {"plain": None, "epilogue": None}, "ws-plain": {"epilogue": None},
                "ws-epi128": {"epilogue": (128, 128, 4)}, "ws-epi256": {"epilogue": (128, 256, 4)}}
@@ -134,6 +135,10 @@ def apply_variant(variant: str) -> None:
         from nova.codegen.triton import matmul as mm
 
         mm.LAST_SPLIT_SUMS = True
+    if variant == "attn-sums-dq-dot":  # the dK/dV kernel's column sums by tl.sum (its occupancy is the same)
+        from nova.codegen.triton import attention
+
+        attention.SUMS_BY_DOT = frozenset({"dq"})
     if variant in ("stream-k", "stream-k-all"):
         from nova.codegen.triton import matmul as mm
 

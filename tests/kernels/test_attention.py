@@ -346,15 +346,25 @@ def test_tf32_attention_rounds_its_dot_operands_to_nearest(device):
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_r))
 
 
+_SUMS_CASES = {"f32": (torch.float32, ("dkdv", "dq")), "bf16": (torch.bfloat16, ("dkdv", "dq")),
+               "bf16-dq-dot": (torch.bfloat16, ("dq",)), "bf16-no-dot": (torch.bfloat16, ()),
+               "f64": (torch.float64, ("dkdv", "dq"))}
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["f32", "bf16", "f64"])
-def test_backward_column_sums(device, dtype, causal):
+@pytest.mark.parametrize("case", list(_SUMS_CASES))
+def test_backward_column_sums(device, case, causal, monkeypatch):
     """With ``sums`` the backward also returns each gradient's sum over batch and
     sequence [3, H, D], of the gradients as returned, in the statistics type: the
     gradients bit for bit those of the kernels without sums, and the sums those of
     the returned gradients (masked rows and padded head-dim lanes add nothing): T = 37
     ragged in 16-row blocks, D = 24 padded to 32, dK/dV over 32-key blocks beside dQ
-    over 16-query blocks (unequal partial counts), and the fused_bwd variant."""
+    over 16-query blocks (unequal partial counts), and the fused_bwd variant; 16-bit tiles
+    summed by a dot or by tl.sum in either kernel (``attention.SUMS_BY_DOT``)."""
+    from nova.codegen.triton import attention
+
+    dtype, by_dot = _SUMS_CASES[case]
+    monkeypatch.setattr(attention, "SUMS_BY_DOT", frozenset(by_dot))
     fwd, bwd = lowerings()
     stat = torch.float64 if dtype == torch.float64 else torch.float32
     kv32 = {"dkdv": LoweringConfig(kind="attention", block_m=16, block_n=32, num_warps=4, num_stages=1)}
@@ -376,6 +386,9 @@ def test_backward_column_sums(device, dtype, causal):
         check([*grads, sums], refs, dtype, "backward with sums")
         assert kern.scratch_bytes > plain.scratch_bytes
         assert "attention_bwd_sums" in kern.source and "attention_bwd_sums" not in plain.source
+        dots = kern.source.count("tl.dot(ones, ")
+        assert dots == (0 if dtype != torch.bfloat16 else 2 * ("dkdv" in by_dot) + ("dq" in by_dot)) * (
+            2 if flags else 1)  # (fused_bwd: the walks again as device functions)
     with pytest.raises(Exception, match="one shape"):
         k2 = rand(2, 3, 20, 24, dtype=dtype, gen=torch.Generator().manual_seed(1))
         build(nv.AttentionBackwardOp, [g, q, k2, k2, o, lse], {**props, "sums": True})

@@ -488,7 +488,7 @@ for m0 in range({lo}, {hi}, BLOCK_M):
             {g.store("dk_base + offs_n[:, None] * sdkt + offs_d[None, :] * sdkd", "dk_out", kv_mask)}
             {g.store("dv_base + offs_n[:, None] * sdvt + offs_d[None, :] * sdvd", "dv_out", kv_mask)}
         """, 0),
-        _column_sums(g, "start_n // BLOCK_N", _sum_rows(g_q), {"dk_out": 0, "dv_out": 1}, kv_mask, g.tk, g.bn),
+        _column_sums(g, "dkdv", "start_n // BLOCK_N", _sum_rows(g_q), {"dk_out": 0, "dv_out": 1}, kv_mask, g.tk, g.bn),
     ])
 
     # ---- dQ: one program per query block, walking key blocks
@@ -540,7 +540,7 @@ for n0 in range({lo}, {hi}, BLOCK_N):
             dq_out = (dq * {g.scale!r}).to({g.ty})
             {g.store("dq_base + offs_m[:, None] * sdqt + offs_d[None, :] * sdqd", "dq_out", q_mask)}
         """, 0),
-        _column_sums(g, "start_m // BLOCK_M", 0, {"dq_out": None}, q_mask, g.tq, g.bm),
+        _column_sums(g, "dq", "start_m // BLOCK_M", 0, {"dq_out": None}, q_mask, g.tq, g.bm),
     ])
 
     lse_strides = ["slb", "slh", "slt"] + (_BIAS_STRIDES if g.bias else [])
@@ -576,11 +576,14 @@ for n0 in range({lo}, {hi}, BLOCK_N):
 # dependent loads: 13 us under Nsight Compute on an H100, long-scoreboard stalls).
 SUM_ROWS, SUM_COLS = 512, 16
 # A 16-bit gradient tile's column sum is the first row of ones[16, rows] @ tile, on the
-# tensor cores with f32 accumulation (1 x a bf16 value is exact): tl.sum over the rows of
-# the MMA-layout tile took the dQ kernel from 126 to 158 registers on sm_90a (4 -> 3
-# programs an SM; GPT-2 124M bf16 b32 on an H100: the attention launches 8.03 -> 8.81 ms
-# a step, bench/results/runs/epilogue_variants_graph_12l_attnsums_h100_6f60ff2.json),
-# the dot 128.
+# tensor cores with f32 accumulation (1 x a bf16 value is exact), in the kernels named here:
+# tl.sum over the rows of the MMA-layout tile took the dQ kernel from 126 to 158 registers on
+# sm_90a (4 -> 3 programs an SM; GPT-2 124M bf16 b32 on an H100: the attention launches
+# 8.03 -> 8.81 ms a step, bench/results/runs/epilogue_variants_graph_12l_attnsums_h100_6f60ff2.json),
+# the dot 128. The dK/dV kernel takes 151 registers either way (3 programs an SM), where
+# tl.sum spares the tiles' trip through shared memory: which is faster there is not measured
+# yet (scripts/epilogue_variants.py "attn-sums-dq-dot").
+SUMS_BY_DOT = frozenset({"dkdv", "dq"})
 
 
 def _sum_rows(g: _Gen) -> int:
@@ -588,25 +591,27 @@ def _sum_rows(g: _Gen) -> int:
     return g.b * math.ceil(g.tq / g.bm)
 
 
-def _column_sums(g: _Gen, block: str, first: int, tiles: dict, mask: str | None, t: int, bt: int) -> str:
+def _column_sums(g: _Gen, kernel: str, block: str, first: int, tiles: dict, mask: str | None, t: int,
+                 bt: int) -> str:
     """The lines that add up each of ``tiles`` (name -> which of the walk's gradients:
     None for the only one) over its rows (masked rows 0) and store the program's
     partial row (``_sum_rows``): rows of gradient i start at ``first`` + i * B * blocks;
     nothing without sums. ``block``: the program's block index along the sequence of
-    ``bt`` rows of ``t``."""
+    ``bt`` rows of ``t``; ``kernel`` ("dkdv", "dq"): whether 16-bit tiles are summed by a
+    dot (``SUMS_BY_DOT``)."""
     if not g.sums:
         return ""
     blocks = math.ceil(t / bt)
     lines = [f"ps_row = b * {blocks} + {block}"]
-    wide = g.dtype in (torch.float32, torch.float64)
+    wide = g.dtype in (torch.float32, torch.float64) or kernel not in SUMS_BY_DOT
     if not wide:
         lines.append(f"ones = tl.full([16, {bt}], 1.0, tl.float32).to({g.ty})")
         lines.append("r16 = tl.arange(0, 16)")
     for name, i in tiles.items():
         row = f"({first + (i or 0) * g.b * blocks} + ps_row)"
         ptr = f"ps_ptr + {row} * {g.h * g.d} + h * {g.d} + offs_d"
-        if wide:  # f32 / f64: the tile's rows added up in its own type
-            x = name if mask is None else f"tl.where({mask}, {name}, 0.0)"
+        if wide:  # the tile's rows added up in the statistics type (f32 / f64: the tile's own)
+            x = f"{name}.to({g.acc})" if mask is None else f"tl.where({mask}, {name}.to({g.acc}), 0.0)"
             d_mask = "" if g.d == g.bd else f", mask=offs_d < {g.d}"
             lines.append(f"tl.store({ptr}, tl.sum({x}, axis=0){d_mask})")
         else:  # 16-bit: ones @ tile on the tensor cores (f32 accumulation), row 0 stored
