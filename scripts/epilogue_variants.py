@@ -329,7 +329,12 @@ def main() -> None:
         for k, (n, ms) in list(r["rows"].items())[:14]:
             print(f"   {ms:8.3f} ms {n:3d}x  {k}")
     opts.out.mkdir(parents=True, exist_ok=True)
-    doc = {"commit": os.environ.get("NOVA_COMMIT", "unknown"), "layers": opts.layers, "batch": opts.batch, "variants": results}
+    import torch
+    import triton
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    doc = {"commit": os.environ.get("NOVA_COMMIT", "unknown"), "device": device, "torch": torch.__version__,
+           "triton": triton.__version__, "layers": opts.layers, "batch": opts.batch, "variants": results}
     (opts.out / "epilogue_variants.json").write_text(json.dumps(doc, indent=1))
 
 
