@@ -92,15 +92,21 @@ def test_only_2d_descriptor_splits_without_an_epilogue_take_it(device, monkeypat
 
 
 def test_scratch_counts_the_partial_tiles(monkeypatch):
-    """(programs x segments) fp32 tiles on the stand-in device's SMs, in place of the
-    split's [S, M, N] partials."""
+    """(programs x segments) fp32 tiles on the stand-in device's SMs, or the split's
+    [S, M, N] partials where those are more (operands that take no descriptor at launch
+    run the split kernel)."""
     monkeypatch.setattr(mm, "STREAM_K_SPLIT", False)
     split = mm.scratch_bytes(768, 3072, 32768, 1, torch.bfloat16, torch.bfloat16, torch.bfloat16, TMA)
     monkeypatch.setattr(mm, "STREAM_K_SPLIT", True)
     stream = mm.scratch_bytes(768, 3072, 32768, 1, torch.bfloat16, torch.bfloat16, torch.bfloat16, TMA)
     programs, segs = mm.streamk_plan(768, 3072, 32768, TMA, mm.device_spec(torch.device("cpu")).num_sms)
-    assert split == 3 * 768 * 3072 * 4
-    assert stream == programs * segs * 64 * 64 * 4 and programs == 132
+    assert split == 3 * 768 * 3072 * 4 and programs == 132
+    assert stream == max(programs * segs * 64 * 64 * 4, split)
+    big = dataclasses.replace(TMA, block_m=128, block_n=256, split_k=7)  # the H200's 768x3072 weight gradient
+    programs, segs = mm.streamk_plan(768, 3072, 32768, big, 132)
+    tiles = programs * segs * 128 * 256 * 4
+    assert tiles < 7 * 768 * 3072 * 4
+    assert mm.scratch_bytes(768, 3072, 32768, 1, torch.bfloat16, torch.bfloat16, torch.bfloat16, big) == 7 * 768 * 3072 * 4
     assert mm.streamk_plan(64, 64, 64, TMA, 132) == (2, 2)  # one tile of 2 K-steps: two programs
 
 

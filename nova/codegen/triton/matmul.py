@@ -1359,16 +1359,18 @@ def scratch_bytes(
     splits = split_k_plan(K, cfg)[1]
     tiles = batch * cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     tokens = cfg.instruction.split("+")
-    if (splits > 1 and STREAM_K_SPLIT and not epilogue and not cfg.persistent and batch == 1
-            and "tma" in tokens):  # stream-K's partial tiles (a config whose operands take no descriptor: less)
-        programs, segs = streamk_plan(M, N, K, cfg, device_spec(device or torch.device("cpu")).num_sms)
-        total += programs * segs * cfg.block_m * cfg.block_n * f32
-    elif splits > 1 and SERIAL_SPLIT and not epilogue and not cfg.persistent:  # the running sums, a lock a tile
-        total += batch * M * N * f32 + tiles * 4
+    split_bytes = 0
+    if splits > 1 and SERIAL_SPLIT and not epilogue and not cfg.persistent:  # the running sums, a lock a tile
+        split_bytes = batch * M * N * f32 + tiles * 4
     elif splits > 1:
-        total += splits * batch * M * N * f32
+        split_bytes = splits * batch * M * N * f32
         if LAST_SPLIT_SUMS and not epilogue and not cfg.persistent:  # and a count a tile
-            total += tiles * 4
+            split_bytes += tiles * 4
+    if (splits > 1 and STREAM_K_SPLIT and not epilogue and not cfg.persistent and batch == 1
+            and "tma" in tokens):  # stream-K's partial tiles, or the split's where the operands take no descriptor
+        programs, segs = streamk_plan(M, N, K, cfg, device_spec(device or torch.device("cpu")).num_sms)
+        split_bytes = max(split_bytes, programs * segs * cfg.block_m * cfg.block_n * f32)
+    total += split_bytes
     if "ws" in tokens:
         total += cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * WS_SCRATCH_PER_PROGRAM
     if _dtype_name(a_dtype) == "float32":
