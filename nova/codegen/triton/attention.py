@@ -610,12 +610,12 @@ def _column_sums(g: _Gen, kernel: str, block: str, first: int, tiles: dict, mask
     for name, i in tiles.items():
         row = f"({first + (i or 0) * g.b * blocks} + ps_row)"
         ptr = f"ps_ptr + {row} * {g.h * g.d} + h * {g.d} + offs_d"
+        v = f"{name}.to({g.acc})" if wide else name
+        x = v if mask is None else f"tl.where({mask}, {v}, 0.0)"  # masked rows add nothing
         if wide:  # the tile's rows added up in the statistics type (f32 / f64: the tile's own)
-            x = f"{name}.to({g.acc})" if mask is None else f"tl.where({mask}, {name}.to({g.acc}), 0.0)"
             d_mask = "" if g.d == g.bd else f", mask=offs_d < {g.d}"
             lines.append(f"tl.store({ptr}, tl.sum({x}, axis=0){d_mask})")
         else:  # 16-bit: ones @ tile on the tensor cores (f32 accumulation), row 0 stored
-            x = name if mask is None else f"tl.where({mask}, {name}, 0.0)"
             keep = g.mask("r16[:, None] == 0", g.d_ok("row"))
             lines.append(f"tl.store({ptr}[None, :] + r16[:, None] * 0, tl.dot(ones, {x}), mask={keep})")
     return "\n".join(lines)
