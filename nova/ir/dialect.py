@@ -1117,12 +1117,7 @@ class AttentionBackwardOp(NovaOp):
     grad_sums = opt_result_def(TensorType)
     traits = traits_def(Pure())
     PROPS: ClassVar = ("causal", "scale", "sums")
-
-    def props(self) -> dict:
-        # ``sums`` is optional: absent means no column sums (autodiff creates the op without it)
-        p = {k: prop_value(self.properties[k]) for k in ("causal", "scale")}
-        p["sums"] = bool(prop_value(self.properties["sums"])) if "sums" in self.properties else False
-        return p
+    PROP_DEFAULTS: ClassVar = {"sums": False}  # absent: no column sums (autodiff creates the op without it)
 
     @classmethod
     def complete(cls, props: dict) -> dict:
