@@ -581,8 +581,10 @@ SUM_ROWS, SUM_COLS = 512, 16
 # sm_90a (4 -> 3 programs an SM; GPT-2 124M bf16 b32 on an H100: the attention launches
 # 8.03 -> 8.81 ms a step, bench/results/runs/epilogue_variants_graph_12l_attnsums_h100_6f60ff2.json),
 # the dot 128. The dK/dV kernel takes 151 registers either way (3 programs an SM), where
-# tl.sum spares the tiles' trip through shared memory: which is faster there is not measured
-# yet (scripts/epilogue_variants.py "attn-sums-dq-dot").
+# tl.sum spares the tiles' trip through shared memory: measured slower there (an H100, the
+# "attn-sums-dq-dot" variant of scripts/epilogue_variants.py, 4c64f5c: the attention launches
+# 8.42 -> 8.61 ms a step, the graph 66.34 -> 66.71 ms,
+# bench/results/runs/epilogue_variants_graph_12l_h100_4c64f5c.json).
 SUMS_BY_DOT = frozenset({"dkdv", "dq"})
 
 

@@ -165,7 +165,7 @@ LAST_SPLIT_SUMS = False
 # Columns of the last split's sum at a time: a partial tile loaded beside the running sum
 # whole took 255 registers and spilled at 128x256 (offline sm_90a ptxas, 8 warps)
 LAST_SUM_SLICE = 64
-# Split-K as stream-K (off: built 2026-12-05, not yet measured on the device): a 2-D split
+# Split-K as stream-K (off: built 2026-12-05, measured slower, below): a 2-D split
 # config without an epilogue, its operands through host-built descriptors, runs as one
 # program an SM, each taking an equal share of the tiles x K-steps iterations (a share may
 # end inside a tile and the next begin there), storing an fp32 partial tile wherever its
@@ -174,7 +174,15 @@ LAST_SUM_SLICE = 64
 # wave quantization (the H200's 768x3072x32768 weight gradient: 72 tiles x 7 splits = 504
 # programs, 3.8 waves) and writes (tiles + programs) partial tiles, not S x tiles (204
 # against 504 there). ``streamk_source``; the sums' order is not the split's (other chunk
-# boundaries): the result differs from the split kernel's by fp32 rounding.
+# boundaries): the result differs from the split kernel's by fp32 rounding. Measured on an
+# H100 (scripts/epilogue_variants.py "stream-k" / "stream-k-all", 4c64f5c,
+# bench/results/runs/epilogue_variants_graph_12l_h100_4c64f5c.json): the step's graph 66.34 ->
+# 71.42 ms; a launch 768x3072 0.246 -> 0.437 ms, 3072x768 0.243 -> 0.378, 768x768 0.066 ->
+# 0.147 (tests/gpu/test_matmul_split_gpu.py -k stream_k: 4 passed, the results right). Our
+# reading: L2 reuse. A split grid's first wave is every tile at the same K range, its programs
+# walking K in step, so the 72 tiles share A's and B's K slices in L2; stream-K's 132 shares
+# start spread over every tile and K offset at once, so each program streams its own operand
+# slabs (a 128x256 tile's 24 MB at K 32768, 1.7 GB over 72 tiles against 252 MB of operands).
 STREAM_K_SPLIT = False
 # columns of a tile the fix-up adds up a program (a 128x256 fp32 tile whole is 256 registers
 # a thread at 4 warps)
