@@ -209,7 +209,7 @@ def _issue(op, xs: list[torch.Tensor]):
     if isinstance(op, nv.AllGatherOp):
         mine = torch.cat([x.reshape(-1) for x in xs])
         every = mine.new_empty(w * mine.numel())
-        work = dist.all_gather_into_tensor(every, mine, async_op=True)
+        work = _all_gather(dist)(every, mine, async_op=True)
 
         def finish(outs):
             rows, at, whole = every.view(w, mine.numel()), 0, []
@@ -220,6 +220,12 @@ def _issue(op, xs: list[torch.Tensor]):
 
         return work, finish
     raise NotImplementedError(f"nova.runtime.distributed has no implementation of {op.name}")
+
+
+def _all_gather(dist):
+    """torch.distributed's all-gather into one tensor: ``all_gather_single`` where it exists
+    (torch 2.13 deprecates the older name), else ``all_gather_into_tensor`` (the same call)."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _put(values: list[torch.Tensor], outs) -> list[torch.Tensor]:
@@ -377,7 +383,7 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, dp: DataParallel | No
     full = {i: dict(entry) for i, entry in sd["state"].items()}
     for p, key, v in _sharded_entries(optimizer, dp):
         every = v.new_empty(w * v.numel())
-        dist.all_gather_into_tensor(every, v.contiguous())
+        _all_gather(dist)(every, v.contiguous())
         full[index[id(p)]][key] = every[:p.numel()].view(p.shape).clone()
     return {"state": full, "param_groups": sd["param_groups"]}
 
