@@ -42,7 +42,8 @@ rank), eager and torch.compile inside DistributedDataParallel (defaults: 25 MB
 buckets), Nova with ``data_parallel=--data-parallel`` (ddp or zero1); NCCL on
 GPUs (one per rank, cuda:LOCAL_RANK), gloo for --dry-run. tok/s counts every
 rank's tokens (N * batch * seq per step), the losses and peaks are rank 0's, and
-rank 0 writes the results.
+rank 0 writes the results. Under ``torchrun --nproc-per-node 1`` (not --nproc 1, which is one plain
+process) the same over one rank: every engine's cost of data parallelism where no link is crossed.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ MLP_PRESETS = {"mlp46m": (6, 384)}
 DRY = dict(layers=2, heads=4, width=64, vocab=256, seq=32, batch=2, steps=3, warmup=1)
 DEFAULTS = dict(vocab=50304, seq=1024, batch=8, steps=20, warmup=3)
 ADAMW = dict(lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
-DIST = {"world": 1, "rank": 0}  # --nproc: this process's place in the job (set by _init_distributed)
+DIST = {"world": 1, "rank": 0, "dp": False}  # under torchrun: this process's place in the job (_init_distributed)
 GIB = 2**30
 _OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 
@@ -122,7 +123,7 @@ def resolve(opts) -> dict:
     cfg["arch"] = arch
     if cfg["vocab"] != DEFAULTS["vocab"]:
         label += f"_v{cfg['vocab']}"
-    cfg.update(nproc=DIST["world"], data_parallel=getattr(opts, "data_parallel", "ddp") if DIST["world"] > 1 else None)
+    cfg.update(nproc=DIST["world"], data_parallel=getattr(opts, "data_parallel", "ddp") if DIST["dp"] else None)
     cfg.update(model=label, precision=opts.precision, cap_gib=opts.cap_gib, seed=opts.seed,
                engines=list(opts.engines or (("eager", "nova") if opts.dry_run else ENGINES)))
     return cfg
@@ -137,7 +138,7 @@ def result_stem(cfg: dict, dry_run: bool) -> str:
         stem += f"_cap{cfg['cap_gib']:g}"
     if list(cfg["engines"]) != list(ENGINES) and not dry_run:
         stem += "_" + "-".join(SHORT[e] for e in cfg["engines"])
-    if cfg.get("nproc", 1) > 1:
+    if cfg.get("data_parallel"):
         stem += f"_np{cfg['nproc']}_{cfg['data_parallel']}"
     return stem
 
@@ -193,7 +194,7 @@ def build(engine: str, cfg: dict, state: dict, device: torch.device, dry_run: bo
                             data_parallel=cfg.get("data_parallel"))
         return model, opt, step
     fwd = model
-    if DIST["world"] > 1:
+    if DIST["dp"]:
         from torch.nn.parallel import DistributedDataParallel
 
         fwd = DistributedDataParallel(model, device_ids=[_index(device)] if device.type == "cuda" else None)
@@ -436,7 +437,7 @@ def compare(rows: list[dict], reference: list[float] | None, warmup: int) -> Non
 def run(opts, log=print) -> dict:
     cfg = resolve(opts)
     device = torch.device("cpu" if opts.dry_run else "cuda")
-    if DIST["world"] > 1 and device.type == "cuda":
+    if DIST["dp"] and device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     started = time.perf_counter()
     torch.manual_seed(cfg["seed"])
@@ -646,7 +647,7 @@ def _init_distributed(opts) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
         dist.init_process_group("gloo" if opts.dry_run else "nccl")
-    DIST.update(world=world, rank=dist.get_rank())
+    DIST.update(world=world, rank=dist.get_rank(), dp=True)
 
 
 def run_args(opts, log=print) -> list[Path]:
@@ -657,7 +658,9 @@ def run_args(opts, log=print) -> list[Path]:
         raise UsageError(f"--nproc must be at least 1, got {opts.nproc}")
     if opts.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(opts, out_dir)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank torchrun started (ours, or the user's)
+    # a rank torchrun started (ours, or the user's: `torchrun --nproc-per-node 1 bench/gpt2.py ...` is
+    # data parallelism over one rank, every engine's overhead of it beside the others')
+    if "WORLD_SIZE" in os.environ:
         _init_distributed(opts)
         if DIST["rank"] != 0:
             log = lambda s: None  # noqa: E731  (rank 0 speaks and writes)
