@@ -293,20 +293,17 @@ class Executable:
         or launched for the first time; a launch writing the caller's tensors writes
         views of the arena instead (nothing in the arena is live before a call
         copies its batch in), so the walk leaves parameters and state as they were. Once per
-        executable (kernels stay compiled); not for a program with collectives (their
-        readers wait on them), nor off CUDA or under the interpreter."""
+        executable (kernels stay compiled); not off CUDA or under the interpreter. A
+        program's collectives are no kernel launches and are not walked; a launch that
+        reads one's results finishes it first, and none was issued: nothing to wait for."""
         import time
 
         from nova.config import triton_interpreted
-        from nova.ir import dialect as nv
         from nova.runtime.compile_ahead import ahead, threads
 
         self.ahead = {}  # walked (or not to be): once
         workers = threads()
         if self.device.type != "cuda" or triton_interpreted() or workers < 2:
-            return
-        if any(isinstance(st.op, nv.COLLECTIVE_OPS) for st in self.program.steps):
-            _LOG.info("kernels compile at their first launch: the step has collectives")
             return
         t0 = time.perf_counter()
         walked, stats = self._walk(ahead(workers))
