@@ -650,6 +650,18 @@ def _init_distributed(opts) -> None:
     DIST.update(world=world, rank=dist.get_rank(), dp=True)
 
 
+def _close_distributed() -> None:
+    """Every rank past its last collective, then the process group torn down (NCCL warns at
+    exit otherwise); the engines' DDP wrappers and their reducers collected first."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def run_args(opts, log=print) -> list[Path]:
     if not opts.dry_run and not torch.cuda.is_available():
         raise UsageError("nova bench gpt2 needs a CUDA device (or --dry-run)")
@@ -666,6 +678,8 @@ def run_args(opts, log=print) -> list[Path]:
             log = lambda s: None  # noqa: E731  (rank 0 speaks and writes)
     with fresh_caches(opts.fresh_caches) as caches:
         doc = run(opts, log)
+    if DIST["dp"]:
+        _close_distributed()
     if DIST["rank"] != 0:
         return []
     doc["config"]["caches"] = "fresh, empty for this run" if caches else "the environment's (not emptied)"
