@@ -177,11 +177,13 @@ def _padded_rows(x: torch.Tensor, w: int) -> torch.Tensor:
     return flat.view(w, k)
 
 
-def _issue(op, xs: list[torch.Tensor]):
+def _issue(op, xs: list[torch.Tensor], outs: list[torch.Tensor] | None = None):
     """Starts ``op``'s communication (async: gloo's thread, NCCL's stream, which
     waits for the current stream first) and returns ``(work, finish)``:
     ``finish(outs)`` (after ``work.wait()``) writes or returns the results. The
-    operands are read here, into a new flat buffer, so they are free once this returns."""
+    operands are read here, into a new flat buffer (or, for the all-reduce of one
+    dense operand with its result's buffer given in ``outs``, into that buffer, where
+    the sum then happens in place), so they are free once this returns."""
     from nova.ir import dialect as nv
 
     dist, w = _dist(), _world(op)
@@ -189,6 +191,16 @@ def _issue(op, xs: list[torch.Tensor]):
         row = _padded_rows(xs[0], w)[rank()]
         return None, lambda outs: _put([row], outs)
     props = op.props()
+    if isinstance(op, nv.AllReduceOp) and outs is not None and len(xs) == 1 and outs[0].is_contiguous():
+        # ddp's flat bucket (nova.transforms.distribute): the scaled copy is the one pass
+        # over it, as DDP's copy into its bucket (mul_out(bucket_view, grad, 1/W))
+        buf = outs[0]
+        if props["average"]:
+            torch.mul(xs[0], 1.0 / w, out=buf)
+        else:
+            buf.copy_(xs[0])
+        work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, async_op=True)
+        return work, lambda outs: outs
     if isinstance(op, nv.AllReduceOp):
         flat = torch.cat([x.reshape(-1) for x in xs])
         if props["average"]:
@@ -248,7 +260,7 @@ def _split(flat: torch.Tensor, like: list[torch.Tensor], outs) -> list[torch.Ten
 
 def run(op, xs: list[torch.Tensor], outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Runs one collective op of the IR to completion (``outs``: write into these)."""
-    work, finish = _issue(op, xs)
+    work, finish = _issue(op, xs, outs)
     if work is not None:
         work.wait()
     return finish(outs)
@@ -271,7 +283,7 @@ class Deferred:
         if self.pending is not None:
             raise AssertionError(f"{self.op.name} (bucket {self.op.props().get('bucket')}) issued again before its "
                                  "results were read")  # fmt: skip
-        work, finish = _issue(self.op, xs)
+        work, finish = _issue(self.op, xs, outs)
         self.pending = (work, finish, outs)
         return outs
 

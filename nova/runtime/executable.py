@@ -42,7 +42,7 @@ from xdsl.ir import SSAValue
 from nova.ir.module import arg_slots, result_slots, return_op
 from nova.ir.types import elem_of, numel, shape_of, to_torch_dtype
 from nova.log import get_logger
-from nova.transforms.plan_memory import EXTERNAL_ROLES, TORCH_BLOCK, UPDATED_ROLES, MemoryPlan, _align, placed_view
+from nova.transforms.plan_memory import EXTERNAL_ROLES, TORCH_BLOCK, UPDATED_ROLES, MemoryPlan, _align, placed_view, window_view
 
 _LOG = get_logger(__name__)
 _DATA_PTR = torch.Tensor.data_ptr
@@ -132,10 +132,9 @@ class Executable:
             return placed_view(held, p.perm)
         if p.kind == "arena":
             return self._arena_view(v, p.offset)
-        if p.kind == "window":  # its window of a cat's buffer holds v.permute(perm)
-            dim, start, end = p.window
+        if p.kind == "window":  # its window of a cat's buffer holds v.permute(perm), or v flattened
             root = self._arena_view(p.root, self.plan.placements[p.root].offset)
-            return placed_view(root.narrow(dim, start, end - start), p.perm)
+            return window_view(root, p.window, p.perm, shape_of(v.type))
         if p.kind == "inplace":
             return ext[self.arg_of[p.arg]]
         if p.kind in ("output", "const", "empty"):

@@ -16,9 +16,13 @@ for it only before its first reader). ``bucket_bytes`` comes from the link
 model (``choose_bucket_bytes``; ``docs/configurator.md``, "Gradient buckets"),
 or is given (``DataParallel.bucket_bytes``).
 
-ddp: ``nova.all_reduce(average)`` per bucket (DDP's sum of grad * 1/W, see
+ddp: per bucket, ``nova.all_reduce(average)`` of one flat buffer, the ``nova.cat`` of
+the bucket's gradients flattened (DDP's sum of grad * 1/W, see
 ``nova.runtime.distributed``); the optimizer, and the guard's non-finite check,
-read the averaged gradients. Every rank applies the same update.
+read the averaged gradients as reshaped slices of the result (views). The memory
+plan writes each gradient straight into its window of the cat (``plan_memory``), so
+the bucket costs one pass, the scaled copy into the all-reduce's buffer, as DDP's
+copy into its bucket does. Every rank applies the same update.
 
 zero1: ``nova.reduce_scatter(average)`` per bucket gives each rank its shard of
 every gradient of the bucket (flattened, zero-padded to a multiple of W, one
@@ -240,6 +244,26 @@ def _replace_uses_except(v: SSAValue, new: SSAValue, keep: Operation) -> None:
             use.operation.operands[use.index] = new
 
 
+def _flat_all_reduce(b: OpBuilder, grads: list[SSAValue], props: dict) -> None:
+    """ddp's bucket as one flat buffer: the gradients flattened and concatenated (the
+    memory plan places each in its window of the cat, so their producers write the
+    bucket and the cat launches nothing), one all-reduce of it, and each averaged
+    gradient a slice of the result, reshaped (views): the update and the guard read
+    those. No copy into or out of a bucket but the all-reduce's own."""
+    flats = [b.reshape(g, [numel(shape_of(g.type))]) for g in grads]
+    flat = flats[0] if len(flats) == 1 else b.one(nv.CatOp, flats, {"dim": 0})
+    op = b.create(nv.AllReduceOp, [flat], props)
+    (reduced,) = op.results
+    at = 0
+    for g, f in zip(grads, flats, strict=True):
+        n = numel(shape_of(g.type))
+        piece = reduced if len(flats) == 1 else b.one(nv.SliceOp, [reduced], {"dim": 0, "start": at, "end": at + n, "step": 1})
+        # the one reader of g to keep: its flattening reshape (g 1-D: the cat, or the all-reduce)
+        keep = f.owner if f is not g else (flat.owner if len(flats) > 1 else op)
+        _replace_uses_except(g, b.reshape(piece, shape_of(g.type)), keep)
+        at += n
+
+
 def _status_all_reduce(fn, world: int, index: int, pos_of) -> bool:
     """Sums the guard's counts over the ranks before anything reads them."""
     counts = [(n, v) for role, n, v in returned(fn) if role == STATUS and n in (BAD_IDS, NONFINITE)]
@@ -274,13 +298,13 @@ def distribute(module: ModuleOp, mode: str, world: int, grads: dict[str, SSAValu
     for bucket, group in zip(plan.buckets, groups, strict=True):
         last = max((g.owner for _, g in group), key=pos.__getitem__)
         b = OpBuilder(block, before=_after(block, last))
-        cls = nv.AllReduceOp if mode == "ddp" else nv.ReduceScatterOp
-        op = b.create(cls, [g for _, g in group], {"world_size": world, "bucket": bucket.index, "average": True})
-        for (name, g), r in zip(group, op.results, strict=True):
-            if mode == "ddp":
-                _replace_uses_except(g, r, op)  # the update and the guard read the averaged gradient
-            else:
-                shards[name] = r
+        props = {"world_size": world, "bucket": bucket.index, "average": True}
+        if mode == "ddp":
+            _flat_all_reduce(b, [g for _, g in group], props)
+            continue
+        op = b.create(nv.ReduceScatterOp, [g for _, g in group], props)
+        for (name, _), r in zip(group, op.results, strict=True):
+            shards[name] = r
     pos = {op: i for i, op in enumerate(block.ops)}
     _status_all_reduce(fn, world, len(plan.buckets), pos.__getitem__)
     if mode == "zero1":

@@ -244,6 +244,16 @@ def inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def window_view(root: torch.Tensor, window: tuple[int, int, int], perm: tuple[int, ...] | None,
+                shape) -> torch.Tensor:
+    """The value of ``shape`` placed in ``window`` (dim, start, end) of its cat's buffer
+    ``root``: the window holds ``value.permute(perm)``, or (perm None) the value
+    flattened, densely."""
+    dim, s, e = window
+    held = root.narrow(dim, s, e - s)
+    return held.view(tuple(shape)) if perm is None else placed_view(held, perm)
+
+
 def placed_view(held: torch.Tensor, perm: tuple[int, ...] | None) -> torch.Tensor:
     """The value whose dims ``held`` holds in the order ``perm`` (``held`` is
     ``value.permute(perm)``: a permuted buffer, or a window of a cat's buffer)."""
@@ -298,6 +308,33 @@ def _window_source(x: SSAValue) -> tuple[SSAValue, tuple[int, ...]] | None:
     return (u, perm) if _stored_strided(u) else None
 
 
+# a dense window's start in bytes: a multiple of this (TMA descriptors and Triton's
+# pointer specialization ask 16; the arena's own buffers are ALIGNMENT-aligned)
+DENSE_WINDOW_ALIGN = 16
+
+
+def _dense_window_source(x: SSAValue, dim: int, start: int) -> SSAValue | None:
+    """``r`` when the piece ``x`` of a cat along ``dim`` 0 is ``r`` flattened (``r`` itself
+    when 1-D), ``r`` a launch's dense result that only this flattening reads, and the
+    window starts at a multiple of ``DENSE_WINDOW_ALIGN`` bytes: ``r`` is then stored
+    densely in its window, whatever kernel writes it (ddp's gradient buckets); else None."""
+    if dim != 0 or len(shape_of(x.type)) != 1 or not x.has_one_use():
+        return None
+    r = x
+    if isinstance(x.owner, nv.ReshapeOp):
+        r = x.owner.operands[0]
+        if not r.has_one_use():
+            return None
+    op = r.owner
+    if not isinstance(op, Operation) or isinstance(op, (*VIEW_OPS, nv.CatOp, nv.FullOp)) or nbytes(r) == 0:
+        return None
+    if isinstance(op, nv.NovaOp) and r.index in STRIDED_OUTPUTS.get(type(op), ()):
+        return None  # stored through strides the permuted rule may choose: not here
+    if start * to_torch_dtype(elem_of(x.type)).itemsize % DENSE_WINDOW_ALIGN:
+        return None
+    return r
+
+
 def _cat_windows(block, returned: set, out: Layouts) -> None:
     for op in block.ops:
         if not isinstance(op, nv.CatOp):
@@ -307,11 +344,14 @@ def _cat_windows(block, returned: set, out: Layouts) -> None:
             continue
         dim, start, found = op.props()["dim"], 0, {}
         for x in op.operands:
-            src = _window_source(x)
-            if src is None:
-                break
             n = shape_of(x.type)[dim]
-            found[src[0]] = (c, dim, start, start + n, src[1])
+            src = _window_source(x)
+            if src is not None:
+                found[src[0]] = (c, dim, start, start + n, src[1])
+            elif (r := _dense_window_source(x, dim, start)) is not None:
+                found[r] = (c, dim, start, start + n, None)  # perm None: dense, the window viewed as r's shape
+            else:
+                break
             start += n
         else:
             out.windows.update(found)
@@ -375,7 +415,7 @@ def layout_text(p: Placement) -> str:
     """A placement's layout as ``nova.layout`` and ``explain()`` show it ("" when dense)."""
     if p.kind == "window":
         dim, s, e = p.window
-        return f"window dim {dim} [{s}:{e}] perm {','.join(map(str, p.perm))}"
+        return f"window dim {dim} [{s}:{e}] " + ("dense" if p.perm is None else f"perm {','.join(map(str, p.perm))}")
     if p.assembled:
         return "assembled from windows"
     if p.perm is not None:
@@ -434,7 +474,7 @@ class _Planner:
             if r in lay.windows:
                 c, dim, s, e, perm = lay.windows[r]
                 self.place[r] = Placement("window", root=c, perm=perm, window=(dim, s, e))
-                layouts[r] = placed_view(torch.empty(shape_of(c.type), device="meta").narrow(dim, s, e - s), perm)
+                layouts[r] = window_view(torch.empty(shape_of(c.type), device="meta"), (dim, s, e), perm, shape_of(r.type))
             elif r in lay.permuted and self.place[r].kind == "arena":
                 self.place[r].perm = lay.permuted[r]
                 layouts[r] = _dense_meta(shape_of(r.type), lay.permuted[r])

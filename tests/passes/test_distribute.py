@@ -18,9 +18,9 @@ from nova.models import MLPLM, MLPLMConfig
 from nova.transforms.distribute import LINKS, collective_seconds, distribute, plan_buckets
 
 
-def _compiled_to(stage: str, skip_nonfinite: bool = True, optimizer: str = "adamw"):
+def _compiled_to(stage: str, skip_nonfinite: bool = True, optimizer: str = "adamw", n_embd: int = 12):
     torch.manual_seed(0)
-    model = MLPLM(MLPLMConfig(vocab_size=37, block_size=8, n_layer=2, n_embd=12, hidden=20))
+    model = MLPLM(MLPLMConfig(vocab_size=37, block_size=8, n_layer=2, n_embd=n_embd, hidden=20))
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer == "adamw"
            else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))  # fmt: skip
     x = torch.randint(0, 37, (3, 8))
@@ -52,12 +52,30 @@ def test_ddp_buckets_follow_the_backward_and_sit_right_after_their_last_gradient
     assert len(set(sizes)) > 1 and max(len(b.names) for b in plan.buckets) > 1  # uneven boundaries
     covered = []
     for op, b in zip(buckets, plan.buckets, strict=True):
-        last = max((v.owner for v in op.operands), key=pos.__getitem__)
-        assert op.prev_op is last, "a bucket's all-reduce is issued right after its last gradient"
-        assert [grads[n] for n in b.names] == list(op.operands)
+        # one flat operand: the cat of the bucket's gradients flattened, in the bucket's order
+        (flat,) = op.operands
+        assert shape_of(flat.type) == (sum(numel(shape_of(grads[n].type)) for n in b.names),)
+        pieces = list(flat.owner.operands) if isinstance(flat.owner, nv.CatOp) else [flat]
+        local = [p.owner.operands[0] if isinstance(p.owner, nv.ReshapeOp) else p for p in pieces]
+        assert [grads[n] for n in b.names] == local
+        last = max((v.owner for v in local), key=pos.__getitem__)
+        between = [o for o in block.ops if pos[last] < pos[o] < pos[op]]
+        assert all(isinstance(o, (nv.ReshapeOp, nv.CatOp)) for o in between), \
+            "a bucket's all-reduce is issued right after its last gradient (its flattening between)"
         assert b.nbytes <= 700 or len(b.names) == 1
-        for v in op.operands:
-            assert [u.operation for u in v.uses] == [op], "only the all-reduce reads the local gradient"
+        for v, p in zip(local, pieces, strict=True):
+            reader = p.owner if p is not v else (flat.owner if flat is not v else op)
+            assert [u.operation for u in v.uses] == [reader], "only the bucket's flattening reads the local gradient"
+        # the averaged gradients: each a slice of the all-reduce's result, in the bucket's order, reshaped back
+        (reduced,) = op.results
+        at = 0
+        for n in b.names:
+            size = numel(shape_of(grads[n].type))
+            views = [u.operation for u in reduced.uses]
+            if len(b.names) > 1:
+                (sl,) = [o for o in views if isinstance(o, nv.SliceOp) and o.props()["start"] == at]
+                assert sl.props()["end"] == at + size
+            at += size
         covered += b.names
     assert sorted(covered) == sorted(grads)
     # in the order the backward finishes them: the bucket ops' positions increase
@@ -157,3 +175,42 @@ def test_errors():
     distribute(c.module, "ddp", 2, dict(c.grads), c.spec)
     with pytest.raises(ValueError, match="distributed already"):
         distribute(c.module, "ddp", 2, dict(c.grads), c.spec)
+
+
+@pytest.mark.parametrize("n_embd", [12, 13])
+def test_ddp_gradients_are_written_into_their_bucket(n_embd):
+    """The memory plan places each gradient of a ddp bucket in its window of the
+    bucket's flat cat (dense, the window viewed as the gradient's shape), so the cat
+    launches nothing; a bucket where a window would start off a 16-byte boundary
+    (width 13: a LayerNorm weight's 52 bytes before the bias) keeps its cat as a copy."""
+    from nova.transforms.plan_memory import DENSE_WINDOW_ALIGN
+
+    c = _compiled_to("guard", optimizer="sgd", n_embd=n_embd)
+    distribute(c.module, "ddp", 2, dict(c.grads), c.spec, bucket_bytes=700)
+    started = False
+    for name, stage in pipeline.STAGES:
+        if started:
+            stage(c)
+        started = started or name == "distribute"
+    place = c.memory.placements
+    cats = [op for op in _ops(c, nv.CatOp) if any(isinstance(u.operation, nv.AllReduceOp) for u in op.results[0].uses)]
+    assert cats
+    assembled = 0
+    for cat in cats:
+        starts, at = [], 0
+        for x in cat.operands:
+            starts.append(at * 4)
+            at += shape_of(x.type)[0]
+        aligned = all(s % DENSE_WINDOW_ALIGN == 0 for s in starts)
+        assert place[cat.results[0]].assembled == aligned, (starts, place[cat.results[0]])
+        if aligned:
+            assembled += 1
+            for x, s in zip(cat.operands, starts, strict=True):
+                r = x.owner.operands[0] if isinstance(x.owner, nv.ReshapeOp) else x
+                p = place[r]
+                assert (p.kind, p.root, p.perm) == ("window", cat.results[0], None)
+                assert p.window == (0, s // 4, s // 4 + shape_of(x.type)[0])
+    if n_embd == 12:
+        assert assembled == len(cats)
+    else:
+        assert assembled < len(cats), "a bucket whose cat stays a copy"
