@@ -144,6 +144,12 @@ def _simplify(c: Compilation) -> None:
     Simplify().apply(context(), c.module)
 
 
+def _transpose_matmul(c: Compilation) -> None:
+    from nova.transforms.transpose_matmul import transpose_matmul
+
+    transpose_matmul(c.module)  # a weight gradient written in its parameter's layout
+
+
 def _loss_grad(c: Compilation) -> None:
     from nova.transforms.loss_grad import loss_grad
 
@@ -221,6 +227,7 @@ STAGES: list[tuple[str, Callable[[Compilation], None]]] = [
     ("precision", _precision),
     ("concat", _concat),
     ("simplify", _simplify),
+    ("transpose_matmul", _transpose_matmul),
     ("loss_grad", _loss_grad),
     ("remat", _remat),
     ("norm_recompute", _norm_recompute),

@@ -44,7 +44,10 @@ here, into loops, prologues and epilogues.
                for a column sum: below), a result read through any other view
                (transpose, slice, broadcast_to, or a reshape that changes the last
                dim: the tile's elements would land elsewhere), a second
-               contraction (one kernel has one accumulator). A horizontal partner
+               contraction (one kernel has one accumulator), the optimizer's
+               update (an op reading its state or hyperparameters: in a weight
+               gradient's epilogue Adam's new moments would be computed ahead of
+               the guard's gate and kept for it, weight-sized temporaries). A horizontal partner
                of an epilogue op (a reader of one of the epilogue's operands, e.g.
                the remat stage's GELU recompute beside GELU's backward, both
                reading the saved pre-activation) joins it like any group, within
@@ -278,7 +281,7 @@ from xdsl.ir import Block, BlockArgument, Operation, Region, SSAValue
 from xdsl.passes import ModulePass
 
 from nova.ir import dialect as nv
-from nova.ir.module import result_slots, return_op, step_func
+from nova.ir.module import arg_slots, result_slots, return_op, step_func
 from nova.ir.types import elem_of, numel, shape_of, tensor, to_torch_dtype
 from nova.schedule.cost import flops_per_element
 from nova.transforms.plan_memory import UPDATED_ROLES, VIEW_OPS
@@ -459,6 +462,9 @@ class _Grouping:
             if slot.role in UPDATED_ROLES and isinstance(v.owner, Operation):
                 self.late.add(v.owner)
                 self.updates.add(v.owner)
+        # the optimizer's state and hyperparameters (Adam's moments, its betas, lr): what reads
+        # them stays out of a contraction's epilogue (``_merge``)
+        self.optimizer_args = {a for s, a in zip(arg_slots(fn), block.args, strict=True) if s.role in ("state", "hyper")}
         # scalars only the return reads (the new Adam step counters, the guard's flags): run
         # last, together, after every group that reads the old values they are written over
         ret = block.last_op
@@ -637,15 +643,23 @@ class _Grouping:
                 return False  # (``inputs``: the scalars it recomputes read too)
         return True
 
+    def _optimizer_op(self, m: Operation) -> bool:
+        """An op of the optimizer's update: one reading the optimizer's state or
+        hyperparameters (``inputs``: through the scalar ops a kernel computes itself, 1 -
+        beta2). (A param's new value computed from the step's values alone, p - x @ w, may
+        still be a matmul's epilogue, written over p in place.)"""
+        return any(v in self.optimizer_args for v in self.inputs.get(m, m.operands))
+
     def _widens_for_heavy_readers(self, op: Operation, w: SSAValue) -> bool:
         """A widening op (its result wider than ``w``) whose readers are all elementwise
-        ops past any epilogue's budget (GELU's backward): in the epilogue it would make
-        the contraction write the wide value for them; outside, their kernel reads the
-        narrow one."""
+        ops past any epilogue's budget (GELU's backward) or the optimizer's, which no
+        epilogue takes: in the epilogue it would make the contraction write the wide
+        value for them; outside, their kernel reads the narrow one."""
         if _itemsize(op.results[0]) <= _itemsize(w):
             return False
         readers = [u.operation for u in op.results[0].uses]
-        return bool(readers) and all(fusible(r) and flops_per_element(r) > EPILOGUE_MAX_FLOPS for r in readers)
+        return bool(readers) and all(
+            fusible(r) and (flops_per_element(r) > EPILOGUE_MAX_FLOPS or self._optimizer_op(r)) for r in readers)
 
     # --- scalars recomputed where they are read ----------------------------
     def _is_virtual(self, v: SSAValue) -> bool:
@@ -751,6 +765,12 @@ class _Grouping:
         if heads and heads[0].kind == "contraction" and sum(
                 flops_per_element(m) for m in members if fusible(m)) > EPILOGUE_MAX_FLOPS:
             return None  # past the epilogue's budget
+        if heads and heads[0].kind == "contraction" and any(map(self._optimizer_op, members)):
+            # the optimizer's update stays in its multi-tensor groups: in a weight gradient's
+            # epilogue (its layout is the parameter's since the transpose_matmul stage) Adam's
+            # new moments (or their terms) would be computed ahead of the guard's gate and kept
+            # for it: weight-sized temporaries where the update writes in place
+            return None
         for m in reversed(members):
             p = self.pos[m]
             if latest < p < earliest:

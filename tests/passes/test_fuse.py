@@ -316,6 +316,47 @@ def test_what_stays_outside_an_epilogue():
     assert wide_op.name in ("nova.add", "nova.fused")
 
 
+def test_the_optimizers_update_stays_out_of_a_weight_gradients_epilogue():
+    """A weight gradient in its parameter's layout (the transpose_matmul stage) could
+    take Adam's moment updates as its epilogue, but those would then be computed ahead
+    of the guard's gate and kept for it (weight-sized temporaries): no contraction's
+    group reads the optimizer's state or hyperparameters, and the gradient's widening
+    cast, read by the update alone, goes with the update (the matmul writes the bf16
+    product, one output). The plan's arena is the one without the stage."""
+    from nova.ir.module import arg_slots
+    from nova.transforms import transpose_matmul as tm
+
+    arenas = {}
+    for enabled in (True, False):
+        tm.ENABLED = enabled
+        try:
+            torch.manual_seed(0)
+            model = GPT(gpt_tiny(n_layer=1, block_size=16))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            ids = torch.randint(0, 256, (2, 17))
+            c = pipeline.run(pipeline.Compilation(model, (ids[:, :-1].contiguous(), ids[:, 1:].contiguous()), opt,
+                                                  "bf16", torch.float32))  # fmt: skip
+        finally:
+            tm.ENABLED = True
+        arenas[enabled] = c.memory.arena_bytes
+        if not enabled:
+            continue
+        fn = step_func(c.module)
+        optimizer_args = {a for s_, a in zip(arg_slots(fn), fn.body.block.args, strict=True)
+                          if s_.role in ("state", "hyper")}  # fmt: skip
+        weight_grads = 0
+        for op in fn.body.block.ops:
+            if isinstance(op, nv.FusedOp) and op.contraction() is not None:
+                assert not optimizer_args & set(op.operands), [o.name for o in op.inner_ops()]
+            product = isinstance(op, nv.MatmulOp) or isinstance(op, nv.FusedOp) and op.contraction() is not None
+            if product and shape_of(op.results[0].type) in {
+                    (64, 256), (256, 64), (192, 64), (64, 64)}:  # the weights' gradients, [out, in]
+                weight_grads += 1
+                assert len(op.results) == 1 and elem_of(op.results[0].type) == bf16, op.name
+        assert weight_grads == 4
+    assert arenas[True] == arenas[False]
+
+
 def test_an_epilogue_never_feeds_its_own_matmul():
     """exp(x) feeds the matmul and its epilogue's add: the add joins the matmul and
     reads exp(x) from outside; exp stays with the other reader of x's group."""

@@ -1,0 +1,101 @@
+"""The transpose_matmul stage: a transposed product is computed transposed,
+``transpose(a @ b)`` as ``transpose(b) @ transpose(a)``, so that a weight gradient
+is written in its parameter's layout.
+
+autodiff's backward of ``y = x @ transpose(w)`` (``nn.Linear``: every GPT-2 weight)
+gives ``dw = transpose(transpose(x) @ dy)``: the product [in, out] and a transpose
+(a strided view). Everything that reads ``dw`` then reads it across its rows: the
+optimizer's multi-tensor update walks the parameter [out, in] row-major, so each
+of its loads of the 16-bit gradient takes two bytes of a 32-byte sector, and with
+the sectors of twelve [3072, 768] gradients in flight (57 MB in bf16) beyond the
+50 MB L2 they come from DRAM again and again (GPT-2 124M bf16 at batch 32 on an
+H100, one launch each: the c_fc and c_proj weights' updates 1.436 and 1.314 ms, the
+c_attn weights' 0.245 ms for 3/4 of the bytes, bench/results/runs/
+epilogue_variants_graph_12l_h100_4c64f5c.json); and ddp's bucket cannot take the
+gradient as a window of its flat buffer, only as a copy. Eager PyTorch computes
+the gradient the other way round already (``grad_output^T @ input``).
+
+Rule: ``transpose(m, perm)`` with perm swapping the last two dims and ``m`` the
+result of a ``nova.matmul`` (or a ``nova.cast`` of one), each read by the next op
+alone, becomes ``matmul(swap(b), swap(a))`` (cast as before), where swap undoes
+an operand's own last-two-dims transpose instead of adding one. Exact in real
+arithmetic (each element is the same K products); in floating point the sum over K
+is the kernel's for the other shape, so results match the transposed product within
+rounding, not bit for bit. Nothing else changes: a product read by anything besides
+the transpose, a batched product whose operands broadcast (the swap keeps the batch
+dims, which must then match), a transpose of other dims.
+"""
+
+from __future__ import annotations
+
+from xdsl.dialects.builtin import ModuleOp
+from xdsl.ir import SSAValue
+
+from nova.ir import dialect as nv
+from nova.ir.builder import OpBuilder
+from nova.ir.module import step_func
+from nova.ir.types import elem_of, shape_of
+from nova.transforms.simplify import dce
+
+# the stage's switch (scripts/epilogue_variants.py "transpose-matmul-off" measures the step without it)
+ENABLED = True
+
+
+def _swaps_last_two(perm: tuple[int, ...]) -> bool:
+    n = len(perm)
+    return n >= 2 and tuple(perm) == (*range(n - 2), n - 1, n - 2)
+
+
+def _swapped(b: OpBuilder, v: SSAValue) -> SSAValue:
+    """``v`` with its last two dims swapped: the operand of ``v``'s own swap when it is one."""
+    op = v.owner
+    if isinstance(op, nv.TransposeOp) and _swaps_last_two(op.props()["perm"]):
+        return op.operands[0]
+    return b.swap_last(v)
+
+
+def _product_under(t: nv.TransposeOp) -> tuple[nv.MatmulOp, nv.CastOp | None] | None:
+    if not _swaps_last_two(t.props()["perm"]):
+        return None
+    v = t.operands[0]
+    cast = None
+    if isinstance(v.owner, nv.CastOp) and v.has_one_use():
+        cast = v.owner
+        v = cast.operands[0]
+    if not isinstance(v.owner, nv.MatmulOp) or not v.has_one_use():
+        return None
+    mm = v.owner
+    a, b = mm.operands
+    if shape_of(a.type)[:-2] != shape_of(b.type)[:-2]:
+        return None  # broadcast batch dims
+    return mm, cast
+
+
+def transpose_matmul(module: ModuleOp) -> int:
+    """Rewrites every match in @train_step (see the module docstring); returns how many."""
+    if not ENABLED:
+        return 0
+    block = step_func(module).body.block
+    done = 0
+    for t in [op for op in block.ops if isinstance(op, nv.TransposeOp)]:
+        found = _product_under(t)
+        if found is None:
+            continue
+        mm, cast = found
+        a, w = mm.operands
+        loc = mm.attributes.get("nova.loc")
+        # where the product was: the transpose may sit later (by its reader), and computing
+        # the product there would keep its operands (activations) alive until then
+        b = OpBuilder(block, before=mm, location=loc.data if loc is not None else None)
+        out = b.matmul(_swapped(b, w), _swapped(b, a))
+        if cast is not None:
+            out = b.cast(out, elem_of(cast.results[0].type))
+        assert out.type == t.results[0].type, (out.type, t.results[0].type)
+        t.results[0].replace_all_uses_with(out)
+        done += 1
+    if done:
+        dce(block)
+    return done
+
+
+__all__ = ["ENABLED", "transpose_matmul"]
