@@ -66,8 +66,8 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
                 since a6abd7d, so now the same as tile-grid)
   ln-hoist-pair both of the above
   ln-hoist-off  those operands loaded every row (the step before a6abd7d)
-  transpose-matmul-off  the weight gradients as transposed products, read across rows by
-                the optimizer (the step before the transpose_matmul stage)
+  transpose-matmul-on  the transpose_matmul stage on: the weight gradients as products in their
+                parameters' layout, not transposed ones the optimizer reads across rows
 
     python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--variants a,b] [--graph] [--out DIR]
 
@@ -90,7 +90,7 @@ VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "t
             "tile-grid-noresidual", "ws-off", "ws-plain", "ws-epi128", "ws-epi256", "two-pass-split",
             "casts-unbatched", "last-split-sums", "row-stores-off", "norm-recompute-off", "ln-pair-sums",
             "ln-hoist", "ln-hoist-pair", "ln-hoist-off", "attention-sums-off", "attn-sums-dq-dot", "stream-k",
-            "stream-k-all", "transpose-matmul-off")
+            "stream-k-all", "transpose-matmul-on")
 # each ws variant's changes to configurator.WS_TILES
 WS_VARIANTS = {"ws-off": {"plain": None, "epilogue": None}, "ws-plain": {"epilogue": None},
                "ws-epi128": {"epilogue": (128, 128, 4)}, "ws-epi256": {"epilogue": (128, 256, 4)}}
@@ -121,10 +121,10 @@ def apply_variant(variant: str) -> None:
         from nova import pipeline
 
         pipeline.STAGES[:] = [s for s in pipeline.STAGES if s[0] != "norm_recompute"]
-    if variant == "transpose-matmul-off":  # weight gradients as transposed products (before 2026-12-05, sixth)
+    if variant == "transpose-matmul-on":  # weight gradients in their parameters' layout (built 2026-12-05, sixth)
         from nova.transforms import transpose_matmul
 
-        transpose_matmul.ENABLED = False
+        transpose_matmul.ENABLED = True
     if variant == "attention-sums-off":  # the qkv bias gradient as a reduction of its own (before 2026-12-05)
         from nova import pipeline
 

@@ -326,7 +326,7 @@ def test_the_optimizers_update_stays_out_of_a_weight_gradients_epilogue():
     from nova.ir.module import arg_slots
     from nova.transforms import transpose_matmul as tm
 
-    arenas = {}
+    arenas, shipped = {}, tm.ENABLED
     for enabled in (True, False):
         tm.ENABLED = enabled
         try:
@@ -337,7 +337,7 @@ def test_the_optimizers_update_stays_out_of_a_weight_gradients_epilogue():
             c = pipeline.run(pipeline.Compilation(model, (ids[:, :-1].contiguous(), ids[:, 1:].contiguous()), opt,
                                                   "bf16", torch.float32))  # fmt: skip
         finally:
-            tm.ENABLED = True
+            tm.ENABLED = shipped
         arenas[enabled] = c.memory.arena_bytes
         if not enabled:
             continue

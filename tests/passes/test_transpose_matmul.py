@@ -48,13 +48,19 @@ def _products_transposed(fn) -> int:
     return n
 
 
+def test_the_switch_is_off_by_default():
+    """Off until the step is measured with it on a device (the constant's comment)."""
+    c = _to(_gpt("fp32"), "simplify")
+    assert tm.ENABLED is False and tm.transpose_matmul(c.module) == 0
+
+
 def test_linear_weight_gradients_are_products_in_the_parameters_layout():
     for precision in ("fp32", "bf16"):
         c = _to(_gpt(precision), "simplify")
         fn = step_func(c.module)
         before = _products_transposed(fn)
         assert before >= 8, "each of the 2 layers' 4 Linear weights: transpose(x^T @ dy)"
-        assert tm.transpose_matmul(c.module) == before
+        assert tm.transpose_matmul(c.module, enabled=True) == before
         c.module.verify()
         assert _products_transposed(fn) == 0
         weights = {tuple(shape_of(v.type)) for n, v in c.grads.items() if len(shape_of(v.type)) == 2 and ".h." in n}
@@ -66,13 +72,13 @@ def test_the_reference_step_agrees_with_the_transposed_products():
     """float64, the reference executor, the whole step (loss, gradients, SGD update):
     with and without the stage within rounding (the same K products, summed by
     another matmul call)."""
-    outs = {}
+    outs, shipped = {}, tm.ENABLED
     for enabled in (False, True):
         tm.ENABLED = enabled
         try:
             c = pipeline.run(_gpt("fp32", torch.float64))
         finally:
-            tm.ENABLED = True
+            tm.ENABLED = shipped
         outs[enabled] = run_function(step_func(c.module), step_args(c))
     assert len(outs[False]) == len(outs[True])
     for x, y in zip(outs[False], outs[True], strict=True):
@@ -107,7 +113,7 @@ def test_what_is_rewritten_and_what_stays():
         a = torch.randn(sa, dtype=torch.float64)
         b = torch.randn(sb, dtype=torch.float64)
         before = run_function(fn, [a, b])
-        assert tm.transpose_matmul(module) == want, (sa, sb, perm, cast, extra)
+        assert tm.transpose_matmul(module, enabled=True) == want, (sa, sb, perm, cast, extra)
         module.verify()
         after = run_function(fn, [a, b])
         for x, y in zip(before, after, strict=True):
@@ -126,7 +132,7 @@ def test_an_operands_own_transpose_is_undone_not_doubled():
     x, y = fn.body.block.args
     t = b.transpose(b.matmul(b.transpose(x, (1, 0)), y), (1, 0))
     set_results(fn, [("loss", "loss", b.reduce_sum(t, [0, 1]))])
-    assert tm.transpose_matmul(module) == 1
+    assert tm.transpose_matmul(module, enabled=True) == 1
     (mm,) = [op for op in fn.body.block.ops if isinstance(op, nv.MatmulOp)]
     assert mm.operands[1] is x and mm.operands[0].owner.operands[0] is y
     assert not any(isinstance(op, nv.TransposeOp) and op.operands[0] is x for op in fn.body.block.ops)
