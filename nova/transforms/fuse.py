@@ -762,15 +762,15 @@ class _Grouping:
         head = next((m for n in heads for m in n.members if epilogue_head(m)), None)
         if head is not None and any(v.owner in inside for v in head.operands):
             return None  # the contraction would read its own epilogue
-        if heads and heads[0].kind == "contraction" and sum(
-                flops_per_element(m) for m in members if fusible(m)) > EPILOGUE_MAX_FLOPS:
-            return None  # past the epilogue's budget
-        if heads and heads[0].kind == "contraction" and any(map(self._optimizer_op, members)):
-            # the optimizer's update stays in its multi-tensor groups: in a weight gradient's
-            # epilogue (its layout is the parameter's since the transpose_matmul stage) Adam's
-            # new moments (or their terms) would be computed ahead of the guard's gate and kept
-            # for it: weight-sized temporaries where the update writes in place
-            return None
+        if heads and heads[0].kind == "contraction":
+            if sum(flops_per_element(m) for m in members if fusible(m)) > EPILOGUE_MAX_FLOPS:
+                return None  # past the epilogue's budget
+            if any(map(self._optimizer_op, members)):
+                # the optimizer's update stays in its multi-tensor groups: in a weight gradient's
+                # epilogue (its layout is the parameter's since the transpose_matmul stage) Adam's
+                # new moments (or their terms) would be computed ahead of the guard's gate and kept
+                # for it: weight-sized temporaries where the update writes in place
+                return None
         for m in reversed(members):
             p = self.pos[m]
             if latest < p < earliest:

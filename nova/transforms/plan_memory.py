@@ -328,7 +328,7 @@ def _dense_window_source(x: SSAValue, dim: int, start: int) -> SSAValue | None:
     op = r.owner
     if not isinstance(op, Operation) or isinstance(op, (*VIEW_OPS, nv.CatOp, nv.FullOp)) or nbytes(r) == 0:
         return None
-    if isinstance(op, nv.NovaOp) and r.index in STRIDED_OUTPUTS.get(type(op), ()):
+    if _stored_strided(r):
         return None  # stored through strides the permuted rule may choose: not here
     if start * to_torch_dtype(elem_of(x.type)).itemsize % DENSE_WINDOW_ALIGN:
         return None

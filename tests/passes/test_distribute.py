@@ -68,10 +68,10 @@ def test_ddp_buckets_follow_the_backward_and_sit_right_after_their_last_gradient
             assert [u.operation for u in v.uses] == [reader], "only the bucket's flattening reads the local gradient"
         # the averaged gradients: each a slice of the all-reduce's result, in the bucket's order, reshaped back
         (reduced,) = op.results
+        views = [u.operation for u in reduced.uses]
         at = 0
         for n in b.names:
             size = numel(shape_of(grads[n].type))
-            views = [u.operation for u in reduced.uses]
             if len(b.names) > 1:
                 (sl,) = [o for o in views if isinstance(o, nv.SliceOp) and o.props()["start"] == at]
                 assert sl.props()["end"] == at + size

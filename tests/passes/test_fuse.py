@@ -316,7 +316,7 @@ def test_what_stays_outside_an_epilogue():
     assert wide_op.name in ("nova.add", "nova.fused")
 
 
-def test_the_optimizers_update_stays_out_of_a_weight_gradients_epilogue():
+def test_the_optimizers_update_stays_out_of_a_weight_gradients_epilogue(monkeypatch):
     """A weight gradient in its parameter's layout (the transpose_matmul stage) could
     take Adam's moment updates as its epilogue, but those would then be computed ahead
     of the guard's gate and kept for it (weight-sized temporaries): no contraction's
@@ -326,18 +326,15 @@ def test_the_optimizers_update_stays_out_of_a_weight_gradients_epilogue():
     from nova.ir.module import arg_slots
     from nova.transforms import transpose_matmul as tm
 
-    arenas, shipped = {}, tm.ENABLED
+    arenas = {}
     for enabled in (True, False):
-        tm.ENABLED = enabled
-        try:
-            torch.manual_seed(0)
-            model = GPT(gpt_tiny(n_layer=1, block_size=16))
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            ids = torch.randint(0, 256, (2, 17))
-            c = pipeline.run(pipeline.Compilation(model, (ids[:, :-1].contiguous(), ids[:, 1:].contiguous()), opt,
-                                                  "bf16", torch.float32))  # fmt: skip
-        finally:
-            tm.ENABLED = shipped
+        monkeypatch.setattr(tm, "ENABLED", enabled)
+        torch.manual_seed(0)
+        model = GPT(gpt_tiny(n_layer=1, block_size=16))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ids = torch.randint(0, 256, (2, 17))
+        c = pipeline.run(pipeline.Compilation(model, (ids[:, :-1].contiguous(), ids[:, 1:].contiguous()), opt,
+                                              "bf16", torch.float32))  # fmt: skip
         arenas[enabled] = c.memory.arena_bytes
         if not enabled:
             continue

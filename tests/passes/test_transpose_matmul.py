@@ -68,17 +68,14 @@ def test_linear_weight_gradients_are_products_in_the_parameters_layout():
         assert weights <= products, (weights, products)
 
 
-def test_the_reference_step_agrees_with_the_transposed_products():
+def test_the_reference_step_agrees_with_the_transposed_products(monkeypatch):
     """float64, the reference executor, the whole step (loss, gradients, SGD update):
     with and without the stage within rounding (the same K products, summed by
     another matmul call)."""
-    outs, shipped = {}, tm.ENABLED
+    outs = {}
     for enabled in (False, True):
-        tm.ENABLED = enabled
-        try:
-            c = pipeline.run(_gpt("fp32", torch.float64))
-        finally:
-            tm.ENABLED = shipped
+        monkeypatch.setattr(tm, "ENABLED", enabled)
+        c = pipeline.run(_gpt("fp32", torch.float64))
         outs[enabled] = run_function(step_func(c.module), step_args(c))
     assert len(outs[False]) == len(outs[True])
     for x, y in zip(outs[False], outs[True], strict=True):
