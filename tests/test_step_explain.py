@@ -94,6 +94,8 @@ class _FakeEvent:
 class _FakeClock:
     """A device whose time advances only as the fake launches say."""
 
+    asynchronous = True
+
     def __init__(self):
         self.now, self.holds, self.syncs = 0.0, [], 0
 
@@ -130,9 +132,74 @@ def test_event_timer_times_each_call_in_windows():
     assert all(h >= pf.MIN_HOLD_S for h in clock.holds)
 
 
+class _HostClock:
+    """The host's clock, advanced only by the fake launches' host costs."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_window_the_host_fell_behind_on_is_timed_again_with_a_longer_hold():
+    """A launch whose host cost outlasts its window's device wait would be timed with the
+    host's time in it (the device waits inside its events): the pass is thrown away and
+    the list timed again, each window's hold twice the host's time for it."""
+    clock, host = _FakeClock(), _HostClock()
+    slow = {5: 30e-3}  # launch 5 costs the host 30 ms (a fused update with hundreds of arguments)
+
+    def call(i):
+        def run():
+            host.now += slow.get(i, 20e-6)
+            clock.now += 1e-6 * (i + 1)
+
+        return run
+
+    timer = pf.EventTimer(clock, window=4, host_clock=host)
+    times, _ = timer.time([call(i) for i in range(10)])
+    assert times == pytest.approx([1e-6 * (i + 1) for i in range(10)])
+    assert timer.passes == 2
+    # pass 1: 1 ms each (MIN_HOLD_S); pass 2: twice each window's host time, at least MIN_HOLD_S
+    assert clock.holds == pytest.approx([1e-3] * 3 + [1e-3, 2 * (30e-3 + 3 * 20e-6), 1e-3])
+    # the timer keeps what it learnt: the next call (measure's next repeat) needs one pass
+    timer.time([call(i) for i in range(10)])
+    assert timer.passes == 3
+
+
+def test_a_host_that_never_keeps_ahead_is_an_error_not_a_time():
+    clock, host = _FakeClock(), _HostClock()
+    cost = [2e-3]
+
+    def run():
+        cost[0] *= 3  # each pass the launch costs the host three times more: no hold is ever enough
+        host.now += cost[0]
+        clock.now += 1e-6
+
+    timer = pf.EventTimer(clock, window=4, host_clock=host)
+    with pytest.raises(pf.MeasureError, match="could not keep ahead"):
+        timer.time([run])
+    assert timer.passes == pf.MAX_PASSES
+
+
+def test_a_host_clock_is_not_checked_against_its_holds():
+    """Where the host runs the launches itself (asynchronous False) there is no device to keep
+    ahead of: one pass, whatever the host took."""
+    clock, host = _CpuClock(), _HostClock()
+
+    def run():
+        host.now += 1.0
+
+    timer = pf.EventTimer(clock, window=4, host_clock=host)
+    timer.time([run] * 6)
+    assert timer.passes == 1 and clock.holds == 2
+
+
 class _CpuClock:
     """Host time: under Triton's interpreter a launch runs on the host, so the host's
     clock between two events is that launch's time (for this test only)."""
+
+    asynchronous = False
 
     def __init__(self):
         self.holds = 0
