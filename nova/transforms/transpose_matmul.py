@@ -4,16 +4,12 @@ is written in its parameter's layout.
 
 autodiff's backward of ``y = x @ transpose(w)`` (``nn.Linear``: every GPT-2 weight)
 gives ``dw = transpose(transpose(x) @ dy)``: the product [in, out] and a transpose
-(a strided view). Everything that reads ``dw`` then reads it across its rows: the
-optimizer's multi-tensor update walks the parameter [out, in] row-major, so each
-of its loads of the 16-bit gradient takes two bytes of a 32-byte sector, and with
-the sectors of twelve [3072, 768] gradients in flight (57 MB in bf16) beyond the
-50 MB L2 they come from DRAM again and again (GPT-2 124M bf16 at batch 32 on an
-H100, one launch each: the c_fc and c_proj weights' updates 1.436 and 1.314 ms, the
-c_attn weights' 0.245 ms for 3/4 of the bytes, bench/results/runs/
-epilogue_variants_graph_12l_h100_4c64f5c.json); and ddp's bucket cannot take the
-gradient as a window of its flat buffer, only as a copy. Eager PyTorch computes
-the gradient the other way round already (``grad_output^T @ input``).
+(a strided view). Everything that reads ``dw`` then reads it across its rows, and
+ddp's bucket cannot take the gradient as a window of its flat buffer, only as a
+copy (a reshape, then the bucket's cat). Eager PyTorch computes the gradient the
+other way round already (``grad_output^T @ input``). (The optimizer's update reads
+the transposed gradient at the same speed as a plain one, as far as measured: see
+``ENABLED``.)
 
 Rule: ``transpose(m, perm)`` with perm swapping the last two dims and ``m`` the
 result of a ``nova.matmul`` (or a ``nova.cast`` of one), each read by the next op
@@ -37,11 +33,16 @@ from nova.ir.module import step_func
 from nova.ir.types import elem_of, shape_of
 from nova.transforms.simplify import dce
 
-# the pipeline's switch. Off: built 2026-12-05 (sixth session) and verified on the CPU, but the
-# session's device time was spent before the step could be measured with it (the GPT-2 124M
-# bf16 step's plan is the same, 8.654 GiB predicted, its kernels the same but for 768x2304's
-# product computed as 2304x768 at the same config); scripts/epilogue_variants.py
-# "transpose-matmul-on" measures it against the shipped step
+# the pipeline's switch. Off: built 2026-12-05 (sixth session) and verified on the CPU, not measured
+# on a device. Its first reason did not hold: the 4c64f5c launch table's 1.436 and 1.314 ms for the
+# c_fc and c_proj weights' updates were the host's launch time inside the timer's events (nova/
+# runtime/profile.py, mended the next session); at 1c57010 the same kernels took 0.32 ms each against
+# c_attn's 0.245, in proportion to their bytes, so the transposed gradient costs the update nothing
+# we can see. What is left: ddp's buckets take the gradients as windows (the offline plan loses 48
+# reshape copies and the bucket's cat copy, about 0.5 ms predicted on the H200). The GPT-2 124M bf16
+# step's plan is the same with it (8.654 GiB predicted), its kernels the same but for 768x2304's
+# product computed as 2304x768 at the same config; scripts/epilogue_variants.py "transpose-matmul-on"
+# measures it against the shipped step
 ENABLED = False
 
 
