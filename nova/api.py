@@ -68,11 +68,11 @@ log = get_logger("nova.api")
 
 # bumped whenever any module, parameter or buffer is registered (assigned) in this
 # process: the program key's fingerprint walks the model again only then
-_REGISTRATIONS = [0]
+_registrations = [0]
 
 
 def _registered(*_) -> None:
-    _REGISTRATIONS[0] += 1
+    _registrations[0] += 1
 
 
 for _register in (torch.nn.modules.module.register_module_module_registration_hook,
@@ -357,12 +357,12 @@ class CompiledStep:
         storage and requires_grad, the full key (a walk of every named parameter and
         buffer) is the one computed last time."""
         m = self.model
-        if self._walk is None or self._walk[0] != _REGISTRATIONS[0]:
+        if self._walk is None or self._walk[0] != _registrations[0]:
             mods = list(m.modules())
-            self._walk = (_REGISTRATIONS[0], mods, [p for _, p in m.named_parameters(remove_duplicate=False)])
+            self._walk = (_registrations[0], mods, [p for _, p in m.named_parameters(remove_duplicate=False)])
         _, mods, plist = self._walk
         # map() over C callables: no Python frame per module or parameter (this runs every call)
-        fast = (_REGISTRATIONS[0], tuple((tuple(t.shape), t.dtype) for t in batch), tuple(map(_TRAINING, mods)),
+        fast = (_registrations[0], tuple((tuple(t.shape), t.dtype) for t in batch), tuple(map(_TRAINING, mods)),
                 self._spec_key(),
                 tuple(map(len, map(_PARAMETERS_OF, mods))), tuple(map(len, map(_MODULES_OF, mods))),
                 tuple(map(len, map(_BUFFERS_OF, mods))), tuple(map(_DATA_PTR, plist)),
@@ -440,7 +440,7 @@ class CompiledStep:
             if self._pending:
                 self._poll()  # the guard of every earlier step that has finished (no waiting)
             steady = self._steady
-            if steady is not None and steady.holds(self, batch, _REGISTRATIONS[0]):
+            if steady is not None and steady.holds(self, batch, _registrations[0]):
                 return self._replay(steady, batch)
             self._steady = None
             return self._call(batch)
@@ -464,7 +464,7 @@ class CompiledStep:
         (compiled on a miss), every argument gathered and checked, the commit."""
         self._check_batch(batch)
         prog = self._program(batch)
-        registrations = _REGISTRATIONS[0]  # after a compile: torch.export registers modules of its own
+        registrations = _registrations[0]  # after a compile: torch.export registers modules of its own
         if self._batch_sig is None:
             self._batch_sig = [(t.dtype, t.device, t.dim()) for t in batch]
         self._last = prog

@@ -1361,6 +1361,8 @@ CATEGORIES: dict[str, str] = {
     "contraction": "matmul, attention and the fused LM head",
     "opaque": "anything else (gathers, scatters, pad): never fused",
     "fused": "a nova.fused group",
+    "collective": "communication across the ranks of the default process group (all-reduce, reduce-scatter, "
+                  "all-gather) and the rank's own shard of a value: never fused (the ops: below)",
 }  # fmt: skip
 FUSED_KINDS = ("elementwise", "contraction", "reduction")
 
@@ -1741,9 +1743,6 @@ class LoweringConfigAttr(ParametrizedAttribute):
 # merge or reorder one; fusion leaves category "collective" alone (it groups only
 # elementwise ops). The executors run them through torch.distributed
 # (nova.runtime.distributed): gloo on CPUs, NCCL on GPUs.
-
-CATEGORIES["collective"] = ("communication across the ranks of the default process group (all-reduce, "
-                            "reduce-scatter, all-gather) and the rank's own shard of a value: never fused")  # fmt: skip
 
 
 def _ceil_div(a: int, b: int) -> int:

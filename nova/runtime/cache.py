@@ -14,8 +14,9 @@ structure (``OptimizerSpec``: kinds, parameter names and flags; learning rates
 and betas are runtime ``hyper`` arguments, not part of the program), the step
 dtype, the device spec (None for the reference target), the guard and remat
 options, the stage names, Nova's version and a hash of its own source files (an
-edited compiler never reads an old entry), and the torch, triton and xDSL
-versions.
+edited compiler never reads an old entry), the module switches this process set to
+other values than the source's (``changed_switches``: a script's variant, a test's
+monkeypatch), and the torch, triton and xDSL versions.
 
 ``nova.loc`` strings name source files by absolute path. A path can differ
 between two processes compiling the same model (a Jupyter cell lives in
@@ -59,12 +60,14 @@ trigger walk every object of the process).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import enum
 import functools
 import hashlib
 import json
 import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -174,6 +177,92 @@ def bind_location(loc: str, dirs: list[str]) -> str:
     return _PLACEHOLDER.sub(one, loc)
 
 
+# a module-level assignment of an upper-case name: the line's first column (inside a def
+# or a class it is indented); a type annotation allowed
+_SWITCH_LINE = re.compile(r"^([A-Z_][A-Z0-9_]*)\s*(?::[^=]*)?=(?!=)\s*(.*)$")
+_SWITCH_LINES_MAX = 200  # a literal longer than this is not a switch (and would be slow to find)
+
+
+@functools.cache
+def _written_switches(path: str) -> dict[str, object]:
+    """The module-level ``NAME = <literal>`` assignments of upper-case names in a source
+    file, with the values as written (``ast.literal_eval``; others are skipped, and so
+    are empty containers: those are registries the module's imports fill, such as
+    ``nova.schedule.cost.RULES``, not switches). Read line by line, not by parsing the
+    file (a fifth of a second for Nova's sources, on every compile's key): a match's
+    value runs on over the next lines until it parses as an expression."""
+    out: dict[str, object] = {}
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines):
+        m = _SWITCH_LINE.match(line)
+        if m is None or not any(ch.isalpha() for ch in m.group(1)):
+            continue
+        text = m.group(2)
+        for j in range(i + 1, min(len(lines), i + _SWITCH_LINES_MAX) + 1):
+            try:
+                node = ast.parse(text.strip(), mode="eval")
+                break
+            except SyntaxError:
+                if j == len(lines):
+                    node = None
+                    break
+                text += "\n" + lines[j]
+        else:
+            node = None
+        if node is None:
+            continue
+        try:
+            value = ast.literal_eval(node)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            continue  # not a literal (a computed constant): its inputs are switches themselves
+        if not (isinstance(value, (dict, list, set, tuple)) and not value):
+            out[m.group(1)] = value
+    return out
+
+
+_PLAIN_SWITCH = (bool, int, float, str, type(None))
+
+
+def _switch_text(v) -> str:
+    """A switch's value as stable text; ``Unhashable`` for a value whose repr could hold an address."""
+    if isinstance(v, _PLAIN_SWITCH):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        inner = ", ".join(_switch_text(x) for x in v)
+        return f"[{inner}]" if isinstance(v, list) else f"({inner})"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_switch_text(k)}: {_switch_text(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, (set, frozenset)):
+        return "{" + ", ".join(sorted(_switch_text(x) for x in v)) + "}"
+    raise Unhashable(f"switch value {type(v).__name__}")
+
+
+def changed_switches() -> dict[str, str]:
+    """Nova's module-level switches (upper-case names assigned a literal in the source,
+    e.g. ``nova.transforms.transpose_matmul.ENABLED``) whose value in this process is not
+    the one written in the source: a script or a test that flips one compiles another
+    program from the same source, so the key holds what was changed. A module not imported
+    has its written values (nothing changed), so the key is the same in every process
+    that changed nothing, whichever modules it has loaded. Raises ``Unhashable`` for a
+    changed value without a stable text (the compile is then not cached)."""
+    out: dict[str, str] = {}
+    for name in sorted(sys.modules):
+        if name != "nova" and not name.startswith("nova."):
+            continue
+        mod = sys.modules[name]
+        path = getattr(mod, "__file__", None)
+        if not path or not path.endswith(".py"):
+            continue
+        here = vars(mod)
+        for attr, written in _written_switches(path).items():
+            if attr not in here:
+                continue
+            v = here[attr]
+            if type(v) is not type(written) or v != written:
+                out[f"{name}.{attr}"] = _switch_text(v)
+    return out
+
+
 def key_inputs(c, ir_sha256: str, spec, stages: list[str]) -> dict:
     """Everything the key hashes, readable. ``ir_sha256``: the IR after AFTER (``ir_digest``)."""
     return {
@@ -189,6 +278,7 @@ def key_inputs(c, ir_sha256: str, spec, stages: list[str]) -> dict:
         "memory_budget": _plain(getattr(c, "memory_budget", None)),
         "data_parallel": _plain(getattr(c, "data_parallel", None)),  # the distribute stage (mode, ranks, buckets)
         "stages": list(stages),
+        "switches": changed_switches(),  # module switches flipped in this process (tests, scripts' variants)
         **_versions(),
         "nova_source_sha256": source_digest(),
     }
@@ -256,17 +346,12 @@ def _printer_text(attr) -> str:
     return out.getvalue()
 
 
-_BUILTIN = None
-
-
+@functools.cache
 def _builtin():
     """The builtin attribute classes the table writes as JSON rows (imported once)."""
-    global _BUILTIN
-    if _BUILTIN is None:
-        from xdsl.dialects import builtin as b
+    from xdsl.dialects import builtin as b
 
-        _BUILTIN = b
-    return _BUILTIN
+    return b
 
 
 def _plain_attr(a, aid) -> list | None:

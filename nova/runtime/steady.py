@@ -18,7 +18,7 @@ for 593 tensors, its arguments converted element by element.)
 
   batch          the count, and each tensor's class, shape, dtype and device
   registrations  torch's global module / parameter / buffer registration hooks
-                 (``nova.api._REGISTRATIONS``): anything assigned to a module
+                 (``nova.api._registrations``): anything assigned to a module
   structure      the sizes of every module's non-empty ``_parameters``,
                  ``_modules`` and ``_buffers``: something deleted (an entry
                  added to an empty one goes through a registration hook)

@@ -259,6 +259,47 @@ def test_what_changes_the_output_misses(cache_dir, change, monkeypatch):
     assert len(entry_files(cache_dir)) == 2
 
 
+def test_a_flipped_switch_misses_and_its_entry_is_its_own(cache_dir, monkeypatch):
+    """A module switch set at run time (a script's variant, a test's monkeypatch) compiles
+    another program from the same source: the key holds it, so neither program is read
+    for the other (scripts/epilogue_variants.py's "transpose-matmul-on" got the shipped
+    step from the cache before, where the cache was on)."""
+    from nova.transforms import transpose_matmul
+
+    model, opt, batch = tiny()
+    assert compile_(model, opt, batch).cache == "miss"
+    monkeypatch.setattr(transpose_matmul, "ENABLED", True)
+    assert cache.changed_switches() == {"nova.transforms.transpose_matmul.ENABLED": "True"}
+    flipped = compile_(model, opt, batch)
+    assert flipped.cache == "miss" and len(entry_files(cache_dir)) == 2
+    assert compile_(model, opt, batch).cache == "hit"  # the flipped program's own entry
+    monkeypatch.setattr(transpose_matmul, "ENABLED", False)
+    assert cache.changed_switches() == {}
+    assert compile_(model, opt, batch).cache == "hit" and len(entry_files(cache_dir)) == 2
+
+
+def test_changed_switches_sees_values_not_modules(monkeypatch):
+    """Nothing changed: empty, whatever is imported (every module of nova imported here, the
+    registries they fill at import are no switches); a container mutated in place counts;
+    a changed value without a stable text turns the cache off (Unhashable)."""
+    import importlib
+    import pkgutil
+
+    from nova.schedule import configurator
+
+    for m in pkgutil.walk_packages(nova.__path__, "nova."):
+        importlib.import_module(m.name)
+    assert cache.changed_switches() == {}
+    written = cache._written_switches(configurator.__file__)
+    assert written["ONE_WAVE_SPLIT_MIN_GAIN"] == configurator.ONE_WAVE_SPLIT_MIN_GAIN
+    assert written["WS_TILES"] == configurator.WS_TILES and "LAUNCH_SECONDS" in written
+    monkeypatch.setitem(configurator.WS_TILES, "plain", None)
+    assert list(cache.changed_switches()) == ["nova.schedule.configurator.WS_TILES"]
+    monkeypatch.setattr(configurator, "ONE_WAVE_SPLIT_MIN_GAIN", object())
+    with pytest.raises(cache.Unhashable):
+        cache.changed_switches()
+
+
 def test_disabled_and_dump_bypass_the_cache(cache_dir, monkeypatch):
     dumped = compile_(*tiny(), dump=True)  # explain() must see every stage
     assert dumped.cache == "off" and list(dumped.stages) == [n for n, _ in pipeline.STAGES]

@@ -108,7 +108,7 @@ def test_a_deleted_submodule_is_seen(monkeypatch):
     step(*b[1])
     assert step._steady is not None
     del model.transformer.h[0].mlp.c_proj.bias  # no registration hook runs for a deletion
-    assert not step._steady.holds(step, b[2], api._REGISTRATIONS[0])
+    assert not step._steady.holds(step, b[2], api._registrations[0])
 
 
 def test_one_submodule_in_eval_mode_selects_another_program(caplog):
