@@ -133,7 +133,9 @@ def main() -> None:
         # the step's epilogue outputs are dense and 16-byte aligned: of two element sizes, stored
         # through descriptors (matmul._tma_e)
         sizes = {d.itemsize for _, _, d in ep.stores}
-        layout = mm.TmaLayout(la, lb, e=split == 1 and len(sizes) > 1) if tma and "strided" not in (la, lb) else None
+        ws = "ws" in cfg.instruction.split("+")  # the warp-specialized kernel: its own source (device-built descriptors)
+        layout = (mm.TmaLayout(la, lb, ws=True) if ws else mm.TmaLayout(la, lb, e=split == 1 and len(sizes) > 1)
+                  if tma and "strided" not in (la, lb) else None)  # fmt: skip
         w = cfg.block_n // mm.epilogue_slices(ep, cfg.block_m, cfg.block_n)
         src = mm.matmul_source(key, has_bias=False, precision=prec, out_dtype=dt, in_dtype=dt, tma=layout,
                                prerounded=staged, epilogue=ep)  # fmt: skip
@@ -143,8 +145,13 @@ def main() -> None:
         a_box = (cfg.block_m, cfg.block_k) if la == "row" else (cfg.block_k, cfg.block_m)
         b_box = (cfg.block_k, cfg.block_n) if lb == "row" else (cfg.block_n, cfg.block_k)
         t0 = time.perf_counter()
-        log, ptx, smem, _ = compile_sm90(src, ep, a_box if layout else None, b_box if layout else None, dt, cfg.num_warps,
-                                cfg.num_stages, (cfg.block_m, w) if layout and layout.e else None)  # fmt: skip
+        if ws:  # as the launcher runs it: one program an SM (the H200's 132), STAGES its ring
+            log, ptx, smem, _ = compile_sm90(src, ep, None, None, dt, cfg.num_warps, cfg.num_stages,
+                                             consts={"NUM_PROGS": 132, "STAGES": cfg.num_stages})  # fmt: skip
+        else:
+            log, ptx, smem, _ = compile_sm90(src, ep, a_box if layout else None, b_box if layout else None, dt,
+                                             cfg.num_warps, cfg.num_stages,
+                                             (cfg.block_m, w) if layout and layout.e else None)  # fmt: skip
         regs, spills = _ptxas(log)
         inner = " ".join(o.name.removeprefix("nova.") for o in ops[0].inner_ops()[1:])
         print(f"{len(ops):4d}x {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} "
