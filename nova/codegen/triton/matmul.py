@@ -290,7 +290,14 @@ class Epilogue:
     the same elements in the same order). ``helpers``: functions the body calls.
     ``sums``: column sums (``ColumnSum``) of body values over every row of the
     iteration shape, [N] outputs each; ``sums[i].slot`` places it among the
-    launch's outputs, the stores filling the other slots in order."""
+    launch's outputs, the stores filling the other slots in order.
+    ``row_stats``: a body variable (fp32) whose log-sum-exp statistics over each
+    tile's columns are stored, per row of the iteration shape and column tile: its
+    maximum and the sum of exp(value - maximum) (columns past N left out), two f32
+    outputs [rows, cdiv(N, row_stats_cols)] after the others; ``row_stats_cols`` is
+    the tile's BLOCK_N, which the launch's config must have (a row's statistics are
+    then combined from its tiles': ``nova.codegen.triton.linear_ce``). The two-D,
+    unsplit kernel only."""
 
     shape: tuple[int, ...]
     operands: tuple[Operand, ...]
@@ -300,6 +307,8 @@ class Epilogue:
     helpers: str = ""
     flat_index: bool = False
     sums: tuple[ColumnSum, ...] = ()
+    row_stats: str = ""
+    row_stats_cols: int = 0
 
     def slots(self) -> tuple[list[int], list[int]]:
         """(the output slots of the stores, of the sums), in their orders."""
@@ -332,6 +341,7 @@ def _epilogue_params(ep: Epilogue) -> tuple[list[str], list[str]]:
     rank = len(ep.shape)
     ptrs = [f"e{k}" for k in range(len(ep.operands))] + [f"o{j}" for j in range(len(ep.stores))]
     ptrs += [f"cs{j}" for j in range(len(ep.sums))]  # the column sums' partials
+    ptrs += ["rm", "rs"] if ep.row_stats else []  # the row statistics: maxima, sums of exponentials
     strides = [f"es{k}_{kd}" for k, op in enumerate(ep.operands) for kd, _, _ in op.terms(rank)]
     return ptrs, strides
 
@@ -349,8 +359,9 @@ def epilogue_lines(ep: Epilogue, two_d: bool, masked: bool, cols: str = "offs_n"
     two-D form only: ``e_prow`` is the tile's row of the partials) store the tile's
     sums of its rows, masked rows 0, at the partials' row ``e_prow``, through
     pointers."""
-    if ep.sums and not two_d:
-        raise ValueError("matmul: column sums need the epilogue over 2-D tiles (the flat split-K reduction has none)")
+    if (ep.sums or ep.row_stats) and not two_d:
+        raise ValueError("matmul: column sums and row statistics need the epilogue over 2-D tiles (the flat split-K "
+                         "reduction has none)")
     rank = len(ep.shape)
     last = rank - 1
     lines = [f"e_tile = {tile}", f"e_cols = {cols}" if two_d else f"e_cols = offs % {ep.shape[-1]}"]
@@ -406,6 +417,15 @@ def epilogue_lines(ep: Epilogue, two_d: bool, masked: bool, cols: str = "offs_n"
             value = "e_cs"
         mask = f", mask={mask_n}" if masked else ""
         lines.append(f"tl.store(cs{j} + e_prow * {ep.shape[-1]} + e_cols, tl.sum({value}, axis=0){mask})")
+    if ep.row_stats:  # this slice's columns into the tile's running maximum e_rm and sum e_rs (_sliced_epilogue)
+        v = ep.row_stats
+        if masked:  # columns past N take no part
+            lines.append(f"e_sv = tl.where({mask_n}[None, :], {v}, float('-inf'))")
+            v = "e_sv"
+        lines += [f"e_sm = tl.maximum(e_rm, tl.max({v}, axis=1))",
+                  "e_ss = tl.where(e_sm == float('-inf'), 0.0, e_sm)",
+                  f"e_rs = e_rs * tl.exp(e_rm - e_ss) + tl.sum(tl.exp({v} - e_ss[:, None]), axis=1)",
+                  "e_rm = e_sm"]  # fmt: skip
     return [ln for ln in lines if ln]
 
 
@@ -1029,8 +1049,14 @@ def _sliced_epilogue(ep: Epilogue, block_m: int, block_n: int, rows: str, idx: s
             parts.append((f"e_n{h}", f"e_mask_n{h}", name))
     for even in (True, False):
         lines.append("if EVEN:" if even else "else:")
+        if ep.row_stats:
+            lines += ["    e_rm = tl.full((BLOCK_M,), float('-inf'), tl.float32)", "    e_rs = tl.zeros((BLOCK_M,), tl.float32)"]
         for (cols, mask, tile), box in zip(parts, boxes, strict=True):
             lines += ["    " + ln for ln in epilogue_lines(ep, True, not even, cols, mask, tile, box)]
+        if ep.row_stats:  # the tile's column of the statistics [rows, cdiv(N, BLOCK_N)]
+            at = "e_rows * tl.cdiv(N, BLOCK_N) + pid_n"
+            mask = "" if even else ", mask=mask_m"
+            lines += [f"    tl.store(rm + {at}, e_rm{mask})", f"    tl.store(rs + {at}, e_rs{mask})"]
     return lines
 
 
@@ -1774,6 +1800,8 @@ def _epilogue_tensors(ep: Epilogue, inputs, outs, a, b, batch, M, N):
         shapes[j] = (tuple(s), d)
     for j, c in zip(sum_slots, ep.sums):
         shapes[j] = ((N,), c.dtype)
+    if ep.row_stats:  # the maxima and the sums of exponentials, a column per column tile
+        shapes += [((batch * M, cdiv(N, ep.row_stats_cols)), torch.float32)] * 2
     if outs is None:
         outs = [torch.empty(s, dtype=d, device=a.device) for s, d in shapes]
     if len(outs) != len(shapes):
@@ -1925,6 +1953,11 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     partials = [torch.empty((rows, N), dtype=c.acc_dtype, device=a.device) for c in sums]
     stored = [storage_view(ep_outs[j]) for j in store_slots]
     ep_ptrs = [storage_view(x) for x in ep_inputs] + (e_descs if e_descs is not None else stored) + partials
+    if ep is not None and ep.row_stats:
+        if split or cfg.block_n != ep.row_stats_cols:
+            raise ValueError(f"matmul: the epilogue's row statistics are per {ep.row_stats_cols}-column tile of an "
+                             f"unsplit kernel; the config is {cfg.block_m}x{cfg.block_n} split {cfg.split_k}")
+        ep_ptrs += ep_outs[len(store_slots) + len(sum_slots):]
     ep_strides = [x.stride(kd) for op, x in zip(ep.operands, ep_inputs) for kd, _, _ in op.terms(rank)] if ep else []
     if serial:  # the running sums and the tiles' locks (each split s waits for s)
         ws = torch.empty((batch, M, N), dtype=torch.float32, device=a.device)
