@@ -99,3 +99,43 @@ def test_a_tf32_head_prerounding_its_logits_gradient_is_bit_for_bit(monkeypatch)
     staged_a = sum("stage_a" in configs(z[: min(2048, N - r0)], ins[1], torch.float32).instruction
                    for r0 in range(0, N, 2048))  # fmt: skip
     assert counts[1] - counts[0] == staged_a, (counts, staged_a)  # one copy of d fewer where dh stages A
+
+
+def test_row_statistics_from_the_logits_epilogue_on_the_device(monkeypatch):
+    """ROW_STATS_FROM_LOGITS at GPT-2's vocabulary with the step's config of the logits (the
+    configurator's, warp-specialized on the H200): the merged lowering bit for bit the pair
+    (the same statistics), within f32 rounding of the two-pass row kernel (the target's logit
+    read before the row is overwritten: the program's barrier), and the same logits."""
+    from nova.codegen.triton import linear_ce
+    from nova.schedule.configurator import configure_matmul
+
+    props = {"ignore_index": -1, "reduction": "mean", "label_smoothing": 0.0, "chunk": 2048}
+    slots = [Slot("batch", "g", tensor([], f32)), Slot("param", "h", tensor([N, D], bf16)),
+             Slot("param", "w", tensor([V, D], bf16)), Slot("batch", "t", tensor([N], i64))]
+    _, fn = new_step(slots)
+    b = OpBuilder(fn.body.block)
+    g, *xs = fn.body.block.args
+    fwd = b.create(nv.LinearCrossEntropyOp, xs, props, tensor([], f32))
+    bwd = b.create(nv.LinearCrossEntropyBackwardOp, [g, *xs], props)
+    both = b.create(nv.LinearCrossEntropyWithGradOp, [g, *xs], props, tensor([], f32))
+    torch.manual_seed(2)
+    h = torch.randn(N, D, device="cuda").bfloat16()
+    w = (torch.randn(V, D, device="cuda") * 0.05).bfloat16()
+    t = torch.randint(0, V, (N,), device="cuda")
+    t[:50] = -1
+    ins, grad = [h, w, t], torch.tensor(1.0, device="cuda")
+    cfg = configure_matmul(2048, V, D, 1, torch.bfloat16, torch.bfloat16, torch.bfloat16, "bf16", "row", "col", False,
+                           mm.device_spec(h.device))  # fmt: skip
+    monkeypatch.setattr(linear_ce, "ROW_STATS_FROM_LOGITS", False)
+    two_pass = lower_linear_cross_entropy_with_grad(both, cfg, precision="bf16").launch([grad, *ins])
+    monkeypatch.setattr(linear_ce, "ROW_STATS_FROM_LOGITS", True)
+    want = lower_linear_cross_entropy(fwd, cfg, precision="bf16").launch(ins)
+    want += lower_linear_cross_entropy_backward(bwd, cfg, precision="bf16").launch([grad, *ins])
+    kernel = lower_linear_cross_entropy_with_grad(both, cfg, precision="bf16")
+    assert "statistics of" in kernel.source
+    got = kernel.launch([grad, *ins])
+    for name, x, y in zip(("loss", "dh", "dw"), got, want, strict=True):
+        assert x.dtype == y.dtype and torch.equal(_bits(x), _bits(y)), name
+    torch.testing.assert_close(got[0], two_pass[0], rtol=1e-6, atol=0)
+    for name, x, y in zip(("dh", "dw"), got[1:], two_pass[1:], strict=True):
+        torch.testing.assert_close(x.float(), y.float(), rtol=2e-2, atol=1e-5, msg=name)

@@ -34,6 +34,8 @@ their gradient the plain softmax); the guard stage counts them on the device.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from nova.codegen.triton import matmul as mm
@@ -79,6 +81,19 @@ HOIST_WEIGHT_TF32 = True
 # The hints stay; the reversed pass, slower at bf16 (the GPT-2 bf16 step's head), does not.
 GRAD_PASS_REVERSED = False
 KEEP_ROWS_IN_L2 = True
+# The row statistics from the logits matmul's epilogue (``mm.Epilogue.row_stats``): each tile
+# of the logits stores, per row, the maximum of its columns and the sum of their exponentials
+# (of the logits as stored, rounded to the head's type), [chunk, cdiv(V, BLOCK_N)] each; the row
+# kernel combines a row's tiles into its log-sum-exp and reads the row once, for the gradient
+# pass, instead of twice (the log-sum-exp pass is gone). A 4096-row bf16 chunk at GPT-2's
+# vocabulary: the row kernel's 412 MB read goes, the matmul's epilogue gains an exponential and
+# a maximum a logit (the row kernel took 0.338 ms on the H200 against 0.17-0.26 for one or two
+# reads at 4.8 TB/s). The loss and d differ from the two-pass kernel's by f32 rounding (the sum
+# of exponentials in another order). Off: built 2026-12-05 (seventh session, no device lent),
+# not measured. 16-bit heads without a bias or label smoothing, with a config (the one the
+# configure stage writes: its BLOCK_N sets the statistics' width; a split config runs unsplit);
+# the others keep the two-pass row kernel
+ROW_STATS_FROM_LOGITS = False
 # Measured and left out (bench/results/runs/lce_rows_variants_bf16_459b619.json, a 4096-row bf16
 # chunk on the H200: 0.338 ms shipped): the log-sum-exp pass's sums kept per lane and added up
 # after the loop (fewer barriers, twice the registers: 0.367 ms) and both row loops
@@ -96,7 +111,8 @@ def _logit(z_ptr: str, cvar: str, mask: str, other: str, has_bias: bool, logit_t
 
 
 def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: str, z_ty: str, block: int,
-                     preround: bool = False, grad_reversed: bool | None = None, keep_rows: bool | None = None) -> str:
+                     preround: bool = False, grad_reversed: bool | None = None, keep_rows: bool | None = None,
+                     stats_tiles: int = 0) -> str:
     """Row kernels over a chunk's logits buffer (row stride V), a count of the rows
     that count, the final sum, the backward's scale and the bias-gradient column
     sum: ``lce_rows`` (the row losses), ``lce_rows_backward`` (d over the logits)
@@ -110,7 +126,14 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
     ``keep_rows`` (default ``KEEP_ROWS_IN_L2``): the log-sum-exp pass loads with
     ``evict_last`` and the gradient pass with ``evict_first``. Neither changes a bit:
     each column's d depends on its own logit and the row's statistics only.
-    The sum of the logits is taken only with label smoothing (its one use)."""
+    The sum of the logits is taken only with label smoothing (its one use).
+    ``stats_tiles`` (``ROW_STATS_FROM_LOGITS``): the row's statistics come from the logits
+    matmul's epilogue, ``stats_tiles`` maxima and sums of exponentials a row (``rm_ptr``,
+    ``rs_ptr``), combined here; the row is read once, by the gradient pass (the target's
+    logit is loaded before it, and the program's threads wait for each other before any
+    of them writes d over the row). No bias and no label smoothing."""
+    if stats_tiles and (has_bias or ls):
+        raise ValueError("linear_ce: the row statistics from the logits' epilogue take no bias and no label smoothing")
     grad_reversed = GRAD_PASS_REVERSED if grad_reversed is None else grad_reversed
     keep_rows = KEEP_ROWS_IN_L2 if keep_rows is None else keep_rows
     blocks = f"range(0, {V}, BLOCK)"
@@ -143,6 +166,25 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
         lse = tl.where(m == {_NEG_INF}, 0.0, m) + tl.log(s)
         valid = t != {ignore}
         inb = (t >= 0) & (t < {V})
+    """
+    if stats_tiles:  # the log-sum-exp of the row's tiles' statistics
+        tb = next_pow2(stats_tiles)
+        lse = f"""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        z_row = z_ptr + row * {V}
+        t = tl.load(t_ptr + row)
+        tcols = tl.arange(0, {tb})
+        tm = tl.load(rm_ptr + row * {stats_tiles} + tcols, mask=tcols < {stats_tiles}, other={_NEG_INF})
+        ts = tl.load(rs_ptr + row * {stats_tiles} + tcols, mask=tcols < {stats_tiles}, other=0.0)
+        m = tl.max(tm, axis=0)
+        m_safe = tl.where(m == {_NEG_INF}, 0.0, m)
+        s = tl.sum(ts * tl.exp(tm - m_safe), axis=0)
+        lse = tl.where(m == {_NEG_INF}, 0.0, m) + tl.log(s)
+        valid = t != {ignore}
+        inb = (t >= 0) & (t < {V})
+        xt = tl.load(z_row + t, mask=valid & inb, other=0.0).to(tl.float32)
+        tl.debug_barrier()  # every thread has the target's logit before any writes d over it
     """
     loss = "lse - xt" if not ls else f"{1.0 - ls!r} * (lse - xt) + {ls!r} * (lse - sx * {1.0 / V!r})"
     # xt comes from the first pass (exactly the logit: one nonzero term), not a load after it: with the
@@ -193,13 +235,16 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
         tl.store(acc_ptr + c, acc + part, mask=c < {V})
     """
     header = (f"# Generated by nova.codegen.triton.linear_ce; do not edit.\n# vocabulary {V}, ignore_index {ignore}, "
-              f"label_smoothing {ls!r}, bias {has_bias}, logits {logit_ty}, head {z_ty}, block {block}\n"
+              f"label_smoothing {ls!r}, bias {has_bias}, logits {logit_ty}, head {z_ty}, block {block}"
+              + (f", statistics of {stats_tiles} column tiles" if stats_tiles else "") + "\n"
               f"import triton\nimport triton.language as tl\n\nBLOCK = tl.constexpr({block})\n"
               + (mm.TF32_RN_FN if preround else ""))
+    stats_p = ["rm_ptr", "rs_ptr"] if stats_tiles else []
     return (header
-            + _kernel("lce_rows", ["z_ptr", "t_ptr", *bias_p, "loss_ptr"], fwd)
-            + _kernel("lce_rows_backward", ["z_ptr", "t_ptr", *bias_p, "scale_ptr", *(["db_ptr"] if separate_d else [])], bwd)
-            + _kernel("lce_rows_with_grad", ["z_ptr", "t_ptr", *bias_p, "loss_ptr", "scale_ptr",
+            + _kernel("lce_rows", ["z_ptr", "t_ptr", *stats_p, *bias_p, "loss_ptr"], fwd)
+            + _kernel("lce_rows_backward", ["z_ptr", "t_ptr", *stats_p, *bias_p, "scale_ptr",
+                                            *(["db_ptr"] if separate_d else [])], bwd)
+            + _kernel("lce_rows_with_grad", ["z_ptr", "t_ptr", *stats_p, *bias_p, "loss_ptr", "scale_ptr",
                                              *(["db_ptr"] if separate_d else [])], both)
             + _kernel("lce_final", ["t_ptr", "loss_ptr", "out_ptr", "n_rows", "st", "MEAN: tl.constexpr"], final)
             + _kernel("lce_scale", ["g_ptr", "t_ptr", "scale_ptr", "n_rows", "st", "MEAN: tl.constexpr"], scale)
@@ -296,17 +341,22 @@ _KIND = {nv.LinearCrossEntropyOp: FORWARD, nv.LinearCrossEntropyBackwardOp: BACK
          nv.LinearCrossEntropyWithGradOp: WITH_GRAD}
 
 
-def _held(N, D, V, chunk, head, bias_dtype, separate_d: bool, kind: str) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def _held(N, D, V, chunk, head, bias_dtype, separate_d: bool, kind: str,
+          stats_cols: int = 0) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """The buffers ``forward`` / ``backward_`` / ``with_grad`` below take from their
-    ``Scratch``, in the order they take them (the arena rule plans exactly these)."""
+    ``Scratch``, in the order they take them (the arena rule plans exactly these).
+    ``stats_cols``: the logits' BLOCK_N where their epilogue stores the row statistics
+    (``stats_cols_of``), two f32 [chunk, cdiv(V, stats_cols)] buffers after the logits'."""
     f32 = torch.float32
+    stats = [((chunk, triton_cdiv(V, stats_cols)), f32)] * 2 if stats_cols else []
     if kind == FORWARD:
-        return [((N,), f32), ((chunk, V), head)]  # the row losses, the one logits buffer
+        return [((N,), f32), ((chunk, V), head), *stats]  # the row losses, the one logits buffer
     parts = [((N,), f32)] if kind == WITH_GRAD else []  # the row losses
     parts.append(((1,), f32))  # the scale
     if head != f32:
         parts.append(((V, D), f32))  # a 16-bit dw's accumulator
     parts.append(((chunk, V), head))
+    parts += stats
     if separate_d:
         parts.append(((chunk, V), bias_dtype))
     if bias_dtype not in (None, f32):
@@ -319,7 +369,7 @@ def hoists_weight(head, prec: str) -> bool:
     return HOIST_WEIGHT_TF32 and head == torch.float32 and prec == "tf32-rn"
 
 
-def _scratch(N, D, V, chunk, head, bias_dtype, separate_d: bool, kind: str, prec: str, cfg) -> int:
+def _scratch(N, D, V, chunk, head, bias_dtype, separate_d: bool, kind: str, prec: str, cfg, stats_cols: int = 0) -> int:
     """Kernel.scratch_bytes: what the launch takes (``_held``), the weight's rounded
     copies (``hoists_weight``: one for the forward, two with the gradients), plus the
     largest matmul's own scratch (the matmuls run one at a time)."""
@@ -333,7 +383,7 @@ def _scratch(N, D, V, chunk, head, bias_dtype, separate_d: bool, kind: str, prec
         mms += [_matmul_scratch(r, D, V, head, head, prec, None, ("row",), lw, hoist, pre_d) for r in rows]  # dh
         mms += [_matmul_scratch(V, D, r, head, f32, prec, None, ("col",), _LAYOUTS) for r in rows]  # d^T @ h
     copies = (1 if kind == FORWARD else 2) * V * D * 4 if hoist else 0
-    return Scratch.size(*_held(N, D, V, chunk, head, bias_dtype, separate_d, kind)) + copies + max(mms)
+    return Scratch.size(*_held(N, D, V, chunk, head, bias_dtype, separate_d, kind, stats_cols)) + copies + max(mms)
 
 
 def _shapes(op):
@@ -351,9 +401,22 @@ def _shapes(op):
     return N, D, V, chunk, head, bias_dtype, has_bias and bias_dtype != head, kind
 
 
+def stats_cols_of(op, cfg: LoweringConfig | None) -> int:
+    """The logits' BLOCK_N where their epilogue stores the row statistics
+    (``ROW_STATS_FROM_LOGITS``), else 0: a 16-bit head without a bias or label smoothing,
+    with a config (the op's, which the launch then runs unsplit)."""
+    _, _, _, _, head, bias_dtype, _, _ = _shapes(op)
+    ls = float(op.props()["label_smoothing"])
+    if not ROW_STATS_FROM_LOGITS or cfg is None or head not in (torch.bfloat16, torch.float16) or bias_dtype or ls:
+        return 0
+    return cfg.block_n
+
+
 @arena_scratch(nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp, nv.LinearCrossEntropyWithGradOp)
 def _arena(op) -> int:
-    return Scratch.size(*_held(*_shapes(op)))
+    from nova.schedule.cost import config_of
+
+    return Scratch.size(*_held(*_shapes(op), stats_cols_of(op, config_of(op))))
 
 
 def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Kernel:
@@ -376,7 +439,9 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
     # h stored rounded by its producer (the tf32_operands stage): the logits' A and dw's B
     h_rounded = head == torch.float32 and prec == "tf32-rn" and nv.tf32_rounded(op.operands[g_in])
     h_a, h_b = (("a",), ("b",)) if h_rounded else ((), ())
-    src = linear_ce_source(V, ignore, ls, has_bias, logit_ty, _TL[head], block, preround)
+    stats_cols = stats_cols_of(op, cfg)
+    n_tiles = triton_cdiv(V, stats_cols) if stats_cols else 0
+    src = linear_ce_source(V, ignore, ls, has_bias, logit_ty, _TL[head], block, preround, stats_tiles=n_tiles)
     k = {n: load_kernel(src, n)[0] for n in ("lce_rows", "lce_rows_backward", "lce_rows_with_grad", "lce_final",
                                              "lce_scale", "lce_colsum")}  # fmt: skip
     name = f"nova_linear_cross_entropy{'' if kind == FORWARD else '_' + kind}_{N}x{D}x{V}_chunk{chunk}"
@@ -392,10 +457,25 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
     def chunks():
         return ((r0, min(N, r0 + chunk)) for r0 in range(0, N, chunk))
 
-    def logits(h, w, r0, r1, buf):
+    # the logits with their row statistics: the op's tile, unsplit (the statistics are a tile's)
+    stats_cfg = dataclasses.replace(cfg, split_k=1) if stats_cols else None
+
+    def logits(h, w, r0, r1, buf, stats=()):
+        """The chunk's logits into ``buf``; with ``stats`` (the two statistics buffers) their
+        row statistics too, from the matmul's epilogue."""
         z = buf[: r1 - r0]
-        mm.matmul(h[r0:r1], w.t(), cfg=cfg, precision=prec, out=z, record=used, prerounded=h_a + w_rounded)
+        if not stats:
+            mm.matmul(h[r0:r1], w.t(), cfg=cfg, precision=prec, out=z, record=used, prerounded=h_a + w_rounded)
+            return z
+        ep = mm.Epilogue(shape=(r1 - r0, V), operands=(), body=f"e_z = e_tile.to({_TL[head]}).to(tl.float32)",
+                         stores=(("e_z", "f32", head),), out_shapes=((r1 - r0, V),), row_stats="e_z",
+                         row_stats_cols=stats_cols)  # fmt: skip
+        mm.matmul_epilogue(h[r0:r1], w.t(), ep, [], head, cfg=stats_cfg, precision=prec,
+                           outs=[z, *(x[: r1 - r0] for x in stats)], record=used, prerounded=h_a + w_rounded)
         return z
+
+    def take_stats(sc: Scratch) -> tuple:
+        return tuple(sc.take((chunk, n_tiles), f32) for _ in range(2)) if stats_cols else ()
 
     def rounded(w, transposed: bool):
         """w (``transposed``: w^T, dense [D, V]) rounded to tf32 into a new buffer (launch
@@ -412,10 +492,11 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
         (out,) = results(name, specs, outs, dev)
         rows = sc.take((N,), f32)
         buf = sc.take((chunk, V), head)  # the one logits buffer every chunk reuses
+        stats = take_stats(sc)
         w = rounded(w, False) if hoist else w
         for r0, r1 in chunks():
-            z = logits(h, w, r0, r1, buf)
-            k["lce_rows"][(r1 - r0,)](z, t[r0:r1], *b, rows[r0:], num_warps=warps)
+            z = logits(h, w, r0, r1, buf, stats)
+            k["lce_rows"][(r1 - r0,)](z, t[r0:r1], *stats, *b, rows[r0:], num_warps=warps)
         k["lce_final"][(1,)](t, rows, out, N, t.stride(0), MEAN=mean, num_warps=4)  # rounds to the loss's type
         return [out]
 
@@ -434,18 +515,20 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
         k["lce_scale"][(1,)](g, t, scale, N, t.stride(0), MEAN=mean, num_warps=4)
         dw_acc = accumulator(dw, sc)
         buf = sc.take((chunk, V), head)
+        stats = take_stats(sc)
         dbuf = sc.take((chunk, V), bias_dtype) if separate_d else None
         db_acc = accumulator(db[0], sc).zero_() if b else None
         # dh's B: w, or under the hoist the [V, D] view of the rounded dense w^T (K contiguous)
         wl, wd = (rounded(w, False), rounded(w, True).t()) if hoist else (w, w)
         spans = list(chunks())
         for r0, r1 in spans:
-            z = logits(h, wl, r0, r1, buf)
+            z = logits(h, wl, r0, r1, buf, stats)
             db_arg = [dbuf] if separate_d else []
             if rows is None:
-                k["lce_rows_backward"][(r1 - r0,)](z, t[r0:r1], *b, scale, *db_arg, num_warps=warps)
+                k["lce_rows_backward"][(r1 - r0,)](z, t[r0:r1], *stats, *b, scale, *db_arg, num_warps=warps)
             else:  # the row's loss and its logits' gradient d over them: one log-sum-exp
-                k["lce_rows_with_grad"][(r1 - r0,)](z, t[r0:r1], *b, rows[r0:], scale, *db_arg, num_warps=warps)
+                k["lce_rows_with_grad"][(r1 - r0,)](z, t[r0:r1], *stats, *b, rows[r0:], scale, *db_arg,
+                                                    num_warps=warps)
             if b:
                 k["lce_colsum"][(triton_cdiv(V, _COL_BLOCK),)](dbuf if separate_d else z, db_acc, r1 - r0, num_warps=4)
             mm.matmul(z, wd, cfg=configs(z, wd, dh.dtype, prerounded=d_rounded + w_rounded), precision=prec,
@@ -486,8 +569,8 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
     # the row kernels read the target and the bias with unit stride (the backend copies other layouts
     # first, and says so); h and w go to the matmul template, which reads any strides
     contiguous = tuple(range(g_in + 2, len(op.operands)))
-    scratch = _scratch(N, D, V, chunk, head, bias_dtype, separate_d, kind, prec, cfg) if N else 0
-    held = Scratch.size(*_held(N, D, V, chunk, head, bias_dtype, separate_d, kind)) if N else 0
+    scratch = _scratch(N, D, V, chunk, head, bias_dtype, separate_d, kind, prec, cfg, stats_cols) if N else 0
+    held = Scratch.size(*_held(N, D, V, chunk, head, bias_dtype, separate_d, kind, stats_cols)) if N else 0
     return Kernel(name, src, launch, needs_contiguous=contiguous, config=cfg, extra={"chunk": chunk, "matmul_sources": used},
                   scratch_bytes=scratch, arena_scratch_bytes=held)
 
