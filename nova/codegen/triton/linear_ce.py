@@ -18,7 +18,8 @@ of d. With the loss's cotangent known before the loss (the loss_grad stage's
 merged op), one pass does both: per chunk one logits matmul and one row kernel
 that stores the row's loss and writes d over the logits (one log-sum-exp pass),
 then the backward's matmuls; every result bit for bit the separate ops'. Peak
-memory is O(chunk x V), not O(N x V).
+memory is O(chunk x V), not O(N x V). With ``ROW_STATS_FROM_LOGITS`` the logits matmul's
+epilogue stores each tile's row statistics and the row kernel reads the row once (below).
 Statistics are f32; 16-bit heads run their matmuls in bf16 / f16 with f32
 accumulation. An f32 head under the tf32 policy without a bias writes d rounded to
 nearest tf32 (``PREROUND_TF32``), which dh's matmul takes as ``prerounded``; under
