@@ -51,6 +51,7 @@ def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int
         ptrs.update({f"o{j}": _PTR[d] if e_box is None else f"tensordesc<{_DESC[d]}{list(e_box)}>"
                      for j, (_, _, d) in enumerate(ep.stores)})
         ptrs.update({f"cs{j}": _PTR[c.acc_dtype] for j, c in enumerate(ep.sums)})  # the column sums' partials
+        ptrs.update({"rm": "*fp32", "rs": "*fp32"} if ep.row_stats else {})  # the row statistics
     elt = "fp32" if dtype == "float32" else "bf16"
     extra = dict(consts or {})
     sig, consts, attrs = {}, {"EVEN": True, **extra}, {}

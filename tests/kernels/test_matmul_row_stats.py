@@ -6,11 +6,14 @@ past N left out, the rows past M not stored), a sliced epilogue, pointer and TMA
 the warp-specialized kernel; and the configs that cannot carry them refused."""
 
 import dataclasses
+import logging
 
 import pytest
 import torch
 
+import nova.log
 from nova.codegen.triton import matmul as mm
+from nova.codegen.triton.linear_ce import stats_config
 from nova.schedule.config import LoweringConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -45,8 +48,8 @@ def _expected(z: torch.Tensor, bn: int):
     _cfg(32, 64, warps=8),
     _cfg(16, 32, instruction="wgmma+tma"),
     _cfg(32, 32, instruction="wgmma+tma", persistent=True),
-    _cfg(64, 64, instruction="wgmma+tma+ws", persistent=True),
-], ids=["pointers", "8-warps", "tma", "persistent", "warp-specialized"])
+    _cfg(64, 64, instruction="wgmma+tma+ws", persistent=True),  # runs unpartitioned (the test below)
+], ids=["pointers", "8-warps", "tma", "persistent", "ws-config"])
 @pytest.mark.parametrize("M,N,K", [(64, 128, 64), (50, 100, 40)], ids=["even", "ragged"])
 def test_row_statistics_of_the_stored_logits(cfg, M, N, K, device):
     g = torch.Generator().manual_seed(M + N + K)
@@ -92,3 +95,25 @@ def test_row_statistics_refuse_a_split_or_another_tile_width(device):
     with pytest.raises(ValueError, match="row statistics"):
         mm.matmul_epilogue(a, b, _stats_epilogue(32, 64, 64, torch.bfloat16), [], torch.bfloat16,
                            cfg=_cfg(16, 32), precision="bf16")
+
+
+def test_a_ws_config_with_row_statistics_runs_unpartitioned_and_says_so(device, caplog, monkeypatch):
+    """Reductions across the tile are not run partitioned (as column sums, which Triton 3.6's
+    partitioner fails on): the persistent kernel runs instead, logged; the LM head asks for
+    that kernel itself (``stats_config``: 8 warps, at most 3 stages, unsplit)."""
+    monkeypatch.setattr(nova.log, "_SEEN", set())
+    cfg = _cfg(64, 64, instruction="wgmma+tma+ws", persistent=True)
+    a = torch.randn(128, 64).to(torch.bfloat16).to(device)
+    b = torch.randn(64, 128).to(torch.bfloat16).to(device)
+    rec: dict = {}
+    with caplog.at_level(logging.INFO, logger="nova"):
+        mm.matmul_epilogue(a, b, _stats_epilogue(128, 128, 64, torch.bfloat16), [], torch.bfloat16, cfg=cfg, record=rec)
+    assert "row statistics in the epilogue" in caplog.text
+    assert not any("warp-specialized" in open(p).read(400) for p in rec)
+    big = LoweringConfig(kind="matmul", block_m=128, block_n=256, block_k=64, group_m=16, split_k=2, persistent=True,
+                         num_warps=4, num_stages=4, instruction="wgmma+tma+ws")  # fmt: skip
+    got = stats_config(big)
+    assert (got.block_m, got.block_n, got.split_k, got.num_warps, got.num_stages, got.instruction) == (
+        128, 256, 1, 8, 3, "wgmma+tma")
+    plain = dataclasses.replace(big, instruction="wgmma+tma", num_warps=8, num_stages=2)
+    assert stats_config(plain) == dataclasses.replace(plain, split_k=1)

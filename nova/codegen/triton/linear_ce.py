@@ -413,6 +413,22 @@ def stats_cols_of(op, cfg: LoweringConfig | None) -> int:
     return cfg.block_n
 
 
+def stats_config(cfg: LoweringConfig) -> LoweringConfig:
+    """The logits' config with their row statistics: the op's tile (its BLOCK_N is the
+    statistics' width, ``stats_cols_of``), unsplit (the statistics are a whole tile's),
+    and not warp-specialized (``mm._ws_plan`` runs no epilogue with reductions across the
+    tile partitioned): there the two warp groups of 8 warps share the accumulator, as the
+    one-pass kernel's configs of the same tile have them (a 128x256 tile at 4 warps holds
+    256 registers a thread and spills), and at most 3 stages (shared memory beside the
+    epilogue's layout conversions)."""
+    cfg = dataclasses.replace(cfg, split_k=1)
+    tokens = cfg.instruction.split("+")
+    if "ws" not in tokens:
+        return cfg
+    return dataclasses.replace(cfg, instruction="+".join(t for t in tokens if t != "ws"),
+                               num_warps=max(cfg.num_warps, 8), num_stages=min(cfg.num_stages, 3))
+
+
 @arena_scratch(nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp, nv.LinearCrossEntropyWithGradOp)
 def _arena(op) -> int:
     from nova.schedule.cost import config_of
@@ -458,8 +474,7 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
     def chunks():
         return ((r0, min(N, r0 + chunk)) for r0 in range(0, N, chunk))
 
-    # the logits with their row statistics: the op's tile, unsplit (the statistics are a tile's)
-    stats_cfg = dataclasses.replace(cfg, split_k=1) if stats_cols else None
+    stats_cfg = stats_config(cfg) if stats_cols else None  # the logits with their row statistics
 
     def logits(h, w, r0, r1, buf, stats=()):
         """The chunk's logits into ``buf``; with ``stats`` (the two statistics buffers) their
