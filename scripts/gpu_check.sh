@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|launches|lce-rows|variants|dram|stalls|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|launches|lce-rows|lm-head|variants|dram|stalls|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -82,6 +82,10 @@ fi
 if [[ $what == lce-rows ]]; then  # the LM head's row kernel in its variants (scripts/lce_rows_variants.py)
   shift
   timeout 200 python3 scripts/lce_rows_variants.py --out "$OUT" "$@" 2>&1 | tee "$OUT/lce_rows_variants.log" | tail -30
+fi
+if [[ $what == lm-head ]]; then  # the LM head's parts of one chunk timed alone, the row statistics' too (scripts/lm_head_parts.py)
+  shift
+  timeout 400 python3 scripts/lm_head_parts.py --chunks 4096 --dh-split 1 --out "$OUT" "$@" 2>&1 | tee "$OUT/lm_head_parts.log" | tail -30
 fi
 if [[ $what == variants ]]; then  # the 12-layer bf16 step's CUDA graph in variants (scripts/epilogue_variants.py --graph)
   shift

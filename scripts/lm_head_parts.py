@@ -17,7 +17,9 @@ rounded to tf32 and dh taking it ``prerounded`` (``linear_ce.PREROUND_TF32``), b
 ``dh_copied`` (the same matmul rounding, and staging, d itself); the logits and dh
 take the weight rounded once (``linear_ce.HOIST_WEIGHT_TF32``), its two copies timed as
 ``weight``. The per-step estimate is N / chunk chunks of (logits + rows + dh + dw_add)
-+ one dw_first - dw_add (+ weight under tf32).
++ one dw_first - dw_add (+ weight under tf32). At bf16 also ``logits_stats`` and
+``rows_stats``: the logits with their row statistics from the epilogue and the row kernel
+that reads each row once (``linear_ce.ROW_STATS_FROM_LOGITS``), and the estimate with them.
 Random inputs; ``bench.timing.time_graph`` (CUDA graph, median replay).
 
     python scripts/lm_head_parts.py [--rows 32768] [--chunks 2048,4096,8192] [--precision bf16|tf32] [--out DIR]
@@ -111,6 +113,19 @@ def main() -> None:
             "cublas_dh": (lambda: torch.matmul(z, w, out=dh), None, 2 * chunk * V * D),
             "cublas_dw": (lambda: torch.matmul(z.t(), hc), None, 2 * chunk * V * D),
         }
+        if not tf32:  # the row statistics from the logits' epilogue (linear_ce.ROW_STATS_FROM_LOGITS)
+            s_cfg = linear_ce.stats_config(c_logits)
+            n_t = -(-V // s_cfg.block_n)
+            rm = torch.empty(chunk, n_t, device=dev, dtype=f32)
+            rs = torch.empty(chunk, n_t, device=dev, dtype=f32)
+            s_ep = mm.Epilogue(shape=(chunk, V), operands=(), body="e_z = e_tile.to(tl.bfloat16).to(tl.float32)",
+                               stores=(("e_z", "f32", head),), out_shapes=((chunk, V),), row_stats="e_z",
+                               row_stats_cols=s_cfg.block_n)  # fmt: skip
+            s_src = linear_ce.linear_ce_source(V, -100, 0.0, False, ty, ty, block, stats_tiles=n_t)
+            s_rows = load_kernel(s_src, "lce_rows_with_grad")[0]
+            parts["logits_stats"] = (lambda: mm.matmul_epilogue(hc, wl.t(), s_ep, [], head, cfg=s_cfg, precision=prec,
+                                                                outs=[z, rm, rs]), s_cfg, 2 * chunk * V * D)
+            parts["rows_stats"] = (lambda: s_rows[(chunk,)](z, tc, rm, rs, loss, scale, num_warps=warps), None, 0)
         if rounded:
             parts["dh_copied"] = (lambda: mm.matmul(z, wd, cfg=c_dh, precision=prec, out=dh, prerounded=w_rounded),
                                   c_dh, 2 * chunk * V * D)
@@ -144,6 +159,11 @@ def main() -> None:
             row["scratch_mib"] = (chunk * V * head.itemsize) / 2**20
             print(f"chunk {chunk:5d}: estimated LM head {row['step_ms']:.2f} ms a step ({n} chunks), with cuBLAS "
                   f"matmuls {row['cublas_step_ms']:.2f} ms; logits buffer {row['scratch_mib']:.0f} MiB")
+            if p.get("logits_stats", {}).get("ms") and p.get("rows_stats", {}).get("ms"):
+                row["stats_step_ms"] = row["step_ms"] + n * (p["logits_stats"]["ms"] + p["rows_stats"]["ms"]
+                                                             - p["logits"]["ms"] - p["rows"]["ms"])  # fmt: skip
+                print(f"chunk {chunk:5d}: with the row statistics from the logits' epilogue {row['stats_step_ms']:.2f} "
+                      f"ms a step")
         result["chunks"].append(row)
         del z, dh, dw
         torch.cuda.empty_cache()
