@@ -31,18 +31,23 @@ def _bits(x):
     return x.reshape(-1).view({2: torch.int16, 4: torch.int32}[x.element_size()])
 
 
-@pytest.mark.parametrize("bias", [None, f32], ids=["no-bias", "f32-bias"])
-def test_merged_lowering_is_the_pair_bit_for_bit(bias):
-    props = {"ignore_index": -1, "reduction": "mean", "label_smoothing": 0.1, "chunk": 2048}
+def _head_ops(props: dict, bias=None):
+    """The forward, backward and merged ops of a bf16 head [N, D] x [V, D] (an f32 loss)."""
     slots = [Slot("batch", "g", tensor([], f32)), Slot("param", "h", tensor([N, D], bf16)),
              Slot("param", "w", tensor([V, D], bf16)), Slot("batch", "t", tensor([N], i64))]
     slots += [Slot("param", "b", tensor([V], bias))] if bias else []
     _, fn = new_step(slots)
     b = OpBuilder(fn.body.block)
     g, *xs = fn.body.block.args
-    fwd = b.create(nv.LinearCrossEntropyOp, xs, props, tensor([], f32))
-    bwd = b.create(nv.LinearCrossEntropyBackwardOp, [g, *xs], props)
-    both = b.create(nv.LinearCrossEntropyWithGradOp, [g, *xs], props, tensor([], f32))
+    return (b.create(nv.LinearCrossEntropyOp, xs, props, tensor([], f32)),
+            b.create(nv.LinearCrossEntropyBackwardOp, [g, *xs], props),
+            b.create(nv.LinearCrossEntropyWithGradOp, [g, *xs], props, tensor([], f32)))
+
+
+@pytest.mark.parametrize("bias", [None, f32], ids=["no-bias", "f32-bias"])
+def test_merged_lowering_is_the_pair_bit_for_bit(bias):
+    props = {"ignore_index": -1, "reduction": "mean", "label_smoothing": 0.1, "chunk": 2048}
+    fwd, bwd, both = _head_ops(props, bias)
     torch.manual_seed(0)
     h = torch.randn(N, D, device="cuda").bfloat16()
     w = (torch.randn(V, D, device="cuda") * 0.05).bfloat16()
@@ -110,14 +115,7 @@ def test_row_statistics_from_the_logits_epilogue_on_the_device(monkeypatch):
     from nova.schedule.configurator import configure_matmul
 
     props = {"ignore_index": -1, "reduction": "mean", "label_smoothing": 0.0, "chunk": 2048}
-    slots = [Slot("batch", "g", tensor([], f32)), Slot("param", "h", tensor([N, D], bf16)),
-             Slot("param", "w", tensor([V, D], bf16)), Slot("batch", "t", tensor([N], i64))]
-    _, fn = new_step(slots)
-    b = OpBuilder(fn.body.block)
-    g, *xs = fn.body.block.args
-    fwd = b.create(nv.LinearCrossEntropyOp, xs, props, tensor([], f32))
-    bwd = b.create(nv.LinearCrossEntropyBackwardOp, [g, *xs], props)
-    both = b.create(nv.LinearCrossEntropyWithGradOp, [g, *xs], props, tensor([], f32))
+    fwd, bwd, both = _head_ops(props)
     torch.manual_seed(2)
     h = torch.randn(N, D, device="cuda").bfloat16()
     w = (torch.randn(V, D, device="cuda") * 0.05).bfloat16()
