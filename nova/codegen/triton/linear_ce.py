@@ -91,9 +91,11 @@ KEEP_ROWS_IN_L2 = True
 # a maximum a logit (the row kernel took 0.338 ms on the H200 against 0.17-0.26 for one or two
 # reads at 4.8 TB/s). The loss and d differ from the two-pass kernel's by f32 rounding (the sum
 # of exponentials in another order). Off: built 2026-12-05 (seventh session, no device lent),
-# not measured. 16-bit heads without a bias or label smoothing, with a config (the one the
-# configure stage writes: its BLOCK_N sets the statistics' width; a split config runs unsplit);
-# the others keep the two-pass row kernel
+# not measured. Heads without a bias or label smoothing, with a config (the one the configure
+# stage writes: its BLOCK_N sets the statistics' width; a split config runs unsplit); the others
+# keep the two-pass row kernel. An f32 head's logits are 824 MB a 4096-row chunk (its row kernel
+# took 0.611 ms there on the H200): the tf32 GPT-2 step and the 46M MLP's, whose LM head is most
+# of its step
 ROW_STATS_FROM_LOGITS = False
 # Measured and left out (bench/results/runs/lce_rows_variants_bf16_459b619.json, a 4096-row bf16
 # chunk on the H200: 0.338 ms shipped): the log-sum-exp pass's sums kept per lane and added up
@@ -404,11 +406,11 @@ def _shapes(op):
 
 def stats_cols_of(op, cfg: LoweringConfig | None) -> int:
     """The logits' BLOCK_N where their epilogue stores the row statistics
-    (``ROW_STATS_FROM_LOGITS``), else 0: a 16-bit head without a bias or label smoothing,
-    with a config (the op's, which the launch then runs unsplit)."""
-    _, _, _, _, head, bias_dtype, _, _ = _shapes(op)
+    (``ROW_STATS_FROM_LOGITS``), else 0: a head without a bias or label smoothing, with a
+    config (the op's, which the launch then runs unsplit)."""
+    _, _, _, _, _, bias_dtype, _, _ = _shapes(op)
     ls = float(op.props()["label_smoothing"])
-    if not ROW_STATS_FROM_LOGITS or cfg is None or head not in (torch.bfloat16, torch.float16) or bias_dtype or ls:
+    if not ROW_STATS_FROM_LOGITS or cfg is None or bias_dtype or ls:
         return 0
     return cfg.block_n
 
@@ -483,7 +485,8 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
         if not stats:
             mm.matmul(h[r0:r1], w.t(), cfg=cfg, precision=prec, out=z, record=used, prerounded=h_a + w_rounded)
             return z
-        ep = mm.Epilogue(shape=(r1 - r0, V), operands=(), body=f"e_z = e_tile.to({_TL[head]}).to(tl.float32)",
+        rounding = "" if head == f32 else f".to({_TL[head]}).to(tl.float32)"  # the logit as stored
+        ep = mm.Epilogue(shape=(r1 - r0, V), operands=(), body=f"e_z = e_tile{rounding}",
                          stores=(("e_z", "f32", head),), out_shapes=((r1 - r0, V),), row_stats="e_z",
                          row_stats_cols=stats_cols)  # fmt: skip
         mm.matmul_epilogue(h[r0:r1], w.t(), ep, [], head, cfg=stats_cfg, precision=prec,
