@@ -5,6 +5,7 @@ wrote, TMA as the step's operands allow it): registers, spill bytes and compile
 seconds from Triton's bundled ptxas. No GPU needed.
 
     python scripts/epilogue_sm90_check.py [--batch 32] [--precision bf16]
+    python scripts/epilogue_sm90_check.py --lm-head-stats
 
 Run it after a configurator or epilogue change: a spill, or more than 128
 registers at a config meant for two 8-warp blocks per SM, shows here before the
@@ -95,9 +96,15 @@ def main() -> None:
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--ws", action="append", default=[], metavar="BMxBNxBK:wW:sS",
                     help="also compile each unsplit 16-bit epilogue as the warp-specialized kernel at this tile")
+    ap.add_argument("--lm-head-stats", action="store_true",
+                    help="only the LM head's logits with their row statistics (linear_ce.ROW_STATS_FROM_LOGITS), "
+                         "bf16 and f32 under tf32, at the configs the configurator gives a 4096-row chunk")
     args = ap.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("NOVA_STEP_CACHE", "0")
+    if args.lm_head_stats:
+        lm_head_stats()
+        return
 
     from gpt2_h200 import compile_gpt2_h200
     from nova.backends.triton import config_of
@@ -178,6 +185,38 @@ def main() -> None:
             regs, spills = _ptxas(log)
             print(f"      ws {spec}: partitioned {part}, registers {','.join(regs)}, spill stores "
                   f"{','.join(spills)} B, shared {smem // 1024} KiB, {time.perf_counter() - t0:.1f} s")
+
+
+def lm_head_stats(rows: int = 4096, vocab: int = 50304, dim: int = 768) -> None:
+    """The logits matmul with the row statistics' epilogue (``mm.Epilogue.row_stats``) at
+    ``linear_ce.stats_config`` of the configurator's config for a GPT-2 chunk: a bf16 head,
+    and an f32 head under tf32 (the weight rounded once, ``prerounded`` B)."""
+    from nova.codegen.triton import matmul as mm
+    from nova.codegen.triton.linear_ce import stats_config
+    from nova.schedule.config import LoweringConfig
+    from nova.schedule.configurator import configure_matmul
+    from nova.schedule.devices import DEVICES
+
+    for dtype, prec, pre in ((torch.bfloat16, "ieee", ()), (torch.float32, "tf32-rn", ("b",))):
+        head = configure_matmul(rows, vocab, dim, 1, dtype, dtype, dtype, prec, "row", "col", False, DEVICES["H200"],
+                                prerounded=pre)  # fmt: skip
+        cfg = stats_config(head)
+        dt = "bfloat16" if dtype == torch.bfloat16 else "float32"
+        body = "e_z = e_tile" + (".to(tl.bfloat16).to(tl.float32)" if dtype == torch.bfloat16 else "")
+        ep = mm.Epilogue(shape=(rows, vocab), operands=(), body=body, stores=(("e_z", "f32", dtype),),
+                         out_shapes=((rows, vocab),), row_stats="e_z", row_stats_cols=cfg.block_n)  # fmt: skip
+        staged = tuple(x for x in ("a", "b") if f"stage_{x}" in cfg.instruction.split("+"))
+        src = mm.matmul_source(dataclasses_replace(cfg), has_bias=False, precision="bf16" if dt == "bfloat16" else prec,
+                               out_dtype=dt, in_dtype=dt, tma=mm.TmaLayout("row", "row" if "b" in staged else "col"),
+                               prerounded=staged, epilogue=ep)  # fmt: skip
+        b_box = (cfg.block_k, cfg.block_n) if "b" in staged else (cfg.block_n, cfg.block_k)
+        t0 = time.perf_counter()
+        log, _, smem, _ = compile_sm90(src, ep, (cfg.block_m, cfg.block_k), b_box, dt, cfg.num_warps, cfg.num_stages)
+        regs, spills = _ptxas(log)
+        print(f"LM head {dt} logits with row statistics: {head.block_m}x{head.block_n}x{head.block_k} w{head.num_warps} "
+              f"s{head.num_stages} {head.instruction} -> w{cfg.num_warps} s{cfg.num_stages} {cfg.instruction}: "
+              f"{mm.epilogue_slices(ep, cfg.block_m, cfg.block_n)} slices, registers {','.join(regs)}, spill stores "
+              f"{','.join(spills)} B, shared {smem // 1024} KiB, {time.perf_counter() - t0:.1f} s")
 
 
 def dataclasses_replace(cfg):
