@@ -193,7 +193,6 @@ def lm_head_stats(rows: int = 4096, vocab: int = 50304, dim: int = 768) -> None:
     and an f32 head under tf32 (the weight rounded once, ``prerounded`` B)."""
     from nova.codegen.triton import matmul as mm
     from nova.codegen.triton.linear_ce import stats_config
-    from nova.schedule.config import LoweringConfig
     from nova.schedule.configurator import configure_matmul
     from nova.schedule.devices import DEVICES
 
