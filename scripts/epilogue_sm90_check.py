@@ -189,33 +189,45 @@ def main() -> None:
 
 def lm_head_stats(rows: int = 4096, vocab: int = 50304, dim: int = 768) -> None:
     """The logits matmul with the row statistics' epilogue (``mm.Epilogue.row_stats``) at
-    ``linear_ce.stats_config`` of the configurator's config for a GPT-2 chunk: a bf16 head,
-    and an f32 head under tf32 (the weight rounded once, ``prerounded`` B)."""
+    ``linear_ce.stats_config`` of the configurator's config for a GPT-2 chunk, with
+    ``ROW_STATS_WS`` on and off: a bf16 head, and an f32 head under tf32 (the weight
+    rounded once, ``prerounded`` B)."""
+    from nova.codegen.triton import linear_ce
     from nova.codegen.triton import matmul as mm
-    from nova.codegen.triton.linear_ce import stats_config
     from nova.schedule.configurator import configure_matmul
     from nova.schedule.devices import DEVICES
 
     for dtype, prec, pre in ((torch.bfloat16, "ieee", ()), (torch.float32, "tf32-rn", ("b",))):
         head = configure_matmul(rows, vocab, dim, 1, dtype, dtype, dtype, prec, "row", "col", False, DEVICES["H200"],
                                 prerounded=pre)  # fmt: skip
-        cfg = stats_config(head)
-        dt = "bfloat16" if dtype == torch.bfloat16 else "float32"
-        body = "e_z = e_tile" + (".to(tl.bfloat16).to(tl.float32)" if dtype == torch.bfloat16 else "")
-        ep = mm.Epilogue(shape=(rows, vocab), operands=(), body=body, stores=(("e_z", "f32", dtype),),
-                         out_shapes=((rows, vocab),), row_stats="e_z", row_stats_cols=cfg.block_n)  # fmt: skip
-        staged = tuple(x for x in ("a", "b") if f"stage_{x}" in cfg.instruction.split("+"))
-        src = mm.matmul_source(dataclasses_replace(cfg), has_bias=False, precision="bf16" if dt == "bfloat16" else prec,
-                               out_dtype=dt, in_dtype=dt, tma=mm.TmaLayout("row", "row" if "b" in staged else "col"),
-                               prerounded=staged, epilogue=ep)  # fmt: skip
-        b_box = (cfg.block_k, cfg.block_n) if "b" in staged else (cfg.block_n, cfg.block_k)
-        t0 = time.perf_counter()
-        log, _, smem, _ = compile_sm90(src, ep, (cfg.block_m, cfg.block_k), b_box, dt, cfg.num_warps, cfg.num_stages)
-        regs, spills = _ptxas(log)
-        print(f"LM head {dt} logits with row statistics: {head.block_m}x{head.block_n}x{head.block_k} w{head.num_warps} "
-              f"s{head.num_stages} {head.instruction} -> w{cfg.num_warps} s{cfg.num_stages} {cfg.instruction}: "
-              f"{mm.epilogue_slices(ep, cfg.block_m, cfg.block_n)} slices, registers {','.join(regs)}, spill stores "
-              f"{','.join(spills)} B, shared {smem // 1024} KiB, {time.perf_counter() - t0:.1f} s")
+        for ws_on in (True, False):
+            linear_ce.ROW_STATS_WS = ws_on
+            cfg = linear_ce.stats_config(head)
+            ws = "ws" in cfg.instruction.split("+")
+            if ws_on and not ws and "ws" not in head.instruction:
+                continue  # the same config as below
+            dt = "bfloat16" if dtype == torch.bfloat16 else "float32"
+            body = "e_z = e_tile" + (".to(tl.bfloat16).to(tl.float32)" if dtype == torch.bfloat16 else "")
+            ep = mm.Epilogue(shape=(rows, vocab), operands=(), body=body, stores=(("e_z", "f32", dtype),),
+                             out_shapes=((rows, vocab),), row_stats="e_z", row_stats_cols=cfg.block_n)  # fmt: skip
+            staged = tuple(x for x in ("a", "b") if f"stage_{x}" in cfg.instruction.split("+"))
+            layout = mm.TmaLayout("row", "row" if "b" in staged else "col", ws=ws)
+            src = mm.matmul_source(dataclasses_replace(cfg), has_bias=False, out_dtype=dt, in_dtype=dt, tma=layout,
+                                   precision="bf16" if dt == "bfloat16" else prec, prerounded=staged, epilogue=ep)
+            b_box = (cfg.block_k, cfg.block_n) if "b" in staged else (cfg.block_n, cfg.block_k)
+            t0 = time.perf_counter()
+            if ws:
+                log, _, smem, part = compile_sm90(src, ep, None, None, dt, cfg.num_warps, cfg.num_stages,
+                                                  consts={"NUM_PROGS": 132, "STAGES": cfg.num_stages})  # fmt: skip
+            else:
+                log, _, smem, part = compile_sm90(src, ep, (cfg.block_m, cfg.block_k), b_box, dt, cfg.num_warps,
+                                                  cfg.num_stages)  # fmt: skip
+            regs, spills = _ptxas(log)
+            print(f"LM head {dt} logits with row statistics (ROW_STATS_WS {ws_on}): {head.block_m}x{head.block_n}x"
+                  f"{head.block_k} w{head.num_warps} s{head.num_stages} {head.instruction} -> w{cfg.num_warps} "
+                  f"s{cfg.num_stages} {cfg.instruction}{' (partitioned)' if part else ''}: "
+                  f"{mm.epilogue_slices(ep, cfg.block_m, cfg.block_n)} slices, registers {','.join(regs)}, spill "
+                  f"stores {','.join(spills)} B, shared {smem // 1024} KiB, {time.perf_counter() - t0:.1f} s")
 
 
 def dataclasses_replace(cfg):

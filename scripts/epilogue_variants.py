@@ -70,6 +70,7 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
                 parameters' layout, not transposed ones the optimizer reads across rows
   lce-stats     the LM head's row statistics from the logits matmul's epilogue: the row kernel
                 reads each chunk's logits once (linear_ce.ROW_STATS_FROM_LOGITS)
+  lce-stats-nows  the same, the logits in the 8-warp persistent kernel, not the warp-specialized one
 
     python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--variants a,b] [--graph] [--out DIR]
 
@@ -92,7 +93,7 @@ VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "t
             "tile-grid-noresidual", "ws-off", "ws-plain", "ws-epi128", "ws-epi256", "two-pass-split",
             "casts-unbatched", "last-split-sums", "row-stores-off", "norm-recompute-off", "ln-pair-sums",
             "ln-hoist", "ln-hoist-pair", "ln-hoist-off", "attention-sums-off", "attn-sums-dq-dot", "stream-k",
-            "stream-k-all", "transpose-matmul-on", "lce-stats")
+            "stream-k-all", "transpose-matmul-on", "lce-stats", "lce-stats-nows")
 # each ws variant's changes to configurator.WS_TILES
 WS_VARIANTS = {"ws-off": {"plain": None, "epilogue": None}, "ws-plain": {"epilogue": None},
                "ws-epi128": {"epilogue": (128, 128, 4)}, "ws-epi256": {"epilogue": (128, 256, 4)}}
@@ -127,10 +128,11 @@ def apply_variant(variant: str) -> None:
         from nova.transforms import transpose_matmul
 
         transpose_matmul.ENABLED = True
-    if variant == "lce-stats":  # the LM head's row statistics from the logits' epilogue (built 2026-12-05, seventh)
-        from nova.codegen.triton import linear_ce
+    if variant in ("lce-stats", "lce-stats-nows"):  # the LM head's row statistics from the logits' epilogue
+        from nova.codegen.triton import linear_ce  # (built 2026-12-05, seventh session)
 
         linear_ce.ROW_STATS_FROM_LOGITS = True
+        linear_ce.ROW_STATS_WS = variant == "lce-stats"
     if variant == "attention-sums-off":  # the qkv bias gradient as a reduction of its own (before 2026-12-05)
         from nova import pipeline
 

@@ -6,7 +6,6 @@ past N left out, the rows past M not stored), a sliced epilogue, pointer and TMA
 the warp-specialized kernel; and the configs that cannot carry them refused."""
 
 import dataclasses
-import logging
 
 import pytest
 import torch
@@ -48,8 +47,8 @@ def _expected(z: torch.Tensor, bn: int):
     _cfg(32, 64, warps=8),
     _cfg(16, 32, instruction="wgmma+tma"),
     _cfg(32, 32, instruction="wgmma+tma", persistent=True),
-    _cfg(64, 64, instruction="wgmma+tma+ws", persistent=True),  # runs unpartitioned (the test below)
-], ids=["pointers", "8-warps", "tma", "persistent", "ws-config"])
+    _cfg(64, 64, instruction="wgmma+tma+ws", persistent=True),
+], ids=["pointers", "8-warps", "tma", "persistent", "warp-specialized"])
 @pytest.mark.parametrize("M,N,K", [(64, 128, 64), (50, 100, 40)], ids=["even", "ragged"])
 def test_row_statistics_of_the_stored_logits(cfg, M, N, K, device):
     g = torch.Generator().manual_seed(M + N + K)
@@ -97,21 +96,29 @@ def test_row_statistics_refuse_a_split_or_another_tile_width(device):
                            cfg=_cfg(16, 32), precision="bf16")
 
 
-def test_a_ws_config_with_row_statistics_runs_unpartitioned_and_says_so(device, caplog, monkeypatch):
-    """Reductions across the tile are not run partitioned (as column sums, which Triton 3.6's
-    partitioner fails on): the persistent kernel runs instead, logged; the LM head asks for
-    that kernel itself (``stats_config``: 8 warps, at most 3 stages, unsplit)."""
+def test_row_statistics_in_the_warp_specialized_kernel(device, monkeypatch):
+    """Row statistics (reductions along the tile's rows) run partitioned, unlike column sums
+    (Triton 3.6's partitioner fails on those): the warp-specialized kernel runs, nothing logged,
+    the statistics of its stored logits. ``stats_config`` keeps a ws config with
+    ``ROW_STATS_WS``, else gives the 8-warp persistent kernel (at most 3 stages), unsplit."""
+    from nova.codegen.triton import linear_ce
+
     monkeypatch.setattr(nova.log, "_SEEN", set())
     cfg = _cfg(64, 64, instruction="wgmma+tma+ws", persistent=True)
-    a = torch.randn(128, 64).to(torch.bfloat16).to(device)
-    b = torch.randn(64, 128).to(torch.bfloat16).to(device)
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(128, 64, generator=g).to(torch.bfloat16).to(device)
+    b = torch.randn(96, 64, generator=g).to(torch.bfloat16).to(device).t()
     rec: dict = {}
-    with caplog.at_level(logging.INFO, logger="nova"):
-        mm.matmul_epilogue(a, b, _stats_epilogue(128, 128, 64, torch.bfloat16), [], torch.bfloat16, cfg=cfg, record=rec)
-    assert "row statistics in the epilogue" in caplog.text
-    assert not any("warp-specialized" in open(p).read(400) for p in rec)
+    z, rm, rs = mm.matmul_epilogue(a, b, _stats_epilogue(128, 96, 64, torch.bfloat16), [], torch.bfloat16, cfg=cfg,
+                                   record=rec)  # fmt: skip
+    assert any("warp-specialized" in open(p).read(400) for p in rec)
+    m, s = _expected(z.cpu(), 64)
+    assert torch.equal(rm.cpu().double(), m)
+    torch.testing.assert_close(rs.cpu().double(), s, rtol=2e-6, atol=0)
     big = LoweringConfig(kind="matmul", block_m=128, block_n=256, block_k=64, group_m=16, split_k=2, persistent=True,
                          num_warps=4, num_stages=4, instruction="wgmma+tma+ws")  # fmt: skip
+    assert stats_config(big) == dataclasses.replace(big, split_k=1)
+    monkeypatch.setattr(linear_ce, "ROW_STATS_WS", False)
     got = stats_config(big)
     assert (got.block_m, got.block_n, got.split_k, got.num_warps, got.num_stages, got.instruction) == (
         128, 256, 1, 8, 3, "wgmma+tma")

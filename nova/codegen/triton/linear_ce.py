@@ -97,6 +97,9 @@ KEEP_ROWS_IN_L2 = True
 # took 0.611 ms there on the H200): the tf32 GPT-2 step and the 46M MLP's, whose LM head is most
 # of its step
 ROW_STATS_FROM_LOGITS = False
+# the statistics' logits in the warp-specialized kernel where the op's config is one (stats_config);
+# False: the 8-warp persistent TMA kernel instead (scripts/epilogue_variants.py "lce-stats-nows")
+ROW_STATS_WS = True
 # Measured and left out (bench/results/runs/lce_rows_variants_bf16_459b619.json, a 4096-row bf16
 # chunk on the H200: 0.338 ms shipped): the log-sum-exp pass's sums kept per lane and added up
 # after the loop (fewer barriers, twice the registers: 0.367 ms) and both row loops
@@ -417,15 +420,15 @@ def stats_cols_of(op, cfg: LoweringConfig | None) -> int:
 
 def stats_config(cfg: LoweringConfig) -> LoweringConfig:
     """The logits' config with their row statistics: the op's tile (its BLOCK_N is the
-    statistics' width, ``stats_cols_of``), unsplit (the statistics are a whole tile's),
-    and not warp-specialized (``mm._ws_plan`` runs no epilogue with reductions across the
-    tile partitioned): there the two warp groups of 8 warps share the accumulator, as the
-    one-pass kernel's configs of the same tile have them (a 128x256 tile at 4 warps holds
-    256 registers a thread and spills), and at most 3 stages (shared memory beside the
-    epilogue's layout conversions)."""
+    statistics' width, ``stats_cols_of``) unsplit (the statistics are a whole tile's). With
+    ``ROW_STATS_WS`` a warp-specialized config stays so (the plain logits' kernel, plus the
+    statistics; the offline sm_90a build partitions, 168 registers, where column sums fail
+    Triton 3.6's partitioner); without it the persistent TMA kernel at 8 warps (two warp
+    groups share the 128x256 accumulator; at 4 warps it is 256 registers a thread and
+    spills) and at most 3 stages: 188 registers, no spills."""
     cfg = dataclasses.replace(cfg, split_k=1)
     tokens = cfg.instruction.split("+")
-    if "ws" not in tokens:
+    if "ws" not in tokens or ROW_STATS_WS:
         return cfg
     return dataclasses.replace(cfg, instruction="+".join(t for t in tokens if t != "ws"),
                                num_warps=max(cfg.num_warps, 8), num_stages=min(cfg.num_stages, 3))

@@ -1571,8 +1571,9 @@ def _ws_plan(cfg: LoweringConfig, tma, a3, b3, batched: bool, in_name: str,
     (``WS_EPILOGUES``), an epilogue with column sums (Triton 3.6's partitioner fails on
     the tile's row reduction inside the loop: "NVGPUWarpSpecialization" on the H200,
     bench/results/runs/step_launches_2l_564d08d.log; the configurator does not ask
-    for it, rule 8b) or row statistics (reductions across the tile too, not tried
-    partitioned: ``nova.codegen.triton.linear_ce.stats_config`` asks for another kernel). Then the config's tile runs in the kernel without partitioning
+    for it, rule 8b; row statistics, reductions along the tile's rows, partition: the
+    offline sm_90a build of the LM head's logits with them, 168 registers, no spills,
+    ``scripts/epilogue_sm90_check.py --lm-head-stats``). Then the config's tile runs in the kernel without partitioning
     (logged once): the same result, at that kernel's speed."""
     if "ws" not in cfg.instruction.split("+"):
         return None
@@ -1580,8 +1581,7 @@ def _ws_plan(cfg: LoweringConfig, tma, a3, b3, batched: bool, in_name: str,
            or tma[0].b_batched else "32-bit operands" if in_name == "float32"
            else "not persistent" if not cfg.persistent else "an epilogue (WS_EPILOGUES off)"
            if epilogue is not None and not WS_EPILOGUES else "column sums in the epilogue"
-           if epilogue is not None and epilogue.sums else "row statistics in the epilogue"
-           if epilogue is not None and epilogue.row_stats else None)
+           if epilogue is not None and epilogue.sums else None)
     if why is not None:
         once(_LOG, f"ws:{why}", "matmul: the warp-specialized kernel does not run here (%s): the %s kernel does",
              why, "persistent TMA" if tma is not None else "pointer-load")
