@@ -201,8 +201,11 @@ def lm_head_stats(rows: int = 4096, vocab: int = 50304, dim: int = 768) -> None:
         head = configure_matmul(rows, vocab, dim, 1, dtype, dtype, dtype, prec, "row", "col", False, DEVICES["H200"],
                                 prerounded=pre)  # fmt: skip
         for ws_on in (True, False):
-            linear_ce.ROW_STATS_WS = ws_on
-            cfg = linear_ce.stats_config(head)
+            saved, linear_ce.ROW_STATS_WS = linear_ce.ROW_STATS_WS, ws_on
+            try:
+                cfg = linear_ce.stats_config(head)
+            finally:
+                linear_ce.ROW_STATS_WS = saved
             ws = "ws" in cfg.instruction.split("+")
             if ws_on and not ws and "ws" not in head.instruction:
                 continue  # the same config as below

@@ -197,18 +197,14 @@ def _written_switches(path: str) -> dict[str, object]:
         m = _SWITCH_LINE.match(line)
         if m is None or not any(ch.isalpha() for ch in m.group(1)):
             continue
-        text = m.group(2)
+        text, node = m.group(2), None
         for j in range(i + 1, min(len(lines), i + _SWITCH_LINES_MAX) + 1):
             try:
                 node = ast.parse(text.strip(), mode="eval")
                 break
             except SyntaxError:
-                if j == len(lines):
-                    node = None
-                    break
-                text += "\n" + lines[j]
-        else:
-            node = None
+                if j < len(lines):
+                    text += "\n" + lines[j]
         if node is None:
             continue
         try:

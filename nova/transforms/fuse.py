@@ -767,7 +767,7 @@ class _Grouping:
                 return None  # past the epilogue's budget
             if any(map(self._optimizer_op, members)):
                 # the optimizer's update stays in its multi-tensor groups: in a weight gradient's
-                # epilogue (its layout is the parameter's since the transpose_matmul stage) Adam's
+                # epilogue (its layout is the parameter's with the transpose_matmul stage on) Adam's
                 # new moments (or their terms) would be computed ahead of the guard's gate and kept
                 # for it: weight-sized temporaries where the update writes in place
                 return None

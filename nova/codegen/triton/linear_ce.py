@@ -153,11 +153,17 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
     scale_s = "s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)"
     sx_init = "\n        sx = tl.zeros((), tl.float32)" if ls else ""
     sx_step = f"\n            {running('sx', f'tl.where(c < {V}, x, 0.0)')}" if ls else ""
-    lse = f"""
+    head = f"""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         z_row = z_ptr + row * {V}
-        t = tl.load(t_ptr + row)
+        t = tl.load(t_ptr + row)"""
+    lse_of_m_s = f"""
+        lse = tl.where(m == {_NEG_INF}, 0.0, m) + tl.log(s)
+        valid = t != {ignore}
+        inb = (t >= 0) & (t < {V})"""
+    if not stats_tiles:  # one pass over the row: online maximum and sum
+        lse = head + f"""
         m = tl.full((), {_NEG_INF}, tl.float32)
         s = tl.zeros((), tl.float32){sx_init}
         xt = tl.zeros((), tl.float32)
@@ -168,27 +174,16 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
             m_safe = tl.where(m_new == {_NEG_INF}, 0.0, m_new)
             {scale_s}{sx_step}
             {running('xt', 'tl.where(c == t, x, 0.0)')}  # the target's logit, from the block holding it
-            m = m_new
-        lse = tl.where(m == {_NEG_INF}, 0.0, m) + tl.log(s)
-        valid = t != {ignore}
-        inb = (t >= 0) & (t < {V})
-    """
-    if stats_tiles:  # the log-sum-exp of the row's tiles' statistics
+            m = m_new""" + lse_of_m_s + "\n    "
+    else:  # the log-sum-exp of the row's tiles' statistics
         tb = next_pow2(stats_tiles)
-        lse = f"""
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        z_row = z_ptr + row * {V}
-        t = tl.load(t_ptr + row)
+        lse = head + f"""
         tcols = tl.arange(0, {tb})
         tm = tl.load(rm_ptr + row * {stats_tiles} + tcols, mask=tcols < {stats_tiles}, other={_NEG_INF})
         ts = tl.load(rs_ptr + row * {stats_tiles} + tcols, mask=tcols < {stats_tiles}, other=0.0)
         m = tl.max(tm, axis=0)
         m_safe = tl.where(m == {_NEG_INF}, 0.0, m)
-        s = tl.sum(ts * tl.exp(tm - m_safe), axis=0)
-        lse = tl.where(m == {_NEG_INF}, 0.0, m) + tl.log(s)
-        valid = t != {ignore}
-        inb = (t >= 0) & (t < {V})
+        s = tl.sum(ts * tl.exp(tm - m_safe), axis=0)""" + lse_of_m_s + """
         xt = tl.load(z_row + t, mask=valid & inb, other=0.0).to(tl.float32)
         tl.debug_barrier()  # every thread has the target's logit before any writes d over it
     """
