@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import importlib.metadata
 import json
 import math
@@ -140,7 +141,22 @@ def result_stem(cfg: dict, dry_run: bool) -> str:
         stem += "_" + "-".join(SHORT[e] for e in cfg["engines"])
     if cfg.get("data_parallel"):
         stem += f"_np{cfg['nproc']}_{cfg['data_parallel']}"
+    if cfg.get("switches"):  # a variant (--set): its own file, never the shipped step's
+        stem += "_sw" + hashlib.sha256(json.dumps(cfg["switches"], sort_keys=True).encode()).hexdigest()[:8]
     return stem
+
+
+def apply_switches(items: list[str]) -> dict[str, str]:
+    """--set's MODULE.NAME=VALUE items set on Nova's modules; returns every switch of this
+    process that differs from its source (``nova.runtime.cache.changed_switches``), which
+    the results record."""
+    from nova.runtime import cache
+
+    try:
+        cache.set_switches(items)
+    except ValueError as e:
+        raise UsageError(f"--set: {e}") from None
+    return cache.changed_switches()
 
 
 def gpt_config(cfg: dict) -> GPTConfig:
@@ -436,6 +452,9 @@ def compare(rows: list[dict], reference: list[float] | None, warmup: int) -> Non
 
 def run(opts, log=print) -> dict:
     cfg = resolve(opts)
+    cfg["switches"] = apply_switches(list(getattr(opts, "set", None) or []))
+    if cfg["switches"]:
+        log("Nova's switches changed for this run: " + ", ".join(f"{k}={v}" for k, v in cfg["switches"].items()))
     device = torch.device("cpu" if opts.dry_run else "cuda")
     if DIST["dp"] and device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -610,6 +629,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--data-parallel (default 1: one process)")
     p.add_argument("--data-parallel", choices=("ddp", "zero1"), default="ddp",
                    help="Nova's data_parallel mode with --nproc > 1 (default ddp)")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="set one of Nova's module switches for the run, e.g. transforms.transpose_matmul.ENABLED=True "
+                   "(repeatable; MODULE under nova.): a variant, recorded in the results and named in the file's name")
     p.add_argument("--dry-run", action="store_true",
                    help="a tiny GPT on the CPU: eager and Nova's reference backend, wall-clock timing, no claims")
 
@@ -625,6 +647,8 @@ def _argv(opts) -> list[str]:
     if opts.engines:
         out += ["--engines", ",".join(opts.engines)]
     out.append("--fresh-caches" if opts.fresh_caches else "--no-fresh-caches")
+    for item in getattr(opts, "set", None) or []:
+        out += ["--set", item]
     return out + (["--dry-run"] if opts.dry_run else [])
 
 

@@ -13,9 +13,7 @@ Writes ``step_launches_<model>_<precision>_b<batch>[_<tag>].json``."""
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import importlib
 import json
 import os
 import subprocess
@@ -26,23 +24,10 @@ import torch
 
 import nova
 from nova.ir import dialect as nv
+from nova.runtime import cache
 from nova.schedule.cost import kernel_steps
 
 from kernel_profile import model_config  # noqa: E402  (scripts/ is on sys.path when run as a script)
-
-
-def apply_settings(settings: list[str]) -> dict:
-    """``MODULE.NAME=VALUE`` strings set on ``nova.MODULE`` (the constant must exist)."""
-    done = {}
-    for item in settings:
-        target, _, value = item.partition("=")
-        mod, _, name = target.rpartition(".")
-        m = importlib.import_module(f"nova.{mod}")
-        if not hasattr(m, name):
-            raise SystemExit(f"--set {item}: nova.{mod} has no {name}")
-        setattr(m, name, ast.literal_eval(value))
-        done[target] = getattr(m, name)
-    return done
 
 
 def launches(model: str, precision: str, batch: int, layers: int | None = None) -> list[dict]:
@@ -94,7 +79,7 @@ def main() -> None:
 
         # a cached step would carry the kernels of other settings
         pipeline.SETTINGS = dataclasses.replace(pipeline.SETTINGS, step_cache=False)
-    settings = apply_settings(opts.set)
+    settings = cache.set_switches(opts.set)
     print(f"settings: {settings or 'defaults'}")
     rows = launches(opts.model, opts.precision, opts.batch, opts.layers)
     total = sum(r["ms"] for r in rows)

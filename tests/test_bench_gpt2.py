@@ -38,6 +38,7 @@ def test_dry_run_through_the_cli_writes_complete_results(tmp_path):
     assert doc["commit"] and doc["loss_reference"] == "eager, this run"
     c = doc["config"]
     assert (c["layers"], c["heads"], c["width"], c["vocab"], c["seq"], c["batch"]) == (2, 4, 64, 256, 32, 2)
+    assert c["switches"] == {}  # the shipped step
     assert [r["engine"] for r in doc["rows"]] == ["eager", "nova"]
     n = c["warmup"] + c["steps"]
     for r in doc["rows"]:
@@ -95,6 +96,23 @@ def test_a_failing_engine_is_recorded_and_the_run_fails(tmp_path, monkeypatch):
     assert doc["rows"][0]["error"] is None and doc["rows"][1]["error"].startswith("ValueError")
     assert not doc["rows"][1]["oom"]
     assert not bench._is_oom(ValueError("broken")) and bench._is_oom(RuntimeError("CUDA error: out of memory"))
+
+
+def test_a_variant_by_set_is_recorded_and_named(tmp_path, monkeypatch):
+    """--set flips a module switch for the run (a variant measured beside the rivals): the
+    results record every changed switch, and the file's name is not the shipped step's."""
+    from nova.transforms import transpose_matmul
+
+    monkeypatch.setattr(transpose_matmul, "ENABLED", transpose_matmul.ENABLED)  # restored at teardown
+    item = "transforms.transpose_matmul.ENABLED=True"
+    opts = _opts("--dry-run", "--steps", "1", "--engines", "nova", "--set", item, "--out", str(tmp_path))
+    assert bench._argv(opts)[-3:-1] == ["--set", item]  # the ranks torchrun starts get it too
+    (path, *_) = bench.run_args(opts, log=lambda s: None)
+    doc = json.loads(path.read_text())
+    assert doc["config"]["switches"] == {"nova.transforms.transpose_matmul.ENABLED": "True"}
+    assert path.name.startswith("gpt2_dry_l2w64h4_v256_bf16_b2_t32_sw") and doc["rows"][0]["error"] is None
+    with pytest.raises(UsageError, match="--set: .*has no switch NOPE"):
+        bench.run(_opts("--dry-run", "--set", "transforms.transpose_matmul.NOPE=1"), log=lambda s: None)
 
 
 def test_presets_and_result_names():

@@ -233,6 +233,43 @@ def _switch_text(v) -> str:
     raise Unhashable(f"switch value {type(v).__name__}")
 
 
+def set_switches(items: list[str]) -> dict[str, str]:
+    """``MODULE.NAME=VALUE`` texts (MODULE under ``nova.``, e.g.
+    ``transforms.transpose_matmul.ENABLED=True``) set on their modules, for a benchmark
+    or a script measuring a variant: NAME must be one of the module's switches (an
+    upper-case name assigned a literal in its source) and VALUE a literal of the written
+    value's type, else ``ValueError`` says which. The step cache's key holds the change
+    (``changed_switches``). Returns the settings as ``changed_switches`` writes them."""
+    import importlib
+
+    done: dict[str, str] = {}
+    for item in items:
+        target, eq, text = item.partition("=")
+        mod, _, name = target.rpartition(".")
+        if not eq or not mod or not name:
+            raise ValueError(f"switch {item!r}: expected MODULE.NAME=VALUE (MODULE under nova.)")
+        try:
+            module = importlib.import_module(f"nova.{mod}")
+        except ImportError as e:
+            raise ValueError(f"switch {item!r}: no module nova.{mod} ({e})") from None
+        written = _written_switches(module.__file__).get(name)
+        if written is None:
+            raise ValueError(f"switch {item!r}: nova.{mod} has no switch {name} (an upper-case name assigned a "
+                             f"literal in {Path(module.__file__).name})")
+        try:
+            value = ast.literal_eval(text.strip())
+        except (ValueError, TypeError, SyntaxError) as e:
+            raise ValueError(f"switch {item!r}: {text!r} is not a Python literal ({e})") from None
+        if isinstance(written, float) and type(value) is int:
+            value = float(value)
+        if type(value) is not type(written):
+            raise ValueError(f"switch {item!r}: nova.{target} is a {type(written).__name__} "
+                             f"(written {written!r}), got a {type(value).__name__}")
+        setattr(module, name, value)
+        done[f"nova.{target}"] = _switch_text(value)
+    return done
+
+
 def changed_switches() -> dict[str, str]:
     """Nova's module-level switches (upper-case names assigned a literal in the source,
     e.g. ``nova.transforms.transpose_matmul.ENABLED``) whose value in this process is not

@@ -300,6 +300,31 @@ def test_changed_switches_sees_values_not_modules(monkeypatch):
         cache.changed_switches()
 
 
+def test_set_switches_takes_only_written_switches_of_their_type(monkeypatch):
+    """A benchmark's --set: a written switch of a module under nova., a literal of its type
+    (an int where the switch is a float); anything else is a ValueError naming the item,
+    and nothing is set by a rejected item."""
+    from nova.schedule import configurator
+    from nova.transforms import transpose_matmul
+
+    # restored at teardown whatever the test sets
+    monkeypatch.setattr(transpose_matmul, "ENABLED", transpose_matmul.ENABLED)
+    monkeypatch.setattr(configurator, "ONE_WAVE_SPLIT_MIN_GAIN", configurator.ONE_WAVE_SPLIT_MIN_GAIN)
+    done = cache.set_switches(["transforms.transpose_matmul.ENABLED=True", "schedule.configurator.ONE_WAVE_SPLIT_MIN_GAIN=0"])
+    assert done == {"nova.transforms.transpose_matmul.ENABLED": "True", "nova.schedule.configurator.ONE_WAVE_SPLIT_MIN_GAIN": "0.0"}
+    assert transpose_matmul.ENABLED is True and configurator.ONE_WAVE_SPLIT_MIN_GAIN == 0.0
+    assert cache.changed_switches() == done
+    for bad, says in [("transforms.transpose_matmul.ENABLED", "MODULE.NAME=VALUE"),
+                      ("transforms.nothing_here.ENABLED=1", "no module nova.transforms.nothing_here"),
+                      ("transforms.transpose_matmul.enabled=True", "has no switch enabled"),
+                      ("transforms.transpose_matmul.ENABLED=yes", "not a Python literal"),
+                      ("transforms.transpose_matmul.ENABLED=1", "is a bool")]:
+        with pytest.raises(ValueError, match=says):
+            cache.set_switches(["schedule.configurator.ONE_WAVE_SPLIT_MIN_GAIN=1", bad])
+        assert configurator.ONE_WAVE_SPLIT_MIN_GAIN == 1.0  # the items before the bad one are set
+    assert transpose_matmul.ENABLED is True
+
+
 def test_disabled_and_dump_bypass_the_cache(cache_dir, monkeypatch):
     dumped = compile_(*tiny(), dump=True)  # explain() must see every stage
     assert dumped.cache == "off" and list(dumped.stages) == [n for n, _ in pipeline.STAGES]
