@@ -66,6 +66,12 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
                 since a6abd7d, so now the same as tile-grid)
   ln-hoist-pair both of the above
   ln-hoist-off  those operands loaded every row (the step before a6abd7d)
+  stream-k      split-K weight gradients as stream-K in lockstep bands (matmul.STREAM_K_SPLIT,
+                STREAM_K_LOCKSTEP: groups of programs walk the same K range, as a split's waves do)
+  stream-k-all  the same, and the one-wave splits the model gains little on (768x2304) too
+                (configurator.ONE_WAVE_SPLIT_MIN_GAIN 0)
+  stream-k-contiguous  stream-K's first form: contiguous shares of the tile-major iterations
+                (measured slower at 4c64f5c)
   transpose-matmul-on  the transpose_matmul stage on: the weight gradients as products in their
                 parameters' layout, not transposed ones the optimizer reads across rows
   lce-stats     the LM head's row statistics from the logits matmul's epilogue: the row kernel
@@ -93,7 +99,7 @@ VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "t
             "tile-grid-noresidual", "ws-off", "ws-plain", "ws-epi128", "ws-epi256", "two-pass-split",
             "casts-unbatched", "last-split-sums", "row-stores-off", "norm-recompute-off", "ln-pair-sums",
             "ln-hoist", "ln-hoist-pair", "ln-hoist-off", "attention-sums-off", "attn-sums-dq-dot", "stream-k",
-            "stream-k-all", "transpose-matmul-on", "lce-stats", "lce-stats-nows")
+            "stream-k-all", "stream-k-contiguous", "transpose-matmul-on", "lce-stats", "lce-stats-nows")
 # each ws variant's changes to configurator.WS_TILES
 WS_VARIANTS = {"ws-off": {"plain": None, "epilogue": None}, "ws-plain": {"epilogue": None},
                "ws-epi128": {"epilogue": (128, 128, 4)}, "ws-epi256": {"epilogue": (128, 256, 4)}}
@@ -153,10 +159,11 @@ def apply_variant(variant: str) -> None:
         from nova.codegen.triton import attention
 
         attention.SUMS_BY_DOT = frozenset({"dq"})
-    if variant in ("stream-k", "stream-k-all"):
+    if variant in ("stream-k", "stream-k-all", "stream-k-contiguous"):
         from nova.codegen.triton import matmul as mm
 
         mm.STREAM_K_SPLIT = True  # (off as shipped: matmul.STREAM_K_SPLIT)
+        mm.STREAM_K_LOCKSTEP = variant != "stream-k-contiguous"
     if variant == "stream-k-all":  # and the one-wave splits the model gains little on (768x2304) as stream-K too
         cf.ONE_WAVE_SPLIT_MIN_GAIN = 0.0
     if variant == "two-pass-split":

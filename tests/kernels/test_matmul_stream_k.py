@@ -25,19 +25,22 @@ def _ints(*shape, gen, dtype):
     return torch.randint(-3, 4, shape, generator=gen).to(dtype)
 
 
-def _run(a, b, bias, cfg, out_dtype, stream, monkeypatch, programs=None, precision=None):
+def _run(a, b, bias, cfg, out_dtype, stream, monkeypatch, programs=None, precision=None, lockstep=True):
     monkeypatch.setattr(mm, "STREAM_K_SPLIT", stream)
+    monkeypatch.setattr(mm, "STREAM_K_LOCKSTEP", lockstep)
     rec: dict = {}
     c = mm.matmul(a, b, bias, cfg=cfg, out_dtype=out_dtype, precision=precision, num_programs=programs, record=rec)
     return c, "".join(open(p).read() for p in rec)
 
 
+@pytest.mark.parametrize("lockstep", [True, False], ids=["lockstep", "contiguous"])
 @pytest.mark.parametrize("programs", [1, 3, 7, 40], ids=lambda p: f"{p}prog")
 @pytest.mark.parametrize("case", ["bf16", "bf16-bias-ragged", "f32-ieee"])
-def test_stream_k_adds_every_k_step_of_every_tile_once(case, programs, device, monkeypatch):
+def test_stream_k_adds_every_k_step_of_every_tile_once(case, programs, lockstep, device, monkeypatch):
     """Integer operands (exact in every dtype and every order of the sums): C is the exact
     product. 136 x 136 is 3 x 3 tiles of 64 (ragged), K 200 is 7 K-steps of 32: 63
-    iterations over 1, 3, 7 or 40 programs."""
+    iterations over 1, 3, 7 or 40 programs (40: some programs without a share), in either
+    form of the shares."""
     g = torch.Generator().manual_seed(3)
     ragged = "ragged" in case
     M, N, K = (136, 136, 200) if ragged else (128, 128, 192)
@@ -48,11 +51,11 @@ def test_stream_k_adds_every_k_step_of_every_tile_once(case, programs, device, m
     a, b = a.to(device), b.to(device)
     bias = bias.to(device) if bias is not None else None
     prec = "ieee" if dtype == torch.float32 else None
-    got, src = _run(a, b, bias, TMA, torch.float32, True, monkeypatch, programs, prec)
+    got, src = _run(a, b, bias, TMA, torch.float32, True, monkeypatch, programs, prec, lockstep)
     assert "matmul_streamk_fixup" in src and "matmul_kernel_reduce" not in src
     want = a.double() @ b.double() + (bias.double() if bias is not None else 0)
     assert torch.equal(got.double(), want)
-    again, _ = _run(a, b, bias, TMA, torch.float32, True, monkeypatch, programs, prec)
+    again, _ = _run(a, b, bias, TMA, torch.float32, True, monkeypatch, programs, prec, lockstep)
     assert torch.equal(again, got)
 
 
@@ -69,6 +72,51 @@ def test_stream_k_rounds_as_the_split_kernel_does_within_fp32(device, monkeypatc
     for c in (got, split):
         assert ((c.double() - ref).norm() / ref.norm()).item() < 4e-3
     assert ((got.double() - split.double()).abs() <= 2 ** -7 * split.double().abs() + 1e-6).all()
+
+
+def _covered(shares, tiles, k_steps):
+    seen = torch.zeros(tiles, k_steps, dtype=torch.int64)
+    for share in shares:
+        for t, lo, hi in share:
+            assert 0 <= t < tiles and 0 <= lo < hi <= k_steps
+            seen[t, lo:hi] += 1
+    return seen
+
+
+@pytest.mark.parametrize("lockstep", [True, False], ids=["lockstep", "contiguous"])
+def test_shares_cover_every_iteration_once_and_balance(lockstep):
+    """Every (tile, K-step) in exactly one segment, and no share more than a few K-steps
+    past tiles x K-steps / programs (the wave-free load stream-K is for), at the step's
+    weight-gradient tilings and at small, ragged ones."""
+    for tiles, k_steps, programs in [(72, 512, 132), (18, 512, 132), (54, 512, 132), (24, 48, 132), (9, 7, 3),
+                                     (9, 7, 40), (200, 16, 132), (1, 2, 132), (133, 5, 132), (5, 1000, 7)]:
+        shares = mm.streamk_shares(tiles, k_steps, programs, lockstep)
+        assert len(shares) == programs
+        assert bool((_covered(shares, tiles, k_steps) == 1).all()), (tiles, k_steps, programs)
+        work = [sum(hi - lo for _, lo, hi in share) for share in shares]
+        assert max(work) <= -(-tiles * k_steps // programs) + 3, (tiles, k_steps, programs, max(work))
+
+
+def test_lockstep_shares_walk_in_bands():
+    """The H200's 768x3072x32768 weight gradient at 128x256x64: 72 tiles of 512 K-steps on
+    132 SMs. 72 programs take K-steps 0..280 of every tile, the same range (the split's
+    first wave's L2 reuse); 60 take 280..512 of tiles 0..59, then the last 12 tiles' 280..512
+    in 5 bands of 12 programs. 192 partial tiles, where 7 splits write 504. The fix-up adds
+    each tile's in K order."""
+    shares = mm.streamk_shares(72, 512, 132)
+    assert [s for s in shares[:72]] == [[(t, 0, 280)] for t in range(72)]
+    assert [s[0] for s in shares[72:]] == [(t, 280, 512) for t in range(60)]
+    bands = sorted({(lo, hi) for s in shares[72:] for _, lo, hi in s[1:]})
+    assert len(bands) == 5 and bands[0][0] == 280 and bands[-1][1] == 512
+    assert all(len(s) == 2 and s[1][0] >= 60 for s in shares[72:])
+    seg_off, segs, fix_off, fix_slot = mm.streamk_tables(72, 512, 132)
+    assert seg_off[-1] == len(segs) // 3 == len(fix_slot) == 192 and fix_off[-1] == 192
+    for t in range(72):
+        los = [segs[3 * s + 1] for s in fix_slot[fix_off[t]:fix_off[t + 1]]]
+        assert los == sorted(los) and los[0] == 0 and all(segs[3 * s] == t for s in fix_slot[fix_off[t]:fix_off[t + 1]])
+    assert len({s[0][1] for s in shares}) == 2
+    contiguous = mm.streamk_shares(72, 512, 132, lockstep=False)  # the first form: 11 starting K-steps
+    assert len({s[0][1] for s in contiguous}) == 11
 
 
 def test_only_2d_descriptor_splits_without_an_epilogue_take_it(device, monkeypatch):
@@ -99,13 +147,12 @@ def test_scratch_counts_the_partial_tiles(monkeypatch):
     split = mm.scratch_bytes(768, 3072, 32768, 1, torch.bfloat16, torch.bfloat16, torch.bfloat16, TMA)
     monkeypatch.setattr(mm, "STREAM_K_SPLIT", True)
     stream = mm.scratch_bytes(768, 3072, 32768, 1, torch.bfloat16, torch.bfloat16, torch.bfloat16, TMA)
-    programs, segs = mm.streamk_plan(768, 3072, 32768, TMA, mm.device_spec(torch.device("cpu")).num_sms)
+    programs, segments = mm.streamk_plan(768, 3072, 32768, TMA, mm.device_spec(torch.device("cpu")).num_sms)
     assert split == 3 * 768 * 3072 * 4 and programs == 132
-    assert stream == max(programs * segs * 64 * 64 * 4, split)
+    assert stream == max(segments * 64 * 64 * 4, split)
     big = dataclasses.replace(TMA, block_m=128, block_n=256, split_k=7)  # the H200's 768x3072 weight gradient
-    programs, segs = mm.streamk_plan(768, 3072, 32768, big, 132)
-    tiles = programs * segs * 128 * 256 * 4
-    assert tiles < 7 * 768 * 3072 * 4
+    assert mm.streamk_plan(768, 3072, 32768, big, 132) == (132, 192)
+    assert 192 * 128 * 256 * 4 < 7 * 768 * 3072 * 4
     assert mm.scratch_bytes(768, 3072, 32768, 1, torch.bfloat16, torch.bfloat16, torch.bfloat16, big) == 7 * 768 * 3072 * 4
     assert mm.streamk_plan(64, 64, 64, TMA, 132) == (2, 2)  # one tile of 2 K-steps: two programs
 
@@ -133,11 +180,13 @@ def _build_sm90() -> None:
                          num_stages=4, instruction="wgmma+tma")
     src = mm.streamk_source(cfg, mm.TmaLayout(a="col", b="row"), has_bias=False, precision="bf16",
                             in_dtype="bfloat16", out_dtype="bfloat16")
-    ints = {"M": "i32", "N": "i32", "K": "i32", "NUM_PROGS": "i32", "SEGS": "i32"}
+    ints = {"M": "i32", "N": "i32", "K": "i32"}
     for name, sig, opts in [
         ("matmul_streamk", {"a_desc": "tensordesc<bf16[64, 128]>", "b_desc": "tensordesc<bf16[64, 256]>",
-                            "ws_ptr": "*fp32", **ints}, dict(num_warps=8, num_stages=4)),
-        ("matmul_streamk_fixup", {"ws_ptr": "*fp32", "c_ptr": "*bf16", **ints, "stride_cm": "i32", "stride_cn": "i32"},
+                            "ws_ptr": "*fp32", "seg_off_ptr": "*i32", "segs_ptr": "*i32", **ints},
+         dict(num_warps=8, num_stages=4)),
+        ("matmul_streamk_fixup", {"ws_ptr": "*fp32", "fix_off_ptr": "*i32", "fix_slot_ptr": "*i32", "c_ptr": "*bf16",
+                                  **ints, "stride_cm": "i32", "stride_cn": "i32"},
          dict(num_warps=4)),
     ]:
         fn, _ = load_kernel(src, name)

@@ -36,10 +36,11 @@ Design choices, and why:
   instead, in split order behind a lock a tile: the same sums, no second kernel. With
   ``LAST_SPLIT_SUMS`` (off: no faster in the step) the last split of a tile to finish sums its
   tile's S partials in split order: the same sums again, no second kernel, no waiting.
-  With ``STREAM_K_SPLIT`` (off: not yet measured on the device) a 2-D split without an
+  With ``STREAM_K_SPLIT`` (off: measured slower in its first form) a 2-D split without an
   epilogue whose operands take descriptors runs as stream-K (``streamk_source``): one
-  program an SM, each an equal share of the tiles' K-steps, fp32 partial tiles where a
-  share leaves a tile, and a fix-up kernel adding them in program order (deterministic).
+  program an SM, each an equal share of the tiles' K-steps (``streamk_shares``: in bands
+  the programs walk in step, ``STREAM_K_LOCKSTEP``), fp32 partial tiles where a share
+  leaves a tile, and a fix-up kernel adding each tile's partials in K order (deterministic).
 * Persistent: ``grid = min(#SMs, #work items)`` programs loop over work items; the
   work item order (tile fastest, then split, then batch) is the same as the
   one-program-per-tile grid, so both walk tiles in the same L2-friendly order.
@@ -165,25 +166,31 @@ LAST_SPLIT_SUMS = False
 # Columns of the last split's sum at a time: a partial tile loaded beside the running sum
 # whole took 255 registers and spilled at 128x256 (offline sm_90a ptxas, 8 warps)
 LAST_SUM_SLICE = 64
-# Split-K as stream-K (off: built 2026-12-05, measured slower, below): a 2-D split
-# config without an epilogue, its operands through host-built descriptors, runs as one
-# program an SM, each taking an equal share of the tiles x K-steps iterations (a share may
-# end inside a tile and the next begin there), storing an fp32 partial tile wherever its
-# share leaves a tile; a fix-up kernel adds each tile's partials up in program order (K
-# order: deterministic, no atomics), adds the bias and casts. Against S splits it has no
-# wave quantization (the H200's 768x3072x32768 weight gradient: 72 tiles x 7 splits = 504
-# programs, 3.8 waves) and writes (tiles + programs) partial tiles, not S x tiles (204
-# against 504 there). ``streamk_source``; the sums' order is not the split's (other chunk
-# boundaries): the result differs from the split kernel's by fp32 rounding. Measured on an
-# H100 (scripts/epilogue_variants.py "stream-k" / "stream-k-all", 4c64f5c,
-# bench/results/runs/epilogue_variants_graph_12l_h100_4c64f5c.json): the step's graph 66.34 ->
-# 71.42 ms; a launch 768x3072 0.246 -> 0.437 ms, 3072x768 0.243 -> 0.378, 768x768 0.066 ->
-# 0.147 (tests/gpu/test_matmul_split_gpu.py -k stream_k: 4 passed, the results right). Our
-# reading: L2 reuse. A split grid's first wave is every tile at the same K range, its programs
-# walking K in step, so the 72 tiles share A's and B's K slices in L2; stream-K's 132 shares
-# start spread over every tile and K offset at once, so each program streams its own operand
-# slabs (a 128x256 tile's 24 MB at K 32768, 1.7 GB over 72 tiles against 252 MB of operands).
+# Split-K as stream-K (off: built 2026-12-05, its first form measured slower, below): a 2-D
+# split config without an epilogue, its operands through host-built descriptors, runs as one
+# program an SM, each taking an equal share of the tiles x K-steps iterations as segments
+# (a tile and a K range; a share may end inside a tile and the next begin there), storing
+# an fp32 partial tile a segment; a fix-up kernel adds each tile's partials up in K order
+# (deterministic, no atomics), adds the bias and casts. Against S splits it has no wave
+# quantization (the H200's 768x3072x32768 weight gradient: 72 tiles x 7 splits = 504
+# programs, 3.8 waves) and writes fewer partial tiles (192 against 504 there). The shares
+# are a host-built table (``streamk_shares``), read by both kernels; the sums' order is not
+# the split's (other chunk boundaries): the result differs from the split kernel's by fp32
+# rounding. The first form (contiguous shares of the tile-major iterations,
+# ``STREAM_K_LOCKSTEP`` off) measured on an H100 (scripts/epilogue_variants.py "stream-k" /
+# "stream-k-all", 4c64f5c, bench/results/runs/epilogue_variants_graph_12l_h100_4c64f5c.json):
+# the step's graph 66.34 -> 71.42 ms; a launch 768x3072 0.246 -> 0.437 ms, 3072x768 0.243 ->
+# 0.378, 768x768 0.066 -> 0.147 (tests/gpu/test_matmul_split_gpu.py -k stream_k: 4 passed,
+# the results right). Our reading: L2 reuse. A split grid's first wave is every tile at the
+# same K range, its programs walking K in step, so the 72 tiles share A's and B's K slices in
+# L2; contiguous shares start spread over every tile and K offset at once, so each program
+# streams its own operand slabs (a 128x256 tile's 24 MB at K 32768, 1.7 GB over 72 tiles
+# against 252 MB of operands). Hence the lockstep form (on where stream-K is): the shares
+# are bands of K that whole groups of programs walk in step, as the split's waves do.
 STREAM_K_SPLIT = False
+# Stream-K's shares in lockstep bands (``streamk_shares``; off: contiguous shares of the
+# tile-major iterations, the first form)
+STREAM_K_LOCKSTEP = True
 # columns of a tile the fix-up adds up a program (a 128x256 fp32 tile whole is 256 registers
 # a thread at 4 warps)
 STREAM_K_FIXUP_COLS = 64
@@ -485,22 +492,89 @@ def _place_lines(p: str, tile: str) -> list[str]:
     ]
 
 
+def streamk_shares(tiles: int, k_steps: int, programs: int, lockstep: bool = True) -> list[list[tuple[int, int, int]]]:
+    """Each program's share of the ``tiles`` x ``k_steps`` iterations as segments
+    (tile, k_lo, k_hi), in the order it walks them; every iteration in exactly one
+    segment, the shares' sizes within a few K-steps of tiles x k_steps / programs.
+
+    ``lockstep`` (``STREAM_K_LOCKSTEP``): in bands that groups of programs walk in step.
+    With P programs for T tiles of L K-steps: P >= T gives the P // T bands of width
+    ceil(T L / P) to T programs each (every tile, the same K range: the split's waves'
+    L2 reuse), P a multiple of T the L K-steps in P / T equal bands; the K-steps past the
+    bands go to the programs left over, P < T of them: each takes one tile's whole range
+    (again in step), and the tiles left over are shared out to the same programs the same
+    way. At the H200's 768x3072x32768 weight gradient (72 tiles of 512 K-steps, 132 SMs):
+    72 programs take K-steps 0..280 of every tile; 60 take 280..512 of tiles 0..59 and then
+    one of 5 bands of tiles 60..71's 280..512 (46-47 K-steps): two groups walking in step,
+    192 partial tiles. Without it: contiguous shares of the tile-major iterations, program
+    p the iterations [p T L // P, (p + 1) T L // P) (the first form)."""
+    shares: list[list[tuple[int, int, int]]] = [[] for _ in range(programs)]
+    if not lockstep:
+        total = tiles * k_steps
+        for p in range(programs):
+            it, end = p * total // programs, (p + 1) * total // programs
+            while it < end:
+                t, lo = divmod(it, k_steps)
+                hi = min(k_steps, lo + end - it)
+                shares[p].append((t, lo, hi))
+                it = t * k_steps + hi
+        return shares
+    ts, ps, k0 = list(range(tiles)), list(range(programs)), 0
+    while ts and ps and k0 < k_steps:
+        T, P, L = len(ts), len(ps), k_steps - k0
+        if P < T:  # a whole range a program, the tiles left over shared out again
+            for t, p in zip(ts, ps):
+                shares[p].append((t, k0, k_steps))
+            ts = ts[P:]
+            continue
+        if P % T == 0:  # equal bands, nothing left over
+            nb = P // T
+            for b in range(nb):
+                lo, hi = k0 + b * L // nb, k0 + (b + 1) * L // nb
+                if hi > lo:
+                    for i, t in enumerate(ts):
+                        shares[ps[b * T + i]].append((t, lo, hi))
+            break
+        width = -(-T * L // P)
+        nb = min(P // T, L // width)
+        for b in range(nb):
+            for i, t in enumerate(ts):
+                shares[ps[b * T + i]].append((t, k0 + b * width, k0 + (b + 1) * width))
+        k0 += nb * width
+        ps = ps[T * nb:]
+    return shares
+
+
+def streamk_tables(tiles: int, k_steps: int, programs: int, lockstep: bool = True) -> tuple[list[int], list[int], list[int], list[int]]:
+    """``streamk_shares`` as the kernels read it: (seg_off, segs, fix_off, fix_slot).
+    Program p's segments are seg_off[p]..seg_off[p + 1] (segment s: tile, k_lo, k_hi at
+    segs[3 s..3 s + 2], its partial tile at the workspace's slot s); tile t's partials are
+    at the slots fix_slot[fix_off[t]..fix_off[t + 1]], in K order."""
+    seg_off, segs, by_tile = [0], [], [[] for _ in range(tiles)]
+    for share in streamk_shares(tiles, k_steps, programs, lockstep):
+        for t, lo, hi in share:
+            by_tile[t].append((lo, len(segs) // 3))
+            segs += [t, lo, hi]
+        seg_off.append(len(segs) // 3)
+    fix_off, fix_slot = [0], []
+    for parts in by_tile:
+        fix_slot += [slot for _, slot in sorted(parts)]
+        fix_off.append(len(fix_slot))
+    return seg_off, segs, fix_off, fix_slot
+
+
 def streamk_source(cfg: LoweringConfig, tma: TmaLayout, *, has_bias: bool, precision: str, in_dtype: str,
                    out_dtype: str, prerounded: tuple[str, ...] = ()) -> str:
     """Stream-K (``STREAM_K_SPLIT``) for a 2-D C[M, N] = A @ B (+ bias) with A and B
     through host-built descriptors: ``matmul_streamk`` and ``matmul_streamk_fixup``.
 
-    The iterations are the tiles x K-steps, tile-major (a tile's K-steps in order;
-    tiles in the group-M order of the tile grid). Program p of P takes iterations
-    [p T // P, (p + 1) T // P) (T of them in all) and walks them as segments, one a
-    tile it touches: the tile's K-steps inside its share, accumulated in fp32 and
-    stored whole to its slot of the workspace [P, SEGS, BLOCK_M, BLOCK_N] (segment j
-    of program p: its j-th tile). The fix-up program of tile t (and STREAM_K_FIXUP_COLS
-    of its columns) adds the partials of the programs whose shares meet t in program
-    order, the first p_first = ((t k + 1) P - 1) // T, the last ((t + 1) k P - 1) // T
-    (k the K-steps a tile), each one's segment t - (p T // P) // k; then the bias, the
-    cast and C's store (masked at the edges: the workspace holds whole tiles, zeros
-    past M, N and K from the descriptors' out-of-bounds boxes)."""
+    The shares are a table (``streamk_tables``): program p walks its segments (a tile,
+    in the group-M order of the tile grid, and a K range), accumulates each in fp32 and
+    stores it whole to the workspace's slot of the segment [S, BLOCK_M, BLOCK_N]. The
+    fix-up program of tile t (and STREAM_K_FIXUP_COLS of its columns) adds the tile's
+    partials in K order; then the bias, the cast and C's store (masked at the edges: the
+    workspace holds whole tiles, zeros past M, N and K from the descriptors'
+    out-of-bounds boxes)."""
     in_name, out_name = _dtype_name(in_dtype), _dtype_name(out_dtype)
     cast, dot = _dot_text(in_name, precision, prerounded)
     a_load = _tma_load("a_desc", tma.a == "row", False, "pid_m * BLOCK_M", "BLOCK_M", k_last=True, k="ki * BLOCK_K")
@@ -529,67 +603,56 @@ def streamk_source(cfg: LoweringConfig, tma: TmaLayout, *, has_bias: bool, preci
     grid_lines = textwrap.indent(textwrap.dedent("""\
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        tiles = num_pid_m * num_pid_n
         tiles_per_group = GROUP_M * num_pid_n
-        k_steps = tl.cdiv(K, BLOCK_K)
-        total = tiles.to(tl.int64) * k_steps
         """), "    ")
     main = f"""
-@triton.jit(do_not_specialize=["NUM_PROGS", "SEGS"])
+@triton.jit
 def matmul_streamk(
     a_desc,
     b_desc,
     ws_ptr,
+    seg_off_ptr,
+    segs_ptr,
     M,
     N,
     K,
-    NUM_PROGS,
-    SEGS,
 ):
 {grid_lines}    pid = tl.program_id(0)
-    it = pid.to(tl.int64) * total // NUM_PROGS
-    end = (pid + 1).to(tl.int64) * total // NUM_PROGS
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    seg = 0
-    while it < end:
-        tile = (it // k_steps).to(tl.int32)
-        k_lo = (it - tile.to(tl.int64) * k_steps).to(tl.int32)
-        k_hi = tl.minimum(k_steps, k_lo + (end - it)).to(tl.int32)
+    for s in range(tl.load(seg_off_ptr + pid), tl.load(seg_off_ptr + pid + 1)):
+        tile = tl.load(segs_ptr + 3 * s)
+        k_lo = tl.load(segs_ptr + 3 * s + 1)
+        k_hi = tl.load(segs_ptr + 3 * s + 2)
         {place}
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_lo, k_hi):
             a = {a_load}
             b = {b_load}{cast}
             acc = {dot}
-        slot = (pid.to(tl.int64) * SEGS + seg) * (BLOCK_M * BLOCK_N)
+        slot = tl.cast(s, tl.int64) * (BLOCK_M * BLOCK_N)
         tl.store(ws_ptr + slot + rows[:, None] * BLOCK_N + cols[None, :], acc)
-        seg += 1
-        it = tile.to(tl.int64) * k_steps + k_hi
 """
     fixup = f"""
-@triton.jit(do_not_specialize=["NUM_PROGS", "SEGS"])
+@triton.jit
 def matmul_streamk_fixup(
     ws_ptr,
+    fix_off_ptr,
+    fix_slot_ptr,
     c_ptr,
     {''.join(x + ', ' for x in bias_param)}M,
     N,
     K,
-    NUM_PROGS,
-    SEGS,
     stride_cm,
     stride_cn,
     {''.join(x + ', ' for x in bias_stride)}
 ):
 {grid_lines}    tile = tl.program_id(0)
-    first = ((tile.to(tl.int64) * k_steps + 1) * NUM_PROGS - 1) // total
-    last = ((tile.to(tl.int64) + 1) * k_steps * NUM_PROGS - 1) // total
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * FIX_COLS + tl.arange(0, FIX_COLS)
     acc = tl.zeros((BLOCK_M, FIX_COLS), dtype=tl.float32)
-    for p in range(first, last + 1):
-        seg = tile - (p * total // NUM_PROGS) // k_steps
-        slot = (p * SEGS + seg) * (BLOCK_M * BLOCK_N)
+    for j in range(tl.load(fix_off_ptr + tile), tl.load(fix_off_ptr + tile + 1)):
+        slot = tl.load(fix_slot_ptr + j).to(tl.int64) * (BLOCK_M * BLOCK_N)
         acc += tl.load(ws_ptr + slot + rows[:, None] * BLOCK_N + cols[None, :])
     {place4}
     offs_m = (pid_m * BLOCK_M + rows).to(tl.int64)
@@ -601,12 +664,31 @@ def matmul_streamk_fixup(
 
 
 def streamk_plan(M: int, N: int, K: int, cfg: LoweringConfig, programs: int) -> tuple[int, int]:
-    """(programs, segments a program) of a stream-K launch on ``programs`` SMs: at most one
-    program an iteration; a share of I iterations meets at most cdiv(I, k) + 1 tiles."""
+    """(programs, partial tiles) of a stream-K launch on ``programs`` SMs: at most one
+    program an iteration; a partial tile a segment of ``streamk_shares``."""
     k = cdiv(K, cfg.block_k)
-    total = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * k
-    p = max(1, min(programs, total))
-    return p, cdiv(cdiv(total, p), k) + 1
+    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
+    p = max(1, min(programs, tiles * k))
+    return p, _streamk_segments(tiles, k, p, STREAM_K_LOCKSTEP)
+
+
+@functools.lru_cache(maxsize=256)
+def _streamk_segments(tiles: int, k_steps: int, programs: int, lockstep: bool) -> int:
+    return sum(len(share) for share in streamk_shares(tiles, k_steps, programs, lockstep))
+
+
+# (device, tiles, K-steps, programs, lockstep) -> the tables on the device: built at a shape's
+# first launch (a step runs its launch list once before its CUDA graph is captured, and a
+# graph cannot capture the host-to-device copy), read by every launch after it
+_STREAMK_TABLES: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
+def _streamk_device_tables(device: torch.device, tiles: int, k_steps: int, programs: int) -> tuple[torch.Tensor, ...]:
+    key = (str(device), tiles, k_steps, programs, STREAM_K_LOCKSTEP)
+    if key not in _STREAMK_TABLES:
+        _STREAMK_TABLES[key] = tuple(torch.tensor(t, dtype=torch.int32, device=device)
+                                     for t in streamk_tables(tiles, k_steps, programs, STREAM_K_LOCKSTEP))
+    return _STREAMK_TABLES[key]
 
 
 @functools.lru_cache(maxsize=None)
@@ -1402,8 +1484,8 @@ def scratch_bytes(
             split_bytes += tiles * 4
     if (splits > 1 and STREAM_K_SPLIT and not epilogue and not cfg.persistent and batch == 1
             and "tma" in tokens):  # stream-K's partial tiles, or the split's where the operands take no descriptor
-        programs, segs = streamk_plan(M, N, K, cfg, device_spec(device or torch.device("cpu")).num_sms)
-        split_bytes = max(split_bytes, programs * segs * cfg.block_m * cfg.block_n * f32)
+        _, segments = streamk_plan(M, N, K, cfg, device_spec(device or torch.device("cpu")).num_sms)
+        split_bytes = max(split_bytes, segments * cfg.block_m * cfg.block_n * f32)
     total += split_bytes
     if "ws" in tokens:
         total += cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * WS_SCRATCH_PER_PROGRAM
@@ -1833,13 +1915,15 @@ def _run_streamk(a3, b3, bias, cfg, precision, out, c3, tma, in_name, out_name, 
                                         interpreting())
     if record is not None and path not in record:
         record[path] = kernel_source(main)
-    programs, segs = streamk_plan(M, N, K, cfg, num_programs or _num_sms(a3.device))
-    ws = torch.empty((programs * segs, cfg.block_m, cfg.block_n), dtype=torch.float32, device=a3.device)
-    args = [*tma[1], ws, M, N, K, programs, segs]
-    fargs = [ws, c3] + ([bias] if bias is not None else []) + [M, N, K, programs, segs, c3.stride(1), c3.stride(2)]
+    programs, segments = streamk_plan(M, N, K, cfg, num_programs or _num_sms(a3.device))
+    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
+    seg_off, segs, fix_off, fix_slot = _streamk_device_tables(a3.device, tiles, cdiv(K, cfg.block_k), programs)
+    ws = torch.empty((segments, cfg.block_m, cfg.block_n), dtype=torch.float32, device=a3.device)
+    args = [*tma[1], ws, seg_off, segs, M, N, K]
+    fargs = [ws, fix_off, fix_slot, c3] + ([bias] if bias is not None else []) + [M, N, K, c3.stride(1), c3.stride(2)]
     fargs += [bias.stride(0)] if bias is not None else []
     grid = (programs,)
-    fgrid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n), cdiv(cfg.block_n, min(cfg.block_n, STREAM_K_FIXUP_COLS)))
+    fgrid = (tiles, cdiv(cfg.block_n, min(cfg.block_n, STREAM_K_FIXUP_COLS)))
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if warmup:
         return [main.warmup(*args, grid=grid, **options), fixup.warmup(*fargs, grid=fgrid, num_warps=4)]
