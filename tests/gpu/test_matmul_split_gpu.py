@@ -49,6 +49,7 @@ MODES = {"serial": ("SERIAL_SPLIT", "atomic_cas"), "last": ("LAST_SPLIT_SUMS", "
 @pytest.mark.parametrize("M,N,K,la", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k, _ in SHAPES])
 def test_in_kernel_split_sums_are_the_two_pass_split_on_the_step_shapes(M, N, K, la, mode, monkeypatch):
     knob, marker = MODES[mode]
+    monkeypatch.setattr(mm, "STREAM_K_SPLIT", False)  # the split kernel's forms (stream-K: the test below)
     monkeypatch.setattr(mm, "SERIAL_SPLIT", False)
     monkeypatch.setattr(mm, "LAST_SPLIT_SUMS", False)
     monkeypatch.setattr(mm, knob, True)  # (both off as shipped: matmul.SERIAL_SPLIT, LAST_SPLIT_SUMS)
@@ -69,16 +70,18 @@ def test_in_kernel_split_sums_are_the_two_pass_split_on_the_step_shapes(M, N, K,
 
 @pytest.mark.parametrize("M,N,K,la", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k, _ in SHAPES])
 def test_stream_k_on_the_step_shapes(M, N, K, la, monkeypatch):
-    """``matmul.STREAM_K_SPLIT`` (off as shipped) at the step's split shapes: the same bits
-    launch after launch and in a CUDA graph replayed twice, within bf16 rounding of float64
-    and of the two-pass split (its sums' chunks differ). Its time: scripts/epilogue_variants.py
-    stream-k."""
-    monkeypatch.setattr(mm, "STREAM_K_SPLIT", True)
+    """``matmul.STREAM_K_SPLIT`` (on as shipped) at the step's split shapes: the same bits
+    launch after launch and in a CUDA graph replayed twice (the shares' tables built at the
+    first launch), within bf16 rounding of float64 and of the two-pass split (its sums'
+    chunks differ). Split grids of one wave keep the split (768x768: 18 tiles x 7 splits on
+    132 SMs). Its time: scripts/epilogue_variants.py stream-k."""
+    assert mm.STREAM_K_SPLIT
     g = torch.Generator(device="cuda").manual_seed(M + N)
     a, b = _operands(M, N, K, la, g)
     rec: dict = {}
     got, again, first, graph_out = _launches_and_replays(a, b, rec)
-    assert any("matmul_streamk" in open(p).read() for p in rec), "this shape did not run stream-K"
+    streamed = any("matmul_streamk" in open(p).read() for p in rec)
+    assert streamed == ((M, N) != (768, 768)), "stream-K where a split grid is more than one wave, only there"
     monkeypatch.setattr(mm, "STREAM_K_SPLIT", False)
     split = mm.matmul(a, b)
     torch.cuda.synchronize()

@@ -472,6 +472,7 @@ def test_row_statistics_from_the_logits_epilogue(device, monkeypatch, case):
         kernel = lower_linear_cross_entropy_with_grad(merged(fwd), _TILE, **kw)
         return [loss, *grads], kernel.launch([g.to(device), *xs]), kernel
 
+    monkeypatch.setattr(linear_ce, "ROW_STATS_F32", True)  # f32 heads too (the switch's own test is below)
     monkeypatch.setattr(linear_ce, "ROW_STATS_FROM_LOGITS", False)
     two_pass, _, plain_kernel = run()
     monkeypatch.setattr(linear_ce, "ROW_STATS_FROM_LOGITS", True)
@@ -492,12 +493,15 @@ def test_row_statistics_from_the_logits_epilogue(device, monkeypatch, case):
 
 
 def test_row_statistics_only_where_they_apply(monkeypatch):
-    """A bias, label smoothing or no config keep the two-pass row kernel."""
+    """A bias, label smoothing, no config or (unless ROW_STATS_F32) an f32 head keep the two-pass
+    row kernel; 16-bit heads take the statistics as shipped."""
     from nova.codegen.triton import linear_ce
 
-    monkeypatch.setattr(linear_ce, "ROW_STATS_FROM_LOGITS", True)
+    assert linear_ce.ROW_STATS_FROM_LOGITS and not linear_ce.ROW_STATS_F32  # as shipped: 16-bit heads
     plain = {"ignore_index": -100, "chunk": 3, "reduction": "mean"}
     assert linear_ce.stats_cols_of(_ops(bf16, None, plain, f32)[0], _TILE) == 16
+    assert linear_ce.stats_cols_of(_ops(f32, None, plain, f32)[0], _TILE) == 0
+    monkeypatch.setattr(linear_ce, "ROW_STATS_F32", True)
     assert linear_ce.stats_cols_of(_ops(f32, None, plain, f32)[0], _TILE) == 16
     assert linear_ce.stats_cols_of(_ops(bf16, None, plain, f32)[0], None) == 0
     assert linear_ce.stats_cols_of(_ops(bf16, f32, plain, f32)[0], _TILE) == 0

@@ -34,13 +34,14 @@ def _run(a, b, bias, cfg, out_dtype, stream, monkeypatch, programs=None, precisi
 
 
 @pytest.mark.parametrize("lockstep", [True, False], ids=["lockstep", "contiguous"])
-@pytest.mark.parametrize("programs", [1, 3, 7, 40], ids=lambda p: f"{p}prog")
+@pytest.mark.parametrize("programs", [1, 3, 7, 11], ids=lambda p: f"{p}prog")
 @pytest.mark.parametrize("case", ["bf16", "bf16-bias-ragged", "f32-ieee"])
 def test_stream_k_adds_every_k_step_of_every_tile_once(case, programs, lockstep, device, monkeypatch):
     """Integer operands (exact in every dtype and every order of the sums): C is the exact
     product. 136 x 136 is 3 x 3 tiles of 64 (ragged), K 200 is 7 K-steps of 32: 63
-    iterations over 1, 3, 7 or 40 programs (40: some programs without a share), in either
-    form of the shares."""
+    iterations over 1, 3, 7 or 11 programs (11: more programs than tiles, fewer than the split
+    grid's 27, or 12 unragged, which is then more than one wave of them), in either form of
+    the shares."""
     g = torch.Generator().manual_seed(3)
     ragged = "ragged" in case
     M, N, K = (136, 136, 200) if ragged else (128, 128, 192)
@@ -155,6 +156,9 @@ def test_scratch_counts_the_partial_tiles(monkeypatch):
     assert 192 * 128 * 256 * 4 < 7 * 768 * 3072 * 4
     assert mm.scratch_bytes(768, 3072, 32768, 1, torch.bfloat16, torch.bfloat16, torch.bfloat16, big) == 7 * 768 * 3072 * 4
     assert mm.streamk_plan(64, 64, 64, TMA, 132) == (2, 2)  # one tile of 2 K-steps: two programs
+    # a split grid of one wave keeps the split (768x768 at 128x256: 18 tiles x 7 splits on 132 SMs)
+    assert mm.stream_k_applies(768, 3072, 7, big, 132) and not mm.stream_k_applies(768, 768, 7, big, 132)
+    assert mm.scratch_bytes(768, 768, 32768, 1, torch.bfloat16, torch.bfloat16, torch.bfloat16, big) == 7 * 768 * 768 * 4
 
 
 def _build_sm90() -> None:

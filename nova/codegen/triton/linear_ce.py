@@ -90,13 +90,18 @@ KEEP_ROWS_IN_L2 = True
 # vocabulary: the row kernel's 412 MB read goes, the matmul's epilogue gains an exponential and
 # a maximum a logit (the row kernel took 0.338 ms on the H200 against 0.17-0.26 for one or two
 # reads at 4.8 TB/s). The loss and d differ from the two-pass kernel's by f32 rounding (the sum
-# of exponentials in another order). Off: built 2026-12-05 (seventh session, no device lent),
-# not measured. Heads without a bias or label smoothing, with a config (the one the configure
-# stage writes: its BLOCK_N sets the statistics' width; a split config runs unsplit); the others
-# keep the two-pass row kernel. An f32 head's logits are 824 MB a 4096-row chunk (its row kernel
-# took 0.611 ms there on the H200): the tf32 GPT-2 step and the 46M MLP's, whose LM head is most
-# of its step
-ROW_STATS_FROM_LOGITS = False
+# of exponentials in another order). Heads without a bias or label smoothing, with a config (the
+# one the configure stage writes: its BLOCK_N sets the statistics' width; a split config runs
+# unsplit); the others keep the two-pass row kernel. On since 2026-12-05 (eighth session):
+# GPT-2 124M bf16 b32 on an H100, `nova bench gpt2 --engines torch.compile,nova` in one call,
+# Nova 506,154 tok/s (64.7 ms) plain and 510,088 (64.2 ms) with it, torch.compile 499,597 /
+# 498,057 beside them (bench/results/runs/gpt2_124m_bf16_b32_h100_rowstats_*_63a1179.json);
+# tests/gpu/test_linear_ce_gpu.py passed there. 16-bit heads only (``ROW_STATS_F32``)
+ROW_STATS_FROM_LOGITS = True
+# f32 heads too (the tf32 GPT-2 step's and the 46M MLP's, whose LM head is most of its step): a
+# 4096-row chunk's logits are 824 MB there (its row kernel took 0.611 ms on the H200), but the
+# logits' epilogue runs beside tf32's slower products (234 registers offline): off until measured
+ROW_STATS_F32 = False
 # the statistics' logits in the warp-specialized kernel where the op's config is one (stats_config);
 # False: the 8-warp persistent TMA kernel instead (scripts/epilogue_variants.py "lce-stats-nows")
 ROW_STATS_WS = True
@@ -405,10 +410,10 @@ def _shapes(op):
 def stats_cols_of(op, cfg: LoweringConfig | None) -> int:
     """The logits' BLOCK_N where their epilogue stores the row statistics
     (``ROW_STATS_FROM_LOGITS``), else 0: a head without a bias or label smoothing, with a
-    config (the op's, which the launch then runs unsplit)."""
-    _, _, _, _, _, bias_dtype, _, _ = _shapes(op)
+    config (the op's, which the launch then runs unsplit), 16-bit unless ``ROW_STATS_F32``."""
+    _, _, _, _, head, bias_dtype, _, _ = _shapes(op)
     ls = float(op.props()["label_smoothing"])
-    if not ROW_STATS_FROM_LOGITS or cfg is None or bias_dtype or ls:
+    if not ROW_STATS_FROM_LOGITS or cfg is None or bias_dtype or ls or (head == torch.float32 and not ROW_STATS_F32):
         return 0
     return cfg.block_n
 

@@ -36,8 +36,8 @@ Design choices, and why:
   instead, in split order behind a lock a tile: the same sums, no second kernel. With
   ``LAST_SPLIT_SUMS`` (off: no faster in the step) the last split of a tile to finish sums its
   tile's S partials in split order: the same sums again, no second kernel, no waiting.
-  With ``STREAM_K_SPLIT`` (off: measured slower in its first form) a 2-D split without an
-  epilogue whose operands take descriptors runs as stream-K (``streamk_source``): one
+  With ``STREAM_K_SPLIT`` (on) a 2-D split without an epilogue whose operands take
+  descriptors and whose grid is more than one wave runs as stream-K (``streamk_source``): one
   program an SM, each an equal share of the tiles' K-steps (``streamk_shares``: in bands
   the programs walk in step, ``STREAM_K_LOCKSTEP``), fp32 partial tiles where a share
   leaves a tile, and a fix-up kernel adding each tile's partials in K order (deterministic).
@@ -166,8 +166,9 @@ LAST_SPLIT_SUMS = False
 # Columns of the last split's sum at a time: a partial tile loaded beside the running sum
 # whole took 255 registers and spilled at 128x256 (offline sm_90a ptxas, 8 warps)
 LAST_SUM_SLICE = 64
-# Split-K as stream-K (off: built 2026-12-05, its first form measured slower, below): a 2-D
-# split config without an epilogue, its operands through host-built descriptors, runs as one
+# Split-K as stream-K (on since 2026-12-05, eighth session, in its lockstep form; below): a 2-D
+# split config without an epilogue, its operands through host-built descriptors, its split
+# grid more than one wave (``stream_k_applies``), runs as one
 # program an SM, each taking an equal share of the tiles x K-steps iterations as segments
 # (a tile and a K range; a share may end inside a tile and the next begin there), storing
 # an fp32 partial tile a segment; a fix-up kernel adds each tile's partials up in K order
@@ -185,9 +186,14 @@ LAST_SUM_SLICE = 64
 # same K range, its programs walking K in step, so the 72 tiles share A's and B's K slices in
 # L2; contiguous shares start spread over every tile and K offset at once, so each program
 # streams its own operand slabs (a 128x256 tile's 24 MB at K 32768, 1.7 GB over 72 tiles
-# against 252 MB of operands). Hence the lockstep form (on where stream-K is): the shares
-# are bands of K that whole groups of programs walk in step, as the split's waves do.
-STREAM_K_SPLIT = False
+# against 252 MB of operands). Hence the lockstep form: the shares are bands of K that whole
+# groups of programs walk in step, as the split's waves do. Measured on an H100 at 63a1179
+# (scripts/epilogue_variants.py --graph --layers 12, tile-grid / stream-k / stream-k-contiguous,
+# bench/results/runs/epilogue_variants_graph_12l_h100_streamk_63a1179.json): the step's graph
+# 64.84 / 64.08 / 70.28 ms; a launch 768x3072 0.248 / 0.213 / 0.434 ms, 3072x768 0.244 / 0.211 /
+# 0.372, the LM head (its dh split 4) 14.54 / 14.37 / 15.96 ms a step; 768x768 (one wave split,
+# 126 programs) 0.066 / 0.075 / 0.139: one-wave grids keep the split (``stream_k_applies``).
+STREAM_K_SPLIT = True
 # Stream-K's shares in lockstep bands (``streamk_shares``; off: contiguous shares of the
 # tile-major iterations, the first form)
 STREAM_K_LOCKSTEP = True
@@ -661,6 +667,15 @@ def matmul_streamk_fixup(
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to({_TL_DTYPE[out_name]}), mask=mask)
 """
     return header + "\n" + main + "\n" + fixup
+
+
+def stream_k_applies(M: int, N: int, splits: int, cfg: LoweringConfig, sms: int) -> bool:
+    """Whether a 2-D split without an epilogue (operands through descriptors) runs as
+    stream-K: ``STREAM_K_SPLIT`` on and the split grid more than one wave of ``sms``
+    programs. A grid of one wave has no wave to even out, and there stream-K lost
+    (768x768x32768 at 128x256, 18 tiles x 7 splits = 126 programs on 132 SMs: 0.066 ->
+    0.075 ms a launch, H100, 63a1179)."""
+    return STREAM_K_SPLIT and cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * splits > sms
 
 
 def streamk_plan(M: int, N: int, K: int, cfg: LoweringConfig, programs: int) -> tuple[int, int]:
@@ -1482,9 +1497,10 @@ def scratch_bytes(
         split_bytes = splits * batch * M * N * f32
         if LAST_SPLIT_SUMS and not epilogue and not cfg.persistent:  # and a count a tile
             split_bytes += tiles * 4
-    if (splits > 1 and STREAM_K_SPLIT and not epilogue and not cfg.persistent and batch == 1
-            and "tma" in tokens):  # stream-K's partial tiles, or the split's where the operands take no descriptor
-        _, segments = streamk_plan(M, N, K, cfg, device_spec(device or torch.device("cpu")).num_sms)
+    sms = device_spec(device or torch.device("cpu")).num_sms
+    if (splits > 1 and not epilogue and not cfg.persistent and batch == 1 and "tma" in tokens
+            and stream_k_applies(M, N, splits, cfg, sms)):  # stream-K's partial tiles, or the split's where the operands take no descriptor
+        _, segments = streamk_plan(M, N, K, cfg, sms)
         split_bytes = max(split_bytes, segments * cfg.block_m * cfg.block_n * f32)
     total += split_bytes
     if "ws" in tokens:
@@ -2002,7 +2018,8 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
         spans += [(batch * M + margin) * (N + margin)] + [_span(x, margin) for x in ep_inputs]
     index_64 = max(spans) > _INT32_MAX
     tma = _tma_plan(cfg, a3, b3)
-    if split and ep is None and not batched and tma and not cfg.persistent and STREAM_K_SPLIT:
+    if (split and ep is None and not batched and tma and not cfg.persistent
+            and stream_k_applies(M, N, splits, cfg, num_programs or _num_sms(a3.device))):
         return _run_streamk(a3, b3, bias, cfg, precision, out, c3, tma, in_name, out_name, staged, num_programs,
                             warmup, record)
     fused = ep is not None and not split
