@@ -30,16 +30,17 @@ def _run(a, b, bias, cfg, out_dtype, stream, monkeypatch, programs=None, precisi
     monkeypatch.setattr(mm, "STREAM_K_LOCKSTEP", lockstep)
     rec: dict = {}
     c = mm.matmul(a, b, bias, cfg=cfg, out_dtype=out_dtype, precision=precision, num_programs=programs, record=rec)
-    return c, "".join(open(p).read() for p in rec)
+    return c, "".join(open(p).read() for p in rec if p != "tf32_stage")  # (the staging's record, no file)
 
 
 @pytest.mark.parametrize("lockstep", [True, False], ids=["lockstep", "contiguous"])
 @pytest.mark.parametrize("programs", [1, 3, 7, 11], ids=lambda p: f"{p}prog")
-@pytest.mark.parametrize("case", ["bf16", "bf16-bias-ragged", "f32-ieee"])
+@pytest.mark.parametrize("case", ["bf16", "bf16-bias-ragged", "f32-ieee", "f32-tf32", "f32-tf32-rn-staged"])
 def test_stream_k_adds_every_k_step_of_every_tile_once(case, programs, lockstep, device, monkeypatch):
     """Integer operands (exact in every dtype and every order of the sums): C is the exact
     product. 136 x 136 is 3 x 3 tiles of 64 (ragged), K 200 is 7 K-steps of 32: 63
-    iterations over 1, 3, 7 or 11 programs (11: more programs than tiles, fewer than the split
+    iterations over 1, 3, 7 or 11 programs; tf32 products too (small integers are exact in
+    tf32), the operands staged rounded as the tf32 step's weight gradients are (11: more programs than tiles, fewer than the split
     grid's 27, or 12 unragged, which is then more than one wave of them), in either form of
     the shares."""
     g = torch.Generator().manual_seed(3)
@@ -51,12 +52,13 @@ def test_stream_k_adds_every_k_step_of_every_tile_once(case, programs, lockstep,
     bias = _ints(N, gen=g, dtype=torch.float32) if "bias" in case else None
     a, b = a.to(device), b.to(device)
     bias = bias.to(device) if bias is not None else None
-    prec = "ieee" if dtype == torch.float32 else None
-    got, src = _run(a, b, bias, TMA, torch.float32, True, monkeypatch, programs, prec, lockstep)
+    prec = {"f32-ieee": "ieee", "f32-tf32": "tf32", "f32-tf32-rn-staged": "tf32-rn"}.get(case)
+    cfg = dataclasses.replace(TMA, instruction="wgmma+tma+stage_a+stage_b") if "staged" in case else TMA
+    got, src = _run(a, b, bias, cfg, torch.float32, True, monkeypatch, programs, prec, lockstep)
     assert "matmul_streamk_fixup" in src and "matmul_kernel_reduce" not in src
     want = a.double() @ b.double() + (bias.double() if bias is not None else 0)
     assert torch.equal(got.double(), want)
-    again, _ = _run(a, b, bias, TMA, torch.float32, True, monkeypatch, programs, prec, lockstep)
+    again, _ = _run(a, b, bias, cfg, torch.float32, True, monkeypatch, programs, prec, lockstep)
     assert torch.equal(again, got)
 
 
