@@ -197,6 +197,9 @@ STREAM_K_SPLIT = True
 # Stream-K's shares in lockstep bands (``streamk_shares``; off: contiguous shares of the
 # tile-major iterations, the first form)
 STREAM_K_LOCKSTEP = True
+# stream-K for fp32 operands too (the tf32 step's weight gradients and LM head dh, 32-wide K-steps,
+# staged rounded operands): tested in the interpreter, not yet timed on a device, so off
+STREAM_K_F32 = False
 # columns of a tile the fix-up adds up a program (a 128x256 fp32 tile whole is 256 registers
 # a thread at 4 warps)
 STREAM_K_FIXUP_COLS = 64
@@ -669,13 +672,15 @@ def matmul_streamk_fixup(
     return header + "\n" + main + "\n" + fixup
 
 
-def stream_k_applies(M: int, N: int, splits: int, cfg: LoweringConfig, sms: int) -> bool:
+def stream_k_applies(M: int, N: int, splits: int, cfg: LoweringConfig, sms: int, f32: bool) -> bool:
     """Whether a 2-D split without an epilogue (operands through descriptors) runs as
-    stream-K: ``STREAM_K_SPLIT`` on and the split grid more than one wave of ``sms``
+    stream-K: ``STREAM_K_SPLIT`` on, 16-bit operands (``f32``: fp32 ones, the tf32 and fp32
+    steps', only with ``STREAM_K_F32``) and the split grid more than one wave of ``sms``
     programs. A grid of one wave has no wave to even out, and there stream-K lost
     (768x768x32768 at 128x256, 18 tiles x 7 splits = 126 programs on 132 SMs: 0.066 ->
     0.075 ms a launch, H100, 63a1179)."""
-    return STREAM_K_SPLIT and cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * splits > sms
+    return (STREAM_K_SPLIT and (STREAM_K_F32 or not f32)
+            and cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * splits > sms)
 
 
 def streamk_plan(M: int, N: int, K: int, cfg: LoweringConfig, programs: int) -> tuple[int, int]:
@@ -1499,7 +1504,7 @@ def scratch_bytes(
             split_bytes += tiles * 4
     sms = device_spec(device or torch.device("cpu")).num_sms
     if (splits > 1 and not epilogue and not cfg.persistent and batch == 1 and "tma" in tokens
-            and stream_k_applies(M, N, splits, cfg, sms)):  # stream-K's partial tiles, or the split's where the operands take no descriptor
+            and stream_k_applies(M, N, splits, cfg, sms, _dtype_name(a_dtype) == "float32")):  # stream-K's partial tiles, or the split's where the operands take no descriptor
         _, segments = streamk_plan(M, N, K, cfg, sms)
         split_bytes = max(split_bytes, segments * cfg.block_m * cfg.block_n * f32)
     total += split_bytes
@@ -2019,7 +2024,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     index_64 = max(spans) > _INT32_MAX
     tma = _tma_plan(cfg, a3, b3)
     if (split and ep is None and not batched and tma and not cfg.persistent
-            and stream_k_applies(M, N, splits, cfg, num_programs or _num_sms(a3.device))):
+            and stream_k_applies(M, N, splits, cfg, num_programs or _num_sms(a3.device), in_name == "float32")):
         return _run_streamk(a3, b3, bias, cfg, precision, out, c3, tma, in_name, out_name, staged, num_programs,
                             warmup, record)
     fused = ep is not None and not split
