@@ -67,7 +67,9 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
   ln-hoist-pair both of the above
   ln-hoist-off  those operands loaded every row (the step before a6abd7d)
   stream-k      split-K weight gradients as stream-K in lockstep bands (matmul.STREAM_K_SPLIT,
-                STREAM_K_LOCKSTEP: groups of programs walk the same K range, as a split's waves do)
+                STREAM_K_LOCKSTEP: groups of programs walk the same K range, as a split's waves do;
+                shipped since 0b44727, so now the same as tile-grid)
+  stream-k-off  the split kernel and its reduction instead (the step before 0b44727)
   stream-k-all  the same, and the one-wave splits the model gains little on (768x2304) too
                 (configurator.ONE_WAVE_SPLIT_MIN_GAIN 0)
   stream-k-contiguous  stream-K's first form: contiguous shares of the tile-major iterations
@@ -75,7 +77,9 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
   transpose-matmul-on  the transpose_matmul stage on: the weight gradients as products in their
                 parameters' layout, not transposed ones the optimizer reads across rows
   lce-stats     the LM head's row statistics from the logits matmul's epilogue: the row kernel
-                reads each chunk's logits once (linear_ce.ROW_STATS_FROM_LOGITS)
+                reads each chunk's logits once (linear_ce.ROW_STATS_FROM_LOGITS; shipped for 16-bit
+                heads since 0b44727, so now the same as tile-grid at bf16)
+  lce-stats-off the two-pass row kernel instead (the step before 0b44727)
   lce-stats-nows  the same, the logits in the 8-warp persistent kernel, not the warp-specialized one
 
     python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--variants a,b] [--graph] [--out DIR]
@@ -99,7 +103,8 @@ VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "t
             "tile-grid-noresidual", "ws-off", "ws-plain", "ws-epi128", "ws-epi256", "two-pass-split",
             "casts-unbatched", "last-split-sums", "row-stores-off", "norm-recompute-off", "ln-pair-sums",
             "ln-hoist", "ln-hoist-pair", "ln-hoist-off", "attention-sums-off", "attn-sums-dq-dot", "stream-k",
-            "stream-k-all", "stream-k-contiguous", "transpose-matmul-on", "lce-stats", "lce-stats-nows")
+            "stream-k-all", "stream-k-contiguous", "stream-k-off", "transpose-matmul-on", "lce-stats", "lce-stats-nows",
+            "lce-stats-off")
 # each ws variant's changes to configurator.WS_TILES
 WS_VARIANTS = {"ws-off": {"plain": None, "epilogue": None}, "ws-plain": {"epilogue": None},
                "ws-epi128": {"epilogue": (128, 128, 4)}, "ws-epi256": {"epilogue": (128, 256, 4)}}
@@ -134,11 +139,11 @@ def apply_variant(variant: str) -> None:
         from nova.transforms import transpose_matmul
 
         transpose_matmul.ENABLED = True
-    if variant in ("lce-stats", "lce-stats-nows"):  # the LM head's row statistics from the logits' epilogue
-        from nova.codegen.triton import linear_ce  # (built 2026-12-05, seventh session)
+    if variant in ("lce-stats", "lce-stats-nows", "lce-stats-off"):  # the LM head's row statistics from the
+        from nova.codegen.triton import linear_ce  # logits' epilogue (built 2026-12-05, seventh session; on since eighth)
 
-        linear_ce.ROW_STATS_FROM_LOGITS = True
-        linear_ce.ROW_STATS_WS = variant == "lce-stats"
+        linear_ce.ROW_STATS_FROM_LOGITS = variant != "lce-stats-off"
+        linear_ce.ROW_STATS_WS = variant != "lce-stats-nows"
     if variant == "attention-sums-off":  # the qkv bias gradient as a reduction of its own (before 2026-12-05)
         from nova import pipeline
 
@@ -159,10 +164,10 @@ def apply_variant(variant: str) -> None:
         from nova.codegen.triton import attention
 
         attention.SUMS_BY_DOT = frozenset({"dq"})
-    if variant in ("stream-k", "stream-k-all", "stream-k-contiguous"):
+    if variant in ("stream-k", "stream-k-all", "stream-k-contiguous", "stream-k-off"):
         from nova.codegen.triton import matmul as mm
 
-        mm.STREAM_K_SPLIT = True  # (off as shipped: matmul.STREAM_K_SPLIT)
+        mm.STREAM_K_SPLIT = variant != "stream-k-off"  # (on as shipped since 0b44727: matmul.STREAM_K_SPLIT)
         mm.STREAM_K_LOCKSTEP = variant != "stream-k-contiguous"
     if variant == "stream-k-all":  # and the one-wave splits the model gains little on (768x2304) as stream-K too
         cf.ONE_WAVE_SPLIT_MIN_GAIN = 0.0
