@@ -7,7 +7,7 @@ cost model's prediction and the achieved TFLOP/s or GB/s, then the totals per ki
 (a fused group by its body's ops). ``--layers N`` overrides the preset's depth;
 ``--set MODULE.NAME=VALUE`` (repeatable; MODULE under ``nova.``, e.g.
 ``codegen.triton.rowwise.PARTIALS_PER_SM=8``) sets a module constant before the
-compile, with the step cache off, to measure a variant; ``--tag`` names the output.
+compile (the step cache keys on it), to measure a variant; ``--tag`` names the output.
 Writes ``step_launches_<model>_<precision>_b<batch>[_<tag>].json``."""
 
 from __future__ import annotations
@@ -74,12 +74,10 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", type=Path, default=Path("."))
     opts = ap.parse_args()
-    if opts.set:
-        from nova import pipeline
-
-        # a cached step would carry the kernels of other settings
-        pipeline.SETTINGS = dataclasses.replace(pipeline.SETTINGS, step_cache=False)
-    settings = cache.set_switches(opts.set)
+    try:  # the step cache's key holds the changed switches: no other setting's step is read back
+        settings = cache.set_switches(opts.set)
+    except ValueError as e:
+        raise SystemExit(f"--set: {e}") from None
     print(f"settings: {settings or 'defaults'}")
     rows = launches(opts.model, opts.precision, opts.batch, opts.layers)
     total = sum(r["ms"] for r in rows)

@@ -689,12 +689,13 @@ def streamk_plan(M: int, N: int, K: int, cfg: LoweringConfig, programs: int) -> 
     k = cdiv(K, cfg.block_k)
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     p = max(1, min(programs, tiles * k))
-    return p, _streamk_segments(tiles, k, p, STREAM_K_LOCKSTEP)
+    return p, _streamk_host_tables(tiles, k, p, STREAM_K_LOCKSTEP)[0][-1]
 
 
 @functools.lru_cache(maxsize=256)
-def _streamk_segments(tiles: int, k_steps: int, programs: int, lockstep: bool) -> int:
-    return sum(len(share) for share in streamk_shares(tiles, k_steps, programs, lockstep))
+def _streamk_host_tables(tiles: int, k_steps: int, programs: int, lockstep: bool) -> tuple[list[int], ...]:
+    """``streamk_tables``, once a shape (the scratch count and the launch read it)."""
+    return streamk_tables(tiles, k_steps, programs, lockstep)
 
 
 # (device, tiles, K-steps, programs, lockstep) -> the tables on the device: built at a shape's
@@ -707,7 +708,7 @@ def _streamk_device_tables(device: torch.device, tiles: int, k_steps: int, progr
     key = (str(device), tiles, k_steps, programs, STREAM_K_LOCKSTEP)
     if key not in _STREAMK_TABLES:
         _STREAMK_TABLES[key] = tuple(torch.tensor(t, dtype=torch.int32, device=device)
-                                     for t in streamk_tables(tiles, k_steps, programs, STREAM_K_LOCKSTEP))
+                                     for t in _streamk_host_tables(tiles, k_steps, programs, STREAM_K_LOCKSTEP))
     return _STREAMK_TABLES[key]
 
 
