@@ -493,16 +493,17 @@ def test_row_statistics_from_the_logits_epilogue(device, monkeypatch, case):
 
 
 def test_row_statistics_only_where_they_apply(monkeypatch):
-    """A bias, label smoothing, no config or (unless ROW_STATS_F32) an f32 head keep the two-pass
-    row kernel; 16-bit heads take the statistics as shipped."""
+    """A bias, label smoothing, no config or (without ROW_STATS_F32) an f32 head keep the two-pass
+    row kernel; 16-bit and f32 heads take the statistics as shipped."""
     from nova.codegen.triton import linear_ce
 
-    assert linear_ce.ROW_STATS_FROM_LOGITS and not linear_ce.ROW_STATS_F32  # as shipped: 16-bit heads
+    assert linear_ce.ROW_STATS_FROM_LOGITS and linear_ce.ROW_STATS_F32  # as shipped: every head
     plain = {"ignore_index": -100, "chunk": 3, "reduction": "mean"}
     assert linear_ce.stats_cols_of(_ops(bf16, None, plain, f32)[0], _TILE) == 16
-    assert linear_ce.stats_cols_of(_ops(f32, None, plain, f32)[0], _TILE) == 0
-    monkeypatch.setattr(linear_ce, "ROW_STATS_F32", True)
     assert linear_ce.stats_cols_of(_ops(f32, None, plain, f32)[0], _TILE) == 16
+    monkeypatch.setattr(linear_ce, "ROW_STATS_F32", False)
+    assert linear_ce.stats_cols_of(_ops(f32, None, plain, f32)[0], _TILE) == 0
+    assert linear_ce.stats_cols_of(_ops(bf16, None, plain, f32)[0], _TILE) == 16
     assert linear_ce.stats_cols_of(_ops(bf16, None, plain, f32)[0], None) == 0
     assert linear_ce.stats_cols_of(_ops(bf16, f32, plain, f32)[0], _TILE) == 0
     assert linear_ce.stats_cols_of(_ops(bf16, None, {**plain, "label_smoothing": 0.1}, f32)[0], _TILE) == 0

@@ -28,7 +28,7 @@ def _ints(*shape, gen, dtype):
 def _run(a, b, bias, cfg, out_dtype, stream, monkeypatch, programs=None, precision=None, lockstep=True):
     monkeypatch.setattr(mm, "STREAM_K_SPLIT", stream)
     monkeypatch.setattr(mm, "STREAM_K_LOCKSTEP", lockstep)
-    monkeypatch.setattr(mm, "STREAM_K_F32", True)  # fp32 operands too (off as shipped: the test below)
+    monkeypatch.setattr(mm, "STREAM_K_F32", True)  # fp32 operands too (as shipped; the switch's own test is below)
     rec: dict = {}
     c = mm.matmul(a, b, bias, cfg=cfg, out_dtype=out_dtype, precision=precision, num_programs=programs, record=rec)
     return c, "".join(open(p).read() for p in rec if p != "tf32_stage")  # (the staging's record, no file)
@@ -161,10 +161,11 @@ def test_scratch_counts_the_partial_tiles(monkeypatch):
     assert mm.streamk_plan(64, 64, 64, TMA, 132) == (2, 2)  # one tile of 2 K-steps: two programs
     # a split grid of one wave keeps the split (768x768 at 128x256: 18 tiles x 7 splits on 132 SMs)
     assert mm.stream_k_applies(768, 3072, 7, big, 132, False) and not mm.stream_k_applies(768, 768, 7, big, 132, False)
-    # fp32 operands (the tf32 step's) only with STREAM_K_F32, not yet timed on a device
+    # fp32 operands (the tf32 step's) with STREAM_K_F32 (on as shipped since the H100 run at 1b29c22)
+    assert mm.STREAM_K_F32 and mm.stream_k_applies(768, 3072, 7, big, 132, True)
+    monkeypatch.setattr(mm, "STREAM_K_F32", False)
     assert not mm.stream_k_applies(768, 3072, 7, big, 132, True)
-    monkeypatch.setattr(mm, "STREAM_K_F32", True)
-    assert mm.stream_k_applies(768, 3072, 7, big, 132, True)
+    assert mm.stream_k_applies(768, 3072, 7, big, 132, False)
     assert mm.scratch_bytes(768, 768, 32768, 1, torch.bfloat16, torch.bfloat16, torch.bfloat16, big) == 7 * 768 * 768 * 4
 
 

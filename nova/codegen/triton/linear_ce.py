@@ -100,8 +100,10 @@ KEEP_ROWS_IN_L2 = True
 ROW_STATS_FROM_LOGITS = True
 # f32 heads too (the tf32 GPT-2 step's and the 46M MLP's, whose LM head is most of its step): a
 # 4096-row chunk's logits are 824 MB there (its row kernel took 0.611 ms on the H200), but the
-# logits' epilogue runs beside tf32's slower products (234 registers offline): off until measured
-ROW_STATS_F32 = False
+# logits' epilogue runs beside tf32's slower products (234 registers offline): on since the H100
+# run at 1b29c22 (with matmul.STREAM_K_F32: GPT-2 tf32 b16 1.122x -> 1.146x torch.compile, MLP LM
+# 46M tf32 b8 0.936x -> 0.966x)
+ROW_STATS_F32 = True
 # the statistics' logits in the warp-specialized kernel where the op's config is one (stats_config);
 # False: the 8-warp persistent TMA kernel instead (scripts/epilogue_variants.py "lce-stats-nows")
 ROW_STATS_WS = True

@@ -198,8 +198,9 @@ STREAM_K_SPLIT = True
 # tile-major iterations, the first form)
 STREAM_K_LOCKSTEP = True
 # stream-K for fp32 operands too (the tf32 step's weight gradients and LM head dh, 32-wide K-steps,
-# staged rounded operands): tested in the interpreter, not yet timed on a device, so off
-STREAM_K_F32 = False
+# staged rounded operands): on with linear_ce.ROW_STATS_F32 since 1b29c22's H100 run (GPT-2 tf32
+# b16 88.1 -> 86.5 ms a step, MLP LM 46M tf32 b8 9.3 -> 9.0 ms; runs/*_h100_*_1b29c22*.json)
+STREAM_K_F32 = True
 # columns of a tile the fix-up adds up a program (a 128x256 fp32 tile whole is 256 registers
 # a thread at 4 warps)
 STREAM_K_FIXUP_COLS = 64
