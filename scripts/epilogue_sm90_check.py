@@ -6,6 +6,7 @@ seconds from Triton's bundled ptxas. No GPU needed.
 
     python scripts/epilogue_sm90_check.py [--batch 32] [--precision bf16]
     python scripts/epilogue_sm90_check.py --lm-head-stats
+    python scripts/epilogue_sm90_check.py --lm-head-prologue
 
 Run it after a configurator or epilogue change: a spill, or more than 128
 registers at a config meant for two 8-warp blocks per SM, shows here before the
@@ -26,7 +27,7 @@ _DESC = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.bool: "u8", torch.
 
 
 def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int, e_box=None,
-                 consts: dict | None = None) -> tuple[str, str, int, bool]:
+                 consts: dict | None = None, pointers: dict | None = None) -> tuple[str, str, int, bool]:
     """(ptxas -v log, ptx, shared memory bytes) of the source's ``matmul_kernel`` compiled for sm_90a, with
     16-byte aligned pointers and strides and unit inner strides (the step's case:
     the operands' and the epilogue operands' last-dim strides are 1, which Triton
@@ -34,7 +35,8 @@ def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int
     ``a_box`` / ``b_box``: the TMA boxes (None: pointer loads); ``e_box``: the
     epilogue outputs' descriptor box (None: pointer stores); ``consts``: values of the
     kernel's other constexpr parameters (the warp-specialized kernel's NUM_PROGS and
-    STAGES). The last result says whether Triton partitioned the loop (warp
+    STAGES); ``pointers``: {parameter: Triton pointer type} of other pointer arguments (a
+    prologue's vectors). The last result says whether Triton partitioned the loop (warp
     specialization). Needs a process
     that has not imported triton.language under TRITON_INTERPRET=1."""
     import triton
@@ -53,6 +55,7 @@ def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int
                      for j, (_, _, d) in enumerate(ep.stores)})
         ptrs.update({f"cs{j}": _PTR[c.acc_dtype] for j, c in enumerate(ep.sums)})  # the column sums' partials
         ptrs.update({"rm": "*fp32", "rs": "*fp32"} if ep.row_stats else {})  # the row statistics
+    ptrs.update(pointers or {})
     elt = "fp32" if dtype == "float32" else "bf16"
     extra = dict(consts or {})
     sig, consts, attrs = {}, {"EVEN": True, **extra}, {}
@@ -99,11 +102,17 @@ def main() -> None:
     ap.add_argument("--lm-head-stats", action="store_true",
                     help="only the LM head's logits with their row statistics (linear_ce.ROW_STATS_FROM_LOGITS), "
                          "bf16 and f32 under tf32, at the configs the configurator gives a 4096-row chunk")
+    ap.add_argument("--lm-head-prologue", action="store_true",
+                    help="only the LM head's dh and dw with d formed in their prologues (linear_ce.D_PROLOGUE): GPT-2 "
+                         "bf16 and tf32, the 46M MLP tf32, at the configs the configurator gives a 4096-row chunk")
     args = ap.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("NOVA_STEP_CACHE", "0")
     if args.lm_head_stats:
         lm_head_stats()
+        return
+    if args.lm_head_prologue:
+        lm_head_prologue()
         return
 
     from gpt2_h200 import compile_gpt2_h200
@@ -231,6 +240,56 @@ def lm_head_stats(rows: int = 4096, vocab: int = 50304, dim: int = 768) -> None:
                   f"s{cfg.num_stages} {cfg.instruction}{' (partitioned)' if part else ''}: "
                   f"{mm.epilogue_slices(ep, cfg.block_m, cfg.block_n)} slices, registers {','.join(regs)}, spill "
                   f"stores {','.join(spills)} B, shared {smem // 1024} KiB, {time.perf_counter() - t0:.1f} s")
+
+
+def lm_head_prologue(rows: int = 4096, vocab: int = 50304) -> None:
+    """dh = d @ w and dw = d^T @ h with d formed from the logits in their prologues
+    (``linear_ce.d_prologues``) at the configurator's configs for a 4096-row chunk on the
+    H200 (as the lowering's ``Configs`` asks them), with and without the prologue: registers,
+    spills, shared memory, and whether the loop's wgmma waits for the previous one
+    (``wgmma.wait_group 0`` in the loop) or overlaps it (``wait_group 1``)."""
+    from nova.codegen.triton import linear_ce
+    from nova.codegen.triton import matmul as mm
+    from nova.schedule.configurator import configure_matmul
+    from nova.schedule.devices import DEVICES
+
+    dev = DEVICES["H200"]
+    for name, dtype, prec, dim in (("GPT-2 bf16", torch.bfloat16, "bf16", 768), ("GPT-2 tf32", torch.float32, "tf32-rn", 768),
+                                   ("MLP 46M tf32", torch.float32, "tf32-rn", 384)):
+        f32 = dtype == torch.float32
+        dt = "float32" if f32 else "bfloat16"
+        tl_ty = "tl.float32" if f32 else "tl.bfloat16"
+        pro_dh, pro_dw = linear_ce.d_prologues(tl_ty, tl_ty, f32)
+        # dh: A = d [rows, V] (K contiguous), B = w [V, D] (the rounded dense w^T's view under tf32: K contiguous);
+        # dw: A = d^T [V, rows] (M contiguous), B = h [rows, D]
+        for what, (M, N, K), la, lb, out, pre, pro in (
+                ("dh", (rows, dim, vocab), "row", "col" if f32 else "row", dt, ("a", "b") if f32 else (), pro_dh),
+                ("dw", (vocab, dim, rows), "col", "row", "float32", (), pro_dw)):
+            cfg = configure_matmul(M, N, K, 1, dtype, dtype, getattr(torch, out), prec, la, lb, False, dev,
+                                   prerounded=pre)  # fmt: skip
+            tokens = cfg.instruction.split("+")
+            b_staged = "stage_b" in tokens or "b" in pre
+            lb_k = "col" if b_staged else lb
+            layout = mm.TmaLayout(la, lb_k)
+            a_box = (cfg.block_m, cfg.block_k) if la == "row" else (cfg.block_k, cfg.block_m)
+            b_box = (cfg.block_k, cfg.block_n) if lb_k == "row" else (cfg.block_n, cfg.block_k)
+            for with_pro in (False, True):
+                a_pre = () if with_pro else tuple(x for x in ("a",) if "stage_a" in tokens or "a" in pre)
+                b_pre = ("b",) if b_staged else ()
+                src = mm.matmul_source(dataclasses_replace(cfg), has_bias=False, out_dtype=out, in_dtype=dt,
+                                       precision="bf16" if not f32 else prec, tma=layout, prerounded=a_pre + b_pre,
+                                       prologue=pro if with_pro else None)  # fmt: skip
+                t0 = time.perf_counter()
+                pointers = {"pv_lse": "*fp32", "pv_w": "*fp32", "pv_t": "*i64"} if with_pro else None
+                log, ptx, smem, _ = compile_sm90(src, None, a_box, b_box, dt, cfg.num_warps, cfg.num_stages,
+                                                 pointers=pointers)  # fmt: skip
+                regs, spills = _ptxas(log)
+                waits = {n: len(re.findall(rf"wgmma.wait_group.sync.aligned {n};", ptx)) for n in (0, 1)}
+                print(f"{name} {what} {M}x{N}x{K}: {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
+                      f"s{cfg.num_stages} sk{cfg.split_k} {'persistent ' if cfg.persistent else ''}{cfg.instruction}"
+                      f"{' + prologue' if with_pro else ''}: registers {','.join(regs)}, spill stores "
+                      f"{','.join(spills)} B, shared {smem // 1024} KiB, wgmma {ptx.count('wgmma.mma_async')}, "
+                      f"wait_group 0/1: {waits[0]}/{waits[1]}, {time.perf_counter() - t0:.1f} s")
 
 
 def dataclasses_replace(cfg):

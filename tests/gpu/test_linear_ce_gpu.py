@@ -31,10 +31,11 @@ def _bits(x):
     return x.reshape(-1).view({2: torch.int16, 4: torch.int32}[x.element_size()])
 
 
-def _head_ops(props: dict, bias=None):
-    """The forward, backward and merged ops of a bf16 head [N, D] x [V, D] (an f32 loss)."""
-    slots = [Slot("batch", "g", tensor([], f32)), Slot("param", "h", tensor([N, D], bf16)),
-             Slot("param", "w", tensor([V, D], bf16)), Slot("batch", "t", tensor([N], i64))]
+def _head_ops(props: dict, bias=None, elem=bf16):
+    """The forward, backward and merged ops of a head [N, D] x [V, D] of ``elem`` (bf16
+    unless given; an f32 loss)."""
+    slots = [Slot("batch", "g", tensor([], f32)), Slot("param", "h", tensor([N, D], elem)),
+             Slot("param", "w", tensor([V, D], elem)), Slot("batch", "t", tensor([N], i64))]
     slots += [Slot("param", "b", tensor([V], bias))] if bias else []
     _, fn = new_step(slots)
     b = OpBuilder(fn.body.block)
@@ -142,3 +143,37 @@ def test_row_statistics_from_the_logits_epilogue_on_the_device(monkeypatch):
     torch.testing.assert_close(got[0], two_pass[0], rtol=1e-6, atol=0)
     for name, x, y in zip(("dh", "dw"), got[1:], two_pass[1:], strict=True):
         torch.testing.assert_close(x.float(), y.float(), rtol=2e-2, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_d_formed_in_the_matmuls_prologues_on_the_device(monkeypatch, precision):
+    """D_PROLOGUE at GPT-2's vocabulary with the step's config of the logits: the merged
+    lowering with d formed by dh's and dw's prologues (compiled for the device: exp, the
+    target's compare and the rounding in registers before the wgmma) bit for bit the one
+    whose row kernel writes d over the logits. Stream-K off in both (the prologue's launch
+    runs the split)."""
+    from nova.codegen.triton import linear_ce
+    from nova.schedule.configurator import configure_matmul
+
+    props = {"ignore_index": -1, "reduction": "mean", "label_smoothing": 0.0, "chunk": 2048}
+    dt, elem = (torch.bfloat16, bf16) if precision == "bf16" else (torch.float32, f32)
+    _, _, both = _head_ops(props, elem=elem)
+    torch.manual_seed(3)
+    h = torch.randn(N, D, device="cuda").to(dt)
+    w = (torch.randn(V, D, device="cuda") * 0.05).to(dt)
+    t = torch.randint(0, V, (N,), device="cuda")
+    t[:50] = -1
+    ins, grad = [h, w, t], torch.tensor(1.0, device="cuda")
+    prec = "bf16" if precision == "bf16" else "tf32-rn"
+    cfg = configure_matmul(2048, V, D, 1, dt, dt, dt, prec, "row", "col", False, mm.device_spec(h.device),
+                           prerounded=() if precision == "bf16" else ("b",))  # fmt: skip
+    monkeypatch.setattr(mm, "STREAM_K_SPLIT", False)
+    want = lower_linear_cross_entropy_with_grad(both, cfg, precision=precision).launch([grad, *ins])
+    monkeypatch.setattr(linear_ce, "D_PROLOGUE", True)
+    monkeypatch.setattr(linear_ce, "D_PROLOGUE_F32", True)
+    kernel = lower_linear_cross_entropy_with_grad(both, cfg, precision=precision)
+    assert linear_ce.uses_d_prologue(both, cfg)
+    got = kernel.launch([grad, *ins])
+    assert any("A from a prologue" in open(p).read() for p in kernel.extra["matmul_sources"] if p != "tf32_stage")
+    for name, x, y in zip(("loss", "dh", "dw"), got, want, strict=True):
+        assert x.dtype == y.dtype and torch.equal(_bits(x), _bits(y)), name

@@ -6,6 +6,7 @@ merged loss-with-gradients lowering bit for bit against the two separate ones.""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -509,3 +510,78 @@ def test_row_statistics_only_where_they_apply(monkeypatch):
     assert linear_ce.stats_cols_of(_ops(bf16, None, {**plain, "label_smoothing": 0.1}, f32)[0], _TILE) == 0
     monkeypatch.setattr(linear_ce, "ROW_STATS_FROM_LOGITS", False)
     assert linear_ce.stats_cols_of(_ops(bf16, None, plain, f32)[0], _TILE) == 0
+
+
+# ----------------------------------------------------------------------------
+# d formed in dh's and dw's prologues from the logits (D_PROLOGUE, D_PROLOGUE_F32)
+
+_MATMULS = {  # the backward's matmul configs, forced (None: the configurator's for the CPU)
+    "configured": None,
+    "split-tma": LoweringConfig(kind="matmul", block_m=16, block_n=16, block_k=16, group_m=2, split_k=2, num_warps=4,
+                                num_stages=2, instruction="wgmma+tma"),
+    "persistent-tma": LoweringConfig(kind="matmul", block_m=16, block_n=16, block_k=16, group_m=2, persistent=True,
+                                     num_warps=4, num_stages=2, instruction="wgmma+tma"),
+}
+
+
+@pytest.mark.parametrize("matmuls", list(_MATMULS))
+@pytest.mark.parametrize("case", STATS_CASES, ids=[c[0] for c in STATS_CASES])
+def test_d_formed_in_the_matmuls_prologues_is_bit_for_bit(device, monkeypatch, case, matmuls):
+    """The backward and the merged lowering with d formed from the logits by dh's and dw's
+    prologues against the row kernel writing d over the logits: every result bit for bit
+    (d is each logit's same expression; the matmuls keep their tiles, K steps and splits:
+    stream-K, which the prologue's launch does not take, is off in both); the row kernel of
+    the prologue's form writes no d, and the launch holds each row's lse and weight."""
+    from nova.codegen.triton import linear_ce
+    from nova.codegen.triton import matmul as mm
+
+    _, head, precision, props, chunk, bad = case
+    props = {"ignore_index": -100, "chunk": chunk, **props}
+    fwd, bwd = _ops(head, None, props, f32)
+    dt = torch.bfloat16 if head == bf16 else torch.float32
+    gen = torch.Generator().manual_seed(12)
+    h = torch.randn(N, D, generator=gen).to(dt)
+    w = (torch.randn(V, D, generator=gen) * 0.5).to(dt)
+    t = torch.randint(0, V, (N,), generator=gen)
+    for i, v in bad.items():
+        t[i] = v
+    xs = [torch.tensor(0.7).to(device), *(x.to(device) for x in (h, w, t))]
+    monkeypatch.setattr(linear_ce, "ROW_STATS_F32", True)
+    monkeypatch.setattr(mm, "STREAM_K_SPLIT", False)
+    forced = _MATMULS[matmuls]
+    if forced is not None:
+        staged = "+stage_a+stage_b" if precision == "tf32" else ""
+        monkeypatch.setattr(linear_ce, "configure_matmul", lambda *a, **k: dataclasses.replace(
+            forced, instruction=forced.instruction + staged))
+
+    def run():
+        kw = dict(precision=precision, max_block=16)
+        backward = lower_linear_cross_entropy_backward(bwd, _TILE, **kw)
+        merged_kernel = lower_linear_cross_entropy_with_grad(merged(fwd), _TILE, **kw)
+        return [*backward.launch(xs), *merged_kernel.launch(xs)], merged_kernel
+
+    plain, plain_kernel = run()
+    monkeypatch.setattr(linear_ce, "D_PROLOGUE", True)
+    monkeypatch.setattr(linear_ce, "D_PROLOGUE_F32", True)
+    got, kernel = run()
+    assert linear_ce.uses_d_prologue(merged(fwd), _TILE) and "def lce_rows_lse_with_grad" in kernel.source
+    assert any("A from a prologue" in open(p).read() for p in kernel.extra["matmul_sources"] if p != "tf32_stage")
+    assert kernel.arena_scratch_bytes >= plain_kernel.arena_scratch_bytes + 2 * chunk * 4  # lse and weight a row
+    for name, a, b in zip(("dh", "dw", "loss", "dh (merged)", "dw (merged)"), got, plain, strict=True):
+        assert a.dtype == b.dtype and same_bits(a, b), name
+
+
+def test_d_prologue_only_with_the_row_statistics(monkeypatch):
+    """Off as shipped (not yet timed); on, only where the logits carry their row statistics
+    and the lowering has gradients."""
+    from nova.codegen.triton import linear_ce
+
+    assert not linear_ce.D_PROLOGUE and not linear_ce.D_PROLOGUE_F32
+    plain = {"ignore_index": -100, "chunk": 3, "reduction": "mean"}
+    fwd, bwd = _ops(bf16, None, plain, f32)
+    assert not linear_ce.uses_d_prologue(merged(fwd), _TILE)
+    monkeypatch.setattr(linear_ce, "D_PROLOGUE", True)
+    assert linear_ce.uses_d_prologue(merged(fwd), _TILE) and linear_ce.uses_d_prologue(bwd, _TILE)
+    assert not linear_ce.uses_d_prologue(fwd, _TILE) and not linear_ce.uses_d_prologue(bwd, None)
+    assert not linear_ce.uses_d_prologue(_ops(f32, None, plain, f32)[1], _TILE)  # f32 heads: D_PROLOGUE_F32
+    assert not linear_ce.uses_d_prologue(_ops(bf16, f32, plain, f32)[1], _TILE)  # a bias: no statistics

@@ -104,6 +104,18 @@ ROW_STATS_FROM_LOGITS = True
 # run at 1b29c22 (with matmul.STREAM_K_F32: GPT-2 tf32 b16 1.122x -> 1.146x torch.compile, MLP LM
 # 46M tf32 b8 0.936x -> 0.966x)
 ROW_STATS_F32 = True
+# The logits' gradient d computed where dh = d @ w and dw = d^T @ h read it (``mm.Prologue``), from
+# the logits and two per-row vectors (the log-sum-exp, the row's weight: the scale where the target
+# counts), instead of written over the logits by the row kernel: with the row statistics the row
+# kernel then reads one logit a row (the target's) and the tiles' statistics, and a 4096-row chunk's
+# 824 MB (f32, the tf32 steps' heads) or 412 MB (bf16) of logits are neither read nor written by it
+# (the row kernel took 0.611 / 0.338 ms a chunk on the H200 before the statistics). d is formed
+# from each logit as the row kernel forms it, so the products are the same bits; the matmuls do
+# an exponential a loaded element instead (recomputed for each of A's column tiles: N / BLOCK_N
+# times). Heads with the row statistics (``stats_cols_of``). Not yet timed on a device: off
+# (``D_PROLOGUE`` 16-bit heads, ``D_PROLOGUE_F32`` f32 ones).
+D_PROLOGUE = False
+D_PROLOGUE_F32 = False
 # the statistics' logits in the warp-specialized kernel where the op's config is one (stats_config);
 # False: the 8-warp persistent TMA kernel instead (scripts/epilogue_variants.py "lce-stats-nows")
 ROW_STATS_WS = True
@@ -221,6 +233,11 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
     bwd = _code(lse, row_grad)
     # the row's loss, then its gradient over the logits it has read (one log-sum-exp pass, not two)
     both = _code(lse, row_loss, row_grad)
+    # (D_PROLOGUE) the row's log-sum-exp and weight, from which dh's and dw's prologues form d
+    row_vectors = """
+        tl.store(lse_ptr + row, lse)
+        tl.store(w_ptr + row, tl.where(valid, 1.0, 0.0) * tl.load(scale_ptr))
+    """
     final = _code(_count_source(ignore), f"""
         total = tl.zeros(({_FINAL_BLOCK},), tl.float32)
         for r0 in range(0, n_rows, {_FINAL_BLOCK}):
@@ -248,6 +265,12 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
               f"import triton\nimport triton.language as tl\n\nBLOCK = tl.constexpr({block})\n"
               + (mm.TF32_RN_FN if preround else ""))
     stats_p = ["rm_ptr", "rs_ptr"] if stats_tiles else []
+    vectors = ""
+    if stats_tiles:
+        vectors = (_kernel("lce_rows_lse", ["z_ptr", "t_ptr", *stats_p, "scale_ptr", "lse_ptr", "w_ptr"],
+                           _code(lse, row_vectors))
+                   + _kernel("lce_rows_lse_with_grad", ["z_ptr", "t_ptr", *stats_p, "loss_ptr", "scale_ptr", "lse_ptr",
+                                                        "w_ptr"], _code(lse, row_loss, row_vectors)))
     return (header
             + _kernel("lce_rows", ["z_ptr", "t_ptr", *stats_p, *bias_p, "loss_ptr"], fwd)
             + _kernel("lce_rows_backward", ["z_ptr", "t_ptr", *stats_p, *bias_p, "scale_ptr",
@@ -256,7 +279,27 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
                                              *(["db_ptr"] if separate_d else [])], both)
             + _kernel("lce_final", ["t_ptr", "loss_ptr", "out_ptr", "n_rows", "st", "MEAN: tl.constexpr"], final)
             + _kernel("lce_scale", ["g_ptr", "t_ptr", "scale_ptr", "n_rows", "st", "MEAN: tl.constexpr"], scale)
-            + _kernel("lce_colsum", ["d_ptr", "acc_ptr", "n_rows"], colsum))
+            + _kernel("lce_colsum", ["d_ptr", "acc_ptr", "n_rows"], colsum) + vectors)
+
+
+def d_prologues(logit_ty: str, z_ty: str, rounded: bool) -> tuple[mm.Prologue, mm.Prologue]:
+    """(dh's, dw's) ``mm.Prologue`` (``D_PROLOGUE``): d = (exp(x - lse) - onehot) * weight
+    from the loaded logits x, as ``lce_rows_backward`` forms it (without label smoothing or
+    a bias), stored in the head's type or rounded to nearest tf32 (``rounded``: what that
+    kernel writes under ``PREROUND_TF32``, and what the matmul would round it to). dh's A
+    is the chunk's logits [rows, V] (the vectors along A's rows, the vocabulary along K),
+    dw's is their transpose [V, rows] (the vectors along K)."""
+    out = "tf32_rn(d)" if rounded else f"d.to({z_ty})"
+
+    def body(lse: str, w: str, hit: str) -> str:
+        return (f"d = ((tl.exp(a.to(tl.float32) - {lse}) - tl.where({hit}, 1.0, 0.0)) * {w}).to({logit_ty})\n"
+                f"a = {out}")
+
+    vectors = (("lse", "m"), ("w", "m"), ("t", "m"))
+    dh = mm.Prologue(vectors, body("lse[:, None]", "w[:, None]", "p_k[None, :] == t[:, None]"), rounded)
+    dw = mm.Prologue(tuple((n, "k") for n, _ in vectors),
+                     body("lse[None, :]", "w[None, :]", "p_m[:, None] == t[None, :]"), rounded)
+    return dh, dw
 
 
 def _count_source(ignore: int) -> str:
@@ -311,17 +354,17 @@ class Configs:
 
 def accumulate_into(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, precision: str, ep: mm.Epilogue | None = None,
                     record: dict | None = None, configs: Configs | None = None,
-                    prerounded: tuple[str, ...] = (), out: torch.Tensor | None = None) -> None:
+                    prerounded: tuple[str, ...] = (), out: torch.Tensor | None = None, prologue=None) -> None:
     """``acc += a @ b`` (f32 ``acc``) through ``accumulate``'s epilogue, configured as the
     launcher configures ``a @ b`` (``mm.matmul(cfg=None)``) but as an epilogue kernel
     (``epilogue=True``: the configurator's rule for kernels storing through pointers);
     the same tile, BLOCK_K and split, so the same sums per tile. ``configs``: the
-    lowering's schedules (asked once per shape). ``prerounded`` as for ``mm.matmul``.
+    lowering's schedules (asked once per shape). ``prerounded`` and ``prologue`` as for ``mm.matmul``.
     ``out``: where the sum goes instead of ``acc`` (``ep`` storing its dtype)."""
     cfg = (configs or Configs(precision))(a, b, torch.float32, epilogue=True)
     ep = ep or accumulate(*acc.shape)
     mm.matmul_epilogue(a, b, ep, [acc], torch.float32, cfg=cfg, precision=precision,
-                       outs=[out if out is not None else acc], record=record, prerounded=prerounded)
+                       outs=[out if out is not None else acc], record=record, prerounded=prerounded, prologue=prologue)
 
 
 def _matmul_scratch(M: int, N: int, K: int, dtype, out_dtype, precision: str, cfg, a_layouts, b_layouts,
@@ -350,11 +393,12 @@ _KIND = {nv.LinearCrossEntropyOp: FORWARD, nv.LinearCrossEntropyBackwardOp: BACK
 
 
 def _held(N, D, V, chunk, head, bias_dtype, separate_d: bool, kind: str,
-          stats_cols: int = 0) -> list[tuple[tuple[int, ...], torch.dtype]]:
+          stats_cols: int = 0, d_prologue: bool = False) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """The buffers ``forward`` / ``backward_`` / ``with_grad`` below take from their
     ``Scratch``, in the order they take them (the arena rule plans exactly these).
     ``stats_cols``: the logits' BLOCK_N where their epilogue stores the row statistics
-    (``stats_cols_of``), two f32 [chunk, cdiv(V, stats_cols)] buffers after the logits'."""
+    (``stats_cols_of``), two f32 [chunk, cdiv(V, stats_cols)] buffers after the logits';
+    ``d_prologue`` (``uses_d_prologue``): the rows' log-sum-exp and weight after them."""
     f32 = torch.float32
     stats = [((chunk, triton_cdiv(V, stats_cols)), f32)] * 2 if stats_cols else []
     if kind == FORWARD:
@@ -365,6 +409,8 @@ def _held(N, D, V, chunk, head, bias_dtype, separate_d: bool, kind: str,
         parts.append(((V, D), f32))  # a 16-bit dw's accumulator
     parts.append(((chunk, V), head))
     parts += stats
+    if d_prologue:
+        parts += [((chunk,), f32)] * 2
     if separate_d:
         parts.append(((chunk, V), bias_dtype))
     if bias_dtype not in (None, f32):
@@ -377,7 +423,8 @@ def hoists_weight(head, prec: str) -> bool:
     return HOIST_WEIGHT_TF32 and head == torch.float32 and prec == "tf32-rn"
 
 
-def _scratch(N, D, V, chunk, head, bias_dtype, separate_d: bool, kind: str, prec: str, cfg, stats_cols: int = 0) -> int:
+def _scratch(N, D, V, chunk, head, bias_dtype, separate_d: bool, kind: str, prec: str, cfg, stats_cols: int = 0,
+             d_prologue: bool = False) -> int:
     """Kernel.scratch_bytes: what the launch takes (``_held``), the weight's rounded
     copies (``hoists_weight``: one for the forward, two with the gradients), plus the
     largest matmul's own scratch (the matmuls run one at a time)."""
@@ -391,7 +438,8 @@ def _scratch(N, D, V, chunk, head, bias_dtype, separate_d: bool, kind: str, prec
         mms += [_matmul_scratch(r, D, V, head, head, prec, None, ("row",), lw, hoist, pre_d) for r in rows]  # dh
         mms += [_matmul_scratch(V, D, r, head, f32, prec, None, ("col",), _LAYOUTS) for r in rows]  # d^T @ h
     copies = (1 if kind == FORWARD else 2) * V * D * 4 if hoist else 0
-    return Scratch.size(*_held(N, D, V, chunk, head, bias_dtype, separate_d, kind, stats_cols)) + copies + max(mms)
+    held = _held(N, D, V, chunk, head, bias_dtype, separate_d, kind, stats_cols, d_prologue)
+    return Scratch.size(*held) + copies + max(mms)
 
 
 def _shapes(op):
@@ -420,6 +468,14 @@ def stats_cols_of(op, cfg: LoweringConfig | None) -> int:
     return cfg.block_n
 
 
+def uses_d_prologue(op, cfg: LoweringConfig | None) -> bool:
+    """Whether the backward's matmuls form d from the logits (``D_PROLOGUE``, ``D_PROLOGUE_F32``):
+    a lowering with gradients whose logits carry their row statistics (``stats_cols_of``)."""
+    _, _, _, _, head, _, _, kind = _shapes(op)
+    on = D_PROLOGUE_F32 if head == torch.float32 else D_PROLOGUE
+    return on and kind != FORWARD and stats_cols_of(op, cfg) > 0
+
+
 def stats_config(cfg: LoweringConfig) -> LoweringConfig:
     """The logits' config with their row statistics: the op's tile (its BLOCK_N is the
     statistics' width, ``stats_cols_of``) unsplit (the statistics are a whole tile's). With
@@ -440,7 +496,8 @@ def stats_config(cfg: LoweringConfig) -> LoweringConfig:
 def _arena(op) -> int:
     from nova.schedule.cost import config_of
 
-    return Scratch.size(*_held(*_shapes(op), stats_cols_of(op, config_of(op))))
+    cfg = config_of(op)
+    return Scratch.size(*_held(*_shapes(op), stats_cols_of(op, cfg), uses_d_prologue(op, cfg)))
 
 
 def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Kernel:
@@ -465,9 +522,13 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
     h_a, h_b = (("a",), ("b",)) if h_rounded else ((), ())
     stats_cols = stats_cols_of(op, cfg)
     n_tiles = triton_cdiv(V, stats_cols) if stats_cols else 0
+    d_pro = uses_d_prologue(op, cfg)  # d formed by dh's and dw's prologues, not written by the row kernel
+    pro_dh, pro_dw = d_prologues(logit_ty, _TL[head], head == torch.float32 and prec == "tf32-rn")
     src = linear_ce_source(V, ignore, ls, has_bias, logit_ty, _TL[head], block, preround, stats_tiles=n_tiles)
     k = {n: load_kernel(src, n)[0] for n in ("lce_rows", "lce_rows_backward", "lce_rows_with_grad", "lce_final",
                                              "lce_scale", "lce_colsum")}  # fmt: skip
+    if d_pro:
+        k.update({n: load_kernel(src, n)[0] for n in ("lce_rows_lse", "lce_rows_lse_with_grad")})
     name = f"nova_linear_cross_entropy{'' if kind == FORWARD else '_' + kind}_{N}x{D}x{V}_chunk{chunk}"
     warps = 4 if block <= 1024 else 8
     specs = result_specs(op)
@@ -540,6 +601,7 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
         dw_acc = accumulator(dw, sc)
         buf = sc.take((chunk, V), head)
         stats = take_stats(sc)
+        vectors = (sc.take((chunk,), f32), sc.take((chunk,), f32)) if d_pro else ()  # each row's lse and weight
         dbuf = sc.take((chunk, V), bias_dtype) if separate_d else None
         db_acc = accumulator(db[0], sc).zero_() if b else None
         # dh's B: w, or under the hoist the [V, D] view of the rounded dense w^T (K contiguous)
@@ -548,23 +610,36 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
         for r0, r1 in spans:
             z = logits(h, wl, r0, r1, buf, stats)
             db_arg = [dbuf] if separate_d else []
-            if rows is None:
+            pro = ()
+            if d_pro:  # the rows' log-sum-exp and weight; d is formed by the matmuls' prologues below
+                lse_v, w_v = (x[: r1 - r0] for x in vectors)
+                pro = [lse_v, w_v, t[r0:r1]]
+                if rows is None:
+                    k["lce_rows_lse"][(r1 - r0,)](z, t[r0:r1], *stats, scale, lse_v, w_v, num_warps=warps)
+                else:
+                    k["lce_rows_lse_with_grad"][(r1 - r0,)](z, t[r0:r1], *stats, rows[r0:], scale, lse_v, w_v,
+                                                            num_warps=warps)
+            elif rows is None:
                 k["lce_rows_backward"][(r1 - r0,)](z, t[r0:r1], *stats, *b, scale, *db_arg, num_warps=warps)
             else:  # the row's loss and its logits' gradient d over them: one log-sum-exp
                 k["lce_rows_with_grad"][(r1 - r0,)](z, t[r0:r1], *stats, *b, rows[r0:], scale, *db_arg,
                                                     num_warps=warps)
             if b:
                 k["lce_colsum"][(triton_cdiv(V, _COL_BLOCK),)](dbuf if separate_d else z, db_acc, r1 - r0, num_warps=4)
+            # (with the prologues, configured as the launches reading d from the buffer: the same tiles, K steps
+            # and splits, so the same sums)
+            pro_h, pro_w = ((pro_dh, pro), (pro_dw, pro)) if d_pro else (None, None)
             mm.matmul(z, wd, cfg=configs(z, wd, dh.dtype, prerounded=d_rounded + w_rounded), precision=prec,
-                      out=dh[r0:r1], record=used, prerounded=d_rounded + w_rounded)
+                      out=dh[r0:r1], record=used, prerounded=(() if d_pro else d_rounded) + w_rounded, prologue=pro_h)
             if r0 == 0:  # the first chunk's product is the accumulator's first value: no zeroing
                 mm.matmul(z.t(), h[r0:r1], cfg=configs(z.t(), h[r0:r1], f32), precision=prec, out=dw_acc, record=used,
-                          prerounded=h_b)
+                          prerounded=h_b, prologue=pro_w)
             elif r1 == N and dw_acc is not dw:  # the last chunk's sum, rounded once into the 16-bit dw
                 accumulate_into(dw_acc, z.t(), h[r0:r1], prec, dw_last, record=used, configs=configs, prerounded=h_b,
-                                out=dw)
+                                out=dw, prologue=pro_w)
             else:
-                accumulate_into(dw_acc, z.t(), h[r0:r1], prec, dw_add, record=used, configs=configs, prerounded=h_b)
+                accumulate_into(dw_acc, z.t(), h[r0:r1], prec, dw_add, record=used, configs=configs, prerounded=h_b,
+                                prologue=pro_w)
         if dw_acc is not dw and len(spans) == 1:
             dw.copy_(dw_acc)  # rounded once
         if b and db_acc is not db[0]:
@@ -593,8 +668,8 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
     # the row kernels read the target and the bias with unit stride (the backend copies other layouts
     # first, and says so); h and w go to the matmul template, which reads any strides
     contiguous = tuple(range(g_in + 2, len(op.operands)))
-    scratch = _scratch(N, D, V, chunk, head, bias_dtype, separate_d, kind, prec, cfg, stats_cols) if N else 0
-    held = Scratch.size(*_held(N, D, V, chunk, head, bias_dtype, separate_d, kind, stats_cols)) if N else 0
+    scratch = _scratch(N, D, V, chunk, head, bias_dtype, separate_d, kind, prec, cfg, stats_cols, d_pro) if N else 0
+    held = Scratch.size(*_held(N, D, V, chunk, head, bias_dtype, separate_d, kind, stats_cols, d_pro)) if N else 0
     return Kernel(name, src, launch, needs_contiguous=contiguous, config=cfg, extra={"chunk": chunk, "matmul_sources": used},
                   scratch_bytes=scratch, arena_scratch_bytes=held)
 

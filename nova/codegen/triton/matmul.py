@@ -345,6 +345,42 @@ class Epilogue:
                 raise ValueError(f"matmul: epilogue output shape {s} does not hold a [{rows}, {N}] result")
 
 
+@dataclass(frozen=True)
+class Prologue:
+    """A's tile computed in registers from the tile as loaded, before the dot: an operand
+    prologue (the LM head's backward computes its logits' gradient so from the logits,
+    ``nova.codegen.triton.linear_ce.D_PROLOGUE``). ``vectors``: (name, axis) of vector
+    operands, pointer arguments ``pv_<name>`` read with unit stride along A's rows (axis
+    "m": once a tile, at the tile's rows) or along K ("k": each K step, at its indices);
+    elements past M or K read 0. ``body``: lines computing ``a`` (the dot's operand, in the
+    kernel's operand type) from ``a`` (the tile as loaded, [BLOCK_M, BLOCK_K], zeros past M
+    and K), the vectors by name, ``p_m`` and ``p_k`` (the tile's row and K indices).
+    ``rounded``: the body rounds ``a`` to nearest tf32 itself (``tf32_rn`` is in the source),
+    so a tf32-rn dot takes it as prerounded; A is never staged (the staging pass would round
+    the loaded values instead). The kernel without warp specialization or stream-K."""
+
+    vectors: tuple[tuple[str, str], ...]
+    body: str
+    rounded: bool = False
+
+    def check(self) -> None:
+        for name, axis in self.vectors:
+            if axis not in ("m", "k") or not name.isidentifier():
+                raise ValueError(f"matmul: prologue vector {name!r} on axis {axis!r} (axes: 'm', 'k')")
+
+
+def _prologue_lines(pro: Prologue, where: str) -> str:
+    """The prologue's vector loads along ``where`` ("m": before the K loop, "k": in it, with
+    the step's ``p_k``), and in the K loop its body, at the kernel body's indentations."""
+    if where == "m":
+        loads = [f"{n} = tl.load(pv_{n} + p_m, mask=p_m < M, other=0)" for n, ax in pro.vectors if ax == "m"]
+        return "".join(f"\n        {ln}" for ln in ["p_m = offs_m", *loads])
+    loads = [f"{n} = tl.load(pv_{n} + p_k, mask=p_k < K, other=0)" for n, ax in pro.vectors if ax == "k"]
+    lines = ["# the operand prologue: A computed from the tile as loaded", "p_k = k0 + k + tl.arange(0, BLOCK_K)",
+             *loads, *textwrap.dedent(pro.body).strip("\n").splitlines()]
+    return "".join(f"\n            {ln}" for ln in lines)
+
+
 def _prod(dims) -> int:
     n = 1
     for d in dims:
@@ -740,6 +776,7 @@ def matmul_source(
     epilogue: Epilogue | None = None,
     serial: bool = False,
     last: bool = False,
+    prologue: Prologue | None = None,
 ) -> str:
     """Triton source for one matmul kernel (plus the split-K reduction when
     ``cfg.split_k > 1``, named ``<name>_reduce``; with ``serial``, no epilogue, the
@@ -751,7 +788,8 @@ def matmul_source(
     tf32: ``tf32-rn`` rounds only the others in the kernel. ``epilogue`` replaces C's
     store (in the reduction kernel when split): its operands and outputs are
     pointer arguments after A, B (and C, the partials, when split), their strides
-    after every other stride."""
+    after every other stride. ``prologue`` computes A from its tile as loaded
+    (``Prologue``): its vectors are pointer arguments after the epilogue's."""
     _check_config(cfg)
     if epilogue is not None and has_bias:
         raise ValueError("matmul: a bias and an epilogue (the epilogue holds the bias add)")
@@ -769,6 +807,11 @@ def matmul_source(
     split_partials = split and not serial  # each split writes an fp32 partial tile, [S, B, M, N]
     kernel_bias = has_bias and (not split or serial or last)  # added here, not by the reduction kernel
 
+    if prologue is not None:
+        prologue.check()
+        if tma is not None and tma.ws:
+            raise ValueError("matmul: an operand prologue runs in the kernel without warp specialization")
+        prerounded = tuple(sorted({*prerounded, "a"})) if prologue.rounded else prerounded
     cast, dot = _dot_text(in_name, precision, prerounded)
 
     idx = ".to(tl.int64)" if index_64 else ""
@@ -794,6 +837,7 @@ def matmul_source(
         params += ["out_ptr", "count_ptr"]
     ep_ptrs, ep_strides = _epilogue_params(epilogue) if fused else ([], [])
     params += ep_ptrs
+    params += [f"pv_{n}" for n, _ in prologue.vectors] if prologue is not None else []
     params += ["M", "N", "K"]
     if split:
         params += ["K_SPLIT", "SPLITS"]
@@ -964,6 +1008,8 @@ def matmul_source(
                 tl.store(o_ptrs, sum_n.to({_TL_DTYPE[out_name]}), mask=p_mask)
 """
 
+    pro_m = _prologue_lines(prologue, "m") if prologue is not None else ""
+    pro_k = _prologue_lines(prologue, "k") if prologue is not None else ""
     body = f"""\
         # group-M swizzle: GROUP_M rows of tiles are walked column by column so
         # the A rows and B columns they share stay resident in L2
@@ -972,10 +1018,10 @@ def matmul_source(
         offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)){idx}
         {k_range}{operands}
         mask_m = offs_m < M
-        mask_n = offs_n < N
+        mask_n = offs_n < N{pro_m}
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, k_len, BLOCK_K):
-{loads}{cast}
+{loads}{pro_k}{cast}
             acc = {dot}{advance}{bias}
 {store}"""
     if ws:
@@ -1042,7 +1088,7 @@ def matmul_source(
 persistent {'yes' if persistent else 'no'}{', warp-specialized' if ws else ''}
         # in {in_name}, out {out_name}, precision {precision}, bias {'yes' if has_bias else 'no'}, \
 batched {'yes' if batched else 'no'}, index {'int64' if index_64 else 'int32'}
-        # epilogue {_describe(epilogue)}
+        # epilogue {_describe(epilogue)}{'; A from a prologue: ' + ', '.join(n + ' by ' + ax for n, ax in prologue.vectors) if prologue is not None else ''}
         # operands {'through tensor descriptors (TMA): ' + repr(tma) if tma else 'through pointers'}\
 {', rounded to tf32 before the kernel (staged, or by the caller): ' + ' '.join(prerounded) if prerounded else ''}
         import triton
@@ -1054,6 +1100,8 @@ batched {'yes' if batched else 'no'}, index {'int64' if index_64 else 'int32'}
         GROUP_M = tl.constexpr({cfg.group_m})
         """)
     helpers = epilogue.helpers.strip("\n") + "\n\n\n" if epilogue is not None and epilogue.helpers else ""
+    if prologue is not None and prologue.rounded:
+        helpers += TF32_RN_FN.strip("\n") + "\n\n\n"
     text = header + "\n\n" + helpers + kernel
     if split_partials and not last:
         text += "\n\n" + _reduce_source(name + "_reduce", has_bias, _TL_DTYPE[out_name], epilogue)
@@ -1411,6 +1459,7 @@ def matmul_kernels(
     epilogue: Epilogue | None = None,
     serial: bool = False,
     last: bool = False,
+    prologue: Prologue | None = None,
 ) -> MatmulKernels:
     # num_warps / num_stages / the split count are launch-time: keep them out of the text
     key_cfg = LoweringConfig(
@@ -1435,6 +1484,7 @@ def matmul_kernels(
         epilogue=epilogue,
         serial=serial,
         last=last,
+        prologue=prologue,
     )
     main, path = load_kernel(src, "matmul_kernel")
     reduce = load_kernel(src, "matmul_kernel_reduce")[0] if cfg.split_k > 1 and not serial and not last else None
@@ -1669,7 +1719,7 @@ def _tma_e(cfg: LoweringConfig, ep: Epilogue, outs, batched: bool, M: int):
 
 
 def _ws_plan(cfg: LoweringConfig, tma, a3, b3, batched: bool, in_name: str,
-             epilogue: Epilogue | None) -> list[int] | None:
+             epilogue: Epilogue | None, prologue: Prologue | None = None) -> list[int] | None:
     """The operands' strides for the warp-specialized kernel (``ws`` in the config's
     instruction), or None where it cannot run: the operands not both TMA-addressable
     (``tma`` None: the pointer kernel), a batch, 32-bit operands, an epilogue
@@ -1686,7 +1736,7 @@ def _ws_plan(cfg: LoweringConfig, tma, a3, b3, batched: bool, in_name: str,
            or tma[0].b_batched else "32-bit operands" if in_name == "float32"
            else "not persistent" if not cfg.persistent else "an epilogue (WS_EPILOGUES off)"
            if epilogue is not None and not WS_EPILOGUES else "column sums in the epilogue"
-           if epilogue is not None and epilogue.sums else None)
+           if epilogue is not None and epilogue.sums else "an operand prologue" if prologue is not None else None)
     if why is not None:
         once(_LOG, f"ws:{why}", "matmul: the warp-specialized kernel does not run here (%s): the %s kernel does",
              why, "persistent TMA" if tma is not None else "pointer-load")
@@ -1809,6 +1859,7 @@ def matmul(
     num_programs: int | None = None,
     record: dict[str, str] | None = None,
     prerounded: tuple[str, ...] = (),
+    prologue: tuple[Prologue, list[torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """``a @ b (+ bias)`` for 2-D or 3-D (batched; a batch of 1 or a 2-D operand
     broadcasts) float32 / bfloat16 / float16 tensors with any strides.
@@ -1827,9 +1878,12 @@ def matmul(
     them again, and a staged config does not copy a 2-D A whose K is contiguous, or a
     2-D B whose K is contiguous (a [K, N] view of a dense [N, K]: the staged layouts
     already): the same bits, rounding being idempotent.
+    ``prologue``: (``Prologue``, its vectors in order) computing A from its tile as
+    loaded: 2-D operands, the vectors 1-D with unit stride, of A's rows (axis "m") or
+    of K (axis "k").
     """
     return _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup=False, record=record,
-                prerounded=prerounded)
+                prerounded=prerounded, prologue=prologue)
 
 
 def matmul_epilogue(
@@ -1845,6 +1899,7 @@ def matmul_epilogue(
     num_programs: int | None = None,
     record: dict[str, str] | None = None,
     prerounded: tuple[str, ...] = (),
+    prologue: tuple[Prologue, list[torch.Tensor]] | None = None,
 ) -> list[torch.Tensor]:
     """``a @ b`` (as ``matmul``, its fp32 accumulator then rounded as a C of
     ``out_dtype`` would be only where the epilogue says so) with ``epilogue``
@@ -1854,9 +1909,9 @@ def matmul_epilogue(
     shape, contiguous: each element is read by the lane that writes it, before it
     writes it); it may not overlap ``a`` or ``b`` or another output. ``out_dtype``
     is the matmul's result dtype (what the configurator plans the tile for).
-    ``prerounded`` as for ``matmul``. Returns the outputs."""
+    ``prerounded`` and ``prologue`` as for ``matmul``. Returns the outputs."""
     return _run(a, b, None, cfg, precision, None, out_dtype, num_programs, warmup=False, record=record,
-                epilogue=(epilogue, list(inputs), outs), prerounded=prerounded)
+                epilogue=(epilogue, list(inputs), outs), prerounded=prerounded, prologue=prologue)
 
 
 def precompile(
@@ -1955,7 +2010,23 @@ def _run_streamk(a3, b3, bias, cfg, precision, out, c3, tma, in_name, out_name, 
     return out
 
 
-def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, record=None, epilogue=None, prerounded=()):
+def _check_prologue(pro: Prologue, vectors, a, b, bias, M: int, K: int) -> None:
+    """A prologue's launch: 2-D operands without a bias (the LM head's), one vector of A's
+    rows or of K for each of its vectors, 1-D with unit stride on A's device."""
+    pro.check()
+    if a.dim() != 2 or b.dim() != 2 or bias is not None:
+        raise ValueError("matmul: an operand prologue takes 2-D operands and no bias")
+    if len(vectors) != len(pro.vectors):
+        raise ValueError(f"matmul: the prologue has {len(pro.vectors)} vectors, the launch gives {len(vectors)}")
+    for (name, axis), v in zip(pro.vectors, vectors):
+        n = M if axis == "m" else K
+        if v.dim() != 1 or v.shape[0] != n or (n > 1 and v.stride(0) != 1) or v.device != a.device:
+            raise ValueError(f"matmul: prologue vector {name} must be 1-D of {n} elements ({'M' if axis == 'm' else 'K'}) "
+                             f"with unit stride on {a.device}, got {tuple(v.shape)} stride {v.stride()} on {v.device}")
+
+
+def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, record=None, epilogue=None, prerounded=(),
+         prologue=None):
     batched, batch, M, N, K, shape, in_name, out_name, out_dtype, precision = _validate(
         a, b, bias, out, out_dtype, precision, allow_meta=warmup
     )
@@ -1986,6 +2057,9 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     _check_config(cfg)
     if in_name != "float32":
         precision = "bf16"  # 16-bit operands: nothing to round; one kernel for every spelling
+    pro, pro_vectors = prologue if prologue is not None else (None, [])
+    if pro is not None:
+        _check_prologue(pro, pro_vectors, a, b, bias, M, K)
 
     a3 = a if a.dim() == 3 else a.unsqueeze(0)
     b3 = b if b.dim() == 3 else b.unsqueeze(0)
@@ -1999,7 +2073,8 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     rounded = (tuple(x for x in ("a", "b") if x in prerounded and k_major[x])
                if in_name == "float32" and precision == "tf32-rn" else ())
     # a prerounded operand already in the staged layout (one matrix, K contiguous) is read in place
-    stage_a = "stage_a" in tokens and not ("a" in rounded and a3.shape[0] == 1)
+    # (A with a prologue is read as it is: the prologue computes the operand, and rounds it)
+    stage_a = "stage_a" in tokens and not ("a" in rounded and a3.shape[0] == 1) and pro is None
     stage_b = "stage_b" in tokens and not ("b" in rounded and b3.shape[0] == 1)
     if "stage_a" in tokens or "stage_b" in tokens:
         if in_name != "float32" or precision != "tf32-rn":
@@ -2025,7 +2100,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
         spans += [(batch * M + margin) * (N + margin)] + [_span(x, margin) for x in ep_inputs]
     index_64 = max(spans) > _INT32_MAX
     tma = _tma_plan(cfg, a3, b3)
-    if (split and ep is None and not batched and tma and not cfg.persistent
+    if (split and ep is None and pro is None and not batched and tma and not cfg.persistent
             and stream_k_applies(M, N, splits, cfg, num_programs or _num_sms(a3.device), in_name == "float32")):
         return _run_streamk(a3, b3, bias, cfg, precision, out, c3, tma, in_name, out_name, staged, num_programs,
                             warmup, record)
@@ -2034,7 +2109,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     last = split and ep is None and not cfg.persistent and not serial and LAST_SPLIT_SUMS
     split_partials = split and not serial  # each split writes an fp32 partial tile, [S, B, M, N]
     kernel_bias = bias is not None and (not split or serial or last)  # added in the main kernel
-    ws_strides = _ws_plan(cfg, tma, a3, b3, batched, in_name, ep)
+    ws_strides = _ws_plan(cfg, tma, a3, b3, batched, in_name, ep, pro)
     if ws_strides is not None:
         tma = (dataclasses.replace(tma[0], ws=True), None)
     c_desc = _tma_c(cfg, c3) if tma and ws_strides is None and not split and ep is None else None
@@ -2046,7 +2121,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
         tma = (dataclasses.replace(tma[0], e=True), tma[1])
     kern = matmul_kernels(
         cfg, bias is not None, precision, out_name, in_name, batched, index_64, interpreting(), tma and tma[0], staged,
-        ep, serial, last,
+        ep, serial, last, pro,
     )
 
     if record is not None and kern.path not in record:  # once per kernel: this runs every step
@@ -2090,6 +2165,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
         args += [c3, counts]
     if fused:
         args += ep_ptrs
+    args += pro_vectors
     args += [M, N, K]
     if split:
         args += [k_split, splits]
