@@ -81,6 +81,8 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
                 heads since 0b44727, so now the same as tile-grid at bf16)
   lce-stats-off the two-pass row kernel instead (the step before 0b44727)
   lce-stats-nows  the same, the logits in the 8-warp persistent kernel, not the warp-specialized one
+  lce-d-prologue  the LM head's d formed by dh's and dw's operand prologues from the logits, not
+                written by the row kernel (linear_ce.D_PROLOGUE; built 2026-12-06, ninth session, off)
 
     python scripts/epilogue_variants.py [--layers 2] [--batch 32] [--variants a,b] [--graph] [--out DIR]
 
@@ -104,7 +106,7 @@ VARIANTS = ("tile-grid", "persistent", "tile-grid-light", "persistent-light", "t
             "casts-unbatched", "last-split-sums", "row-stores-off", "norm-recompute-off", "ln-pair-sums",
             "ln-hoist", "ln-hoist-pair", "ln-hoist-off", "attention-sums-off", "attn-sums-dq-dot", "stream-k",
             "stream-k-all", "stream-k-contiguous", "stream-k-off", "transpose-matmul-on", "lce-stats", "lce-stats-nows",
-            "lce-stats-off")
+            "lce-stats-off", "lce-d-prologue")
 # each ws variant's changes to configurator.WS_TILES
 WS_VARIANTS = {"ws-off": {"plain": None, "epilogue": None}, "ws-plain": {"epilogue": None},
                "ws-epi128": {"epilogue": (128, 128, 4)}, "ws-epi256": {"epilogue": (128, 256, 4)}}
@@ -144,6 +146,10 @@ def apply_variant(variant: str) -> None:
 
         linear_ce.ROW_STATS_FROM_LOGITS = variant != "lce-stats-off"
         linear_ce.ROW_STATS_WS = variant != "lce-stats-nows"
+    if variant == "lce-d-prologue":  # d in dh's and dw's prologues (built 2026-12-06, ninth session, off)
+        from nova.codegen.triton import linear_ce
+
+        linear_ce.D_PROLOGUE = True
     if variant == "attention-sums-off":  # the qkv bias gradient as a reduction of its own (before 2026-12-05)
         from nova import pipeline
 

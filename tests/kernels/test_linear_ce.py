@@ -444,6 +444,21 @@ STATS_CASES = [  # (id, head, precision, props, chunk, targets to set)
 ]
 
 
+def _stats_case(case, seed: int):
+    """A STATS_CASES case's (forward op, backward op, h, w, targets, precision, chunk): a head
+    of its type, its targets set where it says."""
+    _, head, precision, props, chunk, bad = case
+    fwd, bwd = _ops(head, None, {"ignore_index": -100, "chunk": chunk, **props}, f32)
+    dt = torch.bfloat16 if head == bf16 else torch.float32
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, D, generator=gen).to(dt)
+    w = (torch.randn(V, D, generator=gen) * 0.5).to(dt)
+    t = torch.randint(0, V, (N,), generator=gen)
+    for i, v in bad.items():
+        t[i] = v
+    return fwd, bwd, h, w, t, precision, chunk
+
+
 @pytest.mark.parametrize("case", STATS_CASES, ids=[c[0] for c in STATS_CASES])
 def test_row_statistics_from_the_logits_epilogue(device, monkeypatch, case):
     """The three lowerings with the statistics from the logits' epilogue against the
@@ -452,16 +467,8 @@ def test_row_statistics_from_the_logits_epilogue(device, monkeypatch, case):
     sum of exponentials is added in another order); bf16, f32 and tf32 heads."""
     from nova.codegen.triton import linear_ce
 
-    _, head, precision, props, chunk, bad = case
-    props = {"ignore_index": -100, "chunk": chunk, **props}
-    fwd, bwd = _ops(head, None, props, f32)
-    dt = torch.bfloat16 if head == bf16 else torch.float32
-    gen = torch.Generator().manual_seed(11)
-    h = torch.randn(N, D, generator=gen).to(dt)
-    w = (torch.randn(V, D, generator=gen) * 0.5).to(dt)
-    t = torch.randint(0, V, (N,), generator=gen)
-    for i, v in bad.items():
-        t[i] = v
+    fwd, bwd, h, w, t, precision, _ = _stats_case(case, 11)
+    bad = case[5]
     g = torch.tensor(1.3)
     cpu = [h, w, t]
     xs = [x.to(device) for x in cpu]
@@ -535,16 +542,7 @@ def test_d_formed_in_the_matmuls_prologues_is_bit_for_bit(device, monkeypatch, c
     from nova.codegen.triton import linear_ce
     from nova.codegen.triton import matmul as mm
 
-    _, head, precision, props, chunk, bad = case
-    props = {"ignore_index": -100, "chunk": chunk, **props}
-    fwd, bwd = _ops(head, None, props, f32)
-    dt = torch.bfloat16 if head == bf16 else torch.float32
-    gen = torch.Generator().manual_seed(12)
-    h = torch.randn(N, D, generator=gen).to(dt)
-    w = (torch.randn(V, D, generator=gen) * 0.5).to(dt)
-    t = torch.randint(0, V, (N,), generator=gen)
-    for i, v in bad.items():
-        t[i] = v
+    fwd, bwd, h, w, t, precision, chunk = _stats_case(case, 12)
     xs = [torch.tensor(0.7).to(device), *(x.to(device) for x in (h, w, t))]
     monkeypatch.setattr(linear_ce, "ROW_STATS_F32", True)
     monkeypatch.setattr(mm, "STREAM_K_SPLIT", False)
