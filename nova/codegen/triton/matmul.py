@@ -811,8 +811,9 @@ def matmul_source(
         prologue.check()
         if tma is not None and tma.ws:
             raise ValueError("matmul: an operand prologue runs in the kernel without warp specialization")
-        prerounded = tuple(sorted({*prerounded, "a"})) if prologue.rounded else prerounded
-    cast, dot = _dot_text(in_name, precision, prerounded)
+    # (a rounding prologue's A is the dot's as it is: not rounded again)
+    dot_pre = tuple(sorted({*prerounded, "a"})) if prologue is not None and prologue.rounded else prerounded
+    cast, dot = _dot_text(in_name, precision, dot_pre)
 
     idx = ".to(tl.int64)" if index_64 else ""
     fused = epilogue is not None and not split  # this kernel runs the epilogue
@@ -1088,7 +1089,7 @@ def matmul_source(
 persistent {'yes' if persistent else 'no'}{', warp-specialized' if ws else ''}
         # in {in_name}, out {out_name}, precision {precision}, bias {'yes' if has_bias else 'no'}, \
 batched {'yes' if batched else 'no'}, index {'int64' if index_64 else 'int32'}
-        # epilogue {_describe(epilogue)}{'; A from a prologue: ' + ', '.join(n + ' by ' + ax for n, ax in prologue.vectors) if prologue is not None else ''}
+        # epilogue {_describe(epilogue)}{'; A from a prologue: ' + ', '.join(n + ' by ' + ax for n, ax in prologue.vectors) + (', rounded to tf32 there' if prologue.rounded else '') if prologue is not None else ''}
         # operands {'through tensor descriptors (TMA): ' + repr(tma) if tma else 'through pointers'}\
 {', rounded to tf32 before the kernel (staged, or by the caller): ' + ' '.join(prerounded) if prerounded else ''}
         import triton
