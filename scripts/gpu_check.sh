@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|launches|lce-rows|lm-head|variants|dram|stalls|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|launches|lce-rows|lm-head|variants|dram|stalls|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -26,6 +26,12 @@ fi
 if [[ $what == bench-gpt2 ]]; then  # eager, torch.compile and Nova side by side: nova bench gpt2 [options]
   shift
   python3 -m nova.cli.main bench gpt2 --out "$OUT" "$@" 2>&1 | tail -40
+fi
+if [[ $what == headline ]]; then  # issue 9's three rows (the README's table), the three engines each: about 330 s
+  shift
+  timeout 200 python3 -m nova.cli.main bench gpt2 --out "$OUT" --model 124m --precision bf16 --batch 32 "$@" 2>&1 | tail -6
+  timeout 190 python3 -m nova.cli.main bench gpt2 --out "$OUT" --model 124m --precision tf32 --batch 16 "$@" 2>&1 | tail -6
+  timeout 130 python3 -m nova.cli.main bench gpt2 --out "$OUT" --model mlp46m --precision tf32 --batch 8 "$@" 2>&1 | tail -6
 fi
 if [[ $what == bench-gpt2-dp1 ]]; then  # the same under torchrun over one rank: DDP and Nova's data_parallel, no link crossed
   shift
