@@ -18,6 +18,7 @@ import contextlib
 import io
 import os
 import re
+import tempfile
 import time
 
 import torch
@@ -106,6 +107,9 @@ def main() -> None:
                     help="only the LM head's dh and dw with d formed in their prologues (linear_ce.D_PROLOGUE): GPT-2 "
                          "bf16 and tf32, the 46M MLP tf32, at the configs the configurator gives a 4096-row chunk")
     args = ap.parse_args()
+    # a kernel found in Triton's cache is not compiled again, and prints no ptxas log: compile afresh
+    cache = tempfile.TemporaryDirectory(prefix="epilogue_sm90_check_")  # removed when main returns
+    os.environ["TRITON_CACHE_DIR"] = cache.name
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("NOVA_STEP_CACHE", "0")
     if args.lm_head_stats:

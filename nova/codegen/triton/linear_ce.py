@@ -137,7 +137,7 @@ def _logit(z_ptr: str, cvar: str, mask: str, other: str, has_bias: bool, logit_t
 
 def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: str, z_ty: str, block: int,
                      preround: bool = False, grad_reversed: bool | None = None, keep_rows: bool | None = None,
-                     stats_tiles: int = 0) -> str:
+                     stats_tiles: int = 0, row_vectors: bool = False) -> str:
     """Row kernels over a chunk's logits buffer (row stride V), a count of the rows
     that count, the final sum, the backward's scale and the bias-gradient column
     sum: ``lce_rows`` (the row losses), ``lce_rows_backward`` (d over the logits)
@@ -156,7 +156,9 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
     matmul's epilogue, ``stats_tiles`` maxima and sums of exponentials a row (``rm_ptr``,
     ``rs_ptr``), combined here; the row is read once, by the gradient pass (the target's
     logit is loaded before it, and the program's threads wait for each other before any
-    of them writes d over the row). No bias and no label smoothing."""
+    of them writes d over the row). No bias and no label smoothing. ``row_vectors``
+    (``D_PROLOGUE``, with ``stats_tiles``): also ``lce_rows_lse`` and ``lce_rows_lse_with_grad``,
+    which store each row's log-sum-exp and weight instead of writing d."""
     if stats_tiles and (has_bias or ls):
         raise ValueError("linear_ce: the row statistics from the logits' epilogue take no bias and no label smoothing")
     grad_reversed = GRAD_PASS_REVERSED if grad_reversed is None else grad_reversed
@@ -234,7 +236,7 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
     # the row's loss, then its gradient over the logits it has read (one log-sum-exp pass, not two)
     both = _code(lse, row_loss, row_grad)
     # (D_PROLOGUE) the row's log-sum-exp and weight, from which dh's and dw's prologues form d
-    row_vectors = """
+    vector_stores = """
         tl.store(lse_ptr + row, lse)
         tl.store(w_ptr + row, tl.where(valid, 1.0, 0.0) * tl.load(scale_ptr))
     """
@@ -266,11 +268,11 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
               + (mm.TF32_RN_FN if preround else ""))
     stats_p = ["rm_ptr", "rs_ptr"] if stats_tiles else []
     vectors = ""
-    if stats_tiles:
+    if stats_tiles and row_vectors:
         vectors = (_kernel("lce_rows_lse", ["z_ptr", "t_ptr", *stats_p, "scale_ptr", "lse_ptr", "w_ptr"],
-                           _code(lse, row_vectors))
+                           _code(lse, vector_stores))
                    + _kernel("lce_rows_lse_with_grad", ["z_ptr", "t_ptr", *stats_p, "loss_ptr", "scale_ptr", "lse_ptr",
-                                                        "w_ptr"], _code(lse, row_loss, row_vectors)))
+                                                        "w_ptr"], _code(lse, row_loss, vector_stores)))
     return (header
             + _kernel("lce_rows", ["z_ptr", "t_ptr", *stats_p, *bias_p, "loss_ptr"], fwd)
             + _kernel("lce_rows_backward", ["z_ptr", "t_ptr", *stats_p, *bias_p, "scale_ptr",
@@ -523,8 +525,10 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
     stats_cols = stats_cols_of(op, cfg)
     n_tiles = triton_cdiv(V, stats_cols) if stats_cols else 0
     d_pro = uses_d_prologue(op, cfg)  # d formed by dh's and dw's prologues, not written by the row kernel
-    pro_dh, pro_dw = d_prologues(logit_ty, _TL[head], head == torch.float32 and prec == "tf32-rn")
-    src = linear_ce_source(V, ignore, ls, has_bias, logit_ty, _TL[head], block, preround, stats_tiles=n_tiles)
+    if d_pro:
+        pro_dh, pro_dw = d_prologues(logit_ty, _TL[head], head == torch.float32 and prec == "tf32-rn")
+    src = linear_ce_source(V, ignore, ls, has_bias, logit_ty, _TL[head], block, preround, stats_tiles=n_tiles,
+                           row_vectors=d_pro)
     k = {n: load_kernel(src, n)[0] for n in ("lce_rows", "lce_rows_backward", "lce_rows_with_grad", "lce_final",
                                              "lce_scale", "lce_colsum")}  # fmt: skip
     if d_pro:
@@ -610,10 +614,10 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
         for r0, r1 in spans:
             z = logits(h, wl, r0, r1, buf, stats)
             db_arg = [dbuf] if separate_d else []
-            pro = ()
+            pro_h = pro_w = None
             if d_pro:  # the rows' log-sum-exp and weight; d is formed by the matmuls' prologues below
                 lse_v, w_v = (x[: r1 - r0] for x in vectors)
-                pro = [lse_v, w_v, t[r0:r1]]
+                pro_h, pro_w = (pro_dh, [lse_v, w_v, t[r0:r1]]), (pro_dw, [lse_v, w_v, t[r0:r1]])
                 if rows is None:
                     k["lce_rows_lse"][(r1 - r0,)](z, t[r0:r1], *stats, scale, lse_v, w_v, num_warps=warps)
                 else:
@@ -628,7 +632,6 @@ def _lower(op, cfg: LoweringConfig | None, precision: str, max_block: int) -> Ke
                 k["lce_colsum"][(triton_cdiv(V, _COL_BLOCK),)](dbuf if separate_d else z, db_acc, r1 - r0, num_warps=4)
             # (with the prologues, configured as the launches reading d from the buffer: the same tiles, K steps
             # and splits, so the same sums)
-            pro_h, pro_w = ((pro_dh, pro), (pro_dw, pro)) if d_pro else (None, None)
             mm.matmul(z, wd, cfg=configs(z, wd, dh.dtype, prerounded=d_rounded + w_rounded), precision=prec,
                       out=dh[r0:r1], record=used, prerounded=(() if d_pro else d_rounded) + w_rounded, prologue=pro_h)
             if r0 == 0:  # the first chunk's product is the accumulator's first value: no zeroing

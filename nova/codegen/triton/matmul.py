@@ -363,7 +363,7 @@ class Prologue:
     body: str
     rounded: bool = False
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
         for name, axis in self.vectors:
             if axis not in ("m", "k") or not name.isidentifier():
                 raise ValueError(f"matmul: prologue vector {name!r} on axis {axis!r} (axes: 'm', 'k')")
@@ -807,10 +807,8 @@ def matmul_source(
     split_partials = split and not serial  # each split writes an fp32 partial tile, [S, B, M, N]
     kernel_bias = has_bias and (not split or serial or last)  # added here, not by the reduction kernel
 
-    if prologue is not None:
-        prologue.check()
-        if tma is not None and tma.ws:
-            raise ValueError("matmul: an operand prologue runs in the kernel without warp specialization")
+    if prologue is not None and tma is not None and tma.ws:
+        raise ValueError("matmul: an operand prologue runs in the kernel without warp specialization")
     # (a rounding prologue's A is the dot's as it is: not rounded again)
     dot_pre = tuple(sorted({*prerounded, "a"})) if prologue is not None and prologue.rounded else prerounded
     cast, dot = _dot_text(in_name, precision, dot_pre)
@@ -2014,7 +2012,6 @@ def _run_streamk(a3, b3, bias, cfg, precision, out, c3, tma, in_name, out_name, 
 def _check_prologue(pro: Prologue, vectors, a, b, bias, M: int, K: int) -> None:
     """A prologue's launch: 2-D operands without a bias (the LM head's), one vector of A's
     rows or of K for each of its vectors, 1-D with unit stride on A's device."""
-    pro.check()
     if a.dim() != 2 or b.dim() != 2 or bias is not None:
         raise ValueError("matmul: an operand prologue takes 2-D operands and no bias")
     if len(vectors) != len(pro.vectors):
