@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|launches|lce-rows|lm-head|variants|dram|stalls|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -104,6 +104,10 @@ fi
 if [[ $what == stalls ]]; then  # warp stall reasons of the kernels matching a regex (scripts/dram_bytes.py --stalls)
   shift
   timeout 560 python3 scripts/dram_bytes.py --out "$OUT" --engines nova --stalls "$@" 2>&1 | tee "$OUT/stalls.log" | tail -80
+fi
+if [[ $what == rates ]]; then  # copy bandwidth and cuBLAS bf16 / tf32 GEMM rates of this GPU (scripts/device_rates.py)
+  shift
+  timeout 200 python3 scripts/device_rates.py --out "$OUT" "$@" 2>&1 | tee "$OUT/device_rates.log" | tail -10
 fi
 if [[ $what == bench ]]; then
   shift
