@@ -910,7 +910,7 @@ def run_gpt2(opts, checkpoint=None, log=print) -> dict:
         for e in mine:
             L = e["launch"]
             t0 = time.perf_counter()
-            nova_cfg = sm.configured(L["configure"], spec)
+            nova_cfg = sm.configured(L["configure"], spec, L.get("prerounded", ()))
             cfg_ms = (time.perf_counter() - t0) * 1e3
             plans.append((e, nova_cfg, cfg_ms, candidates(space, L["M"], L["N"], L["K"], opts.search_budget, num_sms)))
         if device.type == "cuda":

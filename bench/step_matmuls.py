@@ -93,15 +93,17 @@ def configure_args(M, N, K, batch, dtype, out_dtype, path, a_layout, b_layout, h
     return {**args, "epilogue": True} if epilogue else args  # an epilogue kernel (LM head's dw +=)
 
 
-def configured(args: dict, device=None):
-    """``configure_matmul`` called with a record's ``configure`` arguments (the H200 by default)."""
+def configured(args: dict, device=None, prerounded=()):
+    """``configure_matmul`` called with a record's ``configure`` arguments (the H200 by default)
+    and the operands the step passes stored rounded (the record's ``prerounded``), as the
+    configure stage and the LM head's lowering call it."""
     from nova.schedule import configurator as cf
     from nova.schedule.devices import DEVICES
 
     return cf.configure_matmul(
         args["M"], args["N"], args["K"], args["batch"], args["dtype"], args["dtype"], args["out_dtype"],
         args["precision"], args["a_layout"], args["b_layout"], args["has_bias"], device or DEVICES["H200"],
-        args.get("epilogue", False),
+        args.get("epilogue", False), prerounded=tuple(prerounded),
     )  # fmt: skip
 
 
@@ -206,10 +208,12 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
 
             def at_launch(src, a, b, o, extra, epilogue=False):
                 # matmul(cfg=None): the launcher's configure call from the operands' strides (dw's +=:
-                # linear_ce.accumulate_into's, the same call as an epilogue kernel)
+                # linear_ce.accumulate_into's, the same call as an epilogue kernel), with the operands
+                # it passes prerounded (linear_ce.Configs)
                 args = configure_args(a.shape[-2], b.shape[-1], a.shape[-1], 1, _dname(a.dtype), _dname(o.dtype),
                                       path_of(a.dtype), mm.layout(a), mm.layout(b), epilogue=epilogue)  # fmt: skip
-                return _launch(src, a, b, o.dtype, False, prec, configured(args, spec), args, extra, epilogue)
+                return _launch(src, a, b, o.dtype, False, prec, configured(args, spec, extra.get("prerounded", ())), args, extra,
+                               epilogue)
 
             for r0 in range(0, N, chunk):
                 r1 = min(N, r0 + chunk)

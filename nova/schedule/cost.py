@@ -176,13 +176,26 @@ def rule(*op_classes):
     return register
 
 
+def read_in_place(lhs, rhs) -> set[str]:
+    """The operands ("a", "b") a staged tf32 config reads in place instead of copying:
+    stored rounded by their producer (``nv.tf32_rounded``), K-major (A "row", B "col")
+    and one matrix, as the launcher (``matmul._run``) decides."""
+    from nova.transforms.configure import _layout  # the configure stage's layouts (imported late, as ROWWISE is)
+
+    return {name for name, v, major in (("a", lhs, "row"), ("b", rhs, "col"))
+            if nv.tf32_rounded(v) and numel(shape_of(v.type)[:-2]) == 1 and _layout(v) == major}
+
+
 @rule(nv.MatmulOp)
-def matmul_cost(op, ins, outs, cfg, precision) -> Cost:
+def matmul_cost(op, ins, outs, cfg, precision, operands=None) -> Cost:
     """C[batch, M, N] = A @ B: FLOPs 2 M N K batch; bytes A, B (a 2-D operand
     broadcast over the batch read once) and C (an epilogue's operands and outputs
     instead of C: ``fused_cost``). Split-K writes and reads its f32 partials and
     launches the reduction; tf32 staging reads and writes the staged operand (f32)
-    and launches its copy (the configurator's own terms)."""
+    and launches its copy (the configurator's own terms), unless the operand is read
+    in place (``read_in_place``; ``operands``: the values A and B are, a group's
+    operands for its matmul)."""
+    staged_free = read_in_place(*(operands or op.operands)) if cfg is not None and "+stage_" in cfg.instruction else set()
     a, b = shape_of(op.operands[0].type), shape_of(op.operands[1].type)
     out = shape_of(op.results[0].type)
     M, K, N, batch = a[-2], a[-1], b[-1], numel(out[:-2])
@@ -192,10 +205,10 @@ def matmul_cost(op, ins, outs, cfg, precision) -> Cost:
     if cfg is not None and cfg.split_k > 1:
         nbytes += 2 * cfg.split_k * M * N * batch * 4
         launches += 1
-    if cfg is not None and "+stage_a" in cfg.instruction:
+    if cfg is not None and "+stage_a" in cfg.instruction and "a" not in staged_free:
         nbytes += 2 * M * K * batch * 4
         launches += 1
-    if cfg is not None and "+stage_b" in cfg.instruction:
+    if cfg is not None and "+stage_b" in cfg.instruction and "b" not in staged_free:
         nbytes += 2 * K * N * batch * 4
         launches += 1
     return Cost("matmul", nbytes, flops, _contraction_path(dtype, precision), launches)
@@ -389,7 +402,9 @@ def fused_cost(op, ins, outs, cfg, precision) -> Cost:
         return Cost("reduction", io_bytes(ins, outs) + extra, alone.flops + flops, alone.path, alone.launches)
     if head is None:
         return Cost("fused", io_bytes(ins, outs), flops, _float_path([*ins, *outs]))
-    alone = matmul_cost(head, tuple(head.operands), tuple(head.results), cfg, precision)
+    args = list(op.body.block.args)
+    outer = [op.operands[args.index(v)] for v in head.operands]
+    alone = matmul_cost(head, tuple(head.operands), tuple(head.results), cfg, precision, operands=outer)
     extra = alone.bytes - io_bytes(head.operands, head.results)  # the partials and the staged copies
     sums = [column_sum_cost(head, o, cfg) for o in op.inner_ops() if nv.column_sum(o)]
     return Cost("matmul", io_bytes(ins, outs) + extra + sum(b for b, _ in sums), alone.flops + flops

@@ -125,15 +125,20 @@ def _configure_matmul(op: nv.MatmulOp, lhs, rhs, device: DeviceSpec, precision: 
     kernel adds the same products in the same order as the unfused one; it keeps the
     one-program-per-tile grid (``PERSISTENT_EPILOGUES``), and its operand tiles are
     read once per output tile, as the separate kernel read them. ``epilogue_sums``: the
-    epilogue adds up column sums (not on the warp-specialized kernel, rule 8b)."""
+    epilogue adds up column sums (not on the warp-specialized kernel, rule 8b). An
+    operand its producer stores rounded to tf32 (the tf32_operands stage) is passed as
+    ``prerounded``, as the Triton backend launches it: K-major, it is read in place,
+    which the configurator counts as staged (rule 8d's persistent loop, the staged
+    ladder), so the schedule describes the kernel that runs."""
     a, b = shape_of(op.operands[0].type), shape_of(op.operands[1].type)
     out = shape_of(op.results[0].type)
     in_dt = to_torch_dtype(elem_of(op.operands[0].type))
     dt = to_torch_dtype(elem_of(op.results[0].type))
     path = "bf16" if in_dt.itemsize == 2 else cf.STEP_MATMUL_PRECISION[precision]
+    pre = tuple(x for x, v in zip("ab", (lhs, rhs)) if nv.tf32_rounded(v)) if path == "tf32-rn" else ()
     return cf.configure_matmul(
         a[-2], b[-1], a[-1], numel(out[:-2]), in_dt, in_dt, dt, path,
-        _layout(lhs), _layout(rhs), False, device, epilogue, epilogue_sums,
+        _layout(lhs), _layout(rhs), False, device, epilogue, epilogue_sums, pre,
     )  # fmt: skip
 
 

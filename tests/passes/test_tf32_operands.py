@@ -194,3 +194,50 @@ def test_triton_steps_with_and_without_the_stage_are_bit_identical(make):
     (l1, p1, s1), (l2, p2, _) = runs
     assert l1 == l2 and all(torch.equal(a, b) for a, b in zip(p1, p2))
     assert any("prerounded" in s or "rounded to tf32 before the kernel" in s for s in s1.values())
+
+
+class _Block(nn.Module):
+    """GPT-2's MLP at its width: LayerNorm, 768 -> 3072, GELU, 3072 -> 768."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc, self.proj = nn.LayerNorm(768), nn.Linear(768, 3072), nn.Linear(3072, 768)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.proj(F.gelu(self.fc(self.ln(x)))), y)
+
+
+def test_the_configure_stage_counts_a_prerounded_k_major_operand_as_staged(monkeypatch):
+    """The configure stage passes the operands stored rounded (``prerounded``), as the
+    backend launches them: the input gradient through fc, A = GELU's backward (stored
+    rounded, K-major) at 16384 x 768 x 3072, is configured as the staged path with A read
+    in place, so rule 8d's persistent loop applies (on the H200); the cost model counts
+    B's staging copy and not A's."""
+    from nova.schedule import cost
+    from nova.transforms.configure import _layout
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16384, 768), torch.randn(16384, 768)
+    c = _compile(_Block(), (x, y), stop_after="configure")
+    found = []
+    for o in step_func(c.module).body.block.ops:
+        head = o.contraction() if isinstance(o, nv.FusedOp) else o if isinstance(o, nv.MatmulOp) else None
+        if not isinstance(head, nv.MatmulOp):
+            continue
+        args = list(o.body.block.args) if o is not head else None
+        lhs, rhs = (o.operands[args.index(v)] for v in head.operands) if args else head.operands
+        a, b = head.operands[0].type.get_shape(), head.operands[1].type.get_shape()
+        if (a[-2], b[-1], a[-1]) == (16384, 768, 3072) and nv.tf32_rounded(lhs) and _layout(lhs) == "row":
+            found.append((o, lhs, rhs))
+    assert found, "no input gradient reads a prerounded K-major A"
+    for o, lhs, rhs in found:
+        cfg = cost.config_of(o)
+        assert "+stage_a" in cfg.instruction and "+stage_b" in cfg.instruction, cfg
+        if isinstance(o, nv.MatmulOp):  # no epilogue: rule 8d's persistent loop
+            assert cfg.persistent, cfg
+        assert cost.read_in_place(lhs, rhs) == {"a"}
+        counted = cost.cost_of(o, o.operands, o.results, "tf32")
+        monkeypatch.setattr(cost, "read_in_place", lambda lhs, rhs: set())
+        copied = cost.cost_of(o, o.operands, o.results, "tf32")
+        monkeypatch.undo()
+        assert (copied.bytes - counted.bytes, copied.launches - counted.launches) == (2 * 16384 * 3072 * 4, 1)
