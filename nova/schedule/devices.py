@@ -6,7 +6,7 @@ the peak rate of each arithmetic path. ``DEVICES`` is a table of known GPUs;
 ``from_torch_device`` describes the live GPU (structure from the driver, rates from
 the table). Nothing here needs CUDA to import.
 
-Rates are *effective* where the project has measured them (the H200) and datasheet
+Rates are *effective* where the project has measured them (the H200, the H100) and datasheet
 values elsewhere; the comment beside each number says which. The configurator only
 uses rates through ratios (the ridge point flops / bandwidth, a tile's share of the
 machine), so a uniformly derated datasheet changes little, but a measured number is
@@ -26,6 +26,10 @@ Sources, cited by letter beside the numbers:
          1.777 GHz boost, 192-bit GDDR6 at 15 Gbps = 360 GB/s, 3 MB L2.
   [M]    Measured on the project's H200 (copy bandwidth; cuBLAS bf16 and tf32
          GEMM throughput at large square shapes).
+  [M-H100] The same three measured on an H100 SXM5 lent in the H200's place
+         (``python scripts/device_rates.py``, 2026-12-06:
+         bench/results/runs/device_rates_h100_b04da52.json; 2 GiB copy, torch.mm at
+         n = 4096, 8192, 16384, the best n).
 """
 
 from __future__ import annotations
@@ -107,9 +111,9 @@ DEVICES: dict[str, DeviceSpec] = {
         max_threads_per_sm=2048,  # [CG]
         max_blocks_per_sm=32,  # [CG]
         l2_bytes=50 * MiB,  # [H100] 50 MB; PyTorch reports 52428800 bytes
-        mem_bandwidth=3.35e12,  # [H100] datasheet HBM3 (not measured)
-        bf16_flops=989 * TFLOP,  # [H100] datasheet dense (not measured)
-        tf32_flops=494 * TFLOP,  # [H100] datasheet dense (not measured)
+        mem_bandwidth=3.01e12,  # [M-H100] device-to-device copy; [H100] datasheet 3.35 TB/s
+        bf16_flops=777 * TFLOP,  # [M-H100] cuBLAS bf16 GEMM; [H100] datasheet 989 TFLOP/s dense
+        tf32_flops=379 * TFLOP,  # [M-H100] cuBLAS tf32 GEMM; [H100] datasheet 494 TFLOP/s dense
         fp32_flops=67 * TFLOP,  # [H100] datasheet
         fp64_flops=34 * TFLOP,  # [H100] datasheet FP64 (non-tensor)
         tensor_core_generation=4,
