@@ -155,6 +155,13 @@ def search_space(precision: str) -> list[LoweringConfig]:
         for bm, bn in [(64, 64), (64, 128), (128, 64)]:
             for split_k in (2, 4):
                 add(bm, bn, 32, 4, 4, split_k=split_k, tma=True, stage="+stage_a+stage_b")
+        # what the configurator also reaches on this path: split-K with only B staged (A rounded in
+        # registers: the weight gradients at small M), and rule 8d's persistent loop over both staged
+        for bm, bn, warps in [(128, 128, 8), (128, 256, 8)]:
+            for split_k in (2, 4, 7):
+                add(bm, bn, 32, warps, 4, split_k=split_k, tma=True, stage="+stage_b")
+            for stages in (3, 4, 5):
+                add(bm, bn, 32, warps, stages, persistent=True, tma=True, stage="+stage_a+stage_b")
     random.Random(0).shuffle(space)
     return space
 
