@@ -72,6 +72,13 @@ TF32_NMAJOR_MAX_BN = 64
 # is staged where that costs less than the penalty it removes.
 TF32_REGISTER_B_PENALTY = 1.2
 TF32_REGISTER_A_PENALTY = 0.2
+# An N-major B left unstaged beside an M-major A (a weight gradient: A = X^T, B = dY, both
+# stored with K outermost) puts both tiles through registers each K-step. Measured on an
+# H100 (bench/results/runs/matmul_mlp46m_tf32_b8_longk_search225_h100_b5d6c09.json, the 46M
+# MLP's weight gradients, K = 8192): 384x1536 unstaged 0.143 ms at best against 0.076 with B
+# staged (128x256x32 sk7, its 35 us copy included), 1536x384 0.141 against 0.060: the
+# register path cost ~3.5 x T_mma more than the staged kernel, not 1.2
+TF32_REGISTER_BOTH_PENALTY = 3.5
 # A K-major B (col) left unstaged is still rounded in the kernel: wgmma reads B only
 # from shared memory, so the rounded tile goes shared -> registers -> shared each
 # K-step. Measured (bench/results/matmul_gpt2.json, tf32 32768x2304x768 row/col):
@@ -384,7 +391,8 @@ def plan_matmul(
         def stage_cost(elements: int) -> float:
             return 2 * elements * 4 / bw + LAUNCH_SECONDS
 
-        b_penalty = TF32_ROUND_B_PENALTY if b_layout == "col" else TF32_REGISTER_B_PENALTY
+        b_penalty = (TF32_ROUND_B_PENALTY if b_layout == "col" else
+                     TF32_REGISTER_BOTH_PENALTY if a_layout == "col" else TF32_REGISTER_B_PENALTY)
         stage_b = stage_cost(K * N * batch) < b_penalty * t_mma
         if stage_b:  # A is rounded in registers (any layout) unless staging it costs less
             stage_a = stage_cost(M * K * batch) < TF32_REGISTER_A_PENALTY * t_mma

@@ -199,3 +199,19 @@ def test_a_compute_bound_tile_that_a_split_fills_the_machine_with_is_not_halved(
     monkeypatch.setattr(cf, "SPLIT_BEFORE_HALVING", False)
     c = configure_matmul(768, 768, 32768, 1, *BF16, "col", "row", device="H200")
     assert (c.block_m, c.block_n, c.split_k) == (64, 128, 7)
+
+
+def test_tf32_stages_b_of_a_weight_gradient_with_both_operands_k_outermost(monkeypatch):
+    """A weight gradient (A = X^T M-major, B = dY N-major) left unstaged puts both tiles
+    through registers: ~3.5 T_mma extra (TF32_REGISTER_BOTH_PENALTY, measured on an H100:
+    the 46M MLP's 384x1536x8192 0.143 ms unstaged against 0.076 with B staged at
+    128x256x32 sk7, the copy included). On the H100 (3.01 TB/s, 379 TFLOP/s) B's copy,
+    35 us, is more than 1.2 T_mma (31 us) but less than 3.5: staged, and that kernel is
+    the one measured best. A K-major A beside the same N-major B keeps the 1.2."""
+    c = configure_matmul(384, 1536, 8192, 1, *TF32, "col", "row", device="H100")
+    assert _tile(c) == (128, 256, 32, 8, 4, 7) and c.instruction == "wgmma+tma+stage_b"
+    monkeypatch.setattr(cf, "TF32_REGISTER_BOTH_PENALTY", cf.TF32_REGISTER_B_PENALTY)
+    assert "stage" not in configure_matmul(384, 1536, 8192, 1, *TF32, "col", "row", device="H100").instruction
+    monkeypatch.undo()
+    # A K-major (row), B N-major: the one-operand penalty decides (B's copy 35 us > 1.2 T_mma)
+    assert "stage" not in configure_matmul(384, 1536, 8192, 1, *TF32, "row", "row", device="H100").instruction
