@@ -340,6 +340,22 @@ PAD_WASTE = 0.125
 PERSISTENT_SPLIT_STAGES = 4
 
 
+def least_time_split(model_time, c: float, most: int) -> int:
+    """The split in 2..``most`` with the least ``model_time`` (the first such, as
+    ``min`` picks), where a split s > 1 costs at least ``c`` s + LAUNCH_SECONDS (its
+    partials and the reduction's launch): once that alone reaches the best time found,
+    no larger split can win, so the scan stops there (K = 50304 has 785 splits to try;
+    the LM head's dh now tries a few dozen)."""
+    best, best_t = 2, model_time(2)
+    for s in range(3, most + 1):
+        if c * s + LAUNCH_SECONDS >= best_t:
+            break
+        t = model_time(s)
+        if t < best_t:
+            best, best_t = s, t
+    return best
+
+
 def plan_matmul(
     M: int,
     N: int,
@@ -551,7 +567,7 @@ def plan_matmul(
         # get work from split K; the split with the least model time, >= 2 K-steps each
         # (e.g. a weight gradient 768 x 3072 x 32768: 72 tiles of 128x256 keep 60 of 132
         # SMs idle, T(7) = 0.66 T(1))
-        s = min(range(2, k_steps // 2 + 1), key=model_time)
+        s = least_time_split(model_time, c, k_steps // 2)
         gain = ONE_WAVE_SPLIT_MIN_GAIN
     else:
         s = 1

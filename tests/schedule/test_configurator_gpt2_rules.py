@@ -4,6 +4,8 @@ each test names the shape, the config chosen and why the rule fires or does not.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from nova.schedule import configurator as cf
@@ -215,3 +217,19 @@ def test_tf32_stages_b_of_a_weight_gradient_with_both_operands_k_outermost(monke
     monkeypatch.undo()
     # A K-major (row), B N-major: the one-operand penalty decides (B's copy 35 us > 1.2 T_mma)
     assert "stage" not in configure_matmul(384, 1536, 8192, 1, *TF32, "row", "row", device="H100").instruction
+
+
+@pytest.mark.parametrize("tiles", [67, 80, 96, 110, 131])
+@pytest.mark.parametrize("k_steps", [8, 64, 512, 1572])
+@pytest.mark.parametrize("c_over_tau", [1e-4, 3e-3, 0.05, 0.4])
+def test_the_one_wave_split_scan_stops_early_on_the_same_split_as_a_full_scan(tiles, k_steps, c_over_tau):
+    """Step 5's one-wave split: the scan that stops once a split's partials alone cost the
+    best time found (``least_time_split``) returns what ``min`` over every split returns."""
+    S, tau = 132, 1e-4
+    c = c_over_tau * tau
+
+    def model_time(s):
+        return math.ceil(tiles * s / S) * tau / s + (c * s + cf.LAUNCH_SECONDS if s > 1 else 0.0)
+
+    most = k_steps // 2
+    assert cf.least_time_split(model_time, c, most) == min(range(2, most + 1), key=model_time)
