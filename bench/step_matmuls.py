@@ -206,14 +206,14 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
                 names = sorted({x for p in parts for x in p})
                 return {"prerounded": names} if names else {}
 
-            def at_launch(src, a, b, o, extra, epilogue=False):
+            def at_launch(src, a, b, o, extra, epilogue=False, configure_prerounded=False):
                 # matmul(cfg=None): the launcher's configure call from the operands' strides (dw's +=:
-                # linear_ce.accumulate_into's, the same call as an epilogue kernel), with the operands
-                # it passes prerounded (linear_ce.Configs)
+                # linear_ce.accumulate_into's, the same call as an epilogue kernel); dh's is configured
+                # with the operands it passes prerounded (linear_ce's Configs call), dw's without
                 args = configure_args(a.shape[-2], b.shape[-1], a.shape[-1], 1, _dname(a.dtype), _dname(o.dtype),
                                       path_of(a.dtype), mm.layout(a), mm.layout(b), epilogue=epilogue)  # fmt: skip
-                return _launch(src, a, b, o.dtype, False, prec, configured(args, spec, extra.get("prerounded", ())), args, extra,
-                               epilogue)
+                launch_cfg = configured(args, spec, extra.get("prerounded", ()) if configure_prerounded else ())
+                return _launch(src, a, b, o.dtype, False, prec, launch_cfg, args, extra, epilogue)
 
             for r0 in range(0, N, chunk):
                 r1 = min(N, r0 + chunk)
@@ -222,7 +222,8 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
                 out.append(_launch(f"{name}:logits", h[r0:r1], wl.t(), head, False, prec, cfg, op_args,
                                    {**extra, **pre(h_pre, w_pre)}))  # fmt: skip
                 if backward:
-                    out.append(at_launch(f"{name}:dh", z, wd, dh[r0:r1], {**extra, **pre(d_pre, w_pre)}))
+                    out.append(at_launch(f"{name}:dh", z, wd, dh[r0:r1], {**extra, **pre(d_pre, w_pre)},
+                                         configure_prerounded=True))
                     out.append(at_launch(f"{name}:dw", z.t(), h[r0:r1], acc, {**extra, **pre(["b"] if h_pre else [])},
                                          epilogue=r0 > 0))  # acc += in it  # fmt: skip
     return out

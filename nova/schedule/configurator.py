@@ -344,8 +344,8 @@ def least_time_split(model_time, c: float, most: int) -> int:
     """The split in 2..``most`` with the least ``model_time`` (the first such, as
     ``min`` picks), where a split s > 1 costs at least ``c`` s + LAUNCH_SECONDS (its
     partials and the reduction's launch): once that alone reaches the best time found,
-    no larger split can win, so the scan stops there (K = 50304 has 785 splits to try;
-    the LM head's dh now tries a few dozen)."""
+    no larger split can win, so the scan stops there (K = 50304 at BLOCK_K 32 has 785
+    splits to try)."""
     best, best_t = 2, model_time(2)
     for s in range(3, most + 1):
         if c * s + LAUNCH_SECONDS >= best_t:

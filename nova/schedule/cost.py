@@ -195,7 +195,8 @@ def matmul_cost(op, ins, outs, cfg, precision, operands=None) -> Cost:
     and launches its copy (the configurator's own terms), unless the operand is read
     in place (``read_in_place``; ``operands``: the values A and B are, a group's
     operands for its matmul)."""
-    staged_free = read_in_place(*(operands or op.operands)) if cfg is not None and "+stage_" in cfg.instruction else set()
+    staged = cfg is not None and "+stage_" in cfg.instruction
+    staged_free = read_in_place(*(operands or op.operands)) if staged else set()
     a, b = shape_of(op.operands[0].type), shape_of(op.operands[1].type)
     out = shape_of(op.results[0].type)
     M, K, N, batch = a[-2], a[-1], b[-1], numel(out[:-2])
