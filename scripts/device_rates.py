@@ -12,14 +12,13 @@ Copy: one 2 GiB fp32 buffer copied into another, 2 x 2 GiB moved a copy. GEMM: t
 on random operands at n = 4096, 8192 and 16384 (bf16; fp32 with tf32 allowed), the best
 n reported as the path's rate (the datasheet's peak is what no shape reaches). Each
 figure is the median of 20 timed repetitions after 5 untimed ones, timed with CUDA
-events. Prints the DeviceSpec fields and writes device_rates.json.
+events (``bench.timing.time_events``). Prints the DeviceSpec fields and writes device_rates.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -27,22 +26,14 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import time_events  # noqa: E402  (the repo's shared CUDA-event timing)
+
 WARMUP, REPS = 5, 20
 
 
 def _median_ms(fn) -> float:
-    for _ in range(WARMUP):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return time_events(fn, REPS, warmup=WARMUP)
 
 
 def copy_bandwidth(gib: float = 2.0) -> dict:
