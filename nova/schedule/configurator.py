@@ -283,6 +283,13 @@ class _Tile:
 # against 33.28 one program per tile; the bias + GELU forward epilogue 2.83 ms against
 # 1.07 (at 128x256 in the flattened loop); losses bit-identical either way
 PERSISTENT_EPILOGUES = False
+# Rule 8d's persistent loop for the staged tf32 path's epilogue kernels only (the tf32 steps'
+# forwards with bias + GELU or a residual, input gradients with a residual: both operands
+# K-major in shared memory, the f32 C tile's store overlapped with the next tile's loads).
+# Off until measured in a step. Offline sm_90a (scripts/epilogue_sm90_check.py --precision
+# tf32 --batch 16 with it on): GPT-2's four epilogue kernels at 128x256x32 s3 persistent,
+# 168-175 registers, no spills; bit for bit the tile grid (interpreter tests)
+PERSISTENT_STAGED_EPILOGUES = False
 
 # 8b. Warp specialization (docs/configurator.md, "Matmul", 9b): the tile of the
 # warp-specialized persistent kernel (matmul.py's docstring) for an unsplit 2-D matmul on
@@ -644,7 +651,7 @@ def plan_matmul(
     # against 0.744)
     tf32_staged = stage_a and stage_b and path == "tf32"
     staged_persistent = (tf32_staged and tma_path and n_tiles(t) * split >= 2 * S
-                         and (PERSISTENT_EPILOGUES or not epilogue))
+                         and (PERSISTENT_EPILOGUES or PERSISTENT_STAGED_EPILOGUES or not epilogue))
     split_ring = (smem_budget - t.bm * t.bn * 4) // t.stage_bytes
     if staged_persistent and split > 1 and min(split_ring, _cdiv(_cdiv(K, split), bk)) < PERSISTENT_SPLIT_STAGES:
         staged_persistent = False

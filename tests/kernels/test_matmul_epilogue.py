@@ -8,6 +8,7 @@ then a small GPT's whole bf16 and tf32 steps with and without epilogues."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -110,19 +111,26 @@ def test_bf16_bias_gelu_with_two_outputs(shape, split, tma):
         == (tma and split == 1)
 
 
-@pytest.mark.parametrize("instruction", ["mma", "wgmma+tma+stage_a+stage_b"], ids=["rounded-in-registers", "staged"])
+@pytest.mark.parametrize("instruction,persistent", [("mma", False), ("wgmma+tma+stage_a+stage_b", False),
+                                                    ("wgmma+tma+stage_a+stage_b", True)],
+                         ids=["rounded-in-registers", "staged", "staged-persistent"])  # fmt: skip
 @pytest.mark.parametrize("split", [1, 3], ids=["one-pass", "split-k"])
-def test_tf32_bias_and_residual_from_a_transposed_view(split, instruction):
+def test_tf32_bias_and_residual_from_a_transposed_view(split, instruction, persistent):
     """f32 operands under the tf32 policy (tf32-rn: rounded in the kernel, or staged
     K-major copies through TMA); the residual is a transposed view read through its
-    strides, the output f32."""
+    strides, the output f32. Staged-persistent: rule 8d's loop with the epilogue
+    (``configurator.PERSISTENT_STAGED_EPILOGUES``), bit for bit the unfused persistent
+    matmul, itself the tile grid's bits (test_matmul.py)."""
     module, fn, b = _step("tf32", Slot("batch", "x", tensor([24, 40], f32)), Slot("param", "w", tensor([40, 24], f32)),
                           Slot("param", "bias", tensor([24], f32)), Slot("param", "res", tensor([2, 24, 12], f32)))  # fmt: skip
     x, w, bias, res = fn.body.block.args
     y = b.add(b.transpose(res, [0, 2, 1]), b.add(b.reshape(b.matmul(x, w), [2, 12, 24]), bias))
     set_results(fn, [("loss", "y", y)])
-    group, _ = _check(module, cfg(bk=16, split_k=split, instruction=instruction), "tf32", 5e-3)
+    config = cfg(bk=16, split_k=split, persistent=persistent, instruction=instruction)
+    group, prog = _check(module, config, "tf32", 5e-3)
     assert len(group.operands) == 4 and group.iteration_shape() == (2, 12, 24)
+    (st,) = [s for s in prog.steps if s.op is group]
+    assert ("flatten=True" in "\n".join(st.sources.values())) == persistent  # the persistent loop ran
 
 
 def test_gelu_backward_reads_the_saved_pre_activation(monkeypatch):
@@ -310,3 +318,33 @@ def test_a_gpt_step_with_epilogues_is_the_step_without_them(precision, monkeypat
     assert isinstance(gelu_bwd.reduction(), nv.ReduceSumOp)
     assert not any(isinstance(op, nv.FusedOp) and op.contraction()
                    for op in step_func(unfused._last.compilation.module).body.block.ops)
+
+
+@pytest.mark.parametrize("split", [1, 3], ids=["one-pass", "split-k"])
+def test_a_persistent_staged_tf32_epilogue_kernel_is_the_tile_grid_one(split):
+    """``configurator.PERSISTENT_STAGED_EPILOGUES``' kernels as the step launches them: A
+    prerounded and K-major (read in place), B staged, a residual add in the epilogue; the
+    persistent loop over the work items bit for bit the one-program-a-tile kernel, a
+    ragged M, N and last split included."""
+    from nova.codegen.triton.elementwise import Operand
+
+    torch.manual_seed(5)
+    M, K, N = 70, 200, 40
+    a = mm.round_to_tf32(torch.randn(M, K))  # stored rounded by its producer, K contiguous
+    b, res = torch.randn(K, N), torch.randn(M, N)
+    ep = mm.Epilogue(shape=(M, N), operands=(Operand((M, N), torch.float32, load="raw"),), body="e_y = ex0 + e_tile",
+                     stores=(("e_y", "f32", torch.float32),), out_shapes=((M, N),))  # fmt: skip
+    grid = LoweringConfig(kind="matmul", block_m=16, block_n=16, block_k=32, group_m=1, split_k=split, persistent=False,
+                          num_warps=4, num_stages=3, instruction="wgmma+tma+stage_a+stage_b")  # fmt: skip
+    outs = []
+    for c in (grid, dataclasses.replace(grid, persistent=True)):
+        rec: dict = {}
+        (y,) = mm.matmul_epilogue(a, b, ep, [res], torch.float32, cfg=c, precision="tf32-rn", prerounded=("a",),
+                                  num_programs=5, record=rec)  # fmt: skip
+        # the kernels' source files (the staging copy is recorded by its name)
+        text = "\n".join(open(p).read() for p in rec if p.endswith(".py"))
+        assert ("flatten=True" in text) == c.persistent
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
+    want = res.double() + mm.round_to_tf32(a).double() @ mm.round_to_tf32(b).double()
+    torch.testing.assert_close(outs[1].double(), want, rtol=1e-5, atol=1e-4)

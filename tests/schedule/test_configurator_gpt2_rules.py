@@ -233,3 +233,21 @@ def test_the_one_wave_split_scan_stops_early_on_the_same_split_as_a_full_scan(ti
 
     most = k_steps // 2
     assert cf.least_time_split(model_time, c, most) == min(range(2, most + 1), key=model_time)
+
+
+def test_persistent_staged_epilogues_reach_only_the_staged_tf32_path(monkeypatch):
+    """``PERSISTENT_STAGED_EPILOGUES`` (off as shipped) puts rule 8d's persistent loop under
+    the staged tf32 path's epilogue kernels (GPT-2 tf32 b16's c_fc forward, A prerounded),
+    with the same BLOCK_K and split (the same sums); nothing else changes (a bf16 epilogue
+    kernel keeps its warp-specialized one, rule 8b; a tf32 one with A in registers its grid)."""
+    fc = (16384, 3072, 768, 1, *TF32, "row", "col", False, "H200", True)
+    others = [(16384, 3072, 768, 1, *BF16, "row", "col", False, "H200", True),
+              (16384, 768, 768, 1, *TF32, "row", "col", False, "H200", True)]
+    off = configure_matmul(*fc, prerounded=("a",))
+    before = [configure_matmul(*o) for o in others]
+    assert not off.persistent
+    monkeypatch.setattr(cf, "PERSISTENT_STAGED_EPILOGUES", True)
+    on = configure_matmul(*fc, prerounded=("a",))
+    assert on.persistent and on.instruction == "wgmma+tma+stage_a+stage_b"
+    assert (on.block_k, on.split_k) == (off.block_k, off.split_k)
+    assert [configure_matmul(*o) for o in others] == before
