@@ -287,8 +287,9 @@ PERSISTENT_EPILOGUES = False
 # forwards with bias + GELU or a residual, input gradients with a residual: both operands
 # K-major in shared memory, the f32 C tile's store overlapped with the next tile's loads).
 # Off until measured in a step. Offline sm_90a (scripts/epilogue_sm90_check.py --precision
-# tf32 --batch 16 with it on): GPT-2's four epilogue kernels at 128x256x32 s3 persistent,
-# 168-175 registers, no spills; bit for bit the tile grid (interpreter tests)
+# tf32 --batch 16 with it on): GPT-2's three epilogue kernels with both operands staged at
+# 128x256x32 s3 persistent, 171-175 registers, no spills (the fourth, B alone staged, keeps its
+# grid); bit for bit the tile grid (interpreter tests)
 PERSISTENT_STAGED_EPILOGUES = False
 
 # 8b. Warp specialization (docs/configurator.md, "Matmul", 9b): the tile of the
