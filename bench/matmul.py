@@ -917,10 +917,7 @@ def run_gpt2(opts, checkpoint=None, log=print) -> dict:
         for e in mine:
             L = e["launch"]
             t0 = time.perf_counter()
-            # the operands the step passes prerounded are configured so too (the configure stage's and
-            # the LM head's dh's calls), except dw's (linear_ce configures its += without them)
-            pre = () if L["source"].endswith(":dw") else L.get("prerounded", ())
-            nova_cfg = sm.configured(L["configure"], spec, pre)
+            nova_cfg = sm.configured(L["configure"], spec)
             cfg_ms = (time.perf_counter() - t0) * 1e3
             plans.append((e, nova_cfg, cfg_ms, candidates(space, L["M"], L["N"], L["K"], opts.search_budget, num_sms)))
         if device.type == "cuda":

@@ -87,23 +87,26 @@ def _launch(source, a, b, out_dtype, bias, precision_arg, cfg, cfg_args, extra=N
     return row
 
 
-def configure_args(M, N, K, batch, dtype, out_dtype, path, a_layout, b_layout, has_bias=False, epilogue=False) -> dict:
+def configure_args(M, N, K, batch, dtype, out_dtype, path, a_layout, b_layout, has_bias=False, epilogue=False,
+                   prerounded=()) -> dict:
     args = {"M": M, "N": N, "K": K, "batch": batch, "dtype": dtype, "out_dtype": out_dtype, "precision": path,
             "a_layout": a_layout, "b_layout": b_layout, "has_bias": has_bias}
-    return {**args, "epilogue": True} if epilogue else args  # an epilogue kernel (LM head's dw +=)
+    if epilogue:  # an epilogue kernel (LM head's dw +=)
+        args["epilogue"] = True
+    if prerounded:  # the operands the call declares stored rounded (the configure stage's, dh's)
+        args["prerounded"] = list(prerounded)
+    return args
 
 
-def configured(args: dict, device=None, prerounded=()):
-    """``configure_matmul`` called with a record's ``configure`` arguments (the H200 by default)
-    and the operands the step passes stored rounded (the record's ``prerounded``), as the
-    configure stage and the LM head's lowering call it."""
+def configured(args: dict, device=None):
+    """``configure_matmul`` called with a record's ``configure`` arguments (the H200 by default)."""
     from nova.schedule import configurator as cf
     from nova.schedule.devices import DEVICES
 
     return cf.configure_matmul(
         args["M"], args["N"], args["K"], args["batch"], args["dtype"], args["dtype"], args["out_dtype"],
         args["precision"], args["a_layout"], args["b_layout"], args["has_bias"], device or DEVICES["H200"],
-        args.get("epilogue", False), prerounded=tuple(prerounded),
+        args.get("epilogue", False), prerounded=tuple(args.get("prerounded", ())),
     )  # fmt: skip
 
 
@@ -164,14 +167,15 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
                 a, b = flat3(a), flat3(b)
             in_dt = to_torch_dtype(elem_of(op.operands[0].type))
             out_dt = to_torch_dtype(elem_of(op.results[0].type))
+            # operands their producer stored rounded to tf32 (the tf32_operands stage), as _matmul_run passes
+            # them and the configure stage configures them
+            pre = nv.prerounded_operands(lhs, rhs, prec)
             args = configure_args(
                 res[-2], res[-1], shape_of(op.operands[0].type)[-1], numel(batch), _dname(in_dt), _dname(out_dt),
-                path_of(in_dt), _layout(lhs), _layout(rhs),
+                path_of(in_dt), _layout(lhs), _layout(rhs), prerounded=pre,
             )  # fmt: skip
-            # operands their producer stored rounded to tf32 (the tf32_operands stage), as _matmul_run passes them
-            pre = [x for x, v in zip("ab", (lhs, rhs)) if nv.tf32_rounded(v)] if prec == "tf32-rn" else []
             out.append(_launch("nova.matmul", a, b, out_dt, False, prec, config_of(group or op), args,
-                               {"prerounded": pre} if pre else None, epilogue=group is not None))  # fmt: skip
+                               {"prerounded": list(pre)} if pre else None, epilogue=group is not None))  # fmt: skip
         elif isinstance(op, (nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp, nv.LinearCrossEntropyWithGradOp)):
             backward = not isinstance(op, nv.LinearCrossEntropyOp)  # the gradients' matmuls
             g_in = 1 if backward else 0
@@ -206,14 +210,14 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
                 names = sorted({x for p in parts for x in p})
                 return {"prerounded": names} if names else {}
 
-            def at_launch(src, a, b, o, extra, epilogue=False, configure_prerounded=False):
+            def at_launch(src, a, b, o, extra, epilogue=False, configure_prerounded=()):
                 # matmul(cfg=None): the launcher's configure call from the operands' strides (dw's +=:
                 # linear_ce.accumulate_into's, the same call as an epilogue kernel); dh's is configured
                 # with the operands it passes prerounded (linear_ce's Configs call), dw's without
                 args = configure_args(a.shape[-2], b.shape[-1], a.shape[-1], 1, _dname(a.dtype), _dname(o.dtype),
-                                      path_of(a.dtype), mm.layout(a), mm.layout(b), epilogue=epilogue)  # fmt: skip
-                launch_cfg = configured(args, spec, extra.get("prerounded", ()) if configure_prerounded else ())
-                return _launch(src, a, b, o.dtype, False, prec, launch_cfg, args, extra, epilogue)
+                                      path_of(a.dtype), mm.layout(a), mm.layout(b), epilogue=epilogue,
+                                      prerounded=configure_prerounded)  # fmt: skip
+                return _launch(src, a, b, o.dtype, False, prec, configured(args, spec), args, extra, epilogue)
 
             for r0 in range(0, N, chunk):
                 r1 = min(N, r0 + chunk)
@@ -222,8 +226,9 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
                 out.append(_launch(f"{name}:logits", h[r0:r1], wl.t(), head, False, prec, cfg, op_args,
                                    {**extra, **pre(h_pre, w_pre)}))  # fmt: skip
                 if backward:
-                    out.append(at_launch(f"{name}:dh", z, wd, dh[r0:r1], {**extra, **pre(d_pre, w_pre)},
-                                         configure_prerounded=True))
+                    dh_pre = pre(d_pre, w_pre)
+                    out.append(at_launch(f"{name}:dh", z, wd, dh[r0:r1], {**extra, **dh_pre},
+                                         configure_prerounded=dh_pre.get("prerounded", ())))
                     out.append(at_launch(f"{name}:dw", z.t(), h[r0:r1], acc, {**extra, **pre(["b"] if h_pre else [])},
                                          epilogue=r0 > 0))  # acc += in it  # fmt: skip
     return out

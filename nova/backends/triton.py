@@ -104,7 +104,7 @@ def _matmul_run(op: Operation, precision: str, copy: Callable[[torch.Tensor], to
     prec = STEP_MATMUL_PRECISION[precision]
     # operands their producer stored rounded to tf32 (the tf32_operands stage): not rounded again
     outer = [group.operands[group.body.block.args.index(v)] for v in op.operands] if group is not None else op.operands
-    pre = tuple(x for x, v in zip("ab", outer) if nv.tf32_rounded(v)) if prec == "tf32-rn" else ()
+    pre = nv.prerounded_operands(*outer, prec)
 
     def flat3(t: torch.Tensor) -> torch.Tensor:
         if t.dim() == 2:

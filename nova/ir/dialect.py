@@ -1388,6 +1388,16 @@ def first_result_in_epilogue(head: Operation, x: SSAValue, ops) -> bool:
     return x is head.results[0] and any(x in o.operands for o in ops if o is not head)
 
 
+def prerounded_operands(lhs: SSAValue, rhs: SSAValue, precision: str) -> tuple[str, ...]:
+    """The operands ("a" for ``lhs``, "b" for ``rhs``) of a matmul on the ``precision``
+    path ("tf32-rn", ...) that their producers stored rounded to tf32 (``tf32_rounded``):
+    what the Triton backend launches as ``prerounded`` and the configure stage configures
+    so. None off the rounded tf32 path."""
+    if precision != "tf32-rn":
+        return ()
+    return tuple(x for x, v in zip("ab", (lhs, rhs)) if tf32_rounded(v))
+
+
 def tf32_rounded(value: SSAValue) -> bool:
     """Whether ``value`` (through layout views) is a ``nova.round_tf32`` result, or a
     group's result that one computes: its bits are tf32 values already (the

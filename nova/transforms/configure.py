@@ -135,7 +135,7 @@ def _configure_matmul(op: nv.MatmulOp, lhs, rhs, device: DeviceSpec, precision: 
     in_dt = to_torch_dtype(elem_of(op.operands[0].type))
     dt = to_torch_dtype(elem_of(op.results[0].type))
     path = "bf16" if in_dt.itemsize == 2 else cf.STEP_MATMUL_PRECISION[precision]
-    pre = tuple(x for x, v in zip("ab", (lhs, rhs)) if nv.tf32_rounded(v)) if path == "tf32-rn" else ()
+    pre = nv.prerounded_operands(lhs, rhs, path)
     return cf.configure_matmul(
         a[-2], b[-1], a[-1], numel(out[:-2]), in_dt, in_dt, dt, path,
         _layout(lhs), _layout(rhs), False, device, epilogue, epilogue_sums, pre,
