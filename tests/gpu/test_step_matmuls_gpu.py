@@ -2,7 +2,8 @@
 batch 8, 16 and 32; the 46M MLP LM tf32 at batch 8), configured for this GPU as the
 step's configure stage configures it (``step_matmuls.configured``), on the step's
 strided views with its prerounded operands: within its precision's rounding of float64,
-and the same bits launch after launch. (At e1ea8b7 the MLP's 384x1536x8192 weight
+the same bits launch after launch, and no compiled kernel writing the registers of a
+wgmma still in flight (``wgmma_check``). (At e1ea8b7 the MLP's 384x1536x8192 weight
 gradient, 128x256x32 split 7 with B staged, was 2.5e-2 off on an H100: ``nova bench
 matmul`` printed it and nothing failed.)"""
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from nova.codegen.triton import matmul as mm
+from nova.codegen.triton import wgmma_check
 from nova.schedule.config import LoweringConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -65,3 +67,15 @@ def test_step_launch_as_configured_here_matches_float64(launch):
     err = ((got.double() - ref).norm() / ref.norm()).item()
     assert err < BOUND[launch["dtype"]], f"{_id(launch)} under {cfg}: relative error {err:.2e}"
     assert torch.equal(got, again), f"{_id(launch)} under {cfg}: two launches differ"
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=[_id(r) for r in LAUNCHES])
+def test_step_launch_kernels_keep_pending_wgmma_registers(launch):
+    dtype, out_dtype = getattr(torch, launch["dtype"]), getattr(torch, launch["out_dtype"])
+    cfg: LoweringConfig = sm.configured(launch["configure"], mm.device_spec(torch.device("cuda")))
+    a, b = sm.strided(launch["a"], dtype, "meta"), sm.strided(launch["b"], dtype, "meta")
+    bias = torch.empty(launch["N"], device="meta", dtype=dtype) if launch["bias"] else None
+    kernels = mm.precompile(a, b, bias, cfg=cfg, precision=launch["precision"], out_dtype=out_dtype,
+                            prerounded=tuple(launch.get("prerounded", ())))
+    found = [h for k in kernels for h in wgmma_check.hazards(wgmma_check.sass_of(k.asm["cubin"]), _id(launch))]
+    assert not found, f"{_id(launch)} under {cfg}: {len(found)} writes into pending wgmma registers: {found[:2]}"

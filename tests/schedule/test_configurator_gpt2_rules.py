@@ -156,7 +156,8 @@ def test_a_prerounded_k_major_operand_counts_as_staged_and_a_deep_ring_split_run
     g = plan_matmul(4096, 768, 50304, 1, *TF32, "row", "col", device="H200", prerounded=("a", "b")).config
     assert (g.block_m, g.block_n, g.split_k) == (128, 256, 4) and not g.persistent
     old = plan_matmul(4096, 384, 50304, 1, *TF32, "row", "col", device="H200").config
-    assert old.instruction == "wgmma+tma+stage_b" and not old.persistent and old.num_stages == 3
+    # (a split: rule 9a stages A as well, past rule 8d's choice, which stays one program a work item)
+    assert old.instruction == "wgmma+tma+stage_a+stage_b" and not old.persistent and old.num_stages == 3
     # an operand prerounded but not K-major is not staged for free (the launcher would copy it)
     m = plan_matmul(50304, 384, 4096, 1, *TF32, "col", "row", device="H200", prerounded=("a",)).config
     assert "stage_a" not in m.instruction
@@ -209,14 +210,18 @@ def test_tf32_stages_b_of_a_weight_gradient_with_both_operands_k_outermost(monke
     the 46M MLP's 384x1536x8192 0.143 ms unstaged against 0.076 with B staged at
     128x256x32 sk7, the copy included). On the H100 (3.01 TB/s, 379 TFLOP/s) B's copy,
     35 us, is more than 1.2 T_mma (31 us) but less than 3.5: staged, and that kernel is
-    the one measured best. A K-major A beside the same N-major B keeps the 1.2."""
+    the one measured best. A K-major A beside the same N-major B keeps the 1.2. Unstaged,
+    the N-major B takes its register path's tiles (128x64). Every one of these is a split,
+    and a split tf32 kernel reads A from shared memory (rule 9a: A staged too)."""
     c = configure_matmul(384, 1536, 8192, 1, *TF32, "col", "row", device="H100")
-    assert _tile(c) == (128, 256, 32, 8, 4, 7) and c.instruction == "wgmma+tma+stage_b"
+    assert _tile(c) == (128, 256, 32, 8, 4, 7) and c.instruction == "wgmma+tma+stage_a+stage_b"
     monkeypatch.setattr(cf, "TF32_REGISTER_BOTH_PENALTY", cf.TF32_REGISTER_B_PENALTY)
-    assert "stage" not in configure_matmul(384, 1536, 8192, 1, *TF32, "col", "row", device="H100").instruction
+    u = configure_matmul(384, 1536, 8192, 1, *TF32, "col", "row", device="H100")
+    assert (u.block_m, u.block_n) == (128, 64) and u.split_k > 1 and u.instruction == "wgmma+tma+stage_a+stage_b"
     monkeypatch.undo()
     # A K-major (row), B N-major: the one-operand penalty decides (B's copy 35 us > 1.2 T_mma)
-    assert "stage" not in configure_matmul(384, 1536, 8192, 1, *TF32, "row", "row", device="H100").instruction
+    r = configure_matmul(384, 1536, 8192, 1, *TF32, "row", "row", device="H100")
+    assert (r.block_m, r.block_n) == (128, 64) and r.split_k > 1
 
 
 @pytest.mark.parametrize("tiles", [67, 80, 96, 110, 131])

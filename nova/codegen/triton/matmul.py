@@ -1920,13 +1920,14 @@ def precompile(
     cfg: LoweringConfig | None = None,
     precision: str | None = None,
     out_dtype: torch.dtype | None = None,
+    prerounded: tuple[str, ...] = (),
 ) -> list:
     """Compile (do not run) the kernels ``matmul`` would launch for these arguments.
     ``a``, ``b`` and ``bias`` may be ``meta`` tensors: only dtypes, shapes and strides
     matter. Triton specialises on integer arguments being 1 or multiples of 16 and
     on 16-byte alignment, so one call serves every shape of the same classes.
     Returns the compiled kernels (their ``metadata`` has e.g. the shared memory)."""
-    return _run(a, b, bias, cfg, precision, None, out_dtype, 1, warmup=True)
+    return _run(a, b, bias, cfg, precision, None, out_dtype, 1, warmup=True, prerounded=prerounded)
 
 
 def precompile_specs(specs: list[tuple]) -> list[tuple]:

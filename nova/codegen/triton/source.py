@@ -198,6 +198,10 @@ def load_kernel(source: str, name: str, cache_dir: str | os.PathLike | None = No
             except RuntimeError:
                 sys.modules.pop(module_name, None)
                 raise
+            if not interpreted:  # every compile of a generated kernel checked for wgmma register races
+                from nova.codegen.triton.wgmma_check import install
+
+                install()
         _LOADED[key] = (kernel, path)
         _SOURCES[id(kernel)] = source
         return kernel, path
