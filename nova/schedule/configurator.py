@@ -728,16 +728,18 @@ def plan_matmul(
 
     # 9. instruction path: TMA needs a contiguous dim in each operand. Layouts change
     # nothing else: a 16-element tile side is >= one 32-byte L2 sector in every dtype
-    # 9a. a split tf32 kernel reads A from shared memory, never from registers: Triton 3.6
-    # pipelines the split kernel's register-A wgmmas with three in flight across the K loop's
-    # back edge and ptxas gives the next step's A the same registers (a race; the unsplit
-    # kernel's wgmmas ptxas serializes itself). Measured on an H100 at e1ea8b7: the 46M MLP's
-    # 384x1536x8192 weight gradient at 128x256 split 7 with B alone staged 2.5e-2 off and
-    # different launch to launch, GPT-2 tf32's 768x768 ones too; every split kernel with A
-    # staged as well free of the race in its machine code (scripts/wgmma_census.py;
-    # nova.codegen.triton.wgmma_check refuses any kernel that has it). A correctness rule,
-    # not a cost: staging is not in the model's time (an unstaged split stages both operands)
-    if split > 1 and t.family == "wgmma" and precision == "tf32-rn" and ea == eb == 4 and dev.has_tma:
+    # 9a. tf32 on Hopper reads both operands from shared memory, never A from registers
+    # (both staged, or read in place where stored rounded and K-major): Triton 3.6 pipelines
+    # register-A wgmmas with three in flight across the K loop's back edge and ptxas gives
+    # the next step's A the same registers, a race, except where ptxas serializes the wgmmas
+    # itself. Measured on an H100 at e1ea8b7: the 46M MLP's 384x1536x8192 weight gradient at
+    # 128x256 split 7 with B alone staged 2.5e-2 off and different launch to launch, GPT-2
+    # tf32's 768x768 ones too; at b8a1515 (splits staged) unsplit epilogue kernels of the
+    # tf32 steps still raced (nova.codegen.triton.wgmma_check refused them); every staged
+    # kernel of the step shape files free of it (scripts/wgmma_census.py). A correctness
+    # rule, not a cost: the tile and the split were chosen above for the path rule 2b
+    # priced, and the copies are not in the model's time
+    if t.family == "wgmma" and precision == "tf32-rn" and ea == eb == 4 and dev.has_tma:
         stage_a = stage_b = True
     instruction = t.family
     if t.family == "wgmma" and dev.has_tma and a_layout != "strided" and b_layout != "strided":
