@@ -16,14 +16,16 @@ per write into a pending wgmma's A registers. ``check_kernel(kernel, what)`` run
 on a compiled Triton kernel's cubin through the nvdisasm Triton ships, and raises
 ``WgmmaRegisterRace`` naming the kernel and the first hazards.
 
-``install()`` (called when ``source.load_kernel`` first loads a compiled kernel) chains
-Triton's ``jit_post_compile_hook`` so that every kernel Nova generates
-(``nova_generated_*`` modules) is checked when Triton compiles it or takes it from its
-cache, before its first launch: only kernels whose PTX has a register-A wgmma are
-disassembled (the rest pass on a text search), and a cubin found safe is remembered
-under the Nova cache directory (``wgmma_checked/<sha256>``), so a warm compile
-disassembles nothing. A racing kernel is dropped from Triton's in-memory cache and
-the launch raises. ``NOVA_WGMMA_CHECK=0`` turns the check off."""
+With ``NOVA_WGMMA_CHECK=1``, ``install()`` (called when ``source.load_kernel`` first
+loads a compiled kernel) chains Triton's ``jit_post_compile_hook`` so that every kernel
+Nova generates (``nova_generated_*`` modules) is checked when Triton compiles it or takes
+it from its cache, before its first launch: only kernels whose PTX has a register-A
+wgmma are disassembled (the rest pass on a text search), and a cubin found safe is
+remembered under the Nova cache directory (``wgmma_checked/<sha256>``). A racing kernel
+is dropped from Triton's in-memory cache and the launch raises. Off by default: on an
+H100 at 7098a36 the hook took the 46M MLP's warm compile from 0.5 to 6.4 s (not yet
+profiled), and since configurator rule 9a no configured kernel has a register-A wgmma
+(tests/gpu/test_step_matmuls_gpu.py reads every step launch's SASS)."""
 
 from __future__ import annotations
 
@@ -185,7 +187,7 @@ _INSTALLED = False
 def install() -> None:
     """Chain Triton's post-compile hook with the check of Nova's generated kernels (once)."""
     global _INSTALLED
-    if _INSTALLED or os.environ.get("NOVA_WGMMA_CHECK", "1") == "0":
+    if _INSTALLED or os.environ.get("NOVA_WGMMA_CHECK", "0") != "1":
         return
     from triton import knobs
 
