@@ -96,3 +96,17 @@ def test_merge_keeps_the_better_searched_row(tmp_path):
     assert len(rows) == 1 and rows[0]["commit"] == "aaa"
     rows = bench.merge(files[:1] + [tmp_path / "a.json"])["shapes"]  # a tie: the later file
     assert rows[0]["commit"] == "aaa"
+
+
+def test_a_configured_kernel_beyond_the_accuracy_limit_fails_the_run(tmp_path, monkeypatch, capsys):
+    """Nova's configured kernel off float64 by more than ACCURACY_LIMIT is an ERROR line, a
+    count in the summary and a nonzero exit, the results still written (at e1ea8b7 a racing
+    tf32 kernel's 2.5e-2 was printed as a number and nothing failed)."""
+    bench = load_benchmark("matmul")
+    monkeypatch.setitem(bench.ACCURACY_LIMIT, "bf16", 0.0)  # every bf16 result is now "inaccurate"
+    argv = ["--dry-run", "--precisions", "bf16", "--search-budget", "1", "--out", str(tmp_path)]
+    assert bench_matmul_main(argv) == 1
+    doc = json.loads((tmp_path / "matmul.json").read_text())
+    assert doc["summary"]["bf16"]["nova_inaccurate"] == 2 and all(r["nova"]["inaccurate"] for r in doc["shapes"])
+    out = capsys.readouterr()
+    assert out.out.count("ERROR: nova's config") == 2 and "beyond the accuracy limit" in out.err
