@@ -1,0 +1,38 @@
+"""scripts/offline_wgmma_census.py without a GPU: the 46M MLP's 384x1536x8192 tf32 weight
+gradient as the configurator schedules it for the H100 (rule 9a: both operands from shared
+memory) compiles for sm_90a with no register-A wgmma; the config that raced on an H100 at
+e1ea8b7 (128x256x32 split 7, B alone staged) compiles into the writes into pending wgmma
+registers that the GPU's SASS had (29: scripts/wgmma_census.py there), and fails the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "offline_wgmma_census.py"
+LAUNCH = {"M": 384, "N": 1536, "K": 8192, "layouts": ["col", "row"], "prerounded": ["a", "b"],
+          "precision": "tf32-rn", "device": "H100"}
+RACED = {"kind": "matmul", "block_m": 128, "block_n": 256, "block_k": 32, "group_m": 2, "split_k": 7,
+         "num_warps": 8, "num_stages": 4, "instruction": "wgmma+tma+stage_b", "regime": "compute-bound"}
+
+
+def test_configured_weight_gradient_is_clean_and_the_raced_config_is_found(tmp_path):
+    launches = tmp_path / "launches.json"
+    launches.write_text(json.dumps([LAUNCH, dict(LAUNCH, config=RACED)]))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["NOVA_CACHE_DIR"] = str(tmp_path / "cache")
+    r = subprocess.run([sys.executable, str(SCRIPT), "--launches", str(launches)], capture_output=True, text=True,
+                       env=env, timeout=600)
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert r.returncode == 1, r.stdout + r.stderr  # hazards found
+    assert not any("error" in x for x in lines), lines
+    # the split's main kernels (on meta tensors precompile takes the stream-K form; its fix-up has no wgmma)
+    clean, raced = [x for x in lines if not x["kernel"].endswith("fixup")]
+    assert clean["register_a"] is False and clean["hazards"] == 0
+    assert raced["register_a"] is True and raced["hazards"] == 29
