@@ -4,7 +4,7 @@ interpreter (its source, its arguments' types, its constexprs and launch options
 then compiled for sm_90a in a second process by Triton's own ptxas and read back by
 its nvdisasm.
 
-    python scripts/offline_wgmma_census.py [--what tiny|shapes|both] [--device H200|H100] [--out DIR]
+    python scripts/offline_wgmma_census.py [--what tiny|shapes|both] [--device H200|H100] [--rule-2b] [--out DIR]
 
 ``tiny``: one training step of small GPT and MLP LMs (tf32 and bf16; every kernel kind the
 step launches, epilogue kernels and the fused LM head included, at the small shapes'
@@ -136,7 +136,9 @@ def record_shapes(rec: Recorder, device: str) -> None:
 
 
 def record_launches(rec: Recorder, launches: list[dict]) -> None:
-    """Launches given as {M, N, K, dtype, layouts, prerounded, precision, device, config (None: configured)}."""
+    """Launches given as {M, N, K, dtype, layouts, prerounded, precision, device, config (None: configured),
+    stream_k (false: a split's two-pass kernel, not stream-K, which precompile's meta tensors choose),
+    settle (false: ``matmul.SETTLE_REGISTER_A`` off, the register-A kernel as it raced)}."""
     import torch
 
     from nova.codegen.triton import matmul as mm
@@ -155,7 +157,15 @@ def record_launches(rec: Recorder, launches: list[dict]) -> None:
         cfg = (LoweringConfig.from_dict(L["config"]) if L.get("config") else
                mm.configure(L["M"], L["N"], L["K"], 1, dtype, dtype, L["precision"], la, lb, False,
                             DEVICES[L.get("device", "H200")], prerounded=pre))
-        mm.precompile(a, b, cfg=cfg, precision=L["precision"], prerounded=pre)
+        keep = mm.STREAM_K_SPLIT, mm.SETTLE_REGISTER_A
+        mm.STREAM_K_SPLIT = L.get("stream_k", keep[0])
+        mm.SETTLE_REGISTER_A = L.get("settle", keep[1])
+        mm.streamk_kernels.cache_clear()  # their sources depend on the two switches, their caches do not
+        mm.matmul_kernels.cache_clear()
+        try:
+            mm.precompile(a, b, cfg=cfg, precision=L["precision"], prerounded=pre)
+        finally:
+            mm.STREAM_K_SPLIT, mm.SETTLE_REGISTER_A = keep
 
 
 # --------------------------------------------------------------------------- phase 2: compile for sm_90a
@@ -224,6 +234,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--what", choices=("tiny", "shapes", "both"), default="both")
     p.add_argument("--launches", default=None, help="a JSON file of launches (record_launches) instead of --what")
+    p.add_argument("--rule-2b", action="store_true",
+                   help="configurator.TF32_SHARED_OPERANDS off: rule 2b's staging, register-A kernels settled")
     p.add_argument("--device", default="H200")
     p.add_argument("--out", default=None)
     p.add_argument("--compile", default=None, help=argparse.SUPPRESS)  # phase 2, in its own process
@@ -234,6 +246,10 @@ def main(argv=None) -> int:
         return 0
     if os.environ.get("TRITON_INTERPRET") != "1":  # phase 1 needs the interpreter from the first import
         return subprocess.call([sys.executable, *sys.argv], env={**os.environ, "TRITON_INTERPRET": "1"})
+    if o.rule_2b:
+        from nova.schedule import configurator
+
+        configurator.TF32_SHARED_OPERANDS = False
     with Recorder() as rec:
         if o.launches:
             record_launches(rec, json.loads(Path(o.launches).read_text()))

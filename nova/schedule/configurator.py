@@ -87,6 +87,9 @@ TF32_REGISTER_BOTH_PENALTY = 3.5
 # whatever its layout: dw 50304x768x2048 col/row ran at 0.470 ms with A rounded in
 # registers against 0.624 ms with A staged too)
 TF32_ROUND_B_PENALTY = 0.5
+# Rule 9a: on Hopper every tf32 kernel reads both operands from shared memory (measured, on:
+# correct, and its copies cost GPT-2 tf32 b16 1.16x -> 1.095x torch.compile on an H100)
+TF32_SHARED_OPERANDS = True
 # Short K, one block per SM: the tile's prologue (filling stages - 1 ring slots) and
 # epilogue (storing the C tile) leave the tensor cores idle, and no second block on the
 # SM covers them. Both move at the SM's share of DRAM bandwidth, so
@@ -738,8 +741,10 @@ def plan_matmul(
     # tf32 steps still raced (nova.codegen.triton.wgmma_check refused them); every staged
     # kernel of the step shape files free of it (scripts/wgmma_census.py). A correctness
     # rule, not a cost: the tile and the split were chosen above for the path rule 2b
-    # priced, and the copies are not in the model's time
-    if t.family == "wgmma" and precision == "tf32-rn" and ea == eb == 4 and dev.has_tma:
+    # priced, and the copies are not in the model's time. TF32_SHARED_OPERANDS off leaves
+    # rule 2b's choice: the template then settles a register-A kernel's wgmmas
+    # (matmul.SETTLE_REGISTER_A; offline SASS clean, not measured on a GPU yet)
+    if TF32_SHARED_OPERANDS and t.family == "wgmma" and precision == "tf32-rn" and ea == eb == 4 and dev.has_tma:
         stage_a = stage_b = True
     instruction = t.family
     if t.family == "wgmma" and dev.has_tma and a_layout != "strided" and b_layout != "strided":

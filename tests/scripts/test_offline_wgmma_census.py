@@ -1,8 +1,10 @@
 """scripts/offline_wgmma_census.py without a GPU: the 46M MLP's 384x1536x8192 tf32 weight
 gradient as the configurator schedules it for the H100 (rule 9a: both operands from shared
 memory) compiles for sm_90a with no register-A wgmma; the config that raced on an H100 at
-e1ea8b7 (128x256x32 split 7, B alone staged) compiles into the writes into pending wgmma
-registers that the GPU's SASS had (29: scripts/wgmma_census.py there), and fails the run."""
+e1ea8b7 (128x256x32 split 7, B alone staged, A through registers) compiles, as it was then,
+into the writes into pending wgmma registers that the GPU's SASS had (29:
+scripts/wgmma_census.py there), which fail the run; with ``matmul.SETTLE_REGISTER_A`` (on)
+the same config's kernel waits on its wgmmas: none."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ RACED = {"kind": "matmul", "block_m": 128, "block_n": 256, "block_k": 32, "group
 
 def test_configured_weight_gradient_is_clean_and_the_raced_config_is_found(tmp_path):
     launches = tmp_path / "launches.json"
-    launches.write_text(json.dumps([LAUNCH, dict(LAUNCH, config=RACED)]))
+    launches.write_text(json.dumps([LAUNCH, dict(LAUNCH, config=RACED, settle=False), dict(LAUNCH, config=RACED)]))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["NOVA_CACHE_DIR"] = str(tmp_path / "cache")
     r = subprocess.run([sys.executable, str(SCRIPT), "--launches", str(launches)], capture_output=True, text=True,
@@ -33,6 +35,7 @@ def test_configured_weight_gradient_is_clean_and_the_raced_config_is_found(tmp_p
     assert r.returncode == 1, r.stdout + r.stderr  # hazards found
     assert not any("error" in x for x in lines), lines
     # the split's main kernels (on meta tensors precompile takes the stream-K form; its fix-up has no wgmma)
-    clean, raced = [x for x in lines if not x["kernel"].endswith("fixup")]
+    clean, raced, settled = [x for x in lines if not x["kernel"].endswith("fixup")]
     assert clean["register_a"] is False and clean["hazards"] == 0
     assert raced["register_a"] is True and raced["hazards"] == 29
+    assert settled["register_a"] is True and settled["hazards"] == 0

@@ -511,19 +511,44 @@ class TmaLayout:
     ws: bool = False
 
 
-def _dot_text(in_name: str, precision: str, prerounded: tuple[str, ...]) -> tuple[str, str]:
+def _dot_text(in_name: str, precision: str, prerounded: tuple[str, ...], settle: bool = False) -> tuple[str, str]:
     """(the lines that prepare the loaded ``a`` and ``b`` for the dot, at a K loop's
     indentation; the dot adding ``a @ b`` into ``acc``) for operands of ``in_name`` under
-    ``precision`` (``prerounded``: the operands already rounded to tf32)."""
+    ``precision`` (``prerounded``: the operands already rounded to tf32). ``settle``
+    (``_register_a``): the dot's sum is used at once (``+ 0.0``, the same value), so
+    Triton waits for each wgmma before the next K-step instead of keeping three in flight
+    while ptxas reuses their A registers (``wgmma_check``)."""
     if in_name == "float32" and precision == "bf16":
-        return "\n            a = a.to(tl.bfloat16)\n            b = b.to(tl.bfloat16)", "tl.dot(a, b, acc)"
-    if in_name == "float32" and precision == "tf32-rn":
+        cast, dot = "\n            a = a.to(tl.bfloat16)\n            b = b.to(tl.bfloat16)", "tl.dot(a, b, acc)"
+    elif in_name == "float32" and precision == "tf32-rn":
         todo = [x for x in ("a", "b") if x not in prerounded]
         cast = "".join("\n" + textwrap.indent(TF32_RN.format(x=x), " " * 12) for x in todo)
-        return cast, 'tl.dot(a, b, acc, input_precision="tf32")'
-    if in_name == "float32":
-        return "", f'tl.dot(a, b, acc, input_precision="{precision}")'
-    return "", "tl.dot(a, b, acc)"
+        dot = 'tl.dot(a, b, acc, input_precision="tf32")'
+    elif in_name == "float32":
+        cast, dot = "", f'tl.dot(a, b, acc, input_precision="{precision}")'
+    else:
+        cast, dot = "", "tl.dot(a, b, acc)"
+    return cast, (f"({dot}) + 0.0" if settle else dot)
+
+
+# Register-A wgmma kernels wait for each K-step's wgmmas (``_dot_text``'s ``settle``). Triton 3.6
+# keeps a register-A dot's wgmmas in flight across the K loop's back edge and ptxas may give the
+# next step's A the same registers: the race found on an H100 at e1ea8b7 (``wgmma_check``).
+SETTLE_REGISTER_A = True
+
+
+def _register_a(cfg: LoweringConfig, tma: "TmaLayout | None", in_name: str, precision: str,
+                dot_pre: tuple[str, ...], prologue: bool = False) -> bool:
+    """Whether a wgmma kernel's A reaches the MMA through registers: computed by a prologue, or
+    fp32 A rounded or transposed in the kernel (not K-major in shared memory as stored), or
+    loaded through pointers (Triton decides)."""
+    if not (SETTLE_REGISTER_A and cfg.instruction.startswith("wgmma")):
+        return False
+    if prologue:
+        return True
+    if in_name != "float32" or precision == "bf16":
+        return False
+    return "a" not in dot_pre or tma is None or tma.a != "row"
 
 
 def _place_lines(p: str, tile: str) -> list[str]:
@@ -622,7 +647,7 @@ def streamk_source(cfg: LoweringConfig, tma: TmaLayout, *, has_bias: bool, preci
     workspace holds whole tiles, zeros past M, N and K from the descriptors'
     out-of-bounds boxes)."""
     in_name, out_name = _dtype_name(in_dtype), _dtype_name(out_dtype)
-    cast, dot = _dot_text(in_name, precision, prerounded)
+    cast, dot = _dot_text(in_name, precision, prerounded, _register_a(cfg, tma, in_name, precision, prerounded))
     a_load = _tma_load("a_desc", tma.a == "row", False, "pid_m * BLOCK_M", "BLOCK_M", k_last=True, k="ki * BLOCK_K")
     b_load = _tma_load("b_desc", tma.b == "col", False, "pid_n * BLOCK_N", "BLOCK_N", k_last=False, k="ki * BLOCK_K")
     place, place4 = (("\n" + " " * n).join(_place_lines("", "tile")) for n in (8, 4))
@@ -754,7 +779,7 @@ def streamk_kernels(cfg: LoweringConfig, tma: TmaLayout, has_bias: bool, precisi
                     out_dtype: str, prerounded: tuple[str, ...], interpreted: bool = False):
     """(main, fix-up, source path) of ``streamk_source`` (``interpreted`` keys the cache)."""
     key_cfg = LoweringConfig(kind="matmul", block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
-                             group_m=cfg.group_m)
+                             group_m=cfg.group_m, instruction=cfg.instruction)  # (the path: _register_a)
     src = streamk_source(key_cfg, tma, has_bias=has_bias, precision=precision, in_dtype=in_dtype,
                          out_dtype=out_dtype, prerounded=prerounded)
     main, path = load_kernel(src, "matmul_streamk")
@@ -811,7 +836,8 @@ def matmul_source(
         raise ValueError("matmul: an operand prologue runs in the kernel without warp specialization")
     # (a rounding prologue's A is the dot's as it is: not rounded again)
     dot_pre = tuple(sorted({*prerounded, "a"})) if prologue is not None and prologue.rounded else prerounded
-    cast, dot = _dot_text(in_name, precision, dot_pre)
+    cast, dot = _dot_text(in_name, precision, dot_pre,
+                          _register_a(cfg, tma, in_name, precision, dot_pre, prologue is not None))
 
     idx = ".to(tl.int64)" if index_64 else ""
     fused = epilogue is not None and not split  # this kernel runs the epilogue
@@ -1469,6 +1495,7 @@ def matmul_kernels(
         group_m=cfg.group_m,
         split_k=2 if cfg.split_k > 1 else 1,
         persistent=cfg.persistent,
+        instruction=cfg.instruction,  # the path (_register_a: a wgmma kernel's A through registers)
     )
     src = matmul_source(
         key_cfg,
