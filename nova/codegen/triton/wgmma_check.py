@@ -41,14 +41,13 @@ from collections import deque
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _TARGET = re.compile(r"`\((\.L_x_\d+)\)")
-_REG = re.compile(r"\bR(\d+)\b")
 _DEPBAR = re.compile(r"gsb0,\s*(0x[0-9a-f]+|\d+)")
 # a PTX wgmma whose A is a register list: "{d...}, {a...}, b-desc" (A from shared memory: "{d...}, a-desc")
 _PTX_REGISTER_A = re.compile(r"wgmma\.mma_async[^;]*?\}\s*,\s*\{")
 # opcodes whose first operand is not a register they write
 _NO_DEST = ("ST", "STS", "STG", "STL", "RED", "REDG", "BAR", "BRA", "EXIT", "RET", "CALL", "SYNCS", "WARPGROUP",
             "DEPBAR", "UTMALDG", "UTMASTG", "UTMACMDFLUSH", "UTMAPF", "MEMBAR", "FENCE", "NOP", "CCTL", "ERRBAR",
-            "WARPSYNC", "BSSY", "BSYNC", "ELECT", "HGMMA", "YIELD", "STSM", "UBLKCP", "ACQBULK", "BMOV")
+            "WARPSYNC", "BSSY", "BSYNC", "ELECT", "HGMMA", "YIELD", "STSM", "UBLKCP", "ACQBULK", "BMOV", "R2P")
 A_REGS = 4  # an m64 x k8 tf32 (or k16 16-bit) A fragment: four 32-bit registers a thread
 
 
@@ -70,12 +69,12 @@ def _parse(sass: str) -> tuple[list[tuple[str, str, str]], dict[str, int]]:
 
 
 def _written(op: str, args: str) -> set[int]:
-    base = op.split(".")[0]
-    if base in _NO_DEST or base.startswith(("U", "P")) and not base.startswith("PRMT") or not args:
+    """The registers an instruction writes: its destination, the first of its first two operands
+    that is a general register (a predicate may come first, as in SHFL's), widened by .64 / .128."""
+    if op.split(".")[0] in _NO_DEST or not args:
         return set()
-    first = args.split(",")[0].strip()
-    m = re.fullmatch(r"R(\d+)", first)
-    if not m:
+    m = next((m for x in args.split(",")[:2] if (m := re.fullmatch(r"R(\d+)", x.strip()))), None)
+    if m is None:  # a predicate, uniform register or RZ: no general register written
         return set()
     r = int(m.group(1))
     width = 4 if ".128" in op or op.endswith(".4") or ".M88.4" in op else 2 if (".64" in op or ".WIDE" in op or op.endswith(".2")) else 1
