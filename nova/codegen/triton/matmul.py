@@ -1953,8 +1953,10 @@ def precompile(
     ``a``, ``b`` and ``bias`` may be ``meta`` tensors: only dtypes, shapes and strides
     matter. Triton specialises on integer arguments being 1 or multiples of 16 and
     on 16-byte alignment, so one call serves every shape of the same classes.
+    The grid is the device's (meta tensors: the H200's), as a launch's: a split compiles
+    as stream-K only where a launch would run it so.
     Returns the compiled kernels (their ``metadata`` has e.g. the shared memory)."""
-    return _run(a, b, bias, cfg, precision, None, out_dtype, 1, warmup=True, prerounded=prerounded)
+    return _run(a, b, bias, cfg, precision, None, out_dtype, None, warmup=True, prerounded=prerounded)
 
 
 def precompile_specs(specs: list[tuple]) -> list[tuple]:
