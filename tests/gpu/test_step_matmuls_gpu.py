@@ -3,7 +3,8 @@ batch 8, 16 and 32; the 46M MLP LM tf32 at batch 8), configured for this GPU as 
 step's configure stage configures it (``step_matmuls.configured``), on the step's
 strided views with its prerounded operands: within its precision's rounding of float64,
 the same bits launch after launch, and no compiled kernel writing the registers of a
-wgmma still in flight (``wgmma_check``). (At e1ea8b7 the MLP's 384x1536x8192 weight
+wgmma still in flight (``wgmma_check``); under rule 9a as shipped and under rule 2b's staging
+(``configurator.TF32_SHARED_OPERANDS`` off, the register-A kernels settled). (At e1ea8b7 the MLP's 384x1536x8192 weight
 gradient, 128x256x32 split 7 with B staged, was 2.5e-2 off on an H100: ``nova bench
 matmul`` printed it and nothing failed.)"""
 
@@ -49,8 +50,21 @@ def _id(r: dict) -> str:
     return f"{ {'float32': 'f32', 'bfloat16': 'bf16'}[r['dtype']]}-{r['batch']}x{r['M']}x{r['N']}x{r['K']}-{''.join(x[0] for x in r['layouts'])}"
 
 
+# configurator.TF32_SHARED_OPERANDS on (rule 9a, as shipped) and off (rule 2b's staging: tf32 kernels with A
+# through registers, their wgmmas settled by matmul.SETTLE_REGISTER_A; to be timed, checked here first)
+RULES = pytest.mark.parametrize("shared", [True, False], ids=["rule9a", "rule2b"])
+
+
+@pytest.fixture
+def rule(monkeypatch, shared):
+    from nova.schedule import configurator
+
+    monkeypatch.setattr(configurator, "TF32_SHARED_OPERANDS", shared)
+
+
+@RULES
 @pytest.mark.parametrize("launch", LAUNCHES, ids=[_id(r) for r in LAUNCHES])
-def test_step_launch_as_configured_here_matches_float64(launch):
+def test_step_launch_as_configured_here_matches_float64(launch, rule):
     dtype, out_dtype = getattr(torch, launch["dtype"]), getattr(torch, launch["out_dtype"])
     cfg: LoweringConfig = sm.configured(launch["configure"], mm.device_spec(torch.device("cuda")))
     torch.manual_seed(launch["M"] * 7 + launch["N"] * 3 + launch["K"])
@@ -69,8 +83,9 @@ def test_step_launch_as_configured_here_matches_float64(launch):
     assert torch.equal(got, again), f"{_id(launch)} under {cfg}: two launches differ"
 
 
+@RULES
 @pytest.mark.parametrize("launch", LAUNCHES, ids=[_id(r) for r in LAUNCHES])
-def test_step_launch_kernels_keep_pending_wgmma_registers(launch):
+def test_step_launch_kernels_keep_pending_wgmma_registers(launch, rule):
     dtype, out_dtype = getattr(torch, launch["dtype"]), getattr(torch, launch["out_dtype"])
     cfg: LoweringConfig = sm.configured(launch["configure"], mm.device_spec(torch.device("cuda")))
     a, b = sm.strided(launch["a"], dtype, "meta"), sm.strided(launch["b"], dtype, "meta")
