@@ -66,7 +66,7 @@ if str(REPO) not in sys.path:  # `python bench/matmul.py` from a checkout withou
     sys.path.insert(0, str(REPO))
 
 from bench.timing import time_graph  # noqa: E402
-from nova.cli.errors import UsageError  # noqa: E402
+from nova.cli.errors import RunFailed, UsageError  # noqa: E402
 from nova.schedule.config import LoweringConfig  # noqa: E402
 from nova.schedule.configurator import STEP_MATMUL_PRECISION  # noqa: E402
 
@@ -1174,8 +1174,10 @@ def run_args(opts, log=print) -> list[Path]:
         out_dir = opts.out or REPO / "bench" / "results"
         base = "matmul_gpt2" if getattr(opts, "shapes", "grid") == "gpt2" else "matmul"
         files = opts.merge or sorted(out_dir.glob(f"{base}_part*.json"))
-        paths = write(merge(files), out_dir, base)
+        doc = merge(files)
+        paths = write(doc, out_dir, base)
         log(f"merged {len(files)} files into " + ", ".join(map(str, paths)))
+        _fail_if_inaccurate(doc, paths)
         return paths
     if opts.dry_run:
         if not torch.cuda.is_available():
@@ -1195,25 +1197,27 @@ def run_args(opts, log=print) -> list[Path]:
     doc = run(opts, lambda d: _write_text(out_dir / f"{stem}.json", json.dumps(d, indent=1)), log)
     paths = write(doc, out_dir, stem)
     log("wrote " + ", ".join(map(str, paths)))
+    _fail_if_inaccurate(doc, paths)
     return paths
 
 
-def inaccurate(paths: list[Path]) -> int:
-    """How many of Nova's configured kernels in a written benchmark were beyond the accuracy limit."""
-    doc = json.loads(next(p for p in paths if p.suffix == ".json").read_text())
-    rows = doc.get("shapes") or doc.get("rows") or []
-    return sum(bool(r.get("nova", {}).get("inaccurate")) for r in rows)
+def _fail_if_inaccurate(doc: dict, paths: list[Path]) -> None:
+    """The run fails (``RunFailed``: exit 1 from ``nova bench matmul``), its results written, where
+    one of Nova's configured kernels was beyond the accuracy limit."""
+    bad = sum(bool(r["nova"].get("inaccurate")) for r in doc["shapes"])
+    if bad:
+        raise RunFailed(f"{bad} of Nova's configured kernels beyond the accuracy limit against float64 (the ERROR "
+                        f"lines; results in {paths[0]})")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nova bench matmul", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     opts = parser.parse_args(argv)
-    paths = run_args(opts, log=lambda s: print(s, flush=True))
-    bad = inaccurate(paths)
-    if bad:  # the results are written; the run still fails
-        print(f"nova bench matmul: {bad} of Nova's configured kernels beyond the accuracy limit (ERROR lines above)",
-              file=sys.stderr, flush=True)
+    try:
+        run_args(opts, log=lambda s: print(s, flush=True))
+    except RunFailed as e:
+        print(f"nova bench matmul: {e}", file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -46,6 +46,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 SHAPES_JSON = Path(__file__).resolve().parent / "gpt2_matmul_shapes.json"
+# every committed step shape file (the default, GPT-2 tf32 at batch 16, the 46M MLP LM)
+SHAPE_FILES = ("gpt2_matmul_shapes.json", "gpt2_tf32_b16_matmul_shapes.json", "mlp46m_matmul_shapes.json")
 GPT2 = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 MLP46M = dict(vocab_size=50304, block_size=1024, n_layer=6, n_embd=384)  # the Nova paper's MLP LM (no n_head)
 BATCHES = (8, 32)
@@ -256,21 +258,37 @@ def strided(spec: dict, dtype: torch.dtype, device, fill=True) -> torch.Tensor:
     return make(extent, dtype=dtype, device=device).as_strided(spec["shape"], spec["strides"], spec["offset"])
 
 
-def precompile_launch_specs(specs: list[tuple]) -> list[tuple]:
-    """``matmul.precompile`` of (key, config dict, launch record, precision) on meta
-    tensors with the launch's strides and offsets (picklable in and out, for worker
-    processes): (key, max shared memory in bytes or None, error or None)."""
+def precompile_launch(launch: dict, cfg, precision: str | None = None) -> list:
+    """``matmul.precompile`` of a launch record under ``cfg``: meta tensors with its strides and
+    offsets, its bias, output dtype and prerounded operands (the kernels the launch runs)."""
     from nova.codegen.triton import matmul as mm
+
+    dtype = getattr(torch, launch["dtype"])
+    a, b = strided(launch["a"], dtype, "meta"), strided(launch["b"], dtype, "meta")
+    bias = torch.empty(launch["N"], dtype=dtype, device="meta") if launch["bias"] else None
+    return mm.precompile(a, b, bias, cfg=cfg, precision=precision or launch["precision"],
+                         out_dtype=getattr(torch, launch["out_dtype"]), prerounded=tuple(launch.get("prerounded", ())))
+
+
+def committed_launches() -> list[dict]:
+    """The distinct launches (by ``signature``) of every committed step shape file, first record each."""
+    seen: dict[str, dict] = {}
+    for name in SHAPE_FILES:
+        for step in json.loads((Path(__file__).resolve().parent / name).read_text())["steps"]:
+            for r in step["shapes"]:
+                seen.setdefault(signature(r), r)
+    return list(seen.values())
+
+
+def precompile_launch_specs(specs: list[tuple]) -> list[tuple]:
+    """``precompile_launch`` of (key, config dict, launch record, precision) (picklable in and
+    out, for worker processes): (key, max shared memory in bytes or None, error or None)."""
     from nova.schedule.config import LoweringConfig
 
     done = []
     for key, cfg_dict, launch, precision in specs:
-        dtype = getattr(torch, launch["dtype"])
-        a, b = strided(launch["a"], dtype, "meta"), strided(launch["b"], dtype, "meta")
-        bias = torch.empty(launch["N"], dtype=dtype, device="meta") if launch["bias"] else None
         try:
-            kernels = mm.precompile(a, b, bias, cfg=LoweringConfig.from_dict(cfg_dict), precision=precision,
-                                    out_dtype=getattr(torch, launch["out_dtype"]))  # fmt: skip
+            kernels = precompile_launch(launch, LoweringConfig.from_dict(cfg_dict), precision)
             done.append((key, max((k.metadata.shared for k in kernels), default=0), None))
         except Exception as e:  # reported to the caller: a config the compiler rejects
             done.append((key, None, f"{type(e).__name__}: {str(e)[:300]}"))

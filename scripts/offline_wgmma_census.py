@@ -29,7 +29,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-FILES = ("gpt2_matmul_shapes.json", "gpt2_tf32_b16_matmul_shapes.json", "mlp46m_matmul_shapes.json")
 _ELT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int64": "i64", "int32": "i32", "bool": "u8",
         "uint8": "u8", "int8": "i8", "float64": "fp64"}
 
@@ -115,24 +114,12 @@ def record_tiny(rec: Recorder) -> None:
 
 
 def record_shapes(rec: Recorder, device: str) -> None:
-    import torch
     import step_matmuls as sm
 
-    from nova.codegen.triton import matmul as mm
     from nova.schedule.devices import DEVICES
 
-    seen = {}
-    for name in FILES:
-        for step in json.loads((REPO / "bench" / name).read_text())["steps"]:
-            for r in step["shapes"]:
-                seen.setdefault(sm.signature(r), r)
-    for r in seen.values():
-        dtype, out_dtype = getattr(torch, r["dtype"]), getattr(torch, r["out_dtype"])
-        a, b = sm.strided(r["a"], dtype, "meta"), sm.strided(r["b"], dtype, "meta")
-        bias = torch.empty(r["N"], device="meta", dtype=dtype) if r["bias"] else None
-        cfg = sm.configured(r["configure"], DEVICES[device])
-        mm.precompile(a, b, bias, cfg=cfg, precision=r["precision"], out_dtype=out_dtype,
-                      prerounded=tuple(r.get("prerounded", ())))
+    for r in sm.committed_launches():
+        sm.precompile_launch(r, sm.configured(r["configure"], DEVICES[device]))
 
 
 def record_launches(rec: Recorder, launches: list[dict]) -> None:

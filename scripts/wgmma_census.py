@@ -23,7 +23,6 @@ import step_matmuls as sm  # noqa: E402
 from nova.codegen.triton import matmul as mm  # noqa: E402
 from nova.codegen.triton import wgmma_check  # noqa: E402
 
-FILES = ("gpt2_matmul_shapes.json", "gpt2_tf32_b16_matmul_shapes.json", "mlp46m_matmul_shapes.json")
 
 
 def variants(cfg):
@@ -40,23 +39,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     o = p.parse_args(argv)
     spec = mm.device_spec(torch.device("cuda"))
-    seen: dict[str, dict] = {}
-    for name in FILES:
-        for step in json.loads((REPO / "bench" / name).read_text())["steps"]:
-            for r in step["shapes"]:
-                seen.setdefault(sm.signature(r), r)
     lines = []
-    for r in seen.values():
-        dtype, out_dtype = getattr(torch, r["dtype"]), getattr(torch, r["out_dtype"])
-        a, b = sm.strided(r["a"], dtype, "meta"), sm.strided(r["b"], dtype, "meta")
-        bias = torch.empty(r["N"], device="meta", dtype=dtype) if r["bias"] else None
+    for r in sm.committed_launches():
         cfg = sm.configured(r["configure"], spec)
         what = f"{r['dtype']} {r['M']}x{r['N']}x{r['K']} {'/'.join(r['layouts'])} pre={r.get('prerounded', [])}"
         line = {"launch": what}
         for label, c in variants(cfg):
             try:
-                ks = mm.precompile(a, b, bias, cfg=c, precision=r["precision"], out_dtype=out_dtype,
-                                   prerounded=tuple(r.get("prerounded", ())))
+                ks = sm.precompile_launch(r, c)
                 n = sum(len(wgmma_check.hazards(wgmma_check.sass_of(k.asm["cubin"]))) for k in ks)
                 line[label] = f"{n} hazards ({c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} sk{c.split_k} {c.instruction})"
             except Exception as e:  # noqa: BLE001 (reported)

@@ -6,7 +6,6 @@ configurator rule 9a: no split tf32 launch of the step shape files reads A from 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -63,15 +62,13 @@ def test_no_split_tf32_step_launch_reads_a_from_registers(device):
     from nova.schedule.devices import DEVICES
 
     splits = 0
-    for name in ("gpt2_matmul_shapes.json", "gpt2_tf32_b16_matmul_shapes.json", "mlp46m_matmul_shapes.json"):
-        for step in json.loads((BENCH / name).read_text())["steps"]:
-            for r in step["shapes"]:
-                if r["dtype"] != "float32":
-                    continue
-                c = sm.configured(r["configure"], DEVICES[device])
-                if c.split_k > 1 and c.instruction.startswith("wgmma"):
-                    splits += 1
-                    tokens = c.instruction.split("+")
-                    a_in_place = "a" in r.get("prerounded", ()) and r["layouts"][0] == "row"
-                    assert "stage_b" in tokens and ("stage_a" in tokens or a_in_place), (r["M"], r["N"], r["K"], c)
+    for r in sm.committed_launches():
+        if r["dtype"] != "float32":
+            continue
+        c = sm.configured(r["configure"], DEVICES[device])
+        if c.split_k > 1 and c.instruction.startswith("wgmma"):
+            splits += 1
+            tokens = c.instruction.split("+")
+            a_in_place = "a" in r.get("prerounded", ()) and r["layouts"][0] == "row"
+            assert "stage_b" in tokens and ("stage_a" in tokens or a_in_place), (r["M"], r["N"], r["K"], c)
     assert splits >= 5

@@ -10,7 +10,6 @@ matmul`` printed it and nothing failed.)"""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -28,22 +27,12 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 import step_matmuls as sm  # noqa: E402
 
-FILES = ("gpt2_matmul_shapes.json", "gpt2_tf32_b16_matmul_shapes.json", "mlp46m_matmul_shapes.json")
 # relative Frobenius error against float64: tf32 rounds each operand (2^-11, ~2e-4 measured); a 16-bit C
 # rounds once more (bf16 2^-9: ~1.1e-3 measured); 10x headroom, far under a wrong tile or K range (~1e-2)
 BOUND = {"float32": 2e-3, "bfloat16": 5e-3}
 
 
-def _launches() -> list[dict]:
-    seen: dict[str, dict] = {}
-    for name in FILES:
-        for step in json.loads((BENCH / name).read_text())["steps"]:
-            for r in step["shapes"]:
-                seen.setdefault(sm.signature(r), r)
-    return list(seen.values())
-
-
-LAUNCHES = _launches()
+LAUNCHES = sm.committed_launches()
 
 
 def _id(r: dict) -> str:
@@ -86,11 +75,7 @@ def test_step_launch_as_configured_here_matches_float64(launch, rule):
 @RULES
 @pytest.mark.parametrize("launch", LAUNCHES, ids=[_id(r) for r in LAUNCHES])
 def test_step_launch_kernels_keep_pending_wgmma_registers(launch, rule):
-    dtype, out_dtype = getattr(torch, launch["dtype"]), getattr(torch, launch["out_dtype"])
     cfg: LoweringConfig = sm.configured(launch["configure"], mm.device_spec(torch.device("cuda")))
-    a, b = sm.strided(launch["a"], dtype, "meta"), sm.strided(launch["b"], dtype, "meta")
-    bias = torch.empty(launch["N"], device="meta", dtype=dtype) if launch["bias"] else None
-    kernels = mm.precompile(a, b, bias, cfg=cfg, precision=launch["precision"], out_dtype=out_dtype,
-                            prerounded=tuple(launch.get("prerounded", ())))
+    kernels = sm.precompile_launch(launch, cfg)
     found = [h for k in kernels for h in wgmma_check.hazards(wgmma_check.sass_of(k.asm["cubin"]), _id(launch))]
     assert not found, f"{_id(launch)} under {cfg}: {len(found)} writes into pending wgmma registers: {found[:2]}"

@@ -110,3 +110,12 @@ def test_a_configured_kernel_beyond_the_accuracy_limit_fails_the_run(tmp_path, m
     assert doc["summary"]["bf16"]["nova_inaccurate"] == 2 and all(r["nova"]["inaccurate"] for r in doc["shapes"])
     out = capsys.readouterr()
     assert out.out.count("ERROR: nova's config") == 2 and "beyond the accuracy limit" in out.err
+    # and through the CLI's own path (nova bench matmul: run_args, RunFailed -> exit 1)
+    import argparse
+
+    from nova.cli.errors import RunFailed
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(RunFailed, match="2 of Nova's configured kernels beyond the accuracy limit"):
+        bench.run_args(parser.parse_args(argv), log=lambda s: None)

@@ -77,7 +77,7 @@ def _written(op: str, args: str) -> set[int]:
     if m is None:  # a predicate, uniform register or RZ: no general register written
         return set()
     r = int(m.group(1))
-    width = 4 if ".128" in op or op.endswith(".4") or ".M88.4" in op else 2 if (".64" in op or ".WIDE" in op or op.endswith(".2")) else 1
+    width = 4 if ".128" in op or op.endswith(".4") else 2 if ".64" in op or ".WIDE" in op or op.endswith(".2") else 1
     return set(range(r, r + width))
 
 
@@ -133,7 +133,7 @@ def sass_of(cubin: bytes) -> str:
     tool = nvdisasm()
     if tool is None:
         raise WgmmaRegisterRace("wgmma_check: no nvdisasm (Triton's backends/nvidia/bin or PATH) to read the kernel's "
-                                "machine code; set NOVA_WGMMA_CHECK=0 to launch unchecked")
+                                "machine code (unset NOVA_WGMMA_CHECK to launch unchecked)")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
