@@ -4,7 +4,7 @@ interpreter (its source, its arguments' types, its constexprs and launch options
 then compiled for sm_90a in a second process by Triton's own ptxas and read back by
 its nvdisasm.
 
-    python scripts/offline_wgmma_census.py [--what tiny|shapes|both] [--device H200|H100] [--rule-2b] [--out DIR]
+    python scripts/offline_wgmma_census.py [--what tiny|shapes|both] [--device H200|H100] [--rule-9a] [--out DIR]
 
 ``tiny``: one training step of small GPT and MLP LMs (tf32 and bf16; every kernel kind the
 step launches, epilogue kernels and the fused LM head included, at the small shapes'
@@ -221,8 +221,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--what", choices=("tiny", "shapes", "both"), default="both")
     p.add_argument("--launches", default=None, help="a JSON file of launches (record_launches) instead of --what")
-    p.add_argument("--rule-2b", action="store_true",
-                   help="configurator.TF32_SHARED_OPERANDS off: rule 2b's staging, register-A kernels settled")
+    p.add_argument("--rule-9a", action="store_true",
+                   help="configurator.TF32_SHARED_OPERANDS on: every tf32 kernel stages both operands (default off: "
+                        "rule 2b's staging, register-A kernels settled)")
     p.add_argument("--device", default="H200")
     p.add_argument("--out", default=None)
     p.add_argument("--compile", default=None, help=argparse.SUPPRESS)  # phase 2, in its own process
@@ -233,10 +234,10 @@ def main(argv=None) -> int:
         return 0
     if os.environ.get("TRITON_INTERPRET") != "1":  # phase 1 needs the interpreter from the first import
         return subprocess.call([sys.executable, *sys.argv], env={**os.environ, "TRITON_INTERPRET": "1"})
-    if o.rule_2b:
+    if o.rule_9a:
         from nova.schedule import configurator
 
-        configurator.TF32_SHARED_OPERANDS = False
+        configurator.TF32_SHARED_OPERANDS = True
     with Recorder() as rec:
         if o.launches:
             record_launches(rec, json.loads(Path(o.launches).read_text()))

@@ -87,9 +87,11 @@ TF32_REGISTER_BOTH_PENALTY = 3.5
 # whatever its layout: dw 50304x768x2048 col/row ran at 0.470 ms with A rounded in
 # registers against 0.624 ms with A staged too)
 TF32_ROUND_B_PENALTY = 0.5
-# Rule 9a: on Hopper every tf32 kernel reads both operands from shared memory (measured, on:
-# correct, and its copies cost GPT-2 tf32 b16 1.16x -> 1.095x torch.compile on an H100)
-TF32_SHARED_OPERANDS = True
+# Rule 9a: on Hopper every tf32 kernel reads both operands from shared memory. Off: the
+# template settles register-A kernels instead (matmul.SETTLE_REGISTER_A), race-free in the
+# GPU SASS test and faster (H100 at b02af12, against torch.compile in the same call: the
+# 46M MLP 944,735 tok/s off, 840,058 on; GPT-2 tf32 b16 183,778 off, 181,956 on)
+TF32_SHARED_OPERANDS = False
 # Short K, one block per SM: the tile's prologue (filling stages - 1 ring slots) and
 # epilogue (storing the C tile) leave the tensor cores idle, and no second block on the
 # SM covers them. Both move at the SM's share of DRAM bandwidth, so
@@ -741,9 +743,10 @@ def plan_matmul(
     # tf32 steps still raced (nova.codegen.triton.wgmma_check refused them); every staged
     # kernel of the step shape files free of it (scripts/wgmma_census.py). A correctness
     # rule, not a cost: the tile and the split were chosen above for the path rule 2b
-    # priced, and the copies are not in the model's time. TF32_SHARED_OPERANDS off leaves
-    # rule 2b's choice: the template then settles a register-A kernel's wgmmas
-    # (matmul.SETTLE_REGISTER_A; offline SASS clean, not measured on a GPU yet)
+    # priced, and the copies are not in the model's time. Off (the default since b02af12's
+    # measurements) rule 2b's choice stands and the template settles a register-A kernel's
+    # wgmmas (matmul.SETTLE_REGISTER_A: every step launch's SASS clean and its result within
+    # bounds on an H100, tests/gpu/test_step_matmuls_gpu.py; faster, see TF32_SHARED_OPERANDS)
     if TF32_SHARED_OPERANDS and t.family == "wgmma" and precision == "tf32-rn" and ea == eb == 4 and dev.has_tma:
         stage_a = stage_b = True
     instruction = t.family

@@ -2,7 +2,7 @@
 a loop's SASS (across the back edge, the pattern Triton 3.6 emitted for the split tf32
 kernels), and not where the wgmmas are waited on (DEPBAR 0, as ptxas serializes them) or
 read A from shared memory; the PTX test that decides which kernels get disassembled; and
-configurator rule 9a: no split tf32 launch of the step shape files reads A from registers."""
+the register-A guard as shipped (settled kernels, or rule 9a's shared-memory operands)."""
 
 from __future__ import annotations
 
@@ -52,9 +52,21 @@ def test_register_a_in_ptx():
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
+def test_register_a_kernels_ship_guarded():
+    """A register-A wgmma kernel races unless its wgmmas are waited on each K-step: the
+    template settles them (SETTLE_REGISTER_A) or the configurator never emits one (rule 9a)."""
+    from nova.codegen.triton import matmul
+    from nova.schedule import configurator
+
+    assert matmul.SETTLE_REGISTER_A or configurator.TF32_SHARED_OPERANDS
+
+
 @pytest.mark.parametrize("device", ["H100", "H200"])
-def test_no_split_tf32_step_launch_reads_a_from_registers(device):
-    """Configurator rule 9a on every tf32 launch of the committed step shape files."""
+def test_rule_9a_leaves_no_split_tf32_step_launch_reading_a_from_registers(device, monkeypatch):
+    """Configurator rule 9a (TF32_SHARED_OPERANDS on) on every tf32 launch of the committed step shape files."""
+    from nova.schedule import configurator
+
+    monkeypatch.setattr(configurator, "TF32_SHARED_OPERANDS", True)
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
     import step_matmuls as sm

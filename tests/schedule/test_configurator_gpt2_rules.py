@@ -116,8 +116,21 @@ def test_tf32_stages_b_whatever_its_layout_and_fills_the_ring(M, N, K, layouts, 
     c = configure_matmul(M, N, K, 1, *TF32, *layouts, device="H200")
     assert _tile(c)[:5] == ((128, 256, 32, 8, 3) if stage_a else (128, 256, 32, 8, 4))
     assert c.persistent == stage_a
-    # whatever rule 2b priced, the kernel reads both from shared memory (rule 9a: no register-A wgmma)
-    assert "stage_a" in c.instruction and "stage_b" in c.instruction
+    assert "stage_b" in c.instruction and ("stage_a" in c.instruction) == stage_a
+
+
+def test_rule_9a_stages_both_tf32_operands_when_on(monkeypatch):
+    """Rule 9a (``TF32_SHARED_OPERANDS``, off since the settled register-A kernels measured
+    faster and race-free): on, every tf32 kernel on Hopper reads both operands from shared
+    memory, whatever rule 2b priced; the tile and split stay rule 2b's."""
+    for M, N, K, layouts in [(32768, 768, 768, ("row", "col")), (50304, 768, 2048, ("col", "row")),
+                             (384, 1536, 8192, ("col", "row"))]:
+        off = configure_matmul(M, N, K, 1, *TF32, *layouts, device="H100")
+        monkeypatch.setattr(cf, "TF32_SHARED_OPERANDS", True)
+        on = configure_matmul(M, N, K, 1, *TF32, *layouts, device="H100")
+        monkeypatch.undo()
+        assert "stage_a" not in off.instruction and on.instruction == "wgmma+tma+stage_a+stage_b"
+        assert _tile(on) == _tile(off)
 
 
 @pytest.mark.parametrize("M,N,K,tile", [(4096, 50304, 768, (128, 256, 32, 8, 3, 1)),
@@ -157,12 +170,10 @@ def test_a_prerounded_k_major_operand_counts_as_staged_and_a_deep_ring_split_run
     g = plan_matmul(4096, 768, 50304, 1, *TF32, "row", "col", device="H200", prerounded=("a", "b")).config
     assert (g.block_m, g.block_n, g.split_k) == (128, 256, 4) and not g.persistent
     old = plan_matmul(4096, 384, 50304, 1, *TF32, "row", "col", device="H200").config
-    # (a split: rule 9a stages A as well, past rule 8d's choice, which stays one program a work item)
-    assert old.instruction == "wgmma+tma+stage_a+stage_b" and not old.persistent and old.num_stages == 3
-    # an operand prerounded but not K-major is not staged for free (the launcher copies it): rule 8d's
-    # persistent loop does not take it; rule 9a stages it all the same (no register-A wgmma)
+    assert old.instruction == "wgmma+tma+stage_b" and not old.persistent and old.num_stages == 3
+    # an operand prerounded but not K-major is not staged for free (the launcher would copy it)
     m = plan_matmul(50304, 384, 4096, 1, *TF32, "col", "row", device="H200", prerounded=("a",)).config
-    assert not m.persistent and "stage_a" in m.instruction
+    assert not m.persistent and "stage_a" not in m.instruction
 
 
 @pytest.mark.parametrize("M,N,K,layouts", [
@@ -213,17 +224,16 @@ def test_tf32_stages_b_of_a_weight_gradient_with_both_operands_k_outermost(monke
     128x256x32 sk7, the copy included). On the H100 (3.01 TB/s, 379 TFLOP/s) B's copy,
     35 us, is more than 1.2 T_mma (31 us) but less than 3.5: staged, and that kernel is
     the one measured best. A K-major A beside the same N-major B keeps the 1.2. Unstaged,
-    the N-major B takes its register path's tiles (128x64). Every one of these is a split,
-    and a split tf32 kernel reads A from shared memory (rule 9a: A staged too)."""
+    the N-major B takes its register path's tiles (128x64), A and B rounded in registers."""
     c = configure_matmul(384, 1536, 8192, 1, *TF32, "col", "row", device="H100")
-    assert _tile(c) == (128, 256, 32, 8, 4, 7) and c.instruction == "wgmma+tma+stage_a+stage_b"
+    assert _tile(c) == (128, 256, 32, 8, 4, 7) and c.instruction == "wgmma+tma+stage_b"
     monkeypatch.setattr(cf, "TF32_REGISTER_BOTH_PENALTY", cf.TF32_REGISTER_B_PENALTY)
     u = configure_matmul(384, 1536, 8192, 1, *TF32, "col", "row", device="H100")
-    assert (u.block_m, u.block_n) == (128, 64) and u.split_k > 1 and u.instruction == "wgmma+tma+stage_a+stage_b"
+    assert (u.block_m, u.block_n) == (128, 64) and u.split_k > 1 and "stage" not in u.instruction
     monkeypatch.undo()
     # A K-major (row), B N-major: the one-operand penalty decides (B's copy 35 us > 1.2 T_mma)
     r = configure_matmul(384, 1536, 8192, 1, *TF32, "row", "row", device="H100")
-    assert (r.block_m, r.block_n) == (128, 64) and r.split_k > 1
+    assert (r.block_m, r.block_n) == (128, 64) and r.split_k > 1 and "stage" not in r.instruction
 
 
 @pytest.mark.parametrize("tiles", [67, 80, 96, 110, 131])

@@ -1,11 +1,11 @@
 """scripts/offline_wgmma_census.py without a GPU: the 46M MLP's 384x1536x8192 tf32 weight
-gradient as the configurator schedules it for the H100 (rule 9a: both operands from shared
-memory) compiles for sm_90a with no register-A wgmma; the config that raced on an H100 at
-e1ea8b7 (128x256x32 split 7, B alone staged, A through registers) compiles, as it was then,
-into writes into pending wgmma registers (24 in its two-pass split kernel; its stream-K
-form had 29 in the H100's own SASS, scripts/wgmma_census.py, and 29 offline), which fail
-the run; with ``matmul.SETTLE_REGISTER_A`` (on) the same config's kernel waits on its
-wgmmas: none."""
+gradient as the configurator schedules it for the H100 (128x256x32 split 7, B alone staged,
+A through registers: the config that raced on an H100 at e1ea8b7) compiles for sm_90a with
+a register-A wgmma that ``matmul.SETTLE_REGISTER_A`` (on) waits on each K-step: no write
+into a pending wgmma's registers. The same config as it was then, unsettled, compiles into
+such writes (24 in its two-pass split kernel; its stream-K form had 29 in the H100's own
+SASS, scripts/wgmma_census.py, and 29 offline), which fail the run; with both operands
+staged (rule 9a, ``TF32_SHARED_OPERANDS`` on) no wgmma reads A from registers."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ RACED = {"kind": "matmul", "block_m": 128, "block_n": 256, "block_k": 32, "group
 
 def test_configured_weight_gradient_is_clean_and_the_raced_config_is_found(tmp_path):
     launches = tmp_path / "launches.json"
-    launches.write_text(json.dumps([LAUNCH, dict(LAUNCH, config=RACED, settle=False), dict(LAUNCH, config=RACED)]))
+    shared = dict(RACED, instruction="wgmma+tma+stage_a+stage_b")
+    launches.write_text(json.dumps([LAUNCH, dict(LAUNCH, config=RACED, settle=False), dict(LAUNCH, config=RACED),
+                                    dict(LAUNCH, config=shared)]))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["NOVA_CACHE_DIR"] = str(tmp_path / "cache")
     r = subprocess.run([sys.executable, str(SCRIPT), "--launches", str(launches)], capture_output=True, text=True,
@@ -36,7 +38,8 @@ def test_configured_weight_gradient_is_clean_and_the_raced_config_is_found(tmp_p
     assert r.returncode == 1, r.stdout + r.stderr  # hazards found
     assert not any("error" in x for x in lines), lines
     # the split's main kernels (18 tiles x 7 splits, one wave: the two-pass form; its reduction has no wgmma)
-    clean, raced, settled = [x for x in lines if x["kernel"] == "matmul_kernel"]
-    assert clean["register_a"] is False and clean["hazards"] == 0
+    # (the configured kernel is the settled RACED one: recorded once)
+    configured, raced, shared = [x for x in lines if x["kernel"] == "matmul_kernel"]
+    assert configured["register_a"] is True and configured["hazards"] == 0
     assert raced["register_a"] is True and raced["hazards"] == 24
-    assert settled["register_a"] is True and settled["hazards"] == 0
+    assert shared["register_a"] is False and shared["hazards"] == 0

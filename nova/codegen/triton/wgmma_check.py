@@ -24,8 +24,8 @@ wgmma are disassembled (the rest pass on a text search), and a cubin found safe 
 remembered under the Nova cache directory (``wgmma_checked/<sha256>``). A racing kernel
 is dropped from Triton's in-memory cache and the launch raises. Off by default: on an
 H100 at 7098a36 the hook took the 46M MLP's warm compile from 0.5 to 6.4 s (not yet
-profiled), and since configurator rule 9a no configured kernel has a register-A wgmma
-(tests/gpu/test_step_matmuls_gpu.py reads every step launch's SASS)."""
+profiled), and every configured register-A kernel is settled (``matmul.SETTLE_REGISTER_A``:
+tests/gpu/test_step_matmuls_gpu.py reads every step launch's SASS)."""
 
 from __future__ import annotations
 
