@@ -22,6 +22,9 @@ stage), and the IR after each stage is kept as text for ``explain()``.
               casts or of reshapes becomes a cast or reshape of a cat (fewer bytes)
   simplify    cast canonicalization (casts above layout ops, exact round trips
               dropped), CSE and DCE
+  transpose_matmul  transpose(a @ b) as b^T @ a^T (a weight gradient in its parameter's
+              layout): every match with its switch on; under tf32 the f32 ones whose
+              B (the operand a tf32 kernel copies unless K-major) gets smaller
   loss_grad   the fused LM head's forward and backward as one op computing the loss
               and its gradients chunk by chunk (the loss's cotangent, the seed, is
               known before the loss): one logits matmul per chunk instead of two
@@ -147,7 +150,7 @@ def _simplify(c: Compilation) -> None:
 def _transpose_matmul(c: Compilation) -> None:
     from nova.transforms.transpose_matmul import transpose_matmul
 
-    transpose_matmul(c.module)  # a weight gradient written in its parameter's layout
+    transpose_matmul(c.module, precision=c.precision)  # a weight gradient in its parameter's layout
 
 
 def _loss_grad(c: Compilation) -> None:

@@ -20,17 +20,28 @@ is the kernel's for the other shape, so results match the transposed product wit
 rounding, not bit for bit. Nothing else changes: a product read by anything besides
 the transpose, a batched product whose operands broadcast (the swap keeps the batch
 dims, which must then match), a transpose of other dims.
+
+Under the tf32 policy the stage also runs with the switch off, on f32 products alone,
+and rewrites a match only where that stages fewer bytes (``TF32_STAGE_SMALLER``).
+A tf32 wgmma reads B from shared memory K-major only; a B stored otherwise is
+copied (rounded, K-major) by the matmul launcher before the kernel runs, while an
+A of any layout reaches the MMA through registers. In a weight gradient
+``x^T @ dy`` both x [T, in] and dy [T, out] are stored row-major, so B (dy) is
+copied; the rewritten ``dy^T @ x`` copies x instead. The rewrite is taken where
+the B it would stage has fewer elements than the B staged now (a B already K-major,
+"col", stages none): the MLP's up projection (in 384, out 1536) and GPT-2's qkv and
+fc weights; not the down projections, whose dy is the narrower.
 """
 
 from __future__ import annotations
 
-from xdsl.dialects.builtin import ModuleOp
+from xdsl.dialects.builtin import ModuleOp, f32
 from xdsl.ir import SSAValue
 
 from nova.ir import dialect as nv
 from nova.ir.builder import OpBuilder
 from nova.ir.module import step_func
-from nova.ir.types import elem_of, shape_of
+from nova.ir.types import elem_of, numel, shape_of
 from nova.transforms.simplify import dce
 
 # the pipeline's switch. Off: built 2026-12-05 (sixth session) and verified on the CPU, not measured
@@ -44,6 +55,31 @@ from nova.transforms.simplify import dce
 # product computed as 2304x768 at the same config; scripts/epilogue_variants.py "transpose-matmul-on"
 # measures it against the shipped step
 ENABLED = False
+# Under the tf32 policy, f32 products rewritten where the rewrite stages fewer B elements (above).
+# Measured on an H100 at b02af12 (bench/results/runs/matmul_gpt2_h100_f875fed.json): the 46M MLP's
+# up-projection weight gradient 384x1536x8192 ran 0.085 ms plus its B copy (dy, 50 MB: ~0.033 ms);
+# the same product the other way round, 1536x384x8192, is the down projection's shape, 0.076 ms
+# plus a copy of x (12.6 MB)
+TF32_STAGE_SMALLER = True
+
+
+def _staged_elements(v: SSAValue, layout: str) -> int:
+    """Elements of a tf32 kernel's B operand ``v`` the launcher copies: none if K-major ("col")."""
+    return 0 if layout == "col" else numel(shape_of(v.type))
+
+
+_FLIP = {"row": "col", "col": "row", "strided": "strided"}
+
+
+def _stages_less(a: SSAValue, w: SSAValue) -> bool:
+    """Whether ``swap(w) @ swap(a)`` stages fewer B elements than ``a @ w`` (f32 operands)."""
+    from nova.transforms.configure import _layout  # the configure stage's layouts: what the kernel reads
+
+    if elem_of(a.type) != f32 or elem_of(w.type) != f32:
+        return False
+    now = _staged_elements(w, _layout(w))
+    then = _staged_elements(a, _FLIP[_layout(a)])  # swap(a): a with its last two dims swapped
+    return then < now
 
 
 def _swaps_last_two(perm: tuple[int, ...]) -> bool:
@@ -76,10 +112,13 @@ def _product_under(t: nv.TransposeOp) -> tuple[nv.MatmulOp, nv.CastOp | None] | 
     return mm, cast
 
 
-def transpose_matmul(module: ModuleOp, enabled: bool | None = None) -> int:
+def transpose_matmul(module: ModuleOp, enabled: bool | None = None, precision: str = "fp32") -> int:
     """Rewrites every match in @train_step (see the module docstring); returns how many.
-    ``enabled`` None: as ``ENABLED`` says."""
-    if not (ENABLED if enabled is None else enabled):
+    ``enabled`` None: as ``ENABLED`` says; off, under ``precision`` "tf32" the f32 matches
+    that stage fewer bytes rewritten (``TF32_STAGE_SMALLER``)."""
+    every = ENABLED if enabled is None else enabled
+    fewer = not every and precision == "tf32" and TF32_STAGE_SMALLER
+    if not (every or fewer):
         return 0
     block = step_func(module).body.block
     done = 0
@@ -89,6 +128,8 @@ def transpose_matmul(module: ModuleOp, enabled: bool | None = None) -> int:
             continue
         mm, cast = found
         a, w = mm.operands
+        if fewer and not _stages_less(a, w):
+            continue
         loc = mm.attributes.get("nova.loc")
         # where the product was: the transpose may sit later (by its reader), and computing
         # the product there would keep its operands (activations) alive until then
@@ -104,4 +145,4 @@ def transpose_matmul(module: ModuleOp, enabled: bool | None = None) -> int:
     return done
 
 
-__all__ = ["ENABLED", "transpose_matmul"]
+__all__ = ["ENABLED", "TF32_STAGE_SMALLER", "transpose_matmul"]

@@ -133,3 +133,38 @@ def test_an_operands_own_transpose_is_undone_not_doubled():
     (mm,) = [op for op in fn.body.block.ops if isinstance(op, nv.MatmulOp)]
     assert mm.operands[1] is x and mm.operands[0].owner.operands[0] is y
     assert not any(isinstance(op, nv.TransposeOp) and op.operands[0] is x for op in fn.body.block.ops)
+
+
+def _weight_gradient(t: int, d_in: int, d_out: int, elt=f32):
+    """transpose(x^T @ dy) for x [t, d_in], dy [t, d_out], both row-major: a Linear's weight gradient."""
+    module, fn = new_step([Slot("batch", "x", tensor([t, d_in], elt)), Slot("batch", "dy", tensor([t, d_out], elt))])
+    b = OpBuilder(fn.body.block)
+    x, dy = fn.body.block.args
+    w = b.transpose(b.matmul(b.transpose(x, (1, 0)), dy), (1, 0))
+    set_results(fn, [("loss", "loss", b.reduce_sum(w, [0, 1]))])
+    return module, fn
+
+
+def test_tf32_rewrites_the_products_whose_staged_b_gets_smaller():
+    """Switch off, under tf32: x^T @ dy stages dy (row-major as B: not K-major), dy^T @ x stages x;
+    rewritten only where x is the smaller (out > in), and only f32 products."""
+    assert tm.ENABLED is False and tm.TF32_STAGE_SMALLER is True
+    for d_in, d_out, want in [(4, 16, 1), (16, 4, 0), (8, 8, 0)]:
+        module, fn = _weight_gradient(32, d_in, d_out)
+        assert tm.transpose_matmul(module, precision="fp32") == 0
+        assert tm.transpose_matmul(module, precision="tf32") == want, (d_in, d_out)
+        (mm,) = [op for op in fn.body.block.ops if isinstance(op, nv.MatmulOp)]
+        assert shape_of(mm.results[0].type) == ((d_out, d_in) if want else (d_in, d_out))
+    module, _ = _weight_gradient(32, 4, 16, f64)
+    assert tm.transpose_matmul(module, precision="tf32") == 0  # not an f32 product
+
+
+def test_tf32_gpt_step_rewrites_the_widening_weights_gradients():
+    """GPT's qkv (d -> 3d) and fc (d -> 4d) weight gradients are rewritten under tf32; the
+    attention and MLP projections (3d... -> d, d -> d) keep x^T @ dy."""
+    c = _to(_gpt("tf32"), "simplify")
+    fn = step_func(c.module)
+    before = _products_transposed(fn)
+    assert tm.transpose_matmul(c.module, precision="tf32") == 4  # 2 layers x (qkv, fc)
+    c.module.verify()
+    assert _products_transposed(fn) == before - 4
