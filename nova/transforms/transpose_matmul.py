@@ -56,7 +56,7 @@ from nova.transforms.simplify import dce
 # measures it against the shipped step
 ENABLED = False
 # Under the tf32 policy, f32 products rewritten where the rewrite stages fewer B elements (above).
-# Measured on an H100 at b02af12 (bench/results/runs/matmul_gpt2_h100_f875fed.json): the 46M MLP's
+# Measured on an H100 at b02af12 (bench/results/runs/matmul_mlp46m_tf32_b8_search6_h100_f875fed.json): the 46M MLP's
 # up-projection weight gradient 384x1536x8192 ran 0.085 ms plus its B copy (dy, 50 MB: ~0.033 ms);
 # the same product the other way round, 1536x384x8192, is the down projection's shape, 0.076 ms
 # plus a copy of x (12.6 MB)
