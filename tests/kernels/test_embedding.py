@@ -278,3 +278,24 @@ def test_backward_source_has_no_atomics():
 def test_registered():
     assert LOWERINGS[nv.EmbeddingOp] is em.lower_embedding
     assert LOWERINGS[nv.EmbeddingBackwardOp] is em.lower_embedding_backward
+
+
+@pytest.mark.parametrize("start,V", [(0, 37), (3, 20)])
+def test_backward_of_arange_ids_needs_no_sort(start, V, monkeypatch):
+    """ids an increasing arange made (position ids): the kernel reads them as sorted and
+    distinct, no torch.sort; each row is its one grad row (ids past V add nothing)."""
+    n, D = 29, 12
+    _, fn = new_step([Slot("batch", "g", tensor((n, D), from_torch_dtype(F32)))])
+    b = OpBuilder(fn.body.block)
+    ids_v = b.create(nv.ArangeOp, [], {"start": start, "step": 1}, tensor((n,), from_torch_dtype(I64))).results[0]
+    op = b.create(nv.EmbeddingBackwardOp, [fn.body.block.args[0], ids_v], {"num_embeddings": V, "padding_idx": -1})
+    kernel = lowering_for(op)(op, small_tiles(monkeypatch))
+    assert "torch.sort" not in kernel.source and kernel.scratch_bytes == 0
+
+    def no_sort(*a, **k):
+        raise AssertionError("sorted")
+
+    monkeypatch.setattr(torch, "sort", no_sort)
+    g, ids = nonzero((n, D), F32, 41), torch.arange(start, start + n)
+    out = kernel.launch([g, ids])[0]
+    assert torch.equal(bits(out), bits(token_order_sum(g, ids, V)))

@@ -27,6 +27,9 @@ needed for bf16 / f16 grads. Out-of-range ids and ``padding_idx`` sort into
 runs of their own that nobody owns: they add nothing and address nothing, and
 the padding row stays zero as in torch. The serial part of a launch is the
 longest run (the most frequent id's count), one BLOCK_D row load per step.
+Ids an increasing ``nova.arange`` makes (position ids) are sorted and distinct
+as they are: no sort (on an H100 torch.sort of GPT-2's 1024 position ids took
+0.028 ms, the kernel 0.002), the permutation is the identity.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ def {name}(g_ptr, sorted_ptr, perm_ptr, out_ptr):
     j = pos
     live = own
     while tl.max(live.to(tl.int32), axis=0) != 0:  # the longest run owned here
-        src = tl.load(perm_ptr + j, mask=live, other=0)  # the token, in token order within the run
+        src = {token}  # the token, in token order within the run
         g = tl.load(g_ptr + src[:, None] * {d} + cols[None, :], mask=live[:, None] & cmask[None, :], other=0)
         acc += g.to({acc})
         j += 1
@@ -182,12 +185,18 @@ def lower_embedding_backward(op, cfg: LoweringConfig | None = None) -> Kernel:
     bt, bd, warps = tiles(n, D, cfg)
     name = f"nova_embedding_backward_{V}x{D}_{shape_name(ids_shape)}_{t}_pad{pad}"
     fname = sanitize(name)
+    # ids made by an increasing arange (position ids) are sorted and distinct as they are:
+    # no sort, the permutation is the identity (sorted position j is token j)
+    ids_op = op.operands[1].owner
+    ascending = isinstance(ids_op, nv.ArangeOp) and ids_op.props()["step"] > 0
     src = _SEGMENT_SUM.format(
         name=fname, bt=bt, bd=bd, n=n, v=V, d=D, pad=pad if pad >= 0 else -1,
         acc="tl.float64" if t == "f64" else "tl.float32", out=_TL_FLOAT[t],
+        token="j" if ascending else "tl.load(perm_ptr + j, mask=live, other=0)",
     )  # fmt: skip
     fn = load(src, fname)
-    source = "# launched after out.zero_() and torch.sort(ids.reshape(-1), stable=True)\n" + src
+    source = ("# launched after out.zero_(), on ids an increasing arange made (sorted as they are)\n" if ascending
+              else "# launched after out.zero_() and torch.sort(ids.reshape(-1), stable=True)\n") + src
 
     def launch(xs, outs=None, device=None):
         g, ids = xs
@@ -196,7 +205,10 @@ def lower_embedding_backward(op, cfg: LoweringConfig | None = None) -> Kernel:
         _check_ids(ids, ids_shape, name)
         out = result_tensor(name, only_out(outs), (V, D), g_dtype, g.device)
         out.zero_()  # the rows no id hits (a memset: capturable, no host sync)
-        if n and D:
+        if n and D and ascending:
+            flat = ids.contiguous().reshape(-1)
+            fn[(-(-n // bt), -(-D // bd))](g.contiguous(), flat, flat, out, num_warps=warps)
+        elif n and D:
             g, flat = g.contiguous(), ids.contiguous().reshape(-1)
             # torch's stable sort: deterministic (stability fixes the permutation),
             # device-side and capturable; it keeps each row's tokens in token order
@@ -206,7 +218,7 @@ def lower_embedding_backward(op, cfg: LoweringConfig | None = None) -> Kernel:
             fn[(-(-n // bt), -(-D // bd))](g, sorted_ids, perm, out, num_warps=warps)
         return [out]
 
-    scratch = sort_scratch_bytes(n, ids_dtype.itemsize) if D else 0
+    scratch = sort_scratch_bytes(n, ids_dtype.itemsize) if D and not ascending else 0
     return Kernel(name=name, source=source, launch=launch, needs_contiguous=(0, 1), config=cfg, scratch_bytes=scratch)
 
 
