@@ -15,8 +15,8 @@ are captured as embedding on [N, 1] or [N, C] tables.
 
 embedding_backward is deterministic, bit for bit, run to run and with or
 without the CUDA graph (no atomics): the flattened ids are stably sorted on the
-device (``torch.sort(..., stable=True)``: deterministic, no host sync,
-capturable), so the positions of each row form one run of the sorted order, in
+device (``torch.sort(..., stable=True)`` of the ids clamped to [-1, V] as
+int32 keys: deterministic, no host sync, capturable), so the positions of each row form one run of the sorted order, in
 token order. A [BLOCK_T sorted positions x BLOCK_D columns] program owns the
 rows whose run starts in its block: it sums that run's grad rows one by one,
 in token order (continuing past its block end while the sorted id stays the
@@ -174,7 +174,7 @@ def lower_embedding_backward(op, cfg: LoweringConfig | None = None) -> Kernel:
     segmented sum, see the module docstring); grad and ids contiguous
     (needs_contiguous=(0, 1))."""
     g_shape, g_dtype = shape_of(op.operands[0].type), to_torch_dtype(elem_of(op.operands[0].type))
-    ids_shape, ids_dtype = shape_of(op.operands[1].type), to_torch_dtype(elem_of(op.operands[1].type))
+    ids_shape = shape_of(op.operands[1].type)
     p = op.props()
     V, pad = p["num_embeddings"], p["padding_idx"]
     D = g_shape[-1]
@@ -196,7 +196,7 @@ def lower_embedding_backward(op, cfg: LoweringConfig | None = None) -> Kernel:
     )  # fmt: skip
     fn = load(src, fname)
     source = ("# launched after out.zero_(), on ids an increasing arange made (sorted as they are)\n" if ascending
-              else "# launched after out.zero_() and torch.sort(ids.reshape(-1), stable=True)\n") + src
+              else "# launched after out.zero_() and torch.sort(ids.reshape(-1).clamp(-1, V).int(), stable=True)\n") + src
 
     def launch(xs, outs=None, device=None):
         g, ids = xs
@@ -210,15 +210,19 @@ def lower_embedding_backward(op, cfg: LoweringConfig | None = None) -> Kernel:
             fn[(-(-n // bt), -(-D // bd))](g.contiguous(), flat, flat, out, num_warps=warps)
         elif n and D:
             g, flat = g.contiguous(), ids.contiguous().reshape(-1)
+            # sorted as 32-bit keys (CUB's radix sort makes one pass a byte of the key: 4, not
+            # 8), clamped into [-1, V] first so that no id wraps into the table's range: every
+            # id outside [0, V) stays outside it, in a run nobody owns
+            keys = torch.clamp(flat, -1, V).to(torch.int32) if V < INT32_MAX else flat
             # torch's stable sort: deterministic (stability fixes the permutation),
             # device-side and capturable; it keeps each row's tokens in token order
-            sorted_ids = torch.empty((n,), dtype=flat.dtype, device=flat.device)
+            sorted_ids = torch.empty((n,), dtype=keys.dtype, device=flat.device)
             perm = torch.empty((n,), dtype=torch.int64, device=flat.device)
-            torch.sort(flat, stable=True, out=(sorted_ids, perm))
+            torch.sort(keys, stable=True, out=(sorted_ids, perm))
             fn[(-(-n // bt), -(-D // bd))](g, sorted_ids, perm, out, num_warps=warps)
         return [out]
 
-    scratch = sort_scratch_bytes(n, ids_dtype.itemsize) if D and not ascending else 0
+    scratch = n * 12 + sort_scratch_bytes(n, 4) if D and not ascending else 0  # the clamped keys, their sort
     return Kernel(name=name, source=source, launch=launch, needs_contiguous=(0, 1), config=cfg, scratch_bytes=scratch)
 
 
