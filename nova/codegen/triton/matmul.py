@@ -204,6 +204,11 @@ STREAM_K_F32 = True
 # columns of a tile the fix-up adds up a program (a 128x256 fp32 tile whole is 256 registers
 # a thread at 4 warps)
 STREAM_K_FIXUP_COLS = 64
+# C stored through a TMA descriptor (the one-pass kernel, no epilogue). Triton 3.6 stages the
+# two column halves in one shared buffer: the second half waits until the first has left
+# shared memory (DEPBAR SB0 between the two UTMASTG in the SASS, offline sm_90a), which a
+# pointer store (registers to global, no wait) does not; off: C through pointers
+C_TMA = True
 # The warp-specialized kernel's global scratch a program: its two device-built
 # descriptors, 128 bytes each (a CUtensorMap), with room for Triton's alignment
 WS_SCRATCH_PER_PROGRAM = 512
@@ -2140,7 +2145,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     ws_strides = _ws_plan(cfg, tma, a3, b3, batched, in_name, ep, pro)
     if ws_strides is not None:
         tma = (dataclasses.replace(tma[0], ws=True), None)
-    c_desc = _tma_c(cfg, c3) if tma and ws_strides is None and not split and ep is None else None
+    c_desc = _tma_c(cfg, c3) if C_TMA and tma and ws_strides is None and not split and ep is None else None
     if c_desc is not None:
         tma = (dataclasses.replace(tma[0], c=True, c_batched=c3.shape[0] > 1), tma[1])
     e_descs = (_tma_e(cfg, ep, [ep_outs[j] for j in ep.slots()[0]], batched, M)
