@@ -56,10 +56,11 @@ from nova.transforms.simplify import dce
 # measures it against the shipped step
 ENABLED = False
 # Under the tf32 policy, f32 products rewritten where the rewrite stages fewer B elements (above).
-# Measured on an H100 at b02af12 (bench/results/runs/matmul_mlp46m_tf32_b8_search6_h100_f875fed.json): the 46M MLP's
-# up-projection weight gradient 384x1536x8192 ran 0.085 ms plus its B copy (dy, 50 MB: ~0.033 ms);
-# the same product the other way round, 1536x384x8192, is the down projection's shape, 0.076 ms
-# plus a copy of x (12.6 MB)
+# Measured on an H100 at f875fed (bench/results/runs/matmul_mlp46m_tf32_b8_search6_h100_f875fed.json):
+# the 46M MLP's up-projection weight gradient 384x1536x8192 ran 0.085 ms plus its B copy (dy, 50 MB:
+# ~0.033 ms); the same product the other way round, 1536x384x8192, is the down projection's shape,
+# 0.076 ms plus a copy of x (12.6 MB). The step at 0a75207 with it (runs/*_h100_0a75207.json): the
+# MLP 949,606 tok/s against torch.compile's 942,445; GPT-2 tf32 b16 184,441 against 163,112
 TF32_STAGE_SMALLER = True
 
 

@@ -3,8 +3,9 @@ batch 8, 16 and 32; the 46M MLP LM tf32 at batch 8), configured for this GPU as 
 step's configure stage configures it (``step_matmuls.configured``), on the step's
 strided views with its prerounded operands: within its precision's rounding of float64,
 the same bits launch after launch, and no compiled kernel writing the registers of a
-wgmma still in flight (``wgmma_check``); under rule 9a as shipped and under rule 2b's staging
-(``configurator.TF32_SHARED_OPERANDS`` off, the register-A kernels settled). (At e1ea8b7 the MLP's 384x1536x8192 weight
+wgmma still in flight (``wgmma_check``); under rule 2b's staging as shipped
+(``configurator.TF32_SHARED_OPERANDS`` off, the register-A kernels settled) and under rule 9a
+(the switch on: both tf32 operands from shared memory). (At e1ea8b7 the MLP's 384x1536x8192 weight
 gradient, 128x256x32 split 7 with B staged, was 2.5e-2 off on an H100: ``nova bench
 matmul`` printed it and nothing failed.)"""
 
@@ -39,8 +40,8 @@ def _id(r: dict) -> str:
     return f"{ {'float32': 'f32', 'bfloat16': 'bf16'}[r['dtype']]}-{r['batch']}x{r['M']}x{r['N']}x{r['K']}-{''.join(x[0] for x in r['layouts'])}"
 
 
-# configurator.TF32_SHARED_OPERANDS on (rule 9a, as shipped) and off (rule 2b's staging: tf32 kernels with A
-# through registers, their wgmmas settled by matmul.SETTLE_REGISTER_A; to be timed, checked here first)
+# configurator.TF32_SHARED_OPERANDS on (rule 9a) and off (rule 2b's staging, as shipped since f875fed: tf32
+# kernels with A through registers, their wgmmas settled by matmul.SETTLE_REGISTER_A)
 RULES = pytest.mark.parametrize("shared", [True, False], ids=["rule9a", "rule2b"])
 
 

@@ -16,8 +16,8 @@ are captured as embedding on [N, 1] or [N, C] tables.
 embedding_backward is deterministic, bit for bit, run to run and with or
 without the CUDA graph (no atomics): the flattened ids are stably sorted on the
 device (``torch.sort(..., stable=True)`` of the ids clamped to [-1, V] as
-int32 keys: deterministic, no host sync, capturable), so the positions of each row form one run of the sorted order, in
-token order. A [BLOCK_T sorted positions x BLOCK_D columns] program owns the
+int32 keys: deterministic, no host sync, capturable), so the positions of each
+row form one run of the sorted order, in token order. A [BLOCK_T sorted positions x BLOCK_D columns] program owns the
 rows whose run starts in its block: it sums that run's grad rows one by one,
 in token order (continuing past its block end while the sorted id stays the
 same), in fp32 (fp64 for f64 grads), and writes the row once, rounded to the
