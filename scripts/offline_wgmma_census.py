@@ -10,8 +10,9 @@ its nvdisasm.
 step launches, epilogue kernels and the fused LM head included, at the small shapes'
 configs); ``shapes``: every launch of the committed step shape files as ``configure_matmul``
 configures it for ``--device`` (``matmul.precompile`` on meta tensors; without their
-epilogues). One line a distinct kernel: its PTX has a register-A wgmma or not, and the
-writes into a pending wgmma's A registers its SASS has. The offline binary follows
+epilogues). One line a distinct kernel: its PTX has a register-A wgmma or not, the
+writes into a pending wgmma's A registers its SASS has, and its registers and spilled
+bytes a thread (``ptxas -v``; a spill fails nothing, it is reported). The offline binary follows
 Triton's specialization as far as the recorded arguments tell (16-byte divisibility of
 pointers and integers, integers equal to 1); the GPU test
 (tests/gpu/test_step_matmuls_gpu.py) reads the binaries the GPU runs."""
@@ -200,6 +201,24 @@ def compile_entry(entry: dict):
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def resources(ptx: str) -> dict:
+    """{registers, spill_bytes} of a kernel's PTX as Triton's ptxas reports them for sm_90a (``-v``):
+    a thread's registers and the bytes it spills to local memory (stores), as the GPU build has them."""
+    import re
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "kernel.ptx"
+        src.write_text(ptx)
+        info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(src), "-o", str(Path(d) / "kernel.cubin")],
+                              capture_output=True, text=True, check=True).stderr
+    regs = re.findall(r"Used (\d+) registers", info)
+    spills = re.findall(r"(\d+) bytes spill stores", info)
+    return {"registers": max(map(int, regs)) if regs else None, "spill_bytes": sum(map(int, spills))}
+
+
 def census(entries: list[dict]) -> list[dict]:
     from nova.codegen.triton import wgmma_check as wc
 
@@ -209,6 +228,7 @@ def census(entries: list[dict]) -> list[dict]:
         line = {"kernel": e["name"], "header": " | ".join(h[2:] for h in head), "options": e["options"]}
         try:
             k = compile_entry(e)
+            line.update(resources(k.asm["ptx"]))
             line["register_a"] = wc.has_register_a(k.asm["ptx"])
             line["hazards"] = len(wc.hazards(wc.sass_of(k.asm["cubin"]))) if line["register_a"] else 0
         except Exception as ex:  # noqa: BLE001 (reported per kernel)
@@ -258,6 +278,7 @@ def main(argv=None) -> int:
     bad = [x for x in lines if x.get("hazards")]
     print(f"{len(lines)} kernels with tl.dot: {sum(bool(x.get('register_a')) for x in lines)} with a register-A "
           f"wgmma, {len(bad)} with writes into a pending wgmma's A registers, "
+          f"{sum(bool(x.get('spill_bytes')) for x in lines)} spilling registers, "
           f"{sum('error' in x for x in lines)} not compiled")
     if o.out:
         Path(o.out).mkdir(parents=True, exist_ok=True)
