@@ -206,9 +206,9 @@ def resources(ptx: str) -> dict:
     a thread's registers and the bytes it spills to local memory (stores), as the GPU build has them."""
     import re
 
-    import triton
+    from triton.backends.nvidia.compiler import get_ptxas
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptxas = get_ptxas(90).path  # the ptxas compile_entry's sm_90a build ran
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "kernel.ptx"
         src.write_text(ptx)

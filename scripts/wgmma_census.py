@@ -24,7 +24,6 @@ from nova.codegen.triton import matmul as mm  # noqa: E402
 from nova.codegen.triton import wgmma_check  # noqa: E402
 
 
-
 def variants(cfg):
     yield "configured", cfg
     parts = cfg.instruction.split("+")
