@@ -531,6 +531,7 @@ def _document(rows, opts, device, seconds, complete=True) -> dict:
             "complete": complete, "keep_search": getattr(opts, "keep_search", False),
             "tf32_variants": list(getattr(opts, "tf32_variants", ())),
             "shapes": getattr(opts, "shapes", "grid"),
+            "switches": getattr(opts, "switches", {}),
         },
         "shapes": rows,
         "summary": summarize(rows),
@@ -1166,10 +1167,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --shapes gpt2: the step batch sizes (default 8,32; --dry-run: the tiny GPT's)")
     p.add_argument("--shapes-file", type=Path, default=None, metavar="JSON",
                    help="with --shapes gpt2: the extracted launches (default bench/gpt2_matmul_shapes.json)")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="set one of Nova's module switches for the run (repeatable; MODULE under nova.), e.g. "
+                   "schedule.configurator.STREAM_K_TILES=False: Nova's configs as that variant gives them, "
+                   "recorded in the results (settings.switches)")
     p.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)), help="compile processes")
 
 
 def run_args(opts, log=print) -> list[Path]:
+    if getattr(opts, "set", None):
+        from nova.runtime import cache
+
+        try:
+            cache.set_switches(opts.set)
+        except ValueError as e:
+            raise UsageError(f"--set: {e}") from None
+        opts.switches = cache.changed_switches()
     if opts.merge is not None:
         out_dir = opts.out or REPO / "bench" / "results"
         base = "matmul_gpt2" if getattr(opts, "shapes", "grid") == "gpt2" else "matmul"

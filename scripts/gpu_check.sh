@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|streamk|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -80,6 +80,25 @@ if [[ $what == tf32-search ]]; then  # nova bench matmul's search on the tf32 st
     --batch 8 --precisions tf32 --search-budget 24 --out "$OUT/mlp46m" "$@" 2>&1 | tail -30
   timeout 300 python3 -m nova.cli.main bench matmul --shapes gpt2 --shapes-file bench/gpt2_tf32_b16_matmul_shapes.json \
     --batch 16 --precisions tf32 --search-budget 24 --out "$OUT/gpt2_b16" "$@" 2>&1 | tail -30
+fi
+if [[ $what == streamk ]]; then  # configurator rule 5c (stream-K in the split model) off and on: the matmuls, then the steps
+  shift
+  for v in off on; do
+    sets=(); [[ $v == off ]] && sets=(--set schedule.configurator.STREAM_K_TILES=False)
+    timeout 120 python3 -m nova.cli.main bench matmul --shapes gpt2 --shapes-file bench/gpt2_tf32_b16_matmul_shapes.json \
+      --batch 16 --precisions tf32 --search-budget 0 --out "$OUT/mm16_$v" "${sets[@]}" 2>&1 | grep -E "x768|x2304|x32768|x16384|wrote" | head -20
+    timeout 150 python3 -m nova.cli.main bench matmul --shapes gpt2 --batch 32 --precisions bf16,tf32 --search-budget 0 \
+      --out "$OUT/mm32_$v" "${sets[@]}" 2>&1 | tail -3
+  done
+  for v in off on; do
+    sets=(); [[ $v == off ]] && sets=(--set schedule.configurator.STREAM_K_TILES=False)
+    timeout 150 python3 -m nova.cli.main bench gpt2 --out "$OUT/steps" --model 124m --precision tf32 --batch 16 \
+      --engines torch.compile,nova "${sets[@]}" "$@" 2>&1 | tail -4
+    timeout 150 python3 -m nova.cli.main bench gpt2 --out "$OUT/steps" --model 124m --precision bf16 --batch 32 \
+      --engines torch.compile,nova "${sets[@]}" "$@" 2>&1 | tail -4
+  done
+  rm -f "$OUT"/mm*/*.png
+  (cd "$OUT" && tar czf streamk.tgz mm16_* mm32_* steps && rm -rf mm16_* mm32_* steps)
 fi
 if [[ $what == launches ]]; then  # every launch of a step measured (step.profile), by kind: scripts/step_launches.py [options]
   shift

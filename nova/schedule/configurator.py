@@ -328,6 +328,22 @@ WS_MAX_STAGES = 4
 # gradients) 2.982 ms against 2.880 (scripts/step_launches.py --set schedule.configurator.WS_SPLIT=True,
 # bench/results/runs/step_launches_2l_bf16_b32_wss_9168703.json). Off.
 WS_SPLIT = False
+# 5c. Step 5 models a split that the launcher runs as stream-K (``matmul.STREAM_K_SPLIT``:
+# a 2-D split without an epilogue, both operands through descriptors, more than one wave) by
+# stream-K's own time, and takes it where that gains more than STREAM_K_MIN_GAIN over the
+# tile grid or the one-wave split (docs/configurator.md, 5c). Measured on an H100 at 4911172
+# (nova bench matmul --shapes gpt2 --batch 8,32 --precisions bf16,tf32 --search-budget 24,
+# bench/results/runs/matmul_gpt2_all_search24_h100_4911172.json): the tf32 step's qkv weight
+# gradient 2304x768x32768 (transposed) at 128x128 unsplit 0.764 ms, at 128x256 as stream-K
+# 0.525, cuBLAS 0.555; at K = 8192 0.194 / 0.156 / 0.157; the forward 8192x768x3072 at
+# 128x256, 1.45 waves, 0.166 against 0.150 as stream-K (cuBLAS 0.125). Off: the split model
+# of step 5 alone, as before
+STREAM_K_TILES = True
+# The least model gain 5c takes stream-K for: as ONE_WAVE_SPLIT_MIN_GAIN, the model charges
+# stream-K its partial tiles and launches but not each segment's pipeline fill; the H100's
+# 768x768x32768 bf16 weight gradient, one-wave split 7 (126 programs), ran 0.066 ms against
+# 0.075 as stream-K (63a1179), where the model puts the two within 4% of each other
+STREAM_K_MIN_GAIN = 0.05
 # 4: a compute-bound tile that step 5 fills the machine with by splitting K is not halved
 # (docs/configurator.md, 4)
 SPLIT_BEFORE_HALVING = True
@@ -351,6 +367,14 @@ ONE_WAVE_SPLIT_MIN_GAIN = 0.10
 PAD_WASTE = 0.125
 # 8d's split form needs this deep a ring beside the fp32 tile's conversion (docs/configurator.md, 9d)
 PERSISTENT_SPLIT_STAGES = 4
+
+
+def _stream_k_runs(f32: bool) -> bool:
+    """Whether the Triton launcher runs a split of more than one wave as stream-K
+    (``matmul.stream_k_applies``' switches; ``f32``: fp32 operands)."""
+    from nova.codegen.triton import matmul
+
+    return matmul.STREAM_K_SPLIT and (matmul.STREAM_K_F32 or not f32)
 
 
 def least_time_split(model_time, c: float, most: int) -> int:
@@ -496,6 +520,8 @@ def plan_matmul(
         if 2 * bm * bn / (bm * ea + bn * eb) >= ridge:
             rung = r
             break
+    top = rung  # stream-K (5c) is weighed at this tile only: the model has no term for a
+    # smaller tile's lower rate, which a halved stream-K tile would hide
 
     # step 5's wave model (there, with its reasons), which step 4 asks too: a tile's whole K
     # at one SM's share of the peak (tau), the fp32 partials per split (c), T(s) of s splits,
@@ -510,6 +536,19 @@ def plan_matmul(
 
     def underfilled_split(t: _Tile) -> int:
         return min(S // n_tiles(t), k_steps // 2, int(math.sqrt(tau_of(t) / c)))
+
+    # 5c's stream-K (there, with its reasons): where the launcher runs a split of this shape
+    # as stream-K (a 2-D launch without an epilogue, both operands through descriptors), S
+    # programs share the tiles' K-steps evenly, with no wave to round up, and each segment
+    # (a tile's K range inside one program's share: at most tiles + S of them) stores an
+    # fp32 partial tile that the fix-up kernel reads back
+    stream_k = (STREAM_K_TILES and _stream_k_runs(ea == 4) and tensor and dev.has_wgmma and dev.has_tma
+                and batch == 1 and not epilogue and not tf32_nmajor
+                and a_layout != "strided" and b_layout != "strided")
+
+    def streamk_time(t: _Tile) -> float:
+        return (n_tiles(t) * tau_of(t) / S + 8 * (n_tiles(t) + S) * t.bm * t.bn / bw
+                + 2 * LAUNCH_SECONDS)
 
     # 4. fill the machine: a tile runs on one SM; while there are at most S/2 tiles,
     # halving the tile doubles them and they still run in one wave, so every SM
@@ -529,6 +568,9 @@ def plan_matmul(
         nxt = smaller(r)
         if not SPLIT_BEFORE_HALVING or ai < ridge or nxt is None:
             return False
+        if (stream_k and r == top and tile(r).family == "wgmma"
+                and streamk_time(tile(r)) < (1 - STREAM_K_MIN_GAIN) * wave_time(tile(nxt), 1)):
+            return True
         s = underfilled_split(tile(r))
         return s >= 2 and wave_time(tile(r), s) < wave_time(tile(nxt), 1)
 
@@ -588,6 +630,20 @@ def plan_matmul(
     if s >= 2 and model_time(s) < (1 - gain) * model_time(1):
         k_split = _cdiv(_cdiv(K, s), bk) * bk  # whole BLOCK_Ks per split, as the launcher does
         split = _cdiv(K, k_split)
+
+    # 5c. stream-K: where the launcher would run a split of this tile as stream-K (above,
+    # ``stream_k``) and that takes less model time than the choice so far by more than
+    # STREAM_K_MIN_GAIN, the least split whose grid is more than one wave (the launcher's
+    # test: the split count only selects stream-K, whose shares do not depend on it).
+    # Wave quantization is what it removes: a weight gradient whose tiles fill part of one
+    # wave (2304x768x32768 tf32, 54 tiles of 128x256; step 4 would halve the tile) or a
+    # grid whose last wave is part full (8192x768x3072 tf32, 192 tiles, 1.45 waves)
+    streamk_chosen = False
+    if (stream_k and rung == top and t.family == "wgmma" and k_steps >= 2 and not (split > 1 and split * tiles > S)
+            and streamk_time(t) < (1 - STREAM_K_MIN_GAIN) * model_time(split)):
+        k_split = _cdiv(_cdiv(K, max(2, S // tiles + 1)), bk) * bk
+        if _cdiv(K, k_split) * tiles > S:
+            split, streamk_chosen = _cdiv(K, k_split), True
 
     # 6. launch-bound: at most S/2 work items and K too short to split (fewer than 2
     # K-steps per split, step 5's bound); tiles smaller than the floor are then the only
@@ -656,7 +712,7 @@ def plan_matmul(
     # 128x256 tile one program a work item (2 stages would fit; its 128x128 persistent 0.778
     # against 0.744)
     tf32_staged = stage_a and stage_b and path == "tf32"
-    staged_persistent = (tf32_staged and tma_path and n_tiles(t) * split >= 2 * S
+    staged_persistent = (tf32_staged and tma_path and n_tiles(t) * split >= 2 * S and not streamk_chosen
                          and (PERSISTENT_EPILOGUES or PERSISTENT_STAGED_EPILOGUES or not epilogue))
     split_ring = (smem_budget - t.bm * t.bn * 4) // t.stage_bytes
     if staged_persistent and split > 1 and min(split_ring, _cdiv(_cdiv(K, split), bk)) < PERSISTENT_SPLIT_STAGES:
@@ -680,7 +736,7 @@ def plan_matmul(
     if not (ws is not None and not epilogue_sums and tma_path and split == 1 and batch == 1 and ea == eb == eo == 2
             and path == "bf16" and _cdiv(M, ws[0]) * _cdiv(N, ws[1]) >= 2 * S):
         ws = None
-    split_ws = (WS_SPLIT and ws is None and split > 1 and tma_path and batch == 1 and ea == eb == 2
+    split_ws = (WS_SPLIT and ws is None and split > 1 and not streamk_chosen and tma_path and batch == 1 and ea == eb == 2
                 and path == "bf16" and t.bm >= 2 * WGMMA_M and not tf32_nmajor)
     if split_ws:  # 8c: the split's tile, 4 warps a computing group, the fp32 tile's conversion beside the ring
         ws = (t.bm, t.bn, 4)

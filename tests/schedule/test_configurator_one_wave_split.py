@@ -34,7 +34,8 @@ def _model(M, N, K, cfg, dev=H200):
     (3072, 768, 8192, "col", "row"),    # b8
     (2048, 768, 50304, "row", "row"),   # the LM head's dh chunk
 ])  # fmt: skip
-def test_a_more_than_half_full_wave_is_split(M, N, K, a, b):
+def test_a_more_than_half_full_wave_is_split(M, N, K, a, b, monkeypatch):
+    monkeypatch.setattr(cf, "STREAM_K_TILES", False)  # step 5's split model alone (5c: test_configurator_stream_k.py)
     cfg = cf.configure_matmul(M, N, K, 1, "bfloat16", "bfloat16", "bfloat16", "bf16", a, b, False, H200)
     tiles, splits, t = _model(M, N, K, cfg)
     assert H200.sm_count / 2 < tiles < H200.sm_count
@@ -57,7 +58,9 @@ def test_a_one_wave_split_the_model_gains_little_on_is_not_taken(monkeypatch):
     """GPT-2's qkv weight gradient (768 x 2304 x 32768): 108 tiles of 128x128 on 132 SMs.
     The best split gains the model 4.4% (split 6); on the H200 that split ran 0.195 ms
     against 0.175 unsplit, so below ``ONE_WAVE_SPLIT_MIN_GAIN`` the tile runs unsplit; with
-    the margin at 0 the split comes back."""
+    the margin at 0 the split comes back. (Step 5's split model alone: 5c's stream-K is
+    test_configurator_stream_k.py's.)"""
+    monkeypatch.setattr(cf, "STREAM_K_TILES", False)
     M, N, K = 768, 2304, 32768
     cfg = cf.configure_matmul(M, N, K, 1, "bfloat16", "bfloat16", "bfloat16", "bf16", "col", "row", False, H200)
     tiles, splits, t = _model(M, N, K, cfg)
