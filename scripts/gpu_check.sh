@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|streamk|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|streamk|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -65,6 +65,13 @@ if [[ $what == warm ]]; then  # the warm compile in a second process, GPT-2 124M
   shift
   for b in 8 32; do
     timeout 280 python3 scripts/warm_compile.py --device cuda --batch $b --out "$OUT" "$@" 2>&1 | tee "$OUT/warm_compile_b$b.log" | tail -80
+  done
+fi
+if [[ $what == wgmma-cost ]]; then  # the warm compile without and with the post-compile wgmma check (NOVA_WGMMA_CHECK), tf32 2 layers
+  shift
+  for chk in 0 1; do
+    NOVA_WGMMA_CHECK=$chk timeout 200 python3 scripts/warm_compile.py --device cuda --precision tf32 --batch 8 --layers 2 \
+      --out "$OUT/wgmma_check_$chk" "$@" 2>&1 | tail -3
   done
 fi
 if [[ $what == tf32 ]]; then  # the tf32 steps' matmuls: cuBLAS, as run, operands pre-rounded, truncating; the 46M step's profile
