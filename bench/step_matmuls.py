@@ -14,7 +14,7 @@ shapes, strides and storage offsets the step gives ``nova.codegen.triton.matmul`
   ``bias`` is false; which ops depends on remat's choices, which vary with the
   depth, so the record says only whether): the config the configure stage wrote,
   and the arguments it called ``configure_matmul`` with (its layouts:
-  ``configure._layout``, the view chain above the operand replayed, so they equal
+  ``configure.operand_layout``, the view chain above the operand replayed, so they equal
   the strides' ``layouts``);
 * the fused LM head (``nova.linear_cross_entropy[_backward|_with_grad]``, ``linear_ce.py``):
   per chunk of ``chunk`` token rows, the logits h[r0:r1] @ w^T (forward, and again in
@@ -126,7 +126,7 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
     from nova.ir.types import elem_of, numel, shape_of, to_torch_dtype
     from nova.schedule.configurator import STEP_MATMUL_PRECISION
     from nova.schedule.devices import DEVICES
-    from nova.transforms.configure import _layout
+    from nova.transforms.configure import operand_layout
 
     spec = device or DEVICES["H200"]
     prec = STEP_MATMUL_PRECISION[precision]
@@ -174,7 +174,7 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
             pre = nv.prerounded_operands(lhs, rhs, prec)
             args = configure_args(
                 res[-2], res[-1], shape_of(op.operands[0].type)[-1], numel(batch), _dname(in_dt), _dname(out_dt),
-                path_of(in_dt), _layout(lhs), _layout(rhs), prerounded=pre,
+                path_of(in_dt), operand_layout(lhs), operand_layout(rhs), prerounded=pre,
             )  # fmt: skip
             out.append(_launch("nova.matmul", a, b, out_dt, False, prec, config_of(group or op), args,
                                {"prerounded": list(pre)} if pre else None, epilogue=group is not None))  # fmt: skip

@@ -127,7 +127,7 @@ def main() -> None:
     from nova.ir.module import step_func
     from nova.ir.types import elem_of, to_torch_dtype
     from nova.schedule.configurator import STEP_MATMUL_PRECISION
-    from nova.transforms.configure import _layout
+    from nova.transforms.configure import operand_layout
 
     c = compile_gpt2_h200(args.batch, args.precision)
     seen: dict = {}
@@ -137,7 +137,7 @@ def main() -> None:
         head, cfg = op.contraction(), config_of(op)
         ep, _ = epilogue_of(op)
         lhs, rhs = (op.operands[list(op.body.block.args).index(v)] for v in head.operands)
-        seen.setdefault((cfg, ep, _layout(lhs), _layout(rhs), str(head.operands[0].type)), []).append(op)
+        seen.setdefault((cfg, ep, operand_layout(lhs), operand_layout(rhs), str(head.operands[0].type)), []).append(op)
     print(f"GPT-2 124M {args.precision} batch {args.batch}: {sum(map(len, seen.values()))} epilogue launches, "
           f"{len(seen)} kernels")  # fmt: skip
     compiled: set[str] = set()

@@ -180,10 +180,10 @@ def read_in_place(lhs, rhs) -> set[str]:
     """The operands ("a", "b") a staged tf32 config reads in place instead of copying:
     stored rounded by their producer (``nv.tf32_rounded``), K-major (A "row", B "col")
     and one matrix, as the launcher (``matmul._run``) decides."""
-    from nova.transforms.configure import _layout  # the configure stage's layouts (imported late, as ROWWISE is)
+    from nova.transforms.configure import operand_layout  # the configure stage's layouts (imported late, as ROWWISE is)
 
     return {name for name, v, major in (("a", lhs, "row"), ("b", rhs, "col"))
-            if nv.tf32_rounded(v) and numel(shape_of(v.type)[:-2]) == 1 and _layout(v) == major}
+            if nv.tf32_rounded(v) and numel(shape_of(v.type)[:-2]) == 1 and operand_layout(v) == major}
 
 
 @rule(nv.MatmulOp)

@@ -59,7 +59,7 @@ class NoScheduleError(NotImplementedError):
     """An op the configure stage has no schedule rule for (the message names it)."""
 
 
-def _layout(v) -> str:
+def operand_layout(v) -> str:
     """How the kernel will read ``v``: "row" (last dim contiguous), "col" (the
     second-to-last is) or "strided", as ``nova.codegen.triton.matmul.layout`` says of
     the tensor the backend hands it. The backend binds every op result and step
@@ -138,7 +138,7 @@ def _configure_matmul(op: nv.MatmulOp, lhs, rhs, device: DeviceSpec, precision: 
     pre = nv.prerounded_operands(lhs, rhs, path)
     return cf.configure_matmul(
         a[-2], b[-1], a[-1], numel(out[:-2]), in_dt, in_dt, dt, path,
-        _layout(lhs), _layout(rhs), False, device, epilogue, epilogue_sums, pre,
+        operand_layout(lhs), operand_layout(rhs), False, device, epilogue, epilogue_sums, pre,
     )  # fmt: skip
 
 

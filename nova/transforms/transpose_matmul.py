@@ -42,6 +42,7 @@ from nova.ir import dialect as nv
 from nova.ir.builder import OpBuilder
 from nova.ir.module import step_func
 from nova.ir.types import elem_of, numel, shape_of
+from nova.transforms.configure import operand_layout  # the configure stage's layouts: what the kernel reads
 from nova.transforms.simplify import dce
 
 # the pipeline's switch. Off: built 2026-12-05 (sixth session) and verified on the CPU, not measured
@@ -74,12 +75,10 @@ _FLIP = {"row": "col", "col": "row", "strided": "strided"}
 
 def _stages_less(a: SSAValue, w: SSAValue) -> bool:
     """Whether ``swap(w) @ swap(a)`` stages fewer B elements than ``a @ w`` (f32 operands)."""
-    from nova.transforms.configure import _layout  # the configure stage's layouts: what the kernel reads
-
     if elem_of(a.type) != f32 or elem_of(w.type) != f32:
         return False
-    now = _staged_elements(w, _layout(w))
-    then = _staged_elements(a, _FLIP[_layout(a)])  # swap(a): a with its last two dims swapped
+    now = _staged_elements(w, operand_layout(w))
+    then = _staged_elements(a, _FLIP[operand_layout(a)])  # swap(a): a with its last two dims swapped
     return then < now
 
 

@@ -1,4 +1,4 @@
-"""The configure stage's operand layouts (``configure._layout``) are the layouts the
+"""The configure stage's operand layouts (``configure.operand_layout``) are the layouts the
 matmul kernel gets (``nova.codegen.triton.matmul.layout`` of the strided views the
 Triton backend hands it), for every matmul launch of a compiled GPT step and of the
 cached GPT-2 124M launch list; and what the tf32 configurator does with the
@@ -36,7 +36,7 @@ def test_configure_sees_the_layouts_the_kernel_gets(precision):
     passed to configure_matmul equal the strides' layouts, and the backward's input
     gradients (dX = dY @ W, W reached through a transpose of a transpose) are among
     them with B row-major, the case the old immediate-producer check called "col"."""
-    from nova.transforms.configure import _layout
+    from nova.transforms.configure import operand_layout
 
     c = sm.compile_step(TINY, 2, precision)
     launches = sm.step_matmuls(c.module, precision, c.device)
@@ -53,7 +53,7 @@ def test_configure_sees_the_layouts_the_kernel_gets(precision):
         if isinstance(op, nv.MatmulOp):
             v = op.operands[1]
             if isinstance(v.owner, nv.TransposeOp) and isinstance(v.owner.operands[0].owner, nv.TransposeOp):
-                doubles.append(_layout(v))
+                doubles.append(operand_layout(v))
     assert doubles and set(doubles) == {"row"}
 
 

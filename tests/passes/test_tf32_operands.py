@@ -214,7 +214,7 @@ def test_the_configure_stage_counts_a_prerounded_k_major_operand_as_staged(monke
     in place, so rule 8d's persistent loop applies (on the H200); the cost model counts
     B's staging copy and not A's."""
     from nova.schedule import cost
-    from nova.transforms.configure import _layout
+    from nova.transforms.configure import operand_layout
 
     torch.manual_seed(0)
     x, y = torch.randn(16384, 768), torch.randn(16384, 768)
@@ -227,7 +227,7 @@ def test_the_configure_stage_counts_a_prerounded_k_major_operand_as_staged(monke
         args = list(o.body.block.args) if o is not head else None
         lhs, rhs = (o.operands[args.index(v)] for v in head.operands) if args else head.operands
         a, b = head.operands[0].type.get_shape(), head.operands[1].type.get_shape()
-        if (a[-2], b[-1], a[-1]) == (16384, 768, 3072) and nv.tf32_rounded(lhs) and _layout(lhs) == "row":
+        if (a[-2], b[-1], a[-1]) == (16384, 768, 3072) and nv.tf32_rounded(lhs) and operand_layout(lhs) == "row":
             found.append((o, lhs, rhs))
     assert found, "no input gradient reads a prerounded K-major A"
     for o, lhs, rhs in found:
