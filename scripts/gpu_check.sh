@@ -88,7 +88,7 @@ if [[ $what == tf32-search ]]; then  # nova bench matmul's search on the tf32 st
   timeout 300 python3 -m nova.cli.main bench matmul --shapes gpt2 --shapes-file bench/gpt2_tf32_b16_matmul_shapes.json \
     --batch 16 --precisions tf32 --search-budget 24 --out "$OUT/gpt2_b16" "$@" 2>&1 | tail -30
 fi
-if [[ $what == streamk ]]; then  # configurator rule 5c (stream-K in the split model) off and on: the matmuls, then the steps
+if [[ $what == streamk ]]; then  # configurator rule 5c (stream-K in the split model) off and on: the matmuls, then the tf32 step
   shift
   for v in off on; do
     sets=(); [[ $v == off ]] && sets=(--set schedule.configurator.STREAM_K_TILES=False)
@@ -100,8 +100,6 @@ if [[ $what == streamk ]]; then  # configurator rule 5c (stream-K in the split m
   for v in off on; do
     sets=(); [[ $v == off ]] && sets=(--set schedule.configurator.STREAM_K_TILES=False)
     timeout 150 python3 -m nova.cli.main bench gpt2 --out "$OUT/steps" --model 124m --precision tf32 --batch 16 \
-      --engines torch.compile,nova "${sets[@]}" "$@" 2>&1 | tail -4
-    timeout 150 python3 -m nova.cli.main bench gpt2 --out "$OUT/steps" --model 124m --precision bf16 --batch 32 \
       --engines torch.compile,nova "${sets[@]}" "$@" 2>&1 | tail -4
   done
   rm -f "$OUT"/mm*/*.png
