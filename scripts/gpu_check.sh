@@ -97,13 +97,14 @@ if [[ $what == streamk ]]; then  # configurator rule 5c (stream-K in the split m
     timeout 150 python3 -m nova.cli.main bench matmul --shapes gpt2 --batch 32 --precisions bf16,tf32 --search-budget 0 \
       --out "$OUT/mm32_$v" "${sets[@]}" 2>&1 | tail -3
   done
-  for v in off on; do
+  for v in off on; do  # STREAMK_STEPS=0: the matmuls only
+    [[ ${STREAMK_STEPS:-1} == 0 ]] && break
     sets=(); [[ $v == off ]] && sets=(--set schedule.configurator.STREAM_K_TILES=False)
     timeout 150 python3 -m nova.cli.main bench gpt2 --out "$OUT/steps" --model 124m --precision tf32 --batch 16 \
       --engines torch.compile,nova "${sets[@]}" "$@" 2>&1 | tail -4
   done
   rm -f "$OUT"/mm*/*.png
-  (cd "$OUT" && tar czf streamk.tgz mm16_* mm32_* steps && rm -rf mm16_* mm32_* steps)
+  (cd "$OUT" && tar czf streamk.tgz mm16_* mm32_* $(ls -d steps 2>/dev/null) && rm -rf mm16_* mm32_* steps)
 fi
 if [[ $what == launches ]]; then  # every launch of a step measured (step.profile), by kind: scripts/step_launches.py [options]
   shift
