@@ -332,17 +332,21 @@ WS_SPLIT = False
 # a 2-D split without an epilogue, both operands through descriptors, more than one wave) by
 # stream-K's own time, and takes it where that gains more than STREAM_K_MIN_GAIN over the
 # tile grid or the one-wave split (docs/configurator.md, 5c). Measured on an H100 at 4911172
-# (nova bench matmul --shapes gpt2 --batch 8,32 --precisions bf16,tf32 --search-budget 24,
-# bench/results/runs/matmul_gpt2_all_search24_h100_4911172.json): the tf32 step's qkv weight
-# gradient 2304x768x32768 (transposed) at 128x128 unsplit 0.764 ms, at 128x256 as stream-K
-# 0.525, cuBLAS 0.555; at K = 8192 0.194 / 0.156 / 0.157; the forward 8192x768x3072 at
-# 128x256, 1.45 waves, 0.166 against 0.150 as stream-K (cuBLAS 0.125). Off: the split model
-# of step 5 alone, as before
+# (bench/results/runs/matmul_gpt2_all_search24_h100_4911172.json): the tf32 step's transposed
+# qkv weight gradient 2304x768x32768 at 128x128 unsplit (step 4's halving) 0.764 ms, 128x256 as
+# stream-K 0.525, cuBLAS 0.555. With the rule, on an H100 at 6a80632 (runs/*streamk*_h100_6a80632*,
+# off and on in one call): that launch 0.757 -> 0.534 ms, at K = 16384 0.380 -> 0.283 (cuBLAS
+# 0.272-0.279); the GPT-2 tf32 b16 step 185,988 -> 188,509 tok/s (torch.compile 165,559 /
+# 165,857); bf16's 768x2304x32768, which it also changes (128x128 unsplit -> 128x256 stream-K),
+# 0.1676 -> 0.1715 ms (cuBLAS 0.179-0.187), the bf16 b32 step 510,034 -> 511,122 tok/s. Off:
+# the split model of step 5 alone, as before
 STREAM_K_TILES = True
-# The least model gain 5c takes stream-K for: as ONE_WAVE_SPLIT_MIN_GAIN, the model charges
-# stream-K its partial tiles and launches but not each segment's pipeline fill; the H100's
-# 768x768x32768 bf16 weight gradient, one-wave split 7 (126 programs), ran 0.066 ms against
-# 0.075 as stream-K (63a1179), where the model puts the two within 4% of each other
+# The least model gain 5c takes stream-K for. The model charges stream-K its partial tiles and
+# launches but not each segment's pipeline fill, and has no term for a tile's rate: the H100's
+# 768x768x32768 bf16 weight gradient kept its one-wave split 7 (0.066 ms against 0.075 as
+# stream-K, 63a1179), where the model puts the two within 3% of each other; the tf32 qkv weight
+# gradient at K = 16384, 34% faster as stream-K on the H100 (above), is a 7.4% model gain, bf16's
+# 768x2304x32768 (2.3% slower) a 7.1% one
 STREAM_K_MIN_GAIN = 0.05
 # 4: a compute-bound tile that step 5 fills the machine with by splitting K is not halved
 # (docs/configurator.md, 4)
