@@ -122,11 +122,15 @@ def test_cached_gpt2_list_is_what_the_pipeline_extracts():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU path")
-def test_gpt2_dry_run_writes_step_totals(tmp_path):
+def test_gpt2_dry_run_writes_step_totals(tmp_path, monkeypatch):
+    from nova.schedule import configurator as cf
+
+    monkeypatch.setattr(cf, "STREAM_K_TILES", cf.STREAM_K_TILES)  # --set changes it: restored after the test
     argv = ["--dry-run", "--shapes", "gpt2", "--batch", "1", "--precisions", "tf32", "--search-budget", "1",
-            "--out", str(tmp_path)]
+            "--out", str(tmp_path), "--set", "schedule.configurator.STREAM_K_TILES=False"]
     assert bench_matmul_main(argv) == 0
     doc = json.loads((tmp_path / "matmul_gpt2.json").read_text())
+    assert doc["settings"]["switches"] == {"nova.schedule.configurator.STREAM_K_TILES": "False"}
     assert (tmp_path / "matmul_gpt2.md").read_text().startswith("# nova bench matmul --shapes gpt2")
     assert (tmp_path / "matmul_gpt2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "matmul.json").exists()  # the grid's results are not overwritten
@@ -147,6 +151,13 @@ def test_gpt2_dry_run_writes_step_totals(tmp_path):
     assert [u["source"] for u in logits["uses"]] == [f"{head}:logits"]
     dw = next(r for r in doc["shapes"] if r["source"].endswith(":dw"))
     assert dw["layouts"] == ["col", "row"] and dw["out_dtype"] == "float32"
+
+
+def test_a_switch_that_does_not_exist_is_refused_before_any_work(tmp_path, capsys):
+    assert bench_matmul_main(["--dry-run", "--shapes", "gpt2", "--out", str(tmp_path),
+                              "--set", "schedule.configurator.NO_SUCH_SWITCH=1"]) == 2
+    assert "has no switch NO_SUCH_SWITCH" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 def test_step_totals_and_merge_of_parts(tmp_path):
