@@ -74,6 +74,7 @@ if str(REPO) not in sys.path:  # `python bench/gpt2.py` from a checkout without 
 
 import nova  # noqa: E402
 from bench.timing import median_or_none, reason_shares, sampled  # noqa: E402
+from nova.cli.bench import apply_switches  # noqa: E402
 from nova.cli.errors import RunFailed, UsageError  # noqa: E402
 from nova.models import GPT, MLPLM, GPTConfig, MLPLMConfig  # noqa: E402
 
@@ -144,19 +145,6 @@ def result_stem(cfg: dict, dry_run: bool) -> str:
     if cfg.get("switches"):  # a variant (--set): its own file, never the shipped step's
         stem += "_sw" + hashlib.sha256(json.dumps(cfg["switches"], sort_keys=True).encode()).hexdigest()[:8]
     return stem
-
-
-def apply_switches(items: list[str]) -> dict[str, str]:
-    """--set's MODULE.NAME=VALUE items set on Nova's modules; returns every switch of this
-    process that differs from its source (``nova.runtime.cache.changed_switches``), which
-    the results record."""
-    from nova.runtime import cache
-
-    try:
-        cache.set_switches(items)
-    except ValueError as e:
-        raise UsageError(f"--set: {e}") from None
-    return cache.changed_switches()
 
 
 def gpt_config(cfg: dict) -> GPTConfig:

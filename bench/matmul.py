@@ -1176,13 +1176,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_args(opts, log=print) -> list[Path]:
     if getattr(opts, "set", None):
-        from nova.runtime import cache
+        from nova.cli.bench import apply_switches
 
-        try:
-            cache.set_switches(opts.set)
-        except ValueError as e:
-            raise UsageError(f"--set: {e}") from None
-        opts.switches = cache.changed_switches()
+        opts.switches = apply_switches(opts.set)
     if opts.merge is not None:
         out_dir = opts.out or REPO / "bench" / "results"
         base = "matmul_gpt2" if getattr(opts, "shapes", "grid") == "gpt2" else "matmul"

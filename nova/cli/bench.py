@@ -52,6 +52,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             pass  # no checkout: `run` says so when the benchmark is asked for
 
 
+def apply_switches(items: list[str]) -> dict[str, str]:
+    """A benchmark's --set MODULE.NAME=VALUE items set on Nova's modules
+    (``nova.runtime.cache.set_switches``; a bad one is a ``UsageError``); returns every
+    switch of this process that differs from its source (``changed_switches``), which the
+    results record."""
+    from nova.runtime import cache
+
+    try:
+        cache.set_switches(items)
+    except ValueError as e:
+        raise UsageError(f"--set: {e}") from None
+    return cache.changed_switches()
+
+
 def without_triton(e: ModuleNotFoundError) -> UsageError:
     """The error for a benchmark that reached for Triton where it is not installed."""
     if e.name != "triton":

@@ -373,14 +373,6 @@ PAD_WASTE = 0.125
 PERSISTENT_SPLIT_STAGES = 4
 
 
-def _stream_k_runs(f32: bool) -> bool:
-    """Whether the Triton launcher runs a split of more than one wave as stream-K
-    (``matmul.stream_k_applies``' switches; ``f32``: fp32 operands)."""
-    from nova.codegen.triton import matmul
-
-    return matmul.STREAM_K_SPLIT and (matmul.STREAM_K_F32 or not f32)
-
-
 def least_time_split(model_time, c: float, most: int) -> int:
     """The split in 2..``most`` with the least ``model_time`` (the first such, as
     ``min`` picks), where a split s > 1 costs at least ``c`` s + LAUNCH_SECONDS (its
@@ -546,7 +538,9 @@ def plan_matmul(
     # programs share the tiles' K-steps evenly, with no wave to round up, and each segment
     # (a tile's K range inside one program's share: at most tiles + S of them) stores an
     # fp32 partial tile that the fix-up kernel reads back
-    stream_k = (STREAM_K_TILES and _stream_k_runs(ea == 4) and tensor and dev.has_wgmma and dev.has_tma
+    from nova.codegen.triton.matmul import stream_k_enabled  # the launcher's switches (late: codegen imports this)
+
+    stream_k = (STREAM_K_TILES and stream_k_enabled(ea == 4) and tensor and dev.has_wgmma and dev.has_tma
                 and batch == 1 and not epilogue and not tf32_nmajor
                 and a_layout != "strided" and b_layout != "strided")
 

@@ -739,6 +739,12 @@ def matmul_streamk_fixup(
     return header + "\n" + main + "\n" + fixup
 
 
+def stream_k_enabled(f32: bool) -> bool:
+    """Whether a split may run as stream-K at all: ``STREAM_K_SPLIT`` on, and for fp32
+    operands (``f32``) ``STREAM_K_F32`` too (the configurator's rule 5c asks the same)."""
+    return STREAM_K_SPLIT and (STREAM_K_F32 or not f32)
+
+
 def stream_k_applies(M: int, N: int, splits: int, cfg: LoweringConfig, sms: int, f32: bool) -> bool:
     """Whether a 2-D split without an epilogue (operands through descriptors) runs as
     stream-K: ``STREAM_K_SPLIT`` on, 16-bit operands (``f32``: fp32 ones, the tf32 and fp32
@@ -746,8 +752,7 @@ def stream_k_applies(M: int, N: int, splits: int, cfg: LoweringConfig, sms: int,
     programs. A grid of one wave has no wave to even out, and there stream-K lost
     (768x768x32768 at 128x256, 18 tiles x 7 splits = 126 programs on 132 SMs: 0.066 ->
     0.075 ms a launch, H100, 63a1179)."""
-    return (STREAM_K_SPLIT and (STREAM_K_F32 or not f32)
-            and cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * splits > sms)
+    return stream_k_enabled(f32) and cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * splits > sms
 
 
 def streamk_plan(M: int, N: int, K: int, cfg: LoweringConfig, programs: int) -> tuple[int, int]:
