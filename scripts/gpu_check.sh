@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|streamk|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|streamk|few-tiles|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -105,6 +105,24 @@ if [[ $what == streamk ]]; then  # configurator rule 5c (stream-K in the split m
   done
   rm -f "$OUT"/mm*/*.png
   (cd "$OUT" && tar czf streamk.tgz mm16_* mm32_* $(ls -d steps 2>/dev/null) && rm -rf mm16_* mm32_* steps)
+fi
+if [[ $what == few-tiles ]]; then  # bf16 batch 8's few-tile launches (768-wide outputs): the configured kernels, then
+  # warp specialization from one tile a program (WS_MIN_TILES_PER_SM=1), its 128x128 tile too, and stream-K forced
+  shift
+  for v in default ws1 ws128 sk; do
+    case $v in
+      default) sets=() ;;
+      ws1) sets=(--set schedule.configurator.WS_MIN_TILES_PER_SM=1.0) ;;
+      ws128) sets=(--set schedule.configurator.WS_MIN_TILES_PER_SM=1.0
+                   --set "schedule.configurator.WS_TILES={'plain': (128, 128, 4), 'epilogue': (128, 256, 4)}") ;;
+      sk) sets=(--set schedule.configurator.STREAM_K_MIN_GAIN=-0.5) ;;
+    esac
+    echo "== $v"
+    timeout 120 python3 -m nova.cli.main bench matmul --shapes gpt2 --batch 8 --precisions bf16 --search-budget 0 \
+      --out "$OUT/few_$v" "${sets[@]}" "$@" 2>&1 | tail -6
+  done
+  rm -f "$OUT"/few_*/*.png
+  (cd "$OUT" && tar czf few_tiles.tgz few_* && rm -rf few_*)
 fi
 if [[ $what == launches ]]; then  # every launch of a step measured (step.profile), by kind: scripts/step_launches.py [options]
   shift

@@ -312,6 +312,10 @@ PERSISTENT_STAGED_EPILOGUES = False
 # and bf16 ones 0.01-0.02 ms slower (epilogue_variants_ws_epi_a86b3ee.json). Offline the f32
 # residual spills 1.9 KB at 128x256 (scripts/epilogue_sm90_check.py --ws), measured faster all the same
 WS_TILES: dict[str, tuple[int, int, int] | None] = {"plain": (128, 256, 4), "epilogue": (128, 256, 4)}
+# The least tiles (of the WS tile) a launch needs, in programs (SMs): 2, every program loops
+# over at least two tiles, where the partitioned loop's overlap of one tile's store with the
+# next's loads and MMAs is what it is for
+WS_MIN_TILES_PER_SM = 2.0
 # The deepest ring the partitioned loop gets. The NaNs a partitioned bias + GELU epilogue wrote
 # at 128x128 (bench/results/runs/ws_gpu_tests_epilogue_nan.log) were the ring's depth, not the
 # epilogue: at 128x128x64 with 5 stages (what (smem - convert) / stage_bytes gave) column 0 of
@@ -733,7 +737,7 @@ def plan_matmul(
     # inside the partitioned loop (bench/results/runs/step_launches_2l_564d08d.log)
     ws = WS_TILES.get("epilogue" if epilogue else "plain")
     if not (ws is not None and not epilogue_sums and tma_path and split == 1 and batch == 1 and ea == eb == eo == 2
-            and path == "bf16" and _cdiv(M, ws[0]) * _cdiv(N, ws[1]) >= 2 * S):
+            and path == "bf16" and _cdiv(M, ws[0]) * _cdiv(N, ws[1]) >= WS_MIN_TILES_PER_SM * S):
         ws = None
     split_ws = (WS_SPLIT and ws is None and split > 1 and not streamk_chosen and tma_path and batch == 1 and ea == eb == 2
                 and path == "bf16" and t.bm >= 2 * WGMMA_M and not tf32_nmajor)
