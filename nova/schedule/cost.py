@@ -486,6 +486,21 @@ def schedule_summary(cfg: LoweringConfig | None) -> str:
     return s + f" w{cfg.num_warps}"
 
 
+def _launch_summary(op: Operation, device: DeviceSpec) -> str:
+    """``schedule_summary`` of the op's config, with "stream-K" where the launcher runs its
+    split as stream-K on ``device`` (a plain matmul: ``matmul.runs_stream_k``)."""
+    cfg = config_of(op)
+    s = schedule_summary(cfg)
+    if cfg is not None and cfg.kind == "matmul" and cfg.split_k > 1 and isinstance(op, nv.MatmulOp):
+        from nova.codegen.triton.matmul import runs_stream_k
+
+        a, b = shape_of(op.operands[0].type), shape_of(op.operands[1].type)
+        f32 = to_torch_dtype(elem_of(op.operands[0].type)) == torch.float32
+        if runs_stream_k(a[-2], b[-1], a[-1], numel(shape_of(op.results[0].type)[:-2]), cfg, device.sm_count, f32):
+            s = s.replace(f" split{cfg.split_k}", f" split{cfg.split_k} stream-K", 1)
+    return s
+
+
 def cost_of(op: Operation, ins, outs, precision: str) -> Cost:
     r = RULES.get(type(op))
     if r is None:
@@ -522,7 +537,7 @@ def kernel_costs(fn, device: DeviceSpec, precision: str, placements: dict | None
         n_ops = len(st.op.inner_ops()) if isinstance(st.op, nv.FusedOp) else 1
         out.append(KernelCost(
             index=i, op=st.op.name, kind=c.kind, shape=str(st.outputs[0].type) if st.outputs else "", ops=n_ops,
-            loc=loc.data if loc is not None else None, config=schedule_summary(config_of(st.op)),
+            loc=loc.data if loc is not None else None, config=_launch_summary(st.op, device),
             bytes=c.bytes, flops=c.flops, path=c.path, launches=c.launches,
             memory_s=c.bytes / device.mem_bandwidth, compute_s=c.flops / device.flops(c.path),
             launch_s=c.launches * cf.LAUNCH_SECONDS,

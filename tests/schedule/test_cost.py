@@ -81,6 +81,25 @@ def test_matmul_epilogue_and_split_k():
     assert k.launches == 2 + len(staged)  # the copies, the split kernel, its reduction
 
 
+@pytest.mark.parametrize("M, N, K, stream_k", [(768, 3072, 32768, True), (768, 768, 32768, False)])
+def test_a_split_the_launcher_runs_as_stream_k_says_so(M, N, K, stream_k):
+    # GPT-2's bf16 weight gradients at batch 32: 768x3072 (72 tiles of 128x256) splits past one
+    # wave of the H200's 132 SMs, which the launcher runs as stream-K; 768x768 (18 tiles) keeps
+    # its split within one wave, a plain split
+    from nova.codegen.triton import matmul as mm
+
+    module, fn, b = _step(Slot("batch", "a", tensor([M, K], bf16)), Slot("param", "w", tensor([K, N], bf16)))
+    y = b.matmul(*fn.body.block.args)
+    (k, _) = _finish(module, fn, b.reduce_sum(y, [0, 1]))
+    cfg = cost.config_of(fn.body.block.first_op)
+    assert cfg.split_k > 1 and not cfg.persistent
+    waves = mm.cdiv(M, cfg.block_m) * mm.cdiv(N, cfg.block_n) * cfg.split_k / H200.sm_count
+    assert (waves > 1) == stream_k == mm.runs_stream_k(M, N, K, 1, cfg, H200.sm_count, f32=False)
+    assert k.config == cost.schedule_summary(cfg).replace(f"split{cfg.split_k}", f"split{cfg.split_k} stream-K"
+                                                          if stream_k else f"split{cfg.split_k}")
+    assert ("stream-K" in k.config) == stream_k
+
+
 def test_elementwise_reads_a_broadcast_operand_once():
     # x[64, 1024] * broadcast(s[1024]): 64 Ki elements of x, 1 Ki of s (a view of it), 64 Ki written
     module, fn, b = _step(Slot("batch", "x", tensor([64, 1024], f32)), Slot("param", "s", tensor([1024], f32)))

@@ -755,6 +755,18 @@ def stream_k_applies(M: int, N: int, splits: int, cfg: LoweringConfig, sms: int,
     return stream_k_enabled(f32) and cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * splits > sms
 
 
+def runs_stream_k(M: int, N: int, K: int, batch: int, cfg: LoweringConfig, sms: int, f32: bool,
+                  epilogue: bool = False) -> bool:
+    """Whether a launch of ``cfg`` at this shape runs as stream-K, as far as the config says
+    before the operands' strides are known: split (``split_k_plan``), 2-D, no epilogue, one
+    program a work item, TMA in its instruction path and ``stream_k_applies``. At launch the
+    operands must also take descriptors (``_tma_plan``) and no prologue ride on A. The memory
+    plan's bound (``scratch_bytes``) and ``explain()``'s schedule column ask this."""
+    splits = split_k_plan(K, cfg)[1]
+    return (splits > 1 and not epilogue and not cfg.persistent and batch == 1
+            and "tma" in cfg.instruction.split("+") and stream_k_applies(M, N, splits, cfg, sms, f32))
+
+
 def streamk_plan(M: int, N: int, K: int, cfg: LoweringConfig, programs: int) -> tuple[int, int]:
     """(programs, partial tiles) of a stream-K launch on ``programs`` SMs: at most one
     program an iteration; a partial tile a segment of ``streamk_shares``."""
@@ -1591,8 +1603,8 @@ def scratch_bytes(
         if LAST_SPLIT_SUMS and not epilogue and not cfg.persistent:  # and a count a tile
             split_bytes += tiles * 4
     sms = device_spec(device or torch.device("cpu")).num_sms
-    if (splits > 1 and not epilogue and not cfg.persistent and batch == 1 and "tma" in tokens
-            and stream_k_applies(M, N, splits, cfg, sms, _dtype_name(a_dtype) == "float32")):  # stream-K's partial tiles, or the split's where the operands take no descriptor
+    if runs_stream_k(M, N, K, batch, cfg, sms, _dtype_name(a_dtype) == "float32", epilogue):
+        # stream-K's partial tiles, or the split's where the operands take no descriptor
         _, segments = streamk_plan(M, N, K, cfg, sms)
         split_bytes = max(split_bytes, segments * cfg.block_m * cfg.block_n * f32)
     total += split_bytes
