@@ -19,6 +19,10 @@ replays. Prints per engine the totals and the kernels by DRAM bytes, and writes
 ``dram_bytes_<model>_<precision>_b<batch>.json`` (per kernel name: launches, DRAM read and
 written, L2 bytes, warp instructions, ncu's time) to ``--out``.
 
+An engine ``matmul:M,N,K,PRECISION,A_LAYOUT,B_LAYOUT[,PREROUNDED]`` (with ``--stalls``) is one
+matmul instead of a step: Nova's configured launch and cuBLAS's (``matmul_child``); engines are
+separated by ``;`` then.
+
 ``--stalls REGEX``: instead, why the kernels whose names match REGEX take their time: ncu's
 SpeedOfLight, Occupancy, LaunchStats, WarpStateStats and SchedulerStats sections for the first
 ``--launches`` matching launches of one step (each engine in ``--engines``), every metric
@@ -33,6 +37,7 @@ import csv
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,9 +50,48 @@ KEYS = ("dram_read", "dram_write", "l2", "ns", "inst")  # METRICS' names in the 
 UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1, "usecond": 1e3, "msecond": 1e6}
 
 
+def matmul_child(spec: str) -> None:
+    """``matmul:M,N,K,PRECISION,A_LAYOUT,B_LAYOUT[,PREROUNDED]`` (PRECISION bf16 or tf32; a layout
+    row or col, col = the transposed view of a dense matrix; PREROUNDED a, b or ab under tf32:
+    the operands the step's producers store rounded): Nova's configured launch, then cuBLAS's
+    (torch.matmul), once each between cudaProfilerStart and cudaProfilerStop, after 3 warm-ups."""
+    import torch
+
+    from nova.codegen.triton import matmul as mm
+
+    M, N, K, prec, la, lb, *rest = spec.removeprefix("matmul:").split(",")
+    M, N, K = int(M), int(N), int(K)
+    pre = tuple(rest[0]) if rest and rest[0] else ()
+    dtype = torch.bfloat16 if prec == "bf16" else torch.float32
+    torch.manual_seed(0)
+    a = torch.randn(M, K, device="cuda", dtype=dtype) if la == "row" else torch.randn(K, M, device="cuda", dtype=dtype).t()
+    b = torch.randn(K, N, device="cuda", dtype=dtype) if lb == "row" else torch.randn(N, K, device="cuda", dtype=dtype).t()
+    if prec == "tf32":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        a = mm.round_to_tf32(a) if "a" in pre else a
+        b = mm.round_to_tf32(b) if "b" in pre else b
+    c = torch.empty(M, N, device="cuda", dtype=dtype)
+
+    def nova():
+        mm.matmul(a, b, precision="tf32-rn" if prec == "tf32" else None, out=c, prerounded=pre)
+
+    for _ in range(3):
+        nova()
+        torch.matmul(a, b)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    nova()
+    torch.matmul(a, b)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def child(engine: str, model: str, precision: str, batch: int) -> None:
     """One step of ``engine`` between cudaProfilerStart and cudaProfilerStop (under ncu)."""
     import torch
+
+    if engine.startswith("matmul:"):
+        return matmul_child(engine)
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from kernel_profile import model_config, step_runner
@@ -146,7 +190,9 @@ def stalls(engine: str, opts, ncu: str) -> None:
                                           *(a for s in ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats",
                                                         "SchedulerStats") for a in ("--section", s))])  # fmt: skip
     opts.out.mkdir(parents=True, exist_ok=True)
-    path = opts.out / f"stalls_{opts.model}_{opts.precision}_b{opts.batch}_{engine.replace('.', '_')}.csv"
+    tag = re.sub(r"[^A-Za-z0-9_-]", "_", engine)
+    path = opts.out / (f"stalls_{tag}.csv" if engine.startswith("matmul:") else
+                       f"stalls_{opts.model}_{opts.precision}_b{opts.batch}_{tag}.csv")
     path.write_text("\n".join(ln for ln in done.stdout.splitlines() if ln.startswith('"')) + "\n")
     launches = stall_report(done.stdout)
     if done.returncode != 0 or not launches:
@@ -190,7 +236,7 @@ def main() -> None:
         raise SystemExit("dram_bytes: ncu (Nsight Compute) not found on the PATH, in /usr/local/cuda/bin "
                          "or /opt/nvidia/nsight-compute/*/")
     if opts.stalls:
-        for engine in opts.engines.split(","):
+        for engine in opts.engines.split(";" if "matmul:" in opts.engines else ","):
             stalls(engine, opts, ncu)
         return
     from importlib.metadata import version

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|streamk|few-tiles|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|streamk|few-tiles|mm-stalls|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -147,6 +147,14 @@ fi
 if [[ $what == stalls ]]; then  # warp stall reasons of the kernels matching a regex (scripts/dram_bytes.py --stalls)
   shift
   timeout 560 python3 scripts/dram_bytes.py --out "$OUT" --engines nova --stalls "$@" 2>&1 | tee "$OUT/stalls.log" | tail -80
+fi
+if [[ $what == mm-stalls ]]; then  # warp stall reasons of single matmuls, Nova's configured launch beside cuBLAS's
+  # (scripts/dram_bytes.py --stalls with matmul engines): tf32 forwards at K = 768 / 384 and bf16 batch 8's 768-wide ones
+  shift
+  engines=${MM_STALLS:-"matmul:16384,2304,768,tf32,row,col,ab;matmul:8192,1536,384,tf32,row,col,ab;matmul:8192,768,3072,bf16,row,col;matmul:8192,768,3072,bf16,row,row;matmul:8192,768,768,bf16,row,col"}
+  timeout 560 python3 scripts/dram_bytes.py --stalls '.*' --launches 3 --engines "$engines" --timeout 100 --out "$OUT/mm_stalls" "$@" \
+    2>&1 | tee "$OUT/mm_stalls.log" | tail -80
+  (cd "$OUT" && tar czf mm_stalls.tgz mm_stalls && rm -rf mm_stalls)
 fi
 if [[ $what == rates ]]; then  # copy bandwidth and cuBLAS bf16 / tf32 GEMM rates of this GPU (scripts/device_rates.py)
   shift
