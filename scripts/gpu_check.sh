@@ -109,7 +109,7 @@ fi
 if [[ $what == few-tiles ]]; then  # bf16 batch 8's few-tile launches (768-wide outputs): the configured kernels, then
   # warp specialization from one tile a program (WS_MIN_TILES_PER_SM=1), its 128x128 tile too, and stream-K forced
   shift
-  for v in default ws1 ws128 sk; do
+  for v in ${FEW_VARIANTS:-default ws1 ws128 sk}; do
     case $v in
       default) sets=() ;;
       ws1) sets=(--set schedule.configurator.WS_MIN_TILES_PER_SM=1.0) ;;
@@ -119,10 +119,10 @@ if [[ $what == few-tiles ]]; then  # bf16 batch 8's few-tile launches (768-wide 
     esac
     echo "== $v"
     timeout 120 python3 -m nova.cli.main bench matmul --shapes gpt2 --batch 8 --precisions bf16 --search-budget 0 \
-      --out "$OUT/few_$v" "${sets[@]}" "$@" 2>&1 | tail -6
+      --out "$OUT/few_$v" "${sets[@]}" "$@" 2>&1 | tail -17
   done
   rm -f "$OUT"/few_*/*.png
-  (cd "$OUT" && tar czf few_tiles.tgz few_* && rm -rf few_*)
+  (cd "$OUT" && dirs=$(ls -d few_*/) && tar czf fewtiles.tgz $dirs && rm -rf $dirs)
 fi
 if [[ $what == launches ]]; then  # every launch of a step measured (step.profile), by kind: scripts/step_launches.py [options]
   shift

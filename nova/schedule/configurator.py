@@ -316,6 +316,13 @@ WS_TILES: dict[str, tuple[int, int, int] | None] = {"plain": (128, 256, 4), "epi
 # over at least two tiles, where the partitioned loop's overlap of one tile's store with the
 # next's loads and MMAs is what it is for
 WS_MIN_TILES_PER_SM = 2.0
+# 8b's half tile: a plain launch whose WS tile gives fewer than WS_MIN_TILES_PER_SM S tiles
+# takes the tile halved along N (128x128) where that gives enough, rather than step 8's
+# one-program-a-tile grid. GPT-2 124M bf16 at batch 8, its 768-wide outputs (M = 8192: 192
+# tiles of 128x256, 1.45 waves rounded up to 2; 384 of 128x128 are 2.9 a program), on an H100
+# at 4e0b99b (bash scripts/gpu_check.sh few-tiles): 8192x768x768 419 -> 460 TFLOP/s,
+# 8192x768x2304 565 -> 611 (cuBLAS 540-560 and 702-716)
+WS_HALF_TILE = True
 # The deepest ring the partitioned loop gets. The NaNs a partitioned bias + GELU epilogue wrote
 # at 128x128 (bench/results/runs/ws_gpu_tests_epilogue_nan.log) were the ring's depth, not the
 # epilogue: at 128x128x64 with 5 stages (what (smem - convert) / stage_bytes gave) column 0 of
@@ -736,8 +743,14 @@ def plan_matmul(
     # keeps step 8's kernel: Triton 3.6's partitioner fails on the tile's row reduction
     # inside the partitioned loop (bench/results/runs/step_launches_2l_564d08d.log)
     ws = WS_TILES.get("epilogue" if epilogue else "plain")
+
+    def ws_tiles(w) -> int:
+        return _cdiv(M, w[0]) * _cdiv(N, w[1])
+
+    if ws is not None and WS_HALF_TILE and not epilogue and ws_tiles(ws) < WS_MIN_TILES_PER_SM * S and ws[1] > 128:
+        ws = (ws[0], ws[1] // 2, ws[2])  # 8b's half tile (WS_HALF_TILE)
     if not (ws is not None and not epilogue_sums and tma_path and split == 1 and batch == 1 and ea == eb == eo == 2
-            and path == "bf16" and _cdiv(M, ws[0]) * _cdiv(N, ws[1]) >= WS_MIN_TILES_PER_SM * S):
+            and path == "bf16" and ws_tiles(ws) >= WS_MIN_TILES_PER_SM * S):
         ws = None
     split_ws = (WS_SPLIT and ws is None and split > 1 and not streamk_chosen and tma_path and batch == 1 and ea == eb == 2
                 and path == "bf16" and t.bm >= 2 * WGMMA_M and not tf32_nmajor)

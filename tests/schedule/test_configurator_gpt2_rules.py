@@ -69,12 +69,33 @@ def test_warp_specialization_only_where_it_was_measured_to_run(case):
     assert c.num_warps == 8 or c.block_m * c.block_n <= 128 * 128
 
 
+@pytest.mark.parametrize("K", [768, 2304, 3072])
+@pytest.mark.parametrize("device", ["H100", "H200"])
+def test_few_wide_tiles_take_the_half_warp_specialized_tile(K, device, monkeypatch):
+    """Rule 8b's half tile (WS_HALF_TILE): GPT-2's 768-wide outputs at batch 8 (M = 8192) are
+    192 tiles of 128x256, under 2 S; at 128x128 they are 384, every program looping over 2-3
+    of them in the partitioned loop (measured on an H100, 4e0b99b: 8192x768x768 419 -> 460
+    TFLOP/s, 8192x768x2304 565 -> 611). An epilogue keeps its kernel; without the rule, the
+    one-program-a-tile grid."""
+    c = plan_matmul(8192, 768, K, 1, *BF16, "row", "row", device=device).config
+    assert "ws" in c.instruction.split("+") and c.persistent
+    assert (c.block_m, c.block_n, c.num_warps, c.num_stages, c.split_k) == (128, 128, 4, 4, 1)
+    e = plan_matmul(8192, 768, K, 1, *BF16, "row", "row", device=device, epilogue=True).config
+    assert "ws" not in e.instruction.split("+")
+    monkeypatch.setattr(cf, "WS_HALF_TILE", False)
+    c = plan_matmul(8192, 768, K, 1, *BF16, "row", "row", device=device).config
+    assert "ws" not in c.instruction.split("+") and not c.persistent
+
+
 def test_short_k_without_enough_tiles_still_takes_two_blocks():
     """6c still fires where the persistent loop is not taken (fewer than 2 S tiles of
-    128x256): a 4096 x 2048 x 768 bf16 matmul has 128 of them."""
-    p = plan_matmul(4096, 2048, 768, 1, *BF16, "row", "col", device="H200")
+    128x256): a 4096 x 2048 x 768 bf16 matmul has 128 of them. With an epilogue: storing C
+    alone, 8b's half tile (512 tiles of 128x128) takes the partitioned loop instead."""
+    p = plan_matmul(4096, 2048, 768, 1, *BF16, "row", "col", device="H200", epilogue=True)
     assert not p.config.persistent
     assert _tile(p.config)[:2] == (128, 128) and p.blocks_per_sm == 2
+    p = plan_matmul(4096, 2048, 768, 1, *BF16, "row", "col", device="H200")
+    assert p.config.persistent and "ws" in p.config.instruction.split("+") and _tile(p.config)[:2] == (128, 128)
 
 
 @pytest.mark.parametrize("M,N,K", [(32768, 768, 3072), (32768, 768, 2304), (50304, 768, 2048)])
