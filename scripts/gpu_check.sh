@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-search|streamk|few-tiles|mm-stalls|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-tiles|tf32-search|streamk|few-tiles|mm-stalls|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -81,6 +81,12 @@ if [[ $what == tf32 ]]; then  # the tf32 steps' matmuls: cuBLAS, as run, operand
   timeout 200 python3 scripts/kernel_profile.py --model mlp46m --precision tf32 --batch 8 --out "$OUT" 2>&1 \
     | tee "$OUT/kernel_profile.log" | head -40
 fi
+if [[ $what == tf32-tiles ]]; then  # the 46M step's tf32 launches at other persistent tiles (TF32_TILES), both operands rounded
+  shift
+  tiles=(); for t in ${TF32_TILES:-pers:128x128x32:s4:w4 pers:128x128x32:s5:w4}; do tiles+=(--tile "$t"); done
+  timeout 300 python3 scripts/tf32_variants.py --shapes-file bench/mlp46m_matmul_shapes.json "${tiles[@]}" \
+    --out "$OUT/tf32_tiles" "$@" 2>&1 | tee "$OUT/tf32_tiles.log" | tail -40
+fi
 if [[ $what == tf32-search ]]; then  # nova bench matmul's search on the tf32 steps' launches (46M b8, GPT-2 b16)
   shift
   timeout 250 python3 -m nova.cli.main bench matmul --shapes gpt2 --shapes-file bench/mlp46m_matmul_shapes.json \
@@ -116,6 +122,7 @@ if [[ $what == few-tiles ]]; then  # bf16 batch 8's few-tile launches (768-wide 
       ws128) sets=(--set schedule.configurator.WS_MIN_TILES_PER_SM=1.0
                    --set "schedule.configurator.WS_TILES={'plain': (128, 128, 4), 'epilogue': (128, 256, 4)}") ;;
       sk) sets=(--set schedule.configurator.STREAM_K_MIN_GAIN=-0.5) ;;
+      wsfull) sets=(--set schedule.configurator.WS_HALF_TILE=False) ;;
     esac
     echo "== $v"
     timeout 120 python3 -m nova.cli.main bench matmul --shapes gpt2 --batch 8 --precisions bf16 --search-budget 0 \

@@ -29,13 +29,15 @@ def _operands(M, N, K, la, lb, g):
 
 @pytest.mark.parametrize("M,N,K", [(8192, 3072, 768), (8192 + 72, 3072 - 56, 768 + 40)], ids=["even", "ragged"])
 @pytest.mark.parametrize("la,lb", [("row", "col"), ("row", "row"), ("col", "row"), ("col", "col")])
-def test_ws_matmul_is_the_unpartitioned_kernel(M, N, K, la, lb):
+@pytest.mark.parametrize("block_n", [256, 128], ids=["128x256", "128x128"])  # 128x128: rule 8b's half tile
+def test_ws_matmul_is_the_unpartitioned_kernel(M, N, K, la, lb, block_n):
     g = torch.Generator(device="cuda").manual_seed(0)
     a, b = _operands(M, N, K, la, lb, g)
+    ws = dataclasses.replace(WS, block_n=block_n)
     rec: dict = {}
-    got = mm.matmul(a, b, cfg=WS, record=rec)
+    got = mm.matmul(a, b, cfg=ws, record=rec)
     assert any("warp-specialized" in open(p).read(300) for p in rec), "the warp-specialized kernel did not run"
-    plain = mm.matmul(a, b, cfg=dataclasses.replace(WS, num_warps=8, instruction="wgmma+tma"))
+    plain = mm.matmul(a, b, cfg=dataclasses.replace(ws, num_warps=8, instruction="wgmma+tma"))
     ref = (a.double() @ b.double()).to(torch.bfloat16)
     torch.cuda.synchronize()
     assert (got.double() - ref.double()).abs().max().item() <= 2 ** -7 * ref.double().abs().max().item()

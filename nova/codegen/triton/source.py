@@ -198,7 +198,7 @@ def load_kernel(source: str, name: str, cache_dir: str | os.PathLike | None = No
             except RuntimeError:
                 sys.modules.pop(module_name, None)
                 raise
-            if not interpreted:  # NOVA_WGMMA_CHECK=1: every compile of a generated kernel read for wgmma races
+            if not interpreted:  # unless NOVA_WGMMA_CHECK=0: every compile of a generated kernel read for wgmma races
                 from nova.codegen.triton.wgmma_check import install
 
                 install()

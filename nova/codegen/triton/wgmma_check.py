@@ -16,16 +16,19 @@ per write into a pending wgmma's A registers. ``check_kernel(kernel, what)`` run
 on a compiled Triton kernel's cubin through the nvdisasm Triton ships, and raises
 ``WgmmaRegisterRace`` naming the kernel and the first hazards.
 
-With ``NOVA_WGMMA_CHECK=1``, ``install()`` (called when ``source.load_kernel`` first
+Unless ``NOVA_WGMMA_CHECK=0``, ``install()`` (called when ``source.load_kernel`` first
 loads a compiled kernel) chains Triton's ``jit_post_compile_hook`` so that every kernel
 Nova generates (``nova_generated_*`` modules) is checked when Triton compiles it or takes
 it from its cache, before its first launch: only kernels whose PTX has a register-A
 wgmma are disassembled (the rest pass on a text search), and a cubin found safe is
 remembered under the Nova cache directory (``wgmma_checked/<sha256>``). A racing kernel
-is dropped from Triton's in-memory cache and the launch raises. Off by default: on an
-H100 at 7098a36 the 46M MLP's warm compile took 6.4 s with it against 0.5 without (a warm
-process profiled at 435d455 spent 0.02 s of its 7.5 s in the check itself: the cause is
-not found), and every configured register-A kernel is settled (``matmul.SETTLE_REGISTER_A``:
+is dropped from Triton's in-memory cache and the launch raises. On by default since
+4e0b99b's measurement on an H100 (``bash scripts/gpu_check.sh wgmma-cost``: GPT-2 tf32, 2
+layers, batch 8, in a second process with the step cache on disk, 2.62 s without it and 2.43
+with; the cold compile 8.79 and 8.67 s): a silent wrong result is what it stops, and it costs
+no measurable compile time. (At 7098a36 the 46M MLP's warm compile took 6.4 s with it against
+0.5 without; a warm process profiled at 435d455 spent 0.02 s of its 7.5 s in the check
+itself.) Every configured register-A kernel is settled besides (``matmul.SETTLE_REGISTER_A``:
 tests/gpu/test_step_matmuls_gpu.py reads every step launch's SASS)."""
 
 from __future__ import annotations
@@ -134,7 +137,7 @@ def sass_of(cubin: bytes) -> str:
     tool = nvdisasm()
     if tool is None:
         raise WgmmaRegisterRace("wgmma_check: no nvdisasm (Triton's backends/nvidia/bin or PATH) to read the kernel's "
-                                "machine code (unset NOVA_WGMMA_CHECK to launch unchecked)")
+                                "machine code (NOVA_WGMMA_CHECK=0 launches unchecked)")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -187,7 +190,7 @@ _INSTALLED = False
 def install() -> None:
     """Chain Triton's post-compile hook with the check of Nova's generated kernels (once)."""
     global _INSTALLED
-    if _INSTALLED or os.environ.get("NOVA_WGMMA_CHECK", "0") != "1":
+    if _INSTALLED or os.environ.get("NOVA_WGMMA_CHECK", "1") == "0":
         return
     from triton import knobs
 
