@@ -71,9 +71,13 @@ def matmul_child(spec: str) -> None:
         a = mm.round_to_tf32(a) if "a" in pre else a
         b = mm.round_to_tf32(b) if "b" in pre else b
     c = torch.empty(M, N, device="cuda", dtype=dtype)
+    precision = "tf32-rn" if prec == "tf32" else "ieee"
+    # configured as the step configures it: with the operands it takes as rounded (a launch without
+    # cfg configures without them)
+    cfg = mm.configure(M, N, K, 1, dtype, dtype, precision, la, lb, False, mm.device_spec(a.device), prerounded=pre)
 
     def nova():
-        mm.matmul(a, b, precision="tf32-rn" if prec == "tf32" else None, out=c, prerounded=pre)
+        mm.matmul(a, b, cfg=cfg, precision=precision, out=c, prerounded=pre)
 
     for _ in range(3):
         nova()
