@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-tiles|tf32-search|streamk|few-tiles|mm-stalls|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-tiles|ws-tf32|tf32-search|streamk|few-tiles|mm-stalls|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -86,6 +86,20 @@ if [[ $what == tf32-tiles ]]; then  # the 46M step's tf32 launches at other pers
   tiles=(); for t in ${TF32_TILES:-pers:128x128x32:s4:w4 pers:128x128x32:s5:w4}; do tiles+=(--tile "$t"); done
   timeout 300 python3 scripts/tf32_variants.py --shapes-file bench/mlp46m_matmul_shapes.json "${tiles[@]}" \
     --out "$OUT/tf32_tiles" "$@" 2>&1 | tee "$OUT/tf32_tiles.log" | tail -40
+fi
+if [[ $what == ws-tf32 ]]; then  # rule 8b on the staged tf32 path (configurator.WS_TF32) off and on: its GPU test,
+  # the tf32 steps' matmuls against cuBLAS, then the 46M MLP step (torch.compile and Nova)
+  shift
+  timeout 120 python3 -m pytest -q -s tests/gpu/test_matmul_ws_gpu.py -k tf32 -p no:cacheprovider 2>&1 | tail -4
+  for v in off on; do
+    sets=(); [[ $v == on ]] && sets=(--set schedule.configurator.WS_TF32=True)
+    timeout 100 python3 -m nova.cli.main bench matmul --shapes gpt2 --shapes-file bench/mlp46m_matmul_shapes.json \
+      --batch 8 --precisions tf32 --search-budget 0 --out "$OUT/wstf32_mm8_$v" "${sets[@]}" 2>&1 | tail -12
+    timeout 120 python3 -m nova.cli.main bench gpt2 --out "$OUT/wstf32_mlp_$v" --model mlp46m --precision tf32 --batch 8 \
+      --engines torch.compile,nova "${sets[@]}" "$@" 2>&1 | tail -4
+  done
+  rm -f "$OUT"/wstf32_*/*.png
+  (cd "$OUT" && dirs=$(ls -d wstf32_*/) && tar czf ws_tf32.tgz $dirs && rm -rf $dirs)
 fi
 if [[ $what == tf32-search ]]; then  # nova bench matmul's search on the tf32 steps' launches (46M b8, GPT-2 b16)
   shift

@@ -229,6 +229,8 @@ def census(entries: list[dict]) -> list[dict]:
         try:
             k = compile_entry(e)
             line.update(resources(k.asm["ptx"]))
+            # the build's shared memory and warps (a partitioned loop: its producer and computing groups)
+            line["shared_bytes"], line["warps"] = k.metadata.shared, k.metadata.num_warps
             line["register_a"] = wc.has_register_a(k.asm["ptx"])
             line["hazards"] = len(wc.hazards(wc.sass_of(k.asm["cubin"]))) if line["register_a"] else 0
         except Exception as ex:  # noqa: BLE001 (reported per kernel)

@@ -316,6 +316,16 @@ WS_TILES: dict[str, tuple[int, int, int] | None] = {"plain": (128, 256, 4), "epi
 # over at least two tiles, where the partitioned loop's overlap of one tile's store with the
 # next's loads and MMAs is what it is for
 WS_MIN_TILES_PER_SM = 2.0
+# 8b for the staged tf32 path (both operands rounded and K-major in shared memory, C in fp32,
+# no epilogue; WS_TF32): the warp-specialized kernel at WS_TF32_TILE (BM, BN, warps a computing
+# group), its ring beside the fp32 tile's conversion (BM BN x 4 bytes), instead of step 8d's
+# flattened loop. cuBLAS's tf32 kernel on these shapes has that structure (Nsight Compute on an
+# H100 at 4e0b99b, `gpu_check.sh mm-stalls`: sm90_xmma_gemm_..._tf32f32_f32_..._tilesize128x128x32,
+# 12 warps, 168 registers, one block an SM); so does Nova's offline sm_90a build of it (12 warps,
+# 168 registers, no spills, 196,968 bytes of shared memory: scripts/offline_wgmma_census.py
+# --launches bench/ws_tf32_launches.json). Not timed on a device yet: off
+WS_TF32 = False
+WS_TF32_TILE = (128, 128, 4)
 # 8b's half tile: a plain launch whose WS tile gives fewer than WS_MIN_TILES_PER_SM S tiles
 # takes the tile halved along N (128x128) where that gives enough, rather than step 8's
 # one-program-a-tile grid. GPT-2 124M bf16 at batch 8, its 768-wide outputs (M = 8192: 192
@@ -752,6 +762,10 @@ def plan_matmul(
     if not (ws is not None and not epilogue_sums and tma_path and split == 1 and batch == 1 and ea == eb == eo == 2
             and path == "bf16" and ws_tiles(ws) >= WS_MIN_TILES_PER_SM * S):
         ws = None
+    f32_ws = (WS_TF32 and ws is None and not epilogue and tf32_staged and tma_path and split == 1
+              and batch == 1 and eo == 4 and ws_tiles(WS_TF32_TILE) >= WS_MIN_TILES_PER_SM * S)
+    if f32_ws:  # 8b on the staged tf32 path (WS_TF32_TILE)
+        ws = WS_TF32_TILE
     split_ws = (WS_SPLIT and ws is None and split > 1 and not streamk_chosen and tma_path and batch == 1 and ea == eb == 2
                 and path == "bf16" and t.bm >= 2 * WGMMA_M and not tf32_nmajor)
     if split_ws:  # 8c: the split's tile, 4 warps a computing group, the fp32 tile's conversion beside the ring
@@ -759,7 +773,7 @@ def plan_matmul(
     if ws is not None:
         w_bm, w_bn, w_warps = ws
         w_stage = (w_bm * ea + w_bn * eb) * bk
-        convert = w_bm * w_bn * 4 if split_ws else w_bm * w_bn if epilogue else w_bm * w_bn // 2
+        convert = w_bm * w_bn * 4 if split_ws or f32_ws else w_bm * w_bn if epilogue else w_bm * w_bn // 2
         w_stages = min(WS_MAX_STAGES, (smem_budget - convert) // w_stage, _cdiv(_cdiv(K, split), bk))
         if w_stages < 2:
             ws = None
@@ -826,8 +840,8 @@ def plan_matmul(
         instruction = "wgmma+tma"
     if stage_b and t.family == "wgmma":
         instruction = "wgmma+tma" + ("+stage_a" if stage_a else "") + "+stage_b"
-    if ws:
-        instruction = "wgmma+tma+ws"
+    if ws:  # (the staged tf32 path keeps its staging: the kernel reads both operands rounded)
+        instruction = "wgmma+tma+stage_a+stage_b+ws" if f32_ws else "wgmma+tma+ws"
 
     regime = "launch-bound" if launch_bound else "compute-bound" if ai >= ridge else "memory-bound"
     cfg = LoweringConfig(

@@ -61,3 +61,27 @@ def test_split_ws_matmul_is_the_unpartitioned_split_kernel(M, N, K, split, tile,
     torch.cuda.synchronize()
     assert (got.double() - ref.double()).abs().max().item() <= 2 ** -7 * ref.double().abs().max().item()
     assert torch.equal(got, plain), (got.double() - plain.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("pre", [("a", "b"), ()], ids=["prerounded", "staged"])
+@pytest.mark.parametrize("M,N,K", [(16384, 2304, 768), (8192 + 72, 1536 - 56, 384 + 40)], ids=["even", "ragged"])
+def test_tf32_ws_matmul_is_the_unpartitioned_staged_kernel(M, N, K, pre):
+    """The staged tf32 path in the partitioned loop (configurator rule 8b's WS_TF32): fp32
+    operands rounded before the kernel (prerounded, or staged), both K-major, C in fp32: bit for
+    bit the unpartitioned staged kernel of the same tile, within tf32 of float64."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    a = torch.randn(M, K, device="cuda", generator=g)
+    b = torch.randn(N, K, device="cuda", generator=g).t()
+    if pre:
+        a, b = mm.round_to_tf32(a), mm.round_to_tf32(b)
+    ws = LoweringConfig(kind="matmul", block_m=128, block_n=128, block_k=32, group_m=16, persistent=True,
+                        num_warps=4, num_stages=4, instruction="wgmma+tma+stage_a+stage_b+ws")
+    rec: dict = {}
+    got = mm.matmul(a, b, cfg=ws, precision="tf32-rn", prerounded=pre, record=rec)
+    assert any("warp-specialized" in open(p).read(300) for p in rec if p != "tf32_stage"), "the WS kernel did not run"
+    plain = mm.matmul(a, b, cfg=dataclasses.replace(ws, num_warps=8, num_stages=3, instruction="wgmma+tma+stage_a+stage_b"),
+                      precision="tf32-rn", prerounded=pre)
+    ref = mm.round_to_tf32(a).double() @ mm.round_to_tf32(b).double()
+    torch.cuda.synchronize()
+    assert (got.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert torch.equal(got, plain), (got.double() - plain.double()).abs().max().item()

@@ -32,7 +32,8 @@ def _operands(M, N, K, la, lb, device, dtype=torch.bfloat16):
 
 
 def _ran_ws(record: dict) -> bool:
-    return any("warp-specialized" in open(p).read(400) for p in record)
+    # (record's keys are the kernels' files, and "tf32_stage" where the staging copy ran)
+    return any("warp-specialized" in open(p).read(400) for p in record if p != "tf32_stage")
 
 
 @pytest.mark.parametrize("M,N,K", [(256, 192, 96), (200, 136, 72)], ids=["even", "ragged"])
@@ -57,6 +58,26 @@ def test_ws_kernel_with_a_bias_and_a_bf16_result(device):
     got = mm.matmul(a, b, bias, cfg=WS, record=rec)
     assert _ran_ws(rec) and got.dtype == torch.bfloat16
     assert torch.equal(got, mm.matmul(a, b, bias, cfg=PLAIN))
+
+
+@pytest.mark.parametrize("pre", [("a", "b"), ()], ids=["prerounded", "staged"])
+@pytest.mark.parametrize("M,N,K", [(256, 192, 96), (200, 136, 72)], ids=["even", "ragged"])
+def test_a_tf32_ws_kernel_reads_both_operands_rounded(M, N, K, pre, device):
+    """fp32 operands under tf32-rn, both rounded before the kernel (prerounded and read in
+    place, or staged) and K-major: the partitioned loop runs a plain tf32 dot (configurator
+    rule 8b's WS_TF32_TILE), bit for bit the unpartitioned staged kernel of the same tile."""
+    a, b = _operands(M, N, K, "row", "col", device, torch.float32)
+    if pre:
+        a, b = mm.round_to_tf32(a), mm.round_to_tf32(b)
+    staged = dataclasses.replace(WS, instruction="wgmma+tma+stage_a+stage_b+ws")
+    rec: dict = {}
+    got = mm.matmul(a, b, cfg=staged, precision="tf32-rn", prerounded=pre, record=rec, num_programs=3)
+    assert _ran_ws(rec)
+    want = mm.matmul(a, b, cfg=dataclasses.replace(PLAIN, instruction="wgmma+tma+stage_a+stage_b"),
+                     precision="tf32-rn", prerounded=pre, num_programs=3)
+    assert torch.equal(got, want)
+    ref = mm.round_to_tf32(a).double() @ mm.round_to_tf32(b).double()
+    assert (got.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
 
 
 @pytest.mark.parametrize("case", ["batched", "float32", "unaligned"])

@@ -289,3 +289,22 @@ def test_persistent_staged_epilogues_reach_only_the_staged_tf32_path(monkeypatch
     assert on.persistent and on.instruction == "wgmma+tma+stage_a+stage_b"
     assert (on.block_k, on.split_k) == (off.block_k, off.split_k)
     assert [configure_matmul(*o) for o in others] == before
+
+
+@pytest.mark.parametrize("M,N,K", [(16384, 2304, 768), (8192, 1536, 384)])
+def test_the_staged_tf32_path_takes_warp_specialization_only_when_asked(M, N, K, monkeypatch):
+    """Rule 8b on the staged tf32 path (WS_TF32, off): both operands rounded and K-major (here
+    prerounded, read in place), C in fp32, no epilogue, at least 2 S tiles of WS_TF32_TILE: the
+    partitioned loop at 128x128 with 4 warps a computing group, its ring beside the fp32 tile
+    (BM BN x 4 bytes), the staging tokens kept. Off: step 8d's flattened loop."""
+    args = (M, N, K, 1, *TF32, "row", "col")
+    off = plan_matmul(*args, device="H100", prerounded=("a", "b")).config
+    assert "ws" not in off.instruction.split("+")
+    monkeypatch.setattr(cf, "WS_TF32", True)
+    p = plan_matmul(*args, device="H100", prerounded=("a", "b"))
+    c = p.config
+    assert c.instruction == "wgmma+tma+stage_a+stage_b+ws" and c.persistent
+    assert (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, c.split_k) == (128, 128, 32, 4, 4, 1)
+    assert p.smem_bytes == 4 * (128 + 128) * 32 * 4 + 128 * 128 * 4
+    e = plan_matmul(*args, device="H100", prerounded=("a", "b"), epilogue=True).config
+    assert "ws" not in e.instruction.split("+")

@@ -870,9 +870,11 @@ def matmul_source(
     if e_tma and not fused:
         raise ValueError("matmul: epilogue outputs through descriptors are the one-pass kernel's (an epilogue, no split)")
     ws = tma is not None and tma.ws
-    if ws and (serial or batched or not persistent or c_tma or e_tma or in_name == "float32"):
-        raise ValueError("matmul: the warp-specialized kernel is the persistent 2-D kernel on 16-bit operands, "
-                         "storing through pointers (no batch, no C or epilogue descriptors, split-K in two passes)")
+    if ws and (serial or batched or not persistent or c_tma or e_tma or (in_name == "float32" and not ws_f32_reads(
+            precision, prerounded, tma))):
+        raise ValueError("matmul: the warp-specialized kernel is the persistent 2-D kernel on 16-bit operands (or fp32 "
+                         "ones rounded to tf32 before it, both K-major), storing through pointers (no batch, no C or "
+                         "epilogue descriptors, split-K in two passes)")
     params = ["a_ptr", "b_ptr"] if ws or not tma else ["a_desc", "b_desc"]
     if not fused:
         params.append("c_desc" if c_tma else "c_ptr")
@@ -1766,8 +1768,19 @@ def _tma_e(cfg: LoweringConfig, ep: Epilogue, outs, batched: bool, M: int):
     return descs
 
 
+def ws_f32_reads(precision: str, rounded: tuple[str, ...], tma: "TmaLayout | None") -> bool:
+    """Whether the warp-specialized kernel takes fp32 operands: under tf32-rn, both already
+    rounded (``rounded``: staged, or prerounded and read in place) and both K-major (A "row", B
+    "col": wgmma reads tf32 from shared memory K-major only), so the partitioned loop's dot is a
+    plain tf32 one, no rounding or transposition in registers (configurator rule 8b's
+    ``WS_TF32_TILE``)."""
+    return (precision == "tf32-rn" and {"a", "b"} <= set(rounded) and tma is not None
+            and tma.a == "row" and tma.b == "col")
+
+
 def _ws_plan(cfg: LoweringConfig, tma, a3, b3, batched: bool, in_name: str,
-             epilogue: Epilogue | None, prologue: Prologue | None = None) -> list[int] | None:
+             epilogue: Epilogue | None, prologue: Prologue | None = None, precision: str = "ieee",
+             rounded: tuple[str, ...] = ()) -> list[int] | None:
     """The operands' strides for the warp-specialized kernel (``ws`` in the config's
     instruction), or None where it cannot run: the operands not both TMA-addressable
     (``tma`` None: the pointer kernel), a batch, 32-bit operands, an epilogue
@@ -1781,7 +1794,8 @@ def _ws_plan(cfg: LoweringConfig, tma, a3, b3, batched: bool, in_name: str,
     if "ws" not in cfg.instruction.split("+"):
         return None
     why = ("operands not TMA-addressable" if tma is None else "batched" if batched or tma[0].a_batched
-           or tma[0].b_batched else "32-bit operands" if in_name == "float32"
+           or tma[0].b_batched else "32-bit operands not both rounded and K-major" if in_name == "float32"
+           and not ws_f32_reads(precision, rounded, tma[0])
            else "not persistent" if not cfg.persistent else "an epilogue (WS_EPILOGUES off)"
            if epilogue is not None and not WS_EPILOGUES else "column sums in the epilogue"
            if epilogue is not None and epilogue.sums else "an operand prologue" if prologue is not None else None)
@@ -2159,7 +2173,7 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     last = split and ep is None and not cfg.persistent and not serial and LAST_SPLIT_SUMS
     split_partials = split and not serial  # each split writes an fp32 partial tile, [S, B, M, N]
     kernel_bias = bias is not None and (not split or serial or last)  # added in the main kernel
-    ws_strides = _ws_plan(cfg, tma, a3, b3, batched, in_name, ep, pro)
+    ws_strides = _ws_plan(cfg, tma, a3, b3, batched, in_name, ep, pro, precision, staged)
     if ws_strides is not None:
         tma = (dataclasses.replace(tma[0], ws=True), None)
     c_desc = _tma_c(cfg, c3) if C_TMA and tma and ws_strides is None and not split and ep is None else None
