@@ -323,15 +323,20 @@ WS_MIN_TILES_PER_SM = 2.0
 # H100 at 4e0b99b, `gpu_check.sh mm-stalls`: sm90_xmma_gemm_..._tf32f32_f32_..._tilesize128x128x32,
 # 12 warps, 168 registers, one block an SM); so does Nova's offline sm_90a build of it (12 warps,
 # 168 registers, no spills, 196,968 bytes of shared memory: scripts/offline_wgmma_census.py
-# --launches bench/ws_tf32_launches.json). Not timed on a device yet: off
+# --launches bench/ws_tf32_launches.json). Timed off and on in one call on an H100 at 5aba26a
+# (bash scripts/gpu_check.sh ws-tf32, bench/results/runs/*_wstf32_*_h100_5aba26a.json): the 46M
+# MLP's 8192x1536x384 0.0445 -> 0.0450 ms (cuBLAS 0.0359), its logits 4096x50304x384 0.648 -> 0.650
+# (0.512), the step 956,194 -> 946,966 tok/s (torch.compile 940,658 / 942,271): no gain. Off
 WS_TF32 = False
 WS_TF32_TILE = (128, 128, 4)
 # 8b's half tile: a plain launch whose WS tile gives fewer than WS_MIN_TILES_PER_SM S tiles
 # takes the tile halved along N (128x128) where that gives enough, rather than step 8's
 # one-program-a-tile grid. GPT-2 124M bf16 at batch 8, its 768-wide outputs (M = 8192: 192
-# tiles of 128x256, 1.45 waves rounded up to 2; 384 of 128x128 are 2.9 a program), on an H100
-# at 4e0b99b (bash scripts/gpu_check.sh few-tiles): 8192x768x768 419 -> 460 TFLOP/s,
-# 8192x768x2304 565 -> 611 (cuBLAS 540-560 and 702-716)
+# tiles of 128x256, 1.45 waves rounded up to 2; 384 of 128x128 are 2.9 a program), off and on in
+# one call on an H100 at 5aba26a (FEW_VARIANTS="default wsfull" bash scripts/gpu_check.sh few-tiles,
+# bench/results/runs/matmul_gpt2_b8_bf16_halftile_{off,on}_h100_5aba26a.json), TFLOP/s: 8192x768x768
+# 414 -> 455 (both layouts), 8192x768x2304 549 -> 593, 8192x768x3072 476 -> 605 (row/col) and
+# 551 -> 612 (row/row); cuBLAS 547-562, 636, 680-694
 WS_HALF_TILE = True
 # The deepest ring the partitioned loop gets. The NaNs a partitioned bias + GELU epilogue wrote
 # at 128x128 (bench/results/runs/ws_gpu_tests_epilogue_nan.log) were the ring's depth, not the
