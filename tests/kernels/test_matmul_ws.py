@@ -65,7 +65,7 @@ def test_ws_kernel_with_a_bias_and_a_bf16_result(device):
 def test_a_tf32_ws_kernel_reads_both_operands_rounded(M, N, K, pre, device):
     """fp32 operands under tf32-rn, both rounded before the kernel (prerounded and read in
     place, or staged) and K-major: the partitioned loop runs a plain tf32 dot (configurator
-    rule 8b's WS_TF32_TILE), bit for bit the unpartitioned staged kernel of the same tile."""
+    rule 8b's WS_TF32), bit for bit the unpartitioned staged kernel of the same tile."""
     a, b = _operands(M, N, K, "row", "col", device, torch.float32)
     if pre:
         a, b = mm.round_to_tf32(a), mm.round_to_tf32(b)
