@@ -761,7 +761,8 @@ def runs_stream_k(M: int, N: int, K: int, batch: int, cfg: LoweringConfig, sms: 
     before the operands' strides are known: split (``split_k_plan``), 2-D, no epilogue, one
     program a work item, TMA in its instruction path and ``stream_k_applies``. At launch the
     operands must also take descriptors (``_tma_plan``) and no prologue ride on A. The memory
-    plan's bound (``scratch_bytes``) and ``explain()``'s schedule column ask this."""
+    plan's bound (``scratch_bytes``), ``explain()``'s schedule column and the launch (``_run``,
+    which adds those two) ask this."""
     splits = split_k_plan(K, cfg)[1]
     return (splits > 1 and not epilogue and not cfg.persistent and batch == 1
             and "tma" in cfg.instruction.split("+") and stream_k_applies(M, N, splits, cfg, sms, f32))
@@ -2164,8 +2165,9 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
         spans += [(batch * M + margin) * (N + margin)] + [_span(x, margin) for x in ep_inputs]
     index_64 = max(spans) > _INT32_MAX
     tma = _tma_plan(cfg, a3, b3)
-    if (split and ep is None and pro is None and not batched and tma and not cfg.persistent
-            and stream_k_applies(M, N, splits, cfg, num_programs or _num_sms(a3.device), in_name == "float32")):
+    if (tma and pro is None and not batched
+            and runs_stream_k(M, N, K, batch, cfg, num_programs or _num_sms(a3.device), in_name == "float32",
+                              epilogue=ep is not None)):
         return _run_streamk(a3, b3, bias, cfg, precision, out, c3, tma, in_name, out_name, staged, num_programs,
                             warmup, record)
     fused = ep is not None and not split
