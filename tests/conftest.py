@@ -19,6 +19,11 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import triton_interpreter  # noqa: E402  (tests/triton_interpreter.py)
+
+    triton_interpreter.drop_dead_work()
+
 # one thread per test process: the suite runs in parallel workers on 2 cores, and
 # oversubscribed OpenMP threads make small CPU kernels 100x slower
 torch.set_num_threads(1)

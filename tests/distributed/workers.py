@@ -15,6 +15,10 @@ import torch.distributed as dist
 
 def init(rank: int, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
+    if os.environ.get("TRITON_INTERPRET") == "1":  # inherited from the test process (tests/conftest.py)
+        import triton_interpreter
+
+        triton_interpreter.drop_dead_work()
     # a FileStore in the test's own tmp dir: no port to collide on
     store = dist.FileStore(os.path.join(tmp, "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=_timeout())
