@@ -28,9 +28,6 @@ class LoweringConfig:
     instruction: str = "mma"
     # why: the regime the configurator classified the op into, e.g. "compute-bound"
     regime: str = ""
-    # elementwise multi-tensor kernels: consecutive blocks of ``block`` a program walks in a
-    # loop, its one-element values computed once for all of them
-    blocks_per_program: int = 1
 
     def to_dict(self) -> dict[str, int | str | bool]:
         return asdict(self)

@@ -1043,20 +1043,9 @@ def configure_column_reduction(kept: int, reduced: int, dtype, device, kind: str
     )
 
 
-# a multi-tensor kernel's program recomputes its scalar cone (the optimizer's bias
-# corrections: fp64 pows, a division and a square root, ~300 fp64 instructions a
-# thread) before its elements; walking up to this many blocks a program computes it
-# once for all of them (the per-element work is ~35 fp32 ops)
-BLOCKS_PER_PROGRAM_MAX = 8
-
-
-def configure_elementwise(numel: int, dtype, n_inputs: int, device, scalar_ops: int = 0,
-                          parts: int = 1) -> LoweringConfig:  # fmt: skip
+def configure_elementwise(numel: int, dtype, n_inputs: int, device) -> LoweringConfig:
     """A pointwise kernel over ``numel`` elements reading ``n_inputs`` tensors and
-    writing one: ``block`` = elements per program. A multi-tensor kernel of ``parts``
-    parts (grid axis 1) whose programs each compute ``scalar_ops`` one-element ops
-    walks ``blocks_per_program`` blocks a program (docs/configurator.md, "Elementwise
-    kernels")."""
+    writing one: ``block`` = elements per program."""
     _positive(numel=numel, n_inputs=n_inputs)
     dev = _device(device)
     elt = _ELT[dtype_name(dtype)]
@@ -1082,13 +1071,6 @@ def configure_elementwise(numel: int, dtype, n_inputs: int, device, scalar_ops: 
         launch_bound = True
     warps = max(1, min(warps, block // (32 * vec)))
     launch_bound = launch_bound or _cdiv(numel, block) * 2 <= S
-    # the scalar cone once per program: double the blocks a program walks while the
-    # grid still fills every program slot of every SM (the same loads in flight an SM)
-    loop = 1
-    if scalar_ops and parts > 1 and not launch_bound:
-        slots = S * min(dev.max_blocks_per_sm, dev.max_threads_per_sm // (warps * dev.warp_size))
-        while loop < BLOCKS_PER_PROGRAM_MAX and _cdiv(numel, block * loop * 2) * parts >= slots:
-            loop *= 2
     return LoweringConfig(
         kind="elementwise",
         block=block,
@@ -1096,7 +1078,6 @@ def configure_elementwise(numel: int, dtype, n_inputs: int, device, scalar_ops: 
         num_stages=1,
         instruction="simt",
         regime="launch-bound" if launch_bound else "memory-bound",
-        blocks_per_program=loop,
     )
 
 

@@ -110,11 +110,8 @@ def configure_fused(op: nv.FusedOp, device: DeviceSpec) -> LoweringConfig:
     dt = max(dts, key=lambda d: d.itemsize)
     parts = segments_of(op)
     count = max(sum(streamed[j] for j in ins) + len(outs) for ins, _, outs in parts) if parts else len(streams)
-    # the one-element ops every program computes (its part's and the shared ones)
-    scalar_ops = sum(numel(shape_of(o.results[0].type)) <= 1 for o in op.inner_ops())
     # configure_elementwise counts the inputs besides its one output
-    return cf.configure_elementwise(numel(op.iteration_shape()), dt, max(1, count - 1), device,
-                                    scalar_ops=scalar_ops, parts=len(parts) if parts else 1)  # fmt: skip
+    return cf.configure_elementwise(numel(op.iteration_shape()), dt, max(1, count - 1), device)
 
 
 def _configure_matmul(op: nv.MatmulOp, lhs, rhs, device: DeviceSpec, precision: str,

@@ -48,33 +48,3 @@ def test_a_multi_tensor_kernel_is_scheduled_by_one_parts_streams():
     assert per_part.block > all_parts.block  # the case this test is about: the count matters
     assert config_of(multi).block == per_part.block and config_of(multi).num_warps == per_part.num_warps
     assert config_of(single).block == cf.configure_elementwise(numel, torch.float32, 3, H200).block
-    assert config_of(multi).blocks_per_program == 1  # casts: no one-element op to compute once
-
-
-def test_updates_with_a_scalar_cone_walk_several_blocks_a_program():
-    """Two Adam-like updates of one [50304, 384] shape (the 46M MLP LM's embedding and
-    head), each with its own step count and bias correction (one-element ops every
-    program computes): one kernel of two parts whose programs walk the blocks the
-    elementwise model gives for its one-element ops and parts (8 on the H200)."""
-    from xdsl.dialects.builtin import f64
-
-    shape = [50304, 384]
-    slots = [Slot("hyper", "beta", tensor([], f64))]
-    for k in range(2):
-        slots += [Slot("param", f"p{k}", tensor(shape, f32)), Slot("state", f"p{k}::step", tensor([], f32))]
-    module, fn = new_step(slots)
-    b = OpBuilder(fn.body.block)
-    beta, *rest = fn.body.block.args
-    results = []
-    for k in range(2):
-        p, step = rest[2 * k], rest[2 * k + 1]
-        t = b.cast(b.add(step, b.scalar(1.0, step)), f64)
-        corr = b.cast(b.one(nv.SqrtOp, [b.sub(b.scalar(1.0, beta), b.one(nv.PowOp, [beta, t]))]), f32)
-        results.append(("param", f"p{k}", b.sub(p, b.div(b.mul(p, p), corr))))
-    set_results(fn, results)
-    fuse(module)
-    Configure(H200, "fp32").apply(context(), module)
-    (multi,) = [op for op in fn.body.block.ops if isinstance(op, nv.FusedOp) and len(op.results) == 2]
-    got = config_of(multi)
-    want = cf.configure_elementwise(shape[0] * shape[1], torch.float32, 1, H200, scalar_ops=1, parts=2)
-    assert got.blocks_per_program == want.blocks_per_program == 8 and got.block == want.block

@@ -396,32 +396,6 @@ def test_elementwise(device):
     # a multi-tensor update of biases (768 each): one element per thread, 24 programs of a warp
     update = configure_elementwise(768, "float32", 40, "H200")
     assert (update.block, update.num_warps, update.regime) == (32, 1, "launch-bound")
-    assert big.blocks_per_program == tiny.blocks_per_program == update.blocks_per_program == 1
-
-
-@pytest.mark.parametrize("device", sorted(DEVICES))
-def test_multi_tensor_programs_walk_blocks_while_the_grid_fills_the_device(device):
-    """A multi-tensor kernel whose programs each compute a scalar cone (AdamW's bias
-    corrections) walks more blocks a program, by powers of two up to
-    BLOCKS_PER_PROGRAM_MAX, while its grid still fills every program slot of every SM;
-    no cone, one part or a launch-bound grid: one block a program."""
-    dev = DEVICES[device]
-    for numel, parts in itertools.product((768, 1536 * 384, 768 * 3072, 50304 * 384), (2, 6, 12)):
-        c = configure_elementwise(numel, "float32", 6, dev, scalar_ops=12, parts=parts)
-        plain = configure_elementwise(numel, "float32", 6, dev)
-        assert (c.block, c.num_warps, c.regime) == (plain.block, plain.num_warps, plain.regime)
-        slots = dev.sm_count * min(dev.max_blocks_per_sm, dev.max_threads_per_sm // (c.num_warps * dev.warp_size))
-        loop = c.blocks_per_program
-        assert pow2(loop) and 1 <= loop <= cf.BLOCKS_PER_PROGRAM_MAX, (numel, parts, c)
-        if loop > 1:
-            assert -(-numel // (c.block * loop)) * parts >= slots, (numel, parts, c)
-        if loop < cf.BLOCKS_PER_PROGRAM_MAX and c.regime == "memory-bound":
-            assert -(-numel // (c.block * loop * 2)) * parts < slots, (numel, parts, c)
-        assert configure_elementwise(numel, "float32", 6, dev, scalar_ops=0, parts=parts).blocks_per_program == 1
-        assert configure_elementwise(numel, "float32", 6, dev, scalar_ops=12, parts=1).blocks_per_program == 1
-    if device == "H200":  # the 46M MLP LM's embedding and head update (2 x 50304 x 384), its 6 fc_in weights
-        assert configure_elementwise(50304 * 384, "float32", 6, dev, scalar_ops=40, parts=2).blocks_per_program == 8
-        assert configure_elementwise(1536 * 384, "float32", 6, dev, scalar_ops=40, parts=6).blocks_per_program == 2
 
 
 @pytest.mark.parametrize("device", sorted(DEVICES))

@@ -226,8 +226,7 @@ def pointwise_source(
     block: int,
     helpers: str = "",
     stores: Sequence[tuple[str, str, torch.dtype]] | None = None,
-    segments: Sequence[tuple[Sequence[int], str, str, Sequence[int]]] | None = None,
-    blocks_per_program: int = 1,
+    segments: Sequence[tuple[Sequence[int], str, Sequence[int]]] | None = None,
 ) -> str:
     """Triton source of one pointwise kernel named ``name``.
 
@@ -241,19 +240,16 @@ def pointwise_source(
     dense-capable operand and IDX64 (constexprs).
 
     ``segments`` (with ``stores``): a multi-tensor kernel of independent parts, each
-    (its operands' indices, its one-element lines, its other lines, its outputs'
-    indices), part j run by the programs of grid axis 1 index j over the whole shape:
-    its loads, lines and stores in a branch of their own, so that a program holds one
-    part's values only (the parts of one straight-line kernel would all be live at
-    once). ``body`` is then what every part reads first (the one-element values), from
-    the operands no part names (which must each be of one element).
-    ``blocks_per_program`` (segments only): a program walks that many consecutive
-    blocks in a loop, its one-element loads and lines (the shared ones, then its
-    part's) computed once before it: the configurator's rule for kernels whose
-    programs each recompute a scalar cone (``configure_elementwise``)."""
+    (its operands' indices, its body, its outputs' indices), part j run by the
+    programs of grid axis 1 index j over the whole shape: its loads, body and stores
+    in a branch of their own, so that a program holds one part's values only (the
+    parts of one straight-line kernel would all be live at once). ``body`` is then
+    what every part reads first (the one-element values), from the operands no part
+    names (which must each be of one element)."""
     shape = tuple(int(s) for s in shape)
     rank = len(shape)  # any rank: one division per moving dim
     n = numel(shape)
+    even = n % block == 0
     if stores is None:
         outs = [("out", "y", y_tag, out_dtype)]
     else:
@@ -264,37 +260,30 @@ def pointwise_source(
     if segments is not None:
         if stores is None:
             raise ValueError(f"{name}: a segmented kernel names its outputs (stores)")
-        for j, (ks, _, _, _) in enumerate(segments):
+        for j, (ks, _, _) in enumerate(segments):
             part_of.update({k: j for k in ks})
         if any(k not in part_of and (op.terms(rank) or op.mask) for k, op in enumerate(operands)):
             raise ValueError(f"{name}: an operand of more than one element belongs to no segment")
-    looped = blocks_per_program > 1
-    if looped and segments is None:
-        raise ValueError(f"{name}: blocks_per_program > 1 is a multi-tensor kernel's (segments)")
-    span_ = block * blocks_per_program  # elements a program writes
-    even = n % span_ == 0
-    seg_lines: list[list[str]] = [[] for _ in segments or ()]  # a segment's tensor loads
-    seg_ones: list[list[str]] = [[] for _ in segments or ()]  # its one-element loads
-    start = f"(pid * {blocks_per_program} + r)" if looped else "pid"
-    walk = [  # the flat indices of a block, and the multi-index some operand needs
+    seg_lines: list[list[str]] = [[] for _ in segments or ()]
+    lines = [
+        "pid = tl.program_id(0)",
         "if IDX64:",
-        f"    offs = {start}.to(tl.int64) * {block} + tl.arange(0, {block})",
+        f"    offs = pid.to(tl.int64) * {block} + tl.arange(0, {block})",
         "else:",
-        f"    offs = {start} * {block} + tl.arange(0, {block})",
+        f"    offs = pid * {block} + tl.arange(0, {block})",
         "mask = None" if even else f"mask = offs < {n}",
     ]
     used_dims = sorted({d for op in operands for _, d, _ in op.terms(rank)} | {d for op in operands for d, _ in op.index})
     if used_dims:  # multi-index of the dims some operand needs; size-1 dims are always 0
         outer = min(used_dims)
-        walk.append("rem = offs")
+        lines.append("rem = offs")
         for d in range(rank - 1, outer - 1, -1):
             if d == outer and numel(shape[:outer]) == 1:
-                walk.append(f"i{d} = rem")
+                lines.append(f"i{d} = rem")
             elif shape[d] == 1:
-                walk.append(f"i{d} = 0")
+                lines.append(f"i{d} = 0")
             else:
-                walk += [f"i{d} = rem % {shape[d]}", f"rem = rem // {shape[d]}"]
-    lines = ["pid = tl.program_id(0)"] + ([] if looped else walk)
+                lines += [f"i{d} = rem % {shape[d]}", f"rem = rem // {shape[d]}"]
     for k, op in enumerate(operands):
         terms = op.terms(rank)
         for kd, _, _ in terms:
@@ -302,8 +291,7 @@ def pointwise_source(
         raw, loaded = tag(op.dtype), op.loaded_tag()
         at = seg_lines[part_of[k]] if k in part_of else lines  # a segment's operand loads in its branch
         if not terms and not op.mask:
-            one = seg_ones[part_of[k]] if k in part_of else lines
-            one.append(f"x{k} = {convert(f'tl.load(in{k})', raw, loaded)}")  # one element for every lane
+            at.append(f"x{k} = {convert(f'tl.load(in{k})', raw, loaded)}")  # one element for every lane
             continue
         off = " + ".join(f"({expr}) * s{k}_{kd}" for kd, _, expr in terms) or "offs * 0"
         if op.dense_capable(shape):
@@ -323,16 +311,11 @@ def pointwise_source(
             lines.append(f"tl.store({ptr} + offs, {convert(var, vtag, tag(dtype))}, mask=mask)")
     else:
         lines.append("seg = tl.program_id(1)")
-        for j, (_, head, part, js) in enumerate(segments):
+        for j, (_, part, js) in enumerate(segments):
             lines.append(f"{'if' if j == 0 else 'elif'} seg == {j}:")
-            tile = seg_lines[j] + part.strip("\n").splitlines()
+            branch = seg_lines[j] + part.strip("\n").splitlines()
             for ptr, var, vtag, dtype in (outs[i] for i in js):
-                tile.append(f"tl.store({ptr} + offs, {convert(var, vtag, tag(dtype))}, mask=mask)")
-            branch = seg_ones[j] + head.strip("\n").splitlines()
-            if looped:  # the one-element values once, then the blocks
-                branch += [f"for r in range({blocks_per_program}):"] + ["    " + ln for ln in walk + tile]
-            else:
-                branch += tile
+                branch.append(f"tl.store({ptr} + offs, {convert(var, vtag, tag(dtype))}, mask=mask)")
             lines += ["    " + ln for ln in branch or ["pass"]]
     params += [f"{f}: tl.constexpr" for f in flags] + ["IDX64: tl.constexpr"]
     text = "\n".join("    " + ln for ln in lines)
@@ -357,7 +340,6 @@ class Pointwise:
     num_warps: int
     out_dtypes: tuple[torch.dtype, ...] = ()  # a multi-output kernel's (``stores``); () = (out_dtype,)
     segments: int = 1  # a multi-tensor kernel's parts (``pointwise_source``): grid axis 1
-    blocks_per_program: int = 1  # consecutive blocks a program walks (``pointwise_source``)
 
     def __call__(self, xs: Sequence[torch.Tensor], device=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Runs the kernel on ``xs``, writing ``out`` (contiguous, the result's shape
@@ -381,8 +363,7 @@ class Pointwise:
         if n == 0:
             return outs
         args, flags = [], {}
-        span_ = self.block * self.blocks_per_program  # elements a program writes
-        big = n + span_ > INT32_MAX
+        big = n + self.block > INT32_MAX
         for k, (op, x) in enumerate(zip(self.operands, xs, strict=True)):
             if tuple(x.shape) != tuple(op.shape) or x.dtype != op.dtype:
                 raise ValueError(
@@ -395,7 +376,7 @@ class Pointwise:
         args += [storage_view(o) for o in outs]
         for op, x in zip(self.operands, xs):
             args += [x.stride(kd) for kd, _, _ in op.terms(rank)]
-        grid = (-(-n // span_), self.segments)
+        grid = (-(-n // self.block), self.segments)
         # no contraction of a mul and an add into an fma: each op rounds as written,
         # so a fused kernel computes what the unfused ones do, bit for bit
         self.fn[grid](*args, **flags, IDX64=big, num_warps=self.num_warps, enable_fp_fusion=False)

@@ -22,8 +22,7 @@ own strides, as in any pointwise kernel (broadcast operands, transposed and
 sliced views are read in place; contiguous ones of the iteration shape at the
 flat index, ``DENSE<k>``). One-element operands are 0-d loads, and the scalar
 ops computed from them (the optimizer's bias corrections) run once per thread,
-not per element (in a multi-tensor kernel walking ``blocks_per_program`` blocks a
-program, once for all of them). Outputs are written contiguously at the flat index after every
+not per element. Outputs are written contiguously at the flat index after every
 load, so an output may be an input of the iteration shape itself (the in-place
 parameter and state update; ``plan_memory`` allows exactly that).
 
@@ -178,7 +177,7 @@ def _segmented_body(op: nv.FusedOp, parts):
     """``fused_body`` of a group of independent parts (``segments_of``): (operands, the
     one-element ops' lines every part reads, stores, helpers, and per part (its operands,
     its lines, its stores) for ``pointwise_source``'s ``segments``); part j's variables
-    are prefixed ``s<j>_`` (its one-element ones) and ``t<j>_``, the shared ones ``c_``."""
+    are prefixed ``s<j>_``, the shared ones ``c_``."""
     block = op.body.block
     operands: list[Operand] = []
     var: dict = {}
@@ -189,14 +188,9 @@ def _segmented_body(op: nv.FusedOp, parts):
     lines, helpers = compose([o for o in op.inner_ops() if o not in in_parts], var, prefix="c_")
     segments = []
     for j, (ks, ops, js) in enumerate(parts):
-        # the part's one-element ops first (they read only one-element values), so that a
-        # program walking several blocks computes them once (``blocks_per_program``)
-        ones = [o for o in ops if numel(shape_of(o.results[0].type)) <= 1]
-        head, more = compose(ones, var, prefix=f"s{j}_")
+        part, more = compose(ops, var, prefix=f"s{j}_")
         helpers += more
-        part, more = compose([o for o in ops if o not in ones], var, prefix=f"t{j}_")  # names of its own
-        helpers += more
-        segments.append((ks, "\n".join(head), "\n".join(part), js))
+        segments.append((ks, "\n".join(part), js))
     stores = [(*var[v], _dtype(v)) for v in block.last_op.operands]
     return operands, "\n".join(lines), stores, merge_helpers(helpers), segments
 
@@ -422,17 +416,14 @@ def lower_fused(op: nv.FusedOp, cfg: LoweringConfig | None = None) -> Kernel:
         operands, body, stores, helpers, segments = _segmented_body(op, parts)
     ops = [o.name.removeprefix("nova.") for o in op.inner_ops()]
     digest = hashlib.sha256((body + repr(operands) + repr(stores) + repr(segments)).encode()).hexdigest()[:10]
-    loop = cfg.blocks_per_program if cfg is not None and parts else 1
-    # a multi-tensor kernel: its parts (and the blocks each program walks)
-    multi = (f"_x{len(parts)}" if parts else "") + (f"_loop{loop}" if loop > 1 else "")
+    multi = f"_x{len(parts)}" if parts else ""  # a multi-tensor kernel: its parts
     name = f"nova_fused_{shape_name(shape)}{multi}_{len(ops)}ops_{'_'.join(dict.fromkeys(ops[-3:]))}_{digest}"
     fname = sanitize(name)
     block, warps = block_and_warps(numel(shape), cfg)
-    src = pointwise_source(fname, shape, operands, body, "", None, block, helpers, stores=stores, segments=segments,
-                           blocks_per_program=loop)  # fmt: skip
+    src = pointwise_source(fname, shape, operands, body, "", None, block, helpers, stores=stores, segments=segments)
     out_dtypes = tuple(d for _, _, d in stores)
     pw = Pointwise(load(src, fname), name, src, shape, tuple(operands), out_dtypes[0], block, warps, out_dtypes,
-                   segments=len(parts) if parts else 1, blocks_per_program=loop)
+                   segments=len(parts) if parts else 1)
 
     def launch(xs, outs=None, device=None):
         return pw.run(xs, device, outs)
