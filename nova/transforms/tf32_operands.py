@@ -56,7 +56,7 @@ from xdsl.ir import OpResult, SSAValue
 from nova.ir import dialect as nv
 from nova.ir.builder import OpBuilder
 from nova.ir.module import step_func
-from nova.ir.types import elem_of
+from nova.ir.types import elem_of, numel, shape_of
 from nova.transforms.remat import REMAT_ATTR, is_recompute
 
 
@@ -116,13 +116,62 @@ def _only_matmuls(v: SSAValue) -> bool:
             and all(elem_of(x.type) == f32 for op in matmuls for x in _contracted(op)))
 
 
+# a rounded copy of each step argument (a weight) for the matmuls that read it K-major
+# (the forward's x @ W^T): one multi-tensor launch a shape before the first of them
+# (the fuse stage's argument batches) instead of a staging copy a matmul
+ROUND_ARGUMENTS = True
+
+
+def _k_major_reads(w: SSAValue) -> list[tuple]:
+    """(matmul, operand index, the views from ``w`` to that operand) for every f32
+    matmul that reads the step argument ``w``, through layout views, K-major (A with K
+    contiguous, B with K contiguous: what the launcher would otherwise stage, rounding
+    a copy of it)."""
+    from nova.transforms.configure import operand_layout  # the backend's strides of a view chain
+
+    out = []
+
+    def walk(v: SSAValue, chain: tuple) -> None:
+        for use in list(v.uses):
+            op = use.operation
+            if isinstance(op, nv.VIEW_OPS):
+                walk(op.results[0], chain + (op,))
+            elif (isinstance(op, nv.MatmulOp) and all(elem_of(x.type) == f32 for x in op.operands)
+                    and operand_layout(v) == ("row" if use.index == 0 else "col")):  # fmt: skip
+                out.append((op, use.index, chain))
+
+    walk(w, ())
+    return out
+
+
 def tf32_operands(module: ModuleOp, precision: str) -> int:
     """Rounds at the producer every value only tf32 matmuls read (the module
-    docstring's rule), under ``precision == "tf32"``; returns how many."""
+    docstring's rule), and a rounded copy of each step argument for the matmuls that
+    read it K-major, under ``precision == "tf32"``; returns how many."""
     if precision != "tf32":
         return 0
     block = step_func(module).body.block
     done = 0
+    ops = list(block.ops)
+    for w in block.args if ROUND_ARGUMENTS else ():
+        if elem_of(w.type) != f32 or numel(shape_of(w.type)) <= 1:
+            continue
+        reads = _k_major_reads(w)
+        if not reads:
+            continue
+        first = min((m for m, _, _ in reads), key=ops.index)
+        b = OpBuilder(block, before=first)
+        b.location = first.attributes["nova.loc"].data if "nova.loc" in first.attributes else None
+        r = b.one(nv.RoundTf32Op, [w])
+        for matmul, index, chain in reads:  # each reads its own views of the rounded copy
+            v = r
+            for view in chain:
+                copy = view.clone()
+                copy.operands[0] = v
+                block.insert_op_before(copy, matmul)
+                v = copy.results[0]
+            matmul.operands[index] = v
+        done += 1
     for op in list(block.ops):
         for v in op.results:
             if elem_of(v.type) != f32 or not _takes_epilogue(v) or not _only_matmuls(v):

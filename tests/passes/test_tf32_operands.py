@@ -24,6 +24,7 @@ from nova.ir import dialect as nv
 from nova.ir.module import step_func
 from nova.models import GPT, MLPLM, GPTConfig, MLPLMConfig
 from nova.schedule.devices import DEVICES
+from nova.transforms import tf32_operands as tf32_stage
 from nova.transforms.tf32_operands import tf32_operands
 
 
@@ -80,7 +81,8 @@ def _readers(v):
 def test_values_only_tf32_matmuls_read_are_rounded_where_they_are_made():
     c = _compile(_mlp(), _tokens(), stop_after="tf32_operands")
     block = step_func(c.module).body.block
-    rounds = [o for o in block.ops if isinstance(o, nv.RoundTf32Op)]
+    rounds = [o for o in block.ops if isinstance(o, nv.RoundTf32Op) and o.operands[0] not in block.args]
+    # (a weight's rounded copy for its K-major readers: the test after this one)
     # per layer: the LayerNorm's output, the GELU output (fc2's A), GELU's backward (dX1's, dW1's A);
     # and the last LayerNorm's output, the fused LM head's h (its logits' A, its weight gradient's B)
     assert len(rounds) == 2 * 3 + 1
@@ -94,11 +96,60 @@ def test_values_only_tf32_matmuls_read_are_rounded_where_they_are_made():
     assert {type(r.operands[0].owner) for r in rounds} == {nv.LayerNormOp, nv.GeluOp, nv.GeluBackwardOp}
 
 
+def test_weights_read_k_major_get_one_rounded_copy_for_those_readers():
+    """A weight the forward's x @ W^T reads K-major (B with K contiguous) gets one
+    ``nova.round_tf32`` of the step argument, read through its own views by exactly
+    those matmuls; the optimizer and the input gradient's matmul (W read N-major, which
+    the launcher stages anyway) read the raw argument. After the fuse stage the copies
+    of one shape are one multi-tensor launch, and the forward matmuls take B as
+    prerounded."""
+    from nova.transforms.configure import operand_layout
+
+    c = _compile(_mlp(), _tokens(), stop_after="tf32_operands")
+    block = step_func(c.module).body.block
+    rounds = [o for o in block.ops if isinstance(o, nv.RoundTf32Op) and o.operands[0] in block.args]
+    weights = {r.operands[0] for r in rounds}
+    assert len(weights) == len(rounds) == 2 * 2  # fc_in and fc_out of each layer
+
+    def reads(v, path=()):
+        for u in v.uses:
+            if isinstance(u.operation, nv.VIEW_OPS):
+                yield from reads(u.operation.results[0], path + (u.operation,))
+            else:
+                yield u.operation, u.index, v
+
+    for r in rounds:
+        got = list(reads(r.results[0]))
+        assert got and all(isinstance(m, nv.MatmulOp) and operand_layout(v) == ("row", "col")[i] for m, i, v in got)
+        raw = [(m, i, v) for m, i, v in reads(r.operands[0]) if m is not r]
+        assert any(not isinstance(m, nv.MatmulOp) for m, _, _ in raw)  # the optimizer's update
+        assert not any(isinstance(m, nv.MatmulOp) and operand_layout(v) == ("row", "col")[i] for m, i, v in raw)
+    c = _compile(_mlp(), _tokens())
+    ops = list(step_func(c.module).body.block.ops)
+    batches = [o for o in ops if isinstance(o, nv.FusedOp)
+               and all(isinstance(i, nv.RoundTf32Op) for i in o.inner_ops()) and set(o.operands) <= set(o.parent.args)]
+    assert sorted(len(g.results) for g in batches) == [2, 2]
+    # the four forward matmuls (alone or heading an epilogue group) read them, as rounded values
+    readers = {o for o in ops if not isinstance(o, nv.VIEW_OPS) and any(_from(v, g) for v in o.operands for g in batches)}
+    assert len(readers) == 4
+    assert all(nv.tf32_rounded(v) for o in readers for v in o.operands if any(_from(v, g) for g in batches))
+
+
+def _from(v, op) -> bool:
+    """``v`` is a result of ``op`` or a view of one."""
+    while getattr(v, "owner", None) is not op:
+        if not isinstance(getattr(v, "owner", None), nv.VIEW_OPS):
+            return False
+        v = v.owner.operands[0]
+    return True
+
+
 def test_a_value_read_by_anything_but_a_matmul_keeps_its_bits():
     x, y = torch.randn(4, 16), torch.randn(4, 16)
     c = _compile(Residual(), (x, y), stop_after="tf32_operands")
-    ops = list(step_func(c.module).body.block.ops)
-    rounds = [o for o in ops if isinstance(o, nv.RoundTf32Op)]
+    block = step_func(c.module).body.block
+    ops = list(block.ops)
+    rounds = [o for o in ops if isinstance(o, nv.RoundTf32Op) and o.operands[0] not in block.args]
     # ln(x) (fc1 and fc1's weight gradient read it) and dh = dy W2 + dy (fc1's backward matmuls and
     # its bias gradient's sum); fc1's output h, which fc2 and the residual add read, stays raw
     assert [type(r.operands[0].owner) for r in rounds] == [nv.LayerNormOp, nv.AddOp]
@@ -117,10 +168,11 @@ def test_no_rounding_but_tf32_on_the_triton_target(precision, device):
 
 
 @pytest.mark.parametrize("make", [_mlp, _gpt])
-def test_fuse_puts_every_rounding_into_its_producers_kernel(make):
+def test_fuse_puts_every_rounding_into_its_producers_kernel(make, monkeypatch):
     """No rounding is a kernel of its own, none stores the raw value beside the
     rounded one, the plan's peak is the same as without the stage, and the matmuls
     reading them take them as prerounded (``nv.tf32_rounded``)."""
+    monkeypatch.setattr(tf32_stage, "ROUND_ARGUMENTS", False)  # the weights' copies: the test above
     c = _compile(make(), _tokens())
     ops = list(step_func(c.module).body.block.ops)
     assert not any(isinstance(o, nv.RoundTf32Op) for o in ops)
@@ -216,6 +268,7 @@ def test_the_configure_stage_counts_a_prerounded_k_major_operand_as_staged(monke
     from nova.schedule import cost
     from nova.transforms.configure import operand_layout
 
+    monkeypatch.setattr(tf32_stage, "ROUND_ARGUMENTS", False)  # B (a weight) staged, as this test is about A
     torch.manual_seed(0)
     x, y = torch.randn(16384, 768), torch.randn(16384, 768)
     c = _compile(_Block(), (x, y), stop_after="configure")
