@@ -46,6 +46,16 @@ goes through registers anyway), lost (0.062 -> 0.107 ms) without their in-regist
 rounding. The matmul launcher now takes a prerounded operand as it is only where it
 is K-contiguous (``matmul._run``): then 8.96 ms with the stage against 9.06 without
 (``tf32_stage_ab_ba207a7.json``).
+
+A weight keeps its raw bits (the optimizer reads it), but the matmuls that read it
+K-major (the forward's x @ W^T: B with K contiguous, which the launcher would stage,
+rounding a copy, at every launch) can read a rounded copy instead (``ROUND_ARGUMENTS``):
+one ``nova.round_tf32`` of the step argument, read through copies of the views by
+exactly those matmuls. Such groups read only step arguments and only contractions
+read them, so the fuse stage batches those of one shape into one multi-tensor launch
+before the first reader (as it does the bf16 casts): the 46M MLP's 12 forward staging
+copies become 2 launches. The matmuls that read the weight N-major (the input
+gradient's dY @ W) keep reading the raw argument: they stage a transposed copy anyway.
 """
 
 from __future__ import annotations
