@@ -111,10 +111,10 @@ def test_weights_read_k_major_get_one_rounded_copy_for_those_readers():
     weights = {r.operands[0] for r in rounds}
     assert len(weights) == len(rounds) == 2 * 2  # fc_in and fc_out of each layer
 
-    def reads(v, path=()):
+    def reads(v):  # (reader, operand index, the value it reads) through views
         for u in v.uses:
             if isinstance(u.operation, nv.VIEW_OPS):
-                yield from reads(u.operation.results[0], path + (u.operation,))
+                yield from reads(u.operation.results[0])
             else:
                 yield u.operation, u.index, v
 
