@@ -70,15 +70,21 @@ from nova.ir.types import elem_of, numel, shape_of
 from nova.transforms.remat import REMAT_ATTR, is_recompute
 
 
-def _readers(v: SSAValue) -> list[tuple]:
-    """Every (op, operand index) reading ``v``, through view chains."""
+def _reads(v: SSAValue, chain: tuple = ()) -> list[tuple]:
+    """Every (op, operand index, the views from ``v`` to that operand) reading ``v``,
+    through view chains."""
     out = []
     for use in v.uses:
         if isinstance(use.operation, nv.VIEW_OPS):
-            out += _readers(use.operation.results[0])
+            out += _reads(use.operation.results[0], chain + (use.operation,))
         else:
-            out.append((use.operation, use.index))
+            out.append((use.operation, use.index, chain))
     return out
+
+
+def _readers(v: SSAValue) -> list[tuple]:
+    """Every (op, operand index) reading ``v``, through view chains."""
+    return [(op, i) for op, i, _ in _reads(v)]
 
 
 def _takes_epilogue(v: OpResult) -> bool:
@@ -133,25 +139,39 @@ ROUND_ARGUMENTS = True
 
 
 def _k_major_reads(w: SSAValue) -> list[tuple]:
-    """(matmul, operand index, the views from ``w`` to that operand) for every f32
-    matmul that reads the step argument ``w``, through layout views, K-major (A with K
-    contiguous, B with K contiguous: what the launcher would otherwise stage, rounding
-    a copy of it)."""
+    """The reads of ``_reads(w)`` that are an operand of an f32 matmul read K-major (A
+    with K contiguous, B with K contiguous: what the launcher would otherwise stage,
+    rounding a copy of it)."""
     from nova.transforms.configure import operand_layout  # the backend's strides of a view chain
 
-    out = []
+    return [(op, i, chain) for op, i, chain in _reads(w)
+            if isinstance(op, nv.MatmulOp) and all(elem_of(x.type) == f32 for x in op.operands)
+            and operand_layout(chain[-1].results[0] if chain else w) == ("row" if i == 0 else "col")]  # fmt: skip
 
-    def walk(v: SSAValue, chain: tuple) -> None:
-        for use in list(v.uses):
-            op = use.operation
-            if isinstance(op, nv.VIEW_OPS):
-                walk(op.results[0], chain + (op,))
-            elif (isinstance(op, nv.MatmulOp) and all(elem_of(x.type) == f32 for x in op.operands)
-                    and operand_layout(v) == ("row" if use.index == 0 else "col")):  # fmt: skip
-                out.append((op, use.index, chain))
 
-    walk(w, ())
-    return out
+def _round_arguments(block) -> int:
+    """A rounded copy of each f32 step argument that matmuls read K-major, read by those
+    matmuls through their own copies of the views (``ROUND_ARGUMENTS``); returns how many."""
+    ops = list(block.ops)
+    done = 0
+    for w in block.args:
+        reads = _k_major_reads(w) if elem_of(w.type) == f32 and numel(shape_of(w.type)) > 1 else []
+        if not reads:
+            continue
+        first = min((m for m, _, _ in reads), key=ops.index)
+        b = OpBuilder(block, before=first)
+        b.location = first.attributes["nova.loc"].data if "nova.loc" in first.attributes else None
+        r = b.one(nv.RoundTf32Op, [w])
+        for matmul, index, chain in reads:
+            v = r
+            for view in chain:
+                copy = view.clone()
+                copy.operands[0] = v
+                block.insert_op_before(copy, matmul)
+                v = copy.results[0]
+            matmul.operands[index] = v
+        done += 1
+    return done
 
 
 def tf32_operands(module: ModuleOp, precision: str) -> int:
@@ -161,27 +181,7 @@ def tf32_operands(module: ModuleOp, precision: str) -> int:
     if precision != "tf32":
         return 0
     block = step_func(module).body.block
-    done = 0
-    ops = list(block.ops)
-    for w in block.args if ROUND_ARGUMENTS else ():
-        if elem_of(w.type) != f32 or numel(shape_of(w.type)) <= 1:
-            continue
-        reads = _k_major_reads(w)
-        if not reads:
-            continue
-        first = min((m for m, _, _ in reads), key=ops.index)
-        b = OpBuilder(block, before=first)
-        b.location = first.attributes["nova.loc"].data if "nova.loc" in first.attributes else None
-        r = b.one(nv.RoundTf32Op, [w])
-        for matmul, index, chain in reads:  # each reads its own views of the rounded copy
-            v = r
-            for view in chain:
-                copy = view.clone()
-                copy.operands[0] = v
-                block.insert_op_before(copy, matmul)
-                v = copy.results[0]
-            matmul.operands[index] = v
-        done += 1
+    done = _round_arguments(block) if ROUND_ARGUMENTS else 0
     for op in list(block.ops):
         for v in op.results:
             if elem_of(v.type) != f32 or not _takes_epilogue(v) or not _only_matmuls(v):
