@@ -112,8 +112,10 @@ ROW_STATS_F32 = True
 # (the row kernel took 0.611 / 0.338 ms a chunk on the H200 before the statistics). d is formed
 # from each logit as the row kernel forms it, so the products are the same bits; the matmuls do
 # an exponential a loaded element instead (recomputed for each of A's column tiles: N / BLOCK_N
-# times). Heads with the row statistics (``stats_cols_of``). Not yet timed on a device: off
-# (``D_PROLOGUE`` 16-bit heads, ``D_PROLOGUE_F32`` f32 ones).
+# times). Heads with the row statistics (``stats_cols_of``). Off (``D_PROLOGUE`` 16-bit heads,
+# ``D_PROLOGUE_F32`` f32 ones): slower on the 46M MLP on an H100 at b04da52 (838,205 against 942,656
+# tok/s, `bench-gpt2 --set codegen.triton.linear_ce.D_PROLOGUE_F32=True`): the exponentials a loaded
+# element, and the prologue's loop waits for each wgmma (docs/performance.md, ninth session).
 D_PROLOGUE = False
 D_PROLOGUE_F32 = False
 # the statistics' logits in the warp-specialized kernel where the op's config is one (stats_config);
