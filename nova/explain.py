@@ -77,11 +77,12 @@ def _si(n: float, unit: str) -> str:
 
 def stage_lines(stats: list[StageStats]) -> list[str]:
     lines = ["stages (ops in @train_step after each; kernels: the ops that launch one, once configured):"]
+    width = max((len(s.name) for s in stats), default=0)
     for s in stats:
         kernels = f"{s.kernels:>6} kernels" if s.kernels is not None else " " * 14
         inner = f" (+{s.fused_ops} inside nova.fused)" if s.fused_ops else ""
         top = ", ".join(f"{n.removeprefix('nova.')} {k}" for n, k in s.top)
-        lines.append(f"  {s.name:<12} {s.ops:>6} ops {kernels} {s.seconds:7.2f} s   {top}{inner}")
+        lines.append(f"  {s.name:<{width}} {s.ops:>6} ops {kernels} {s.seconds:7.2f} s   {top}{inner}")
     return lines
 
 
