@@ -115,7 +115,7 @@ ROW_STATS_F32 = True
 # times). Heads with the row statistics (``stats_cols_of``). Off (``D_PROLOGUE`` 16-bit heads,
 # ``D_PROLOGUE_F32`` f32 ones): slower on the 46M MLP on an H100 at b04da52 (838,205 against 942,656
 # tok/s, `bench-gpt2 --set codegen.triton.linear_ce.D_PROLOGUE_F32=True`): the exponentials a loaded
-# element, and the prologue's loop waits for each wgmma (docs/performance.md, ninth session).
+# element, and the prologue's loop waits for each wgmma (docs/performance.md, tenth session).
 D_PROLOGUE = False
 D_PROLOGUE_F32 = False
 # the statistics' logits in the warp-specialized kernel where the op's config is one (stats_config);
