@@ -82,11 +82,6 @@ def _reads(v: SSAValue, chain: tuple = ()) -> list[tuple]:
     return out
 
 
-def _readers(v: SSAValue) -> list[tuple]:
-    """Every (op, operand index) reading ``v``, through view chains."""
-    return [(op, i) for op, i, _ in _reads(v)]
-
-
 def _takes_epilogue(v: OpResult) -> bool:
     """Whether ``v``'s producer computes elementwise ops on ``v`` in its own kernel."""
     op = v.op
@@ -125,7 +120,7 @@ def _only_matmuls(v: SSAValue) -> bool:
     sum of ``v`` itself (a bias gradient: the fuse stage adds it up in ``v``'s
     producer's kernel, from the raw values, before the rounded ones are stored); at
     least one matmul."""
-    readers = _readers(v)
+    readers = [(op, i) for op, i, _ in _reads(v)]
     matmuls = [op for op, i in readers if _tf32_reader(op, i)]
     sums = [op for op, _ in readers if nv.column_sum(op) and op.operands[0] is v]
     return (bool(matmuls) and len(matmuls) + len(sums) == len(readers)
