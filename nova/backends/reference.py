@@ -368,11 +368,16 @@ def _attention_bwd(op, xs):
     dq = torch.matmul(ds, _wide(k))
     dk = torch.matmul(ds.transpose(-1, -2), _wide(q))
     grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
+    out = grads
+    if p["rounded"]:  # stored rounded to tf32 (the tf32_operands stage); the sums below are of the raw values
+        from nova.codegen.triton.matmul import round_to_tf32
+
+        out = [round_to_tf32(x) for x in grads]
     if not p["sums"]:
-        return grads
-    # each gradient as returned, summed over batch and sequence in the statistics type
+        return out
+    # each gradient in its type, summed over batch and sequence in the statistics type
     stat = _result_dtype(op, 3)
-    return [*grads, torch.stack([x.to(stat).sum(dim=(0, 2)) for x in grads])]
+    return [*out, torch.stack([x.to(stat).sum(dim=(0, 2)) for x in grads])]
 
 
 _NEEDS_DEVICE = (nv.FullOp, nv.ArangeOp)

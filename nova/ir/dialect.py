@@ -1097,7 +1097,11 @@ class AttentionBackwardOp(NovaOp):
     each gradient's sum over the batch and the sequence, of its elements as
     returned (rounded to the gradients' type), added up in the statistics type
     (f32; f64 for f64): the bias gradient of a packed qkv projection, which
-    the kernels add up from their tiles instead of reading the gradients back."""
+    the kernels add up from their tiles instead of reading the gradients back.
+    With ``rounded`` (the tf32_operands stage sets it where only tf32 matmuls read
+    the gradients) dq, dk and dv are returned rounded to the nearest tf32 value
+    (``nova.round_tf32``'s rounding, f32 only); the column sums are of the values
+    before that rounding."""
 
     name = "nova.attention_backward"
     CATEGORY: ClassVar = "contraction"
@@ -1111,22 +1115,26 @@ class AttentionBackwardOp(NovaOp):
     causal = prop_def(BoolProp)
     scale = prop_def(FloatProp)
     sums = opt_prop_def(BoolProp)
+    rounded = opt_prop_def(BoolProp)
     grad_q = result_def(TensorType)
     grad_k = result_def(TensorType)
     grad_v = result_def(TensorType)
     grad_sums = opt_result_def(TensorType)
     traits = traits_def(Pure())
-    PROPS: ClassVar = ("causal", "scale", "sums")
-    PROP_DEFAULTS: ClassVar = {"sums": False}  # absent: no column sums (autodiff creates the op without it)
+    PROPS: ClassVar = ("causal", "scale", "sums", "rounded")
+    # absent: no column sums, gradients not rounded (autodiff creates the op without them)
+    PROP_DEFAULTS: ClassVar = {"sums": False, "rounded": False}
 
     @classmethod
     def complete(cls, props: dict) -> dict:
-        return {k: v for k, v in props.items() if k != "sums" or v}  # sums=False: the property left out
+        return {k: v for k, v in props.items() if k not in cls.PROP_DEFAULTS or v}  # False: the property left out
 
     @classmethod
     def infer(cls, in_types, props, hint):
         g, q, k, v, o, lse, *bias = in_types
         _check_attention(cls.name, q, k, v, bias)
+        if props.get("rounded") and elem_of(q) != f32:
+            raise VerifyException(f"{cls.name}: rounded (to tf32) needs f32 gradients, got {elem_of(q)}")
         if shape_of(g) != shape_of(q) or shape_of(o) != shape_of(q) or shape_of(lse) != shape_of(q)[:3]:
             raise VerifyException(f"{cls.name}: inconsistent shapes")
         if not props.get("sums"):
@@ -1400,7 +1408,8 @@ def prerounded_operands(lhs: SSAValue, rhs: SSAValue, precision: str) -> tuple[s
 
 def tf32_rounded(value: SSAValue) -> bool:
     """Whether ``value`` (through layout views) is a ``nova.round_tf32`` result, or a
-    group's result that one computes: its bits are tf32 values already (the
+    group's result that one computes, or a gradient of a ``rounded`` attention
+    backward, or a cat of such values: its bits are tf32 values already (the
     tf32_operands stage), so a tf32 matmul need not round it."""
     while isinstance(value, OpResult) and isinstance(value.op, VIEW_OPS):
         value = value.op.operands[0]
@@ -1410,6 +1419,10 @@ def tf32_rounded(value: SSAValue) -> bool:
     if isinstance(op, FusedOp):
         inner = op.body.block.last_op.operands[value.index]  # the yield's value
         return isinstance(inner, OpResult) and isinstance(inner.op, RoundTf32Op)
+    if isinstance(op, AttentionBackwardOp):
+        return value.index < 3 and op.props()["rounded"]
+    if isinstance(op, CatOp):
+        return all(tf32_rounded(x) for x in op.operands)
     return isinstance(op, RoundTf32Op)
 
 

@@ -56,6 +56,19 @@ read them, so the fuse stage batches those of one shape into one multi-tensor la
 before the first reader (as it does the bf16 casts): the 46M MLP's 12 forward staging
 copies become 2 launches. The matmuls that read the weight N-major (the input
 gradient's dY @ W) keep reading the raw argument: they stage a transposed copy anyway.
+
+An attention backward's gradients dq, dk, dv (f32) are stored rounded by its own
+kernels (the op's ``rounded``: ``tf32_rn`` on each tile as it is stored) where every
+read of each of them, through views, is a tf32 matmul's, or a cat of only that op's
+gradients every read of which is a tf32 matmul's (GPT-2's packed qkv projection: its
+input gradient dqkv @ W and weight gradient dqkv^T @ x). Its bias gradient, the cat's
+column sum, is no such read: the attention_sums stage, which runs before this one,
+has made it the op's ``sums``, which its kernels add up from the raw tiles before
+they are rounded; a column sum still there keeps the gradients raw. Without it the
+input gradient's A (K-major, not rounded) goes through registers, rounded in every
+K-step: 0.67x cuBLAS at 8192x768x2304 row/row against 0.82x for the same kernel with
+A prerounded at 8192x768x3072 on an H100 (``bench/results/matmul_gpt2.md``, 4eb8856).
+No store is added: the kernels write the rounded tiles instead of the raw ones.
 """
 
 from __future__ import annotations
@@ -169,14 +182,63 @@ def _round_arguments(block) -> int:
     return done
 
 
+# an attention backward's gradients stored rounded by its kernels where only tf32 matmuls read them
+ROUND_ATTENTION_GRADIENTS = True
+
+
+def _f32_tf32_read(op, index: int) -> bool:
+    """Operand ``index`` of ``op`` is contracted by a tf32 matmul of f32 operands."""
+    return _tf32_reader(op, index) and all(elem_of(x.type) == f32 for x in _contracted(op))
+
+
+def _matmul_reads_only(v: SSAValue) -> bool:
+    """Every read of ``v`` (through views) is an f32 tf32 matmul's (or the fused LM head's h); at least one."""
+    reads = _reads(v)
+    return bool(reads) and all(_f32_tf32_read(op, i) for op, i, _ in reads)
+
+
+def _root(v: SSAValue) -> SSAValue:
+    while isinstance(v, OpResult) and isinstance(v.op, nv.VIEW_OPS):
+        v = v.op.operands[0]
+    return v
+
+
+def _gradient_to_matmuls(att: nv.AttentionBackwardOp, i: int) -> bool:
+    """Every read of ``att``'s gradient ``i`` (through views) is a tf32 matmul's, or a
+    cat of only ``att``'s gradients that only tf32 matmuls read."""
+    reads = _reads(att.results[i])
+    for op, index, _ in reads:
+        if isinstance(op, nv.CatOp):
+            ours = all(isinstance(r := _root(x), OpResult) and r.op is att and r.index < 3 for x in op.operands)
+            if not (ours and _matmul_reads_only(op.results[0])):
+                return False
+        elif not _f32_tf32_read(op, index):
+            return False
+    return bool(reads)
+
+
+def _round_attention_gradients(block) -> int:
+    """Sets ``rounded`` on each f32 attention backward whose dq, dk and dv only tf32
+    matmuls read (``ROUND_ATTENTION_GRADIENTS``); returns how many."""
+    done = 0
+    for op in block.ops:
+        if (isinstance(op, nv.AttentionBackwardOp) and not op.props()["rounded"]
+                and elem_of(op.results[0].type) == f32 and all(_gradient_to_matmuls(op, i) for i in range(3))):
+            op.properties["rounded"] = nv.make_prop(True)
+            done += 1
+    return done
+
+
 def tf32_operands(module: ModuleOp, precision: str) -> int:
     """Rounds at the producer every value only tf32 matmuls read (the module
-    docstring's rule), and a rounded copy of each step argument for the matmuls that
-    read it K-major, under ``precision == "tf32"``; returns how many."""
+    docstring's rule), a rounded copy of each step argument for the matmuls that
+    read it K-major, and an attention backward's gradients in its kernels, under
+    ``precision == "tf32"``; returns how many."""
     if precision != "tf32":
         return 0
     block = step_func(module).body.block
     done = _round_arguments(block) if ROUND_ARGUMENTS else 0
+    done += _round_attention_gradients(block) if ROUND_ATTENTION_GRADIENTS else 0
     for op in list(block.ops):
         for v in op.results:
             if elem_of(v.type) != f32 or not _takes_epilogue(v) or not _only_matmuls(v):

@@ -394,6 +394,43 @@ def test_backward_column_sums(device, case, causal, monkeypatch):
         build(nv.AttentionBackwardOp, [g, q, k2, k2, o, lse], {**props, "sums": True})
 
 
+@pytest.mark.parametrize("precision", ["tf32", "fp32"])
+def test_backward_rounded_gradients(device, precision):
+    """With ``rounded`` (the tf32_operands stage) dq, dk, dv are stored rounded to
+    nearest-even tf32: bit for bit ``round_to_tf32`` of the kernels' gradients without
+    it, under either policy, with the sums (of the raw gradients: bit for bit those
+    without rounding), in the split and the fused_bwd kernels, ragged and padded; the
+    reference rounds the same way. Only f32 gradients can be rounded."""
+    from nova.codegen.triton.matmul import round_to_tf32
+
+    fwd, bwd = lowerings()
+    q, k, v = qkv(2, 3, 37, 37, 24, torch.float32, device, seed=6)
+    props = {"causal": True, "scale": 24**-0.5}
+    o, lse = fwd(build(nv.AttentionOp, [q, k, v], props), SMALL, precision=precision).launch([q, k, v])
+    g = rand(*q.shape, dtype=torch.float32, device=device, gen=torch.Generator().manual_seed(3))
+    ins = [g, q, k, v, o, lse]
+    for sums in (False, True):
+        for flags in ((), ("fused_bwd",)):
+            extra = {"sums": True} if sums else {}
+            raw = bwd(build(nv.AttentionBackwardOp, ins, {**props, **extra}), SMALL, precision=precision,
+                      source_flags=flags).launch(ins)
+            op = build(nv.AttentionBackwardOp, ins, {**props, **extra, "rounded": True})
+            kern = bwd(op, SMALL, precision=precision, source_flags=flags)
+            got = kern.launch(ins)
+            assert all(torch.equal(a, round_to_tf32(b)) for a, b in zip(got[:3], raw[:3], strict=True))
+            assert not any(torch.equal(a, b) for a, b in zip(got[:3], raw[:3]))  # the rounding is not a no-op
+            if sums:
+                assert torch.equal(got[3], raw[3])  # the sums of the raw tiles
+            ref_raw = IMPLS[nv.AttentionBackwardOp](build(nv.AttentionBackwardOp, ins, {**props, **extra}), ins)
+            ref = IMPLS[nv.AttentionBackwardOp](op, ins)
+            assert all(torch.equal(a, round_to_tf32(b)) for a, b in zip(ref[:3], ref_raw[:3], strict=True))
+            if sums:
+                assert torch.equal(ref[3], ref_raw[3])
+    x = rand(1, 2, 8, 16, dtype=torch.bfloat16, gen=torch.Generator().manual_seed(1))
+    with pytest.raises(Exception, match="needs f32 gradients"):
+        build(nv.AttentionBackwardOp, [x, x, x, x, x, torch.empty(1, 2, 8)], {**props, "rounded": True})
+
+
 def sm90_cases():
     """Forward and backward for 16-bit (wgmma), fp32 under tf32, and f64 (f64 dot)."""
     fwd, bwd = lowerings()
@@ -433,14 +470,18 @@ def sm90_cases():
     op = build(nv.AttentionBackwardOp, [x, x, x, x, x, lse], {**props, "sums": True})
     cases.append((lambda op=op: bwd(op, None), [x, x, x, x, x, lse]))
     cases.append((lambda op=op: bwd(op, None, source_flags={"fused_bwd"}), [x, x, x, x, x, lse]))
+    # fp32 gradients stored rounded to tf32 (the tf32_operands stage), with the sums
+    x, lse = torch.empty(2, 3, 200, 48), torch.empty(2, 3, 200)
+    op = build(nv.AttentionBackwardOp, [x, x, x, x, x, lse], {**props, "sums": True, "rounded": True})
+    cases.append((lambda op=op: bwd(op, None, precision="tf32"), [x, x, x, x, x, lse]))
     return cases
 
 
 def test_kernels_build_for_sm90():
     """The generated text compiles to sm_90 cubins, f64 dots included (no GPU needed)."""
     out = run_sm90_build(__file__).split()
-    assert out.count("attention_fwd") == 5 and out.count("attention_bwd_dkdv") == 5 and out.count("attention_bwd_dq") == 5
-    assert out.count("attention_bwd_fused") == 3 and out.count("attention_bwd_sums") == 2
+    assert out.count("attention_fwd") == 5 and out.count("attention_bwd_dkdv") == 6 and out.count("attention_bwd_dq") == 6
+    assert out.count("attention_bwd_fused") == 3 and out.count("attention_bwd_sums") == 3
 
 
 if __name__ == "__main__":

@@ -38,6 +38,11 @@ def _gpt():
     return GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32, attention="manual"))
 
 
+def _gpt_sdpa():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32))
+
+
 class Residual(nn.Module):
     """h = fc1(ln(x)) is read by fc2 and by the residual add; ln(x) only by fc1."""
 
@@ -160,6 +165,40 @@ def test_a_value_read_by_anything_but_a_matmul_keeps_its_bits():
     assert shared and not any(isinstance(r, nv.RoundTf32Op) for v in shared for r in _readers(v))
 
 
+def _attention_backwards(c) -> list:
+    return [o for o in step_func(c.module).body.block.ops if isinstance(o, nv.AttentionBackwardOp)]
+
+
+def test_an_attention_backwards_gradients_are_rounded_by_its_kernels(monkeypatch):
+    """GPT's packed qkv: dq, dk, dv reach only the cat that the qkv projection's input
+    and weight gradients read (its bias gradient is the op's sums by then): the op
+    stores them rounded, and both matmuls take the cat as prerounded. Not without
+    the attention_sums stage (the cat's column sum would read rounded values), nor
+    under bf16, nor with ``ROUND_ATTENTION_GRADIENTS`` off."""
+    c = _compile(_gpt_sdpa(), _tokens(), stop_after="tf32_operands")
+    (att,) = _attention_backwards(c)
+    assert att.props()["rounded"] and att.props()["sums"]
+    ops = list(step_func(c.module).body.block.ops)
+    (cat,) = [o for o in ops if isinstance(o, nv.CatOp) and all(_from(x, att) for x in o.operands)]
+    readers = _readers(cat.results[0])
+    assert len(readers) == 2 and all(isinstance(r, nv.MatmulOp) for r in readers)
+    assert all(nv.tf32_rounded(r.operands[0]) for r in readers)  # A: dqkv, and dqkv^T for the weight gradient
+    assert nv.prerounded_operands(*readers[0].operands, "tf32-rn")[0] == "a"
+
+    saved = list(pipeline.STAGES)
+    try:
+        pipeline.STAGES[:] = [s for s in saved if s[0] != "attention_sums"]
+        (att,) = _attention_backwards(_compile(_gpt_sdpa(), _tokens(), stop_after="tf32_operands"))
+        assert not att.props()["rounded"] and not att.props()["sums"]
+    finally:
+        pipeline.STAGES[:] = saved
+    (att,) = _attention_backwards(_compile(_gpt_sdpa(), _tokens(), precision="bf16", stop_after="tf32_operands"))
+    assert not att.props()["rounded"]
+    monkeypatch.setattr(tf32_stage, "ROUND_ATTENTION_GRADIENTS", False)
+    (att,) = _attention_backwards(_compile(_gpt_sdpa(), _tokens(), stop_after="tf32_operands"))
+    assert not att.props()["rounded"] and att.props()["sums"]
+
+
 @pytest.mark.parametrize("precision,device", [("fp32", "H200"), ("bf16", "H200"), ("tf32", None)])
 def test_no_rounding_but_tf32_on_the_triton_target(precision, device):
     c = _compile(_mlp(), _tokens(), precision=precision, device=device)
@@ -222,7 +261,7 @@ def test_the_reference_rounds_as_the_matmul_template_does():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's steps: the GPU runs tests/gpu")
-@pytest.mark.parametrize("make", [_mlp, _gpt])
+@pytest.mark.parametrize("make", [_mlp, _gpt, _gpt_sdpa])
 def test_triton_steps_with_and_without_the_stage_are_bit_identical(make):
     """The matmuls saw rounded operands before (rounded in the kernel or staged);
     now the producer rounds and the matmul reads them as they are: the same bits."""

@@ -42,6 +42,11 @@ Design choices, and why:
   (as stored, masked rows 0) into a row of partials in launch scratch, and a fourth
   kernel (``attention_bwd_sums``) adds those up in row order into the [3, H, D] sums:
   no atomics, the same bits every run.
+* With the op's ``rounded`` (the tf32_operands stage, where only tf32 matmuls read the
+  gradients: the qkv projection's input and weight gradients) dq, dk and dv are
+  stored rounded to nearest-even tf32 (``tf32_rn``), so those matmuls read them as
+  ``prerounded``, from shared memory and without rounding in their K loops; the
+  column sums add up the tiles before that rounding.
 * ``SOURCE_FLAGS`` name optional variants of the text (fma_scale: the forward's scale
   inside one FMA; fused_bwd: dK/dV and dQ in one kernel), off unless a lowering is
   given ``source_flags``: candidates that ``scripts/attention_variants.py`` measures
@@ -202,9 +207,11 @@ def _input_precision(dtype: torch.dtype, precision: str) -> str:
 class _Gen:
     """Text snippets shared by the forward and backward kernels of one shape."""
 
-    def __init__(self, b, h, tq, tk, d, dtype, causal, scale, bm, bn, ip, bias=False, flags=frozenset(), sums=False):
+    def __init__(self, b, h, tq, tk, d, dtype, causal, scale, bm, bn, ip, bias=False, flags=frozenset(), sums=False,
+                 rounded=False):
         self.b, self.h, self.tq, self.tk, self.d = b, h, tq, tk, d
         self.sums = sums  # the backward's column sums of dq, dk, dv (the op's ``sums``)
+        self.rounded = rounded  # the backward's dq, dk, dv stored rounded to tf32 (the op's ``rounded``)
         self.flags = frozenset(flags)  # SOURCE_FLAGS variants of the text
         self.bias = bias  # an additive [B, H, Tq, Tk] (broadcast) score bias operand
         self.bd = max(16, next_pow2(d))
@@ -241,8 +248,13 @@ class _Gen:
             f"dot precision {self.ip}\n"
             "import triton\nimport triton.language as tl\n\n"
             + "".join(f"{k} = tl.constexpr({v})\n" for k, v in constants.items())
-            + (TF32_RN_FN if self.ip == "tf32" else "")
+            + (TF32_RN_FN if self.ip == "tf32" or self.rounded else "")
         )
+
+    def out(self, x: str) -> str:
+        """A gradient tile as stored: rounded to tf32 under ``rounded`` (its column
+        sums add up ``x`` itself, the raw values)."""
+        return f"tf32_rn({x})" if self.rounded else x
 
     def mask(self, *parts: str | None) -> str | None:
         parts = [p for p in parts if p]
@@ -485,8 +497,8 @@ for m0 in range({lo}, {hi}, BLOCK_M):
             dv_base = {g.head_base('dv')}
             dk_out = (dk * {g.scale!r}).to({g.ty})
             dv_out = dv.to({g.ty})
-            {g.store("dk_base + offs_n[:, None] * sdkt + offs_d[None, :] * sdkd", "dk_out", kv_mask)}
-            {g.store("dv_base + offs_n[:, None] * sdvt + offs_d[None, :] * sdvd", "dv_out", kv_mask)}
+            {g.store("dk_base + offs_n[:, None] * sdkt + offs_d[None, :] * sdkd", g.out("dk_out"), kv_mask)}
+            {g.store("dv_base + offs_n[:, None] * sdvt + offs_d[None, :] * sdvd", g.out("dv_out"), kv_mask)}
         """, 0),
         _column_sums(g, "dkdv", "start_n // BLOCK_N", _sum_rows(g_q), {"dk_out": 0, "dv_out": 1}, kv_mask, g.tk, g.bn),
     ])
@@ -538,7 +550,7 @@ for n0 in range({lo}, {hi}, BLOCK_N):
         _ind(f"""
             dq_base = {g.head_base('dq')}
             dq_out = (dq * {g.scale!r}).to({g.ty})
-            {g.store("dq_base + offs_m[:, None] * sdqt + offs_d[None, :] * sdqd", "dq_out", q_mask)}
+            {g.store("dq_base + offs_m[:, None] * sdqt + offs_d[None, :] * sdqd", g.out("dq_out"), q_mask)}
         """, 0),
         _column_sums(g, "dq", "start_m // BLOCK_M", 0, {"dq_out": None}, q_mask, g.tq, g.bm),
     ])
@@ -718,7 +730,7 @@ def _plan(op, cfg, precision: str, kernel: str, exact: bool = False, flags=froze
         _check_dtype(_dtype(op.operands[-1].type))
     bm, bn, warps, stages = attention_plan(tq, tk, d, dtype, cfg, kernel, exact)
     g = _Gen(b, h, tq, tk, d, dtype, bool(p["causal"]), float(p["scale"]), bm, bn, _input_precision(dtype, precision),
-             bias, _check_flags(flags), sums=backward and bool(p["sums"]))
+             bias, _check_flags(flags), sums=backward and bool(p["sums"]), rounded=backward and bool(p["rounded"]))
     _check_flags_apply(g)
     return g, warps, stages
 
