@@ -34,8 +34,11 @@ stage), and the IR after each stage is kept as text for ``explain()``.
               from the forward's statistics beside the LayerNorm backward reading the
               same row (the weight gradient moves after it), so fuse puts it in that
               backward's kernel
+  attention_sums  a packed qkv projection's bias gradient (the column sum of the cat
+              of an attention backward's gradients) added up by that op's kernels
   tf32_operands  (GPU targets, tf32) a value only tf32 matmuls read is stored rounded
-              by its producer's kernel, and the matmuls take it as prerounded
+              by its producer's kernel (an attention backward's gradients by its
+              own, hence after attention_sums), and the matmuls take it as prerounded
   fuse        elementwise ops grouped into nova.fused ops (one kernel each):
               vertical chains, horizontal neighbours, scalars recomputed inside,
               a matmul with the elementwise ops on its result (its epilogue), a
