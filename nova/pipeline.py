@@ -29,7 +29,8 @@ stage), and the IR after each stage is kept as text for ``explain()``.
               and its gradients chunk by chunk (the loss's cotangent, the seed, is
               known before the loss): one logits matmul per chunk instead of two
   remat       recompute cheap elementwise values in the backward instead of keeping
-              them from the forward; with memory_budget, more until the plan fits
+              them from the forward; with memory_budget, more until the plan fits;
+              nothing with nova.compile(remat=False)
   norm_recompute  a LayerNorm output remat recomputes for a weight gradient is computed
               from the forward's statistics beside the LayerNorm backward reading the
               same row (the weight gradient moves after it), so fuse puts it in that
@@ -88,6 +89,7 @@ class Compilation:
     grads: dict | None = None  # parameter name -> gradient value, as the optimizer stage found them
     memory_budget: int | None = None  # bytes: remat recomputes until the predicted peak fits (None: cheap ones only)
     remat: list = field(default_factory=list)  # nova.transforms.remat.Choice per recomputed value, after remat
+    recompute: bool = True  # False (nova.compile(remat=False)): the remat stage recomputes nothing
 
     @property
     def module(self) -> ModuleOp:
@@ -165,7 +167,7 @@ def _loss_grad(c: Compilation) -> None:
 def _remat(c: Compilation) -> None:
     from nova.transforms.remat import remat
 
-    c.remat = remat(c.module, c.memory_budget)
+    c.remat = remat(c.module, c.memory_budget) if c.recompute else []
 
 
 def _norm_recompute(c: Compilation) -> None:

@@ -309,6 +309,7 @@ def key_inputs(c, ir_sha256: str, spec, stages: list[str]) -> dict:
         # options other stages read (getattr: a Compilation without them has the default)
         "skip_nonfinite": _plain(getattr(c, "skip_nonfinite", False)),
         "memory_budget": _plain(getattr(c, "memory_budget", None)),
+        "recompute": _plain(getattr(c, "recompute", True)),  # nova.compile(remat=)
         "data_parallel": _plain(getattr(c, "data_parallel", None)),  # the distribute stage (mode, ranks, buckets)
         "stages": list(stages),
         "switches": changed_switches(),  # module switches flipped in this process (tests, scripts' variants)

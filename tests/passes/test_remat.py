@@ -251,3 +251,36 @@ def test_a_budget_between_the_default_and_the_floor(monkeypatch):
     # a budget the default already meets adds nothing
     easy = _gpt(n_layer=3, memory_budget=default.memory.peak_bytes)
     assert [c.what for c in easy.remat] == [c.what for c in default.remat]
+
+
+def test_remat_false_recomputes_nothing_with_the_same_results():
+    """``nova.compile(remat=False)``: the remat stage chooses nothing (a higher peak),
+    the steps' losses and parameters bit for bit those with it; the option keys the
+    step cache (its choices are part of the cached IR); with a memory budget, or not a
+    bool, it is an error."""
+    import nova
+    from nova.runtime import cache
+
+    runs = []
+    for flag in (True, False):
+        torch.manual_seed(0)
+        model = GPT(gpt_tiny(block_size=64))
+        step = nova.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), precision="bf16",
+                            backend="reference", remat=flag)
+        g = torch.Generator().manual_seed(5)
+        losses = []
+        for _ in range(2):
+            x = torch.randint(0, 256, (8, 64), generator=g)
+            losses.append(step(x, x.roll(1, 1)).item())
+        c = step._last.compilation
+        runs.append((losses, [p.detach().clone() for p in model.parameters()], c.remat, c.memory.peak_bytes,
+                     cache.key_inputs(c, "x", None, [])["recompute"]))
+    (l1, p1, ch1, peak1, k1), (l2, p2, ch2, peak2, k2) = runs
+    assert ch1 and not ch2 and peak2 > peak1 and (k1, k2) == (True, False)
+    assert l1 == l2 and all(torch.equal(a, b) for a, b in zip(p1, p2, strict=True))
+    model = GPT(gpt_tiny())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="memory_budget needs remat=True"):
+        nova.compile(model, opt, backend="reference", remat=False, memory_budget="1GiB")
+    with pytest.raises(TypeError, match="remat must be True or False"):
+        nova.compile(model, opt, backend="reference", remat="off")
