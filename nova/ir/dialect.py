@@ -1406,13 +1406,19 @@ def prerounded_operands(lhs: SSAValue, rhs: SSAValue, precision: str) -> tuple[s
     return tuple(x for x, v in zip("ab", (lhs, rhs)) if tf32_rounded(v))
 
 
+def view_source(value: SSAValue) -> SSAValue:
+    """The value whose storage ``value`` reads through a chain of layout views (itself if none)."""
+    while isinstance(value, OpResult) and isinstance(value.op, VIEW_OPS):
+        value = value.op.operands[0]
+    return value
+
+
 def tf32_rounded(value: SSAValue) -> bool:
     """Whether ``value`` (through layout views) is a ``nova.round_tf32`` result, or a
     group's result that one computes, or a gradient of a ``rounded`` attention
     backward, or a cat of such values: its bits are tf32 values already (the
     tf32_operands stage), so a tf32 matmul need not round it."""
-    while isinstance(value, OpResult) and isinstance(value.op, VIEW_OPS):
-        value = value.op.operands[0]
+    value = view_source(value)
     if not isinstance(value, OpResult):
         return False
     op = value.op

@@ -104,16 +104,9 @@ def _size(v: SSAValue) -> int:
     return numel(shape_of(v.type)) * _itemsize(v)
 
 
-def _root(v: SSAValue) -> SSAValue:
-    """The value whose storage a chain of layout views reads."""
-    while isinstance(v.owner, VIEW_OPS):
-        v = v.owner.operands[0]
-    return v
-
-
 def read_bytes(v: SSAValue) -> int:
     """Bytes a kernel reads of operand ``v``: the smaller of the view and its storage."""
-    return min(numel(shape_of(v.type)), numel(shape_of(_root(v).type))) * _itemsize(v)
+    return min(numel(shape_of(v.type)), numel(shape_of(nv.view_source(v).type))) * _itemsize(v)
 
 
 def io_bytes(ins, outs) -> int:

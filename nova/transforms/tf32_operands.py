@@ -128,16 +128,20 @@ def _contracted(op) -> list[SSAValue]:
     return list(op.operands[g : g + 2])
 
 
+def _f32_tf32_read(op, index: int) -> bool:
+    """Operand ``index`` of ``op`` is contracted by a tf32 matmul of f32 operands."""
+    return _tf32_reader(op, index) and all(elem_of(x.type) == f32 for x in _contracted(op))
+
+
 def _only_matmuls(v: SSAValue) -> bool:
     """Every reader of ``v`` is an f32 matmul (or the fused LM head's h), or a column
     sum of ``v`` itself (a bias gradient: the fuse stage adds it up in ``v``'s
     producer's kernel, from the raw values, before the rounded ones are stored); at
     least one matmul."""
     readers = [(op, i) for op, i, _ in _reads(v)]
-    matmuls = [op for op, i in readers if _tf32_reader(op, i)]
+    matmuls = [op for op, i in readers if _f32_tf32_read(op, i)]
     sums = [op for op, _ in readers if nv.column_sum(op) and op.operands[0] is v]
-    return (bool(matmuls) and len(matmuls) + len(sums) == len(readers)
-            and all(elem_of(x.type) == f32 for op in matmuls for x in _contracted(op)))
+    return bool(matmuls) and len(matmuls) + len(sums) == len(readers)
 
 
 # a rounded copy of each step argument (a weight) for the matmuls that read it K-major
@@ -186,21 +190,10 @@ def _round_arguments(block) -> int:
 ROUND_ATTENTION_GRADIENTS = True
 
 
-def _f32_tf32_read(op, index: int) -> bool:
-    """Operand ``index`` of ``op`` is contracted by a tf32 matmul of f32 operands."""
-    return _tf32_reader(op, index) and all(elem_of(x.type) == f32 for x in _contracted(op))
-
-
 def _matmul_reads_only(v: SSAValue) -> bool:
     """Every read of ``v`` (through views) is an f32 tf32 matmul's (or the fused LM head's h); at least one."""
     reads = _reads(v)
     return bool(reads) and all(_f32_tf32_read(op, i) for op, i, _ in reads)
-
-
-def _root(v: SSAValue) -> SSAValue:
-    while isinstance(v, OpResult) and isinstance(v.op, nv.VIEW_OPS):
-        v = v.op.operands[0]
-    return v
 
 
 def _gradient_to_matmuls(att: nv.AttentionBackwardOp, i: int) -> bool:
@@ -209,7 +202,7 @@ def _gradient_to_matmuls(att: nv.AttentionBackwardOp, i: int) -> bool:
     reads = _reads(att.results[i])
     for op, index, _ in reads:
         if isinstance(op, nv.CatOp):
-            ours = all(isinstance(r := _root(x), OpResult) and r.op is att and r.index < 3 for x in op.operands)
+            ours = all(isinstance(r := nv.view_source(x), OpResult) and r.op is att and r.index < 3 for x in op.operands)
             if not (ours and _matmul_reads_only(op.results[0])):
                 return False
         elif not _f32_tf32_read(op, index):
