@@ -87,6 +87,17 @@ TF32_REGISTER_BOTH_PENALTY = 3.5
 # whatever its layout: dw 50304x768x2048 col/row ran at 0.470 ms with A rounded in
 # registers against 0.624 ms with A staged too)
 TF32_ROUND_B_PENALTY = 0.5
+# Rule 4c (docs/configurator.md): an A tile that reaches the MMA through registers (tf32, A
+# not staged: M-major, or K-major and not rounded) costs its loads, rounding and register
+# moves per K-step for BM x BK elements, against BM x BN x BK products: the penalty above,
+# measured at BLOCK_N = TF32_REGISTER_A_BN, scales as TF32_REGISTER_A_BN / BN. Steps 4, 5
+# and 5c weigh each tile's tau so: at 128x128 the A path costs twice its share at 128x256.
+# Measured on an H100 (bench/results/runs/matmul_gpt2_all_search24_h100_c527b90.json,
+# tf32 2304x768x8192 col/row, GPT-2's qkv weight gradient at batch 8): 128x128x32 unsplit,
+# which step 4's halving chose, 0.196 ms; 128x256x32 split 7 (stream-K) 0.156; cuBLAS
+# 0.156. Off: every tile's tau is its products' alone
+TF32_REGISTER_A_BN = 256
+TF32_REGISTER_A_BY_TILE = True
 # Rule 9a: on Hopper every tf32 kernel reads both operands from shared memory. Off: the
 # template settles register-A kernels instead (matmul.SETTLE_REGISTER_A), race-free in the
 # GPU SASS test and faster (H100 at b02af12, against torch.compile in the same call: the
@@ -550,8 +561,13 @@ def plan_matmul(
     # and the split of a wave at most half full
     c = 8 * M * N * batch / bw
 
+    # 4c. the register path of A (above, TF32_REGISTER_A_BY_TILE): its cost per product
+    # grows as BN shrinks
+    reg_a = TF32_REGISTER_A_BY_TILE and path == "tf32" and tensor and dev.has_wgmma and not stage_a
+
     def tau_of(t: _Tile) -> float:
-        return 2 * t.bm * t.bn * K / (peak / S)
+        mma = 2 * t.bm * t.bn * K / (peak / S)
+        return mma * (1 + TF32_REGISTER_A_PENALTY * TF32_REGISTER_A_BN / t.bn) if reg_a else mma
 
     def wave_time(t: _Tile, s: int) -> float:
         return math.ceil(n_tiles(t) * s / S) * tau_of(t) / s + (c * s + LAUNCH_SECONDS if s > 1 else 0.0)

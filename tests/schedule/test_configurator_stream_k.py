@@ -37,8 +37,13 @@ def test_the_qkv_weight_gradient_keeps_its_wide_tile_as_stream_k(device):
 def test_the_switch_off_gives_the_split_model_alone(monkeypatch):
     on = _plan(32768, "H100").config
     monkeypatch.setattr(cf, "STREAM_K_TILES", False)
-    off = _plan(32768, "H100").config
-    assert (off.block_m, off.block_n, off.split_k) == (128, 128, 1) != (on.block_m, on.block_n, on.split_k)
+    off_plan = _plan(32768, "H100")
+    off = off_plan.config
+    # the split model alone: 128x256 split 2 in one wave (108 programs, not stream-K; rule 4c
+    # keeps the tile: its A goes through registers, which costs a 128x128 tile twice as much
+    # a product)
+    assert (off.block_m, off.block_n, off.split_k) == (128, 256, 2) != (on.block_m, on.block_n, on.split_k)
+    assert not _runs_stream_k(off_plan, 2304, 768, "H100")
     # the launcher's own switch off: the configurator does not model what will not run
     monkeypatch.setattr(cf, "STREAM_K_TILES", True)
     monkeypatch.setattr(mm, "STREAM_K_SPLIT", False)
@@ -75,3 +80,15 @@ def test_a_chosen_stream_k_config_is_never_persistent(monkeypatch):
     assert taken >= 4
     monkeypatch.setattr(cf, "STREAM_K_TILES", False)  # without 5c, 8d's split form takes the both-staged one
     assert _plan(32768, "H200", prerounded=("a", "b"), a_layout="row").config.persistent
+
+
+@pytest.mark.parametrize("device", ["H100", "H200"])
+def test_rule_4c_keeps_the_batch_8_qkv_weight_gradient_wide(device, monkeypatch):
+    """GPT-2 tf32 at batch 8: 2304x768x8192, A = dqkv^T through registers (M-major). Without
+    rule 4c step 4 halves it to 128x128 unsplit (0.196 ms on an H100 at c527b90); with it,
+    128x256 run as stream-K (0.156, cuBLAS 0.156). Off: the old choice again."""
+    p = _plan(8192, device, prerounded=("a", "b"))
+    assert (p.config.block_m, p.config.block_n) == (128, 256) and _runs_stream_k(p, 2304, 768, device)
+    monkeypatch.setattr(cf, "TF32_REGISTER_A_BY_TILE", False)
+    old = _plan(8192, device, prerounded=("a", "b")).config
+    assert (old.block_m, old.block_n, old.split_k) == (128, 128, 1)
