@@ -69,6 +69,17 @@ input gradient's A (K-major, not rounded) goes through registers, rounded in eve
 K-step: 0.67x cuBLAS at 8192x768x2304 row/row against 0.82x for the same kernel with
 A prerounded at 8192x768x3072 on an H100 (``bench/results/matmul_gpt2.md``, 4eb8856).
 No store is added: the kernels write the rounded tiles instead of the raw ones.
+
+A second store (``ROUND_SECOND_STORE``, off until measured): a value whose kernel takes
+an elementwise epilogue, which f32 matmuls read as a K-major A and other ops read raw
+(the residual gradient: the next layer's adds and the weight gradient read it raw; the
+input gradient dY @ W reads it as A), gets a ``nova.round_tf32`` read by exactly those
+matmuls, through their own copies of the views. The fuse stage puts it into the
+producer's kernel, which then stores both (12.6 MB more a layer for the 46M MLP at batch
+8); the matmul reads A prerounded from shared memory instead of rounding it in registers
+every K-step (the MLP's 8192x1536x384 row/row: 0.0564 ms, against 0.0429 for the same
+shape with both operands prerounded, H100, c527b90), and GPT-2's fc input gradient loses
+its staging copy of A. The peak is unchanged (the copy dies at its one reader).
 """
 
 from __future__ import annotations
@@ -222,6 +233,41 @@ def _round_attention_gradients(block) -> int:
     return done
 
 
+# a second, rounded store of a value that other ops read raw, for the matmuls that read it
+# as a K-major A (the residual gradient's input-gradient matmul); off until measured
+ROUND_SECOND_STORE = False
+
+
+def _round_second_stores(block) -> int:
+    """A ``nova.round_tf32`` beside each f32 value whose kernel takes an elementwise
+    epilogue and that both f32 matmuls read as a K-major A and other ops read raw,
+    read by exactly those matmuls through their own copies of the views
+    (``ROUND_SECOND_STORE``); returns how many."""
+    done = 0
+    for op in list(block.ops):
+        for v in op.results:
+            if elem_of(v.type) != f32 or not _takes_epilogue(v) or _only_matmuls(v):
+                continue
+            reads = [(m, i, chain) for m, i, chain in _k_major_reads(v) if i == 0]
+            if not reads:
+                continue
+            b = OpBuilder(block, before=op.next_op)
+            b.location = op.attributes["nova.loc"].data if "nova.loc" in op.attributes else None
+            r = b.one(nv.RoundTf32Op, [v])
+            if is_recompute(op):
+                r.owner.attributes[REMAT_ATTR] = op.attributes[REMAT_ATTR]
+            for matmul, index, chain in reads:
+                x = r
+                for view in chain:
+                    copy = view.clone()
+                    copy.operands[0] = x
+                    block.insert_op_before(copy, matmul)
+                    x = copy.results[0]
+                matmul.operands[index] = x
+            done += 1
+    return done
+
+
 def tf32_operands(module: ModuleOp, precision: str) -> int:
     """Rounds at the producer every value only tf32 matmuls read (the module
     docstring's rule), a rounded copy of each step argument for the matmuls that
@@ -232,6 +278,7 @@ def tf32_operands(module: ModuleOp, precision: str) -> int:
     block = step_func(module).body.block
     done = _round_arguments(block) if ROUND_ARGUMENTS else 0
     done += _round_attention_gradients(block) if ROUND_ATTENTION_GRADIENTS else 0
+    done += _round_second_stores(block) if ROUND_SECOND_STORE else 0
     for op in list(block.ops):
         for v in op.results:
             if elem_of(v.type) != f32 or not _takes_epilogue(v) or not _only_matmuls(v):

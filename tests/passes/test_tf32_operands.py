@@ -199,6 +199,37 @@ def test_an_attention_backwards_gradients_are_rounded_by_its_kernels(monkeypatch
     assert not att.props()["rounded"] and att.props()["sums"]
 
 
+def test_a_second_rounded_store_for_the_k_major_a_of_a_value_read_raw_too(monkeypatch):
+    """``ROUND_SECOND_STORE``: the residual gradient (the LayerNorm backward's kernel adds
+    it up; the next layer's adds and the weight gradient read it raw) also gets a
+    rounded copy for the down projection's input gradient, which reads it as a K-major
+    A: the fuse stage puts the rounding into that kernel, which then stores both; the
+    matmul takes A prerounded (read in place, staged for free); the plan's peak is
+    unchanged. Off: no such copy."""
+    monkeypatch.setattr(tf32_stage, "ROUND_ARGUMENTS", False)
+    plain = _compile(_mlp(), _tokens())
+    monkeypatch.setattr(tf32_stage, "ROUND_SECOND_STORE", True)
+    c = _compile(_mlp(), _tokens())
+    ops = list(step_func(c.module).body.block.ops)
+    assert not any(isinstance(o, nv.RoundTf32Op) for o in ops)
+    both = []
+    for g in (o for o in ops if isinstance(o, nv.FusedOp)):
+        yielded = list(g.body.block.last_op.operands)
+        for r in (i for i in g.inner_ops() if isinstance(i, nv.RoundTf32Op)):
+            if r.operands[0] in yielded:  # the raw value stored too: a second store
+                assert r.results[0] in yielded and any(isinstance(i, nv.LayerNormBackwardOp) for i in g.inner_ops())
+                both.append(g.results[yielded.index(r.results[0])])
+    assert len(both) == 2  # the residual gradient of each of the two blocks
+    for v in both:
+        readers = _readers(v)
+        assert readers and all(isinstance(m, nv.MatmulOp) for m in readers)
+        assert all(nv.prerounded_operands(*m.operands, "tf32-rn")[:1] == ("a",) for m in readers)
+    assert c.memory.peak_bytes == plain.memory.peak_bytes
+    before = sum(isinstance(o, nv.MatmulOp) and nv.tf32_rounded(o.operands[0]) for o in step_func(plain.module).walk())
+    after = sum(isinstance(o, nv.MatmulOp) and nv.tf32_rounded(o.operands[0]) for o in step_func(c.module).walk())
+    assert after == before + 2
+
+
 @pytest.mark.parametrize("precision,device", [("fp32", "H200"), ("bf16", "H200"), ("tf32", None)])
 def test_no_rounding_but_tf32_on_the_triton_target(precision, device):
     c = _compile(_mlp(), _tokens(), precision=precision, device=device)
@@ -261,10 +292,16 @@ def test_the_reference_rounds_as_the_matmul_template_does():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's steps: the GPU runs tests/gpu")
-@pytest.mark.parametrize("make", [_mlp, _gpt, _gpt_sdpa])
-def test_triton_steps_with_and_without_the_stage_are_bit_identical(make):
+@pytest.mark.parametrize("make,second", [(_mlp, False), (_gpt, False), (_gpt_sdpa, False), (_mlp, True)],
+                         ids=["mlp", "gpt", "gpt_sdpa", "mlp-second-store"])
+def test_triton_steps_with_and_without_the_stage_are_bit_identical(make, second, monkeypatch):
     """The matmuls saw rounded operands before (rounded in the kernel or staged);
-    now the producer rounds and the matmul reads them as they are: the same bits."""
+    now the producer rounds and the matmul reads them as they are: the same bits.
+    ``second`` (``ROUND_SECOND_STORE`` too): the last block's residual gradient then
+    has an epilogue in the final LayerNorm backward's kernel, which also takes its
+    bias gradient's column sum (an order of fp32 sums of its own): one step, every
+    weight and the loss bit for bit, the biases within fp32 rounding."""
+    monkeypatch.setattr(tf32_stage, "ROUND_SECOND_STORE", second)
     runs = []
     for with_stage in (True, False):
         model = make()
@@ -276,14 +313,19 @@ def test_triton_steps_with_and_without_the_stage_are_bit_identical(make):
                                 backend="triton")
             g = torch.Generator().manual_seed(3)
             losses = []
-            for _ in range(2):
+            for _ in range(1 if second else 2):
                 x = torch.randint(0, 64, (2, 8), generator=g)
                 losses.append(step(x, x.roll(1, 1)).item())
         finally:
             pipeline.STAGES[:] = saved
         runs.append((losses, [p.detach().clone() for p in model.parameters()], step.kernel_sources()))
     (l1, p1, s1), (l2, p2, _) = runs
-    assert l1 == l2 and all(torch.equal(a, b) for a, b in zip(p1, p2))
+    assert l1 == l2
+    if second:
+        assert all(torch.equal(a, b) for a, b in zip(p1, p2, strict=True) if a.dim() > 1)
+        assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-9) for a, b in zip(p1, p2, strict=True))
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(p1, p2, strict=True))
     assert any("prerounded" in s or "rounded to tf32 before the kernel" in s for s in s1.values())
 
 
