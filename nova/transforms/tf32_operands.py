@@ -172,6 +172,19 @@ def _k_major_reads(w: SSAValue) -> list[tuple]:
             and operand_layout(chain[-1].results[0] if chain else w) == ("row" if i == 0 else "col")]  # fmt: skip
 
 
+def _read_through_copies(block, r: SSAValue, reads: list[tuple]) -> None:
+    """Each (matmul, operand index, views) of ``reads`` reads ``r`` instead, through its
+    own copies of the views, placed just before it."""
+    for matmul, index, chain in reads:
+        x = r
+        for view in chain:
+            copy = view.clone()
+            copy.operands[0] = x
+            block.insert_op_before(copy, matmul)
+            x = copy.results[0]
+        matmul.operands[index] = x
+
+
 def _round_arguments(block) -> int:
     """A rounded copy of each f32 step argument that matmuls read K-major, read by those
     matmuls through their own copies of the views (``ROUND_ARGUMENTS``); returns how many."""
@@ -184,15 +197,7 @@ def _round_arguments(block) -> int:
         first = min((m for m, _, _ in reads), key=ops.index)
         b = OpBuilder(block, before=first)
         b.location = first.attributes["nova.loc"].data if "nova.loc" in first.attributes else None
-        r = b.one(nv.RoundTf32Op, [w])
-        for matmul, index, chain in reads:
-            v = r
-            for view in chain:
-                copy = view.clone()
-                copy.operands[0] = v
-                block.insert_op_before(copy, matmul)
-                v = copy.results[0]
-            matmul.operands[index] = v
+        _read_through_copies(block, b.one(nv.RoundTf32Op, [w]), reads)
         done += 1
     return done
 
@@ -256,14 +261,7 @@ def _round_second_stores(block) -> int:
             r = b.one(nv.RoundTf32Op, [v])
             if is_recompute(op):
                 r.owner.attributes[REMAT_ATTR] = op.attributes[REMAT_ATTR]
-            for matmul, index, chain in reads:
-                x = r
-                for view in chain:
-                    copy = view.clone()
-                    copy.operands[0] = x
-                    block.insert_op_before(copy, matmul)
-                    x = copy.results[0]
-                matmul.operands[index] = x
+            _read_through_copies(block, r, reads)
             done += 1
     return done
 
