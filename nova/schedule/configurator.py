@@ -562,8 +562,11 @@ def plan_matmul(
     c = 8 * M * N * batch / bw
 
     # 4c. the register path of A (above, TF32_REGISTER_A_BY_TILE): its cost per product
-    # grows as BN shrinks
-    reg_a = TF32_REGISTER_A_BY_TILE and path == "tf32" and tensor and dev.has_wgmma and not stage_a
+    # grows as BN shrinks. tf32 A goes through registers where it is not staged and is
+    # rounded in the kernel ("tf32-rn") or is not K-major (wgmma reads tf32 from shared
+    # memory K-major only)
+    reg_a = (TF32_REGISTER_A_BY_TILE and path == "tf32" and tensor and dev.has_wgmma and not stage_a
+             and (precision == "tf32-rn" or a_layout != "row"))
 
     def tau_of(t: _Tile) -> float:
         mma = 2 * t.bm * t.bn * K / (peak / S)
