@@ -172,6 +172,17 @@ def _k_major_reads(w: SSAValue) -> list[tuple]:
             and operand_layout(chain[-1].results[0] if chain else w) == ("row" if i == 0 else "col")]  # fmt: skip
 
 
+def _rounded_after(block, op, v: SSAValue) -> SSAValue:
+    """A ``nova.round_tf32`` of ``v`` (a result of ``op``) just after ``op``, at its
+    location; a recompute's rounding is part of the recompute."""
+    b = OpBuilder(block, before=op.next_op)
+    b.location = op.attributes["nova.loc"].data if "nova.loc" in op.attributes else None
+    r = b.one(nv.RoundTf32Op, [v])
+    if is_recompute(op):
+        r.owner.attributes[REMAT_ATTR] = op.attributes[REMAT_ATTR]
+    return r
+
+
 def _read_through_copies(block, r: SSAValue, reads: list[tuple]) -> None:
     """Each (matmul, operand index, views) of ``reads`` reads ``r`` instead, through its
     own copies of the views, placed just before it."""
@@ -256,12 +267,7 @@ def _round_second_stores(block) -> int:
             reads = [(m, i, chain) for m, i, chain in _k_major_reads(v) if i == 0]
             if not reads:
                 continue
-            b = OpBuilder(block, before=op.next_op)
-            b.location = op.attributes["nova.loc"].data if "nova.loc" in op.attributes else None
-            r = b.one(nv.RoundTf32Op, [v])
-            if is_recompute(op):
-                r.owner.attributes[REMAT_ATTR] = op.attributes[REMAT_ATTR]
-            _read_through_copies(block, r, reads)
+            _read_through_copies(block, _rounded_after(block, op, v), reads)
             done += 1
     return done
 
@@ -281,11 +287,7 @@ def tf32_operands(module: ModuleOp, precision: str) -> int:
         for v in op.results:
             if elem_of(v.type) != f32 or not _takes_epilogue(v) or not _only_matmuls(v):
                 continue
-            b = OpBuilder(block, before=op.next_op)
-            b.location = op.attributes["nova.loc"].data if "nova.loc" in op.attributes else None
-            r = b.one(nv.RoundTf32Op, [v])
-            if is_recompute(op):  # a recompute's rounding is part of the recompute
-                r.owner.attributes[REMAT_ATTR] = op.attributes[REMAT_ATTR]
+            r = _rounded_after(block, op, v)
             # the matmuls (and their views) read the rounded value; a column sum keeps the raw one
             v.replace_uses_with_if(r, lambda use, r=r: use.operation is not r.owner and not nv.column_sum(use.operation))
             done += 1
