@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-tiles|ws-tf32|tf32-search|streamk|few-tiles|mm-stalls|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|ab|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-tiles|ws-tf32|tf32-search|streamk|few-tiles|mm-stalls|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -32,6 +32,18 @@ if [[ $what == headline ]]; then  # issue 9's three rows (the README's table), t
   timeout 200 python3 -m nova.cli.main bench gpt2 --out "$OUT" --model 124m --precision bf16 --batch 32 "$@" 2>&1 | tail -6
   timeout 190 python3 -m nova.cli.main bench gpt2 --out "$OUT" --model 124m --precision tf32 --batch 16 "$@" 2>&1 | tail -6
   timeout 130 python3 -m nova.cli.main bench gpt2 --out "$OUT" --model mlp46m --precision tf32 --batch 8 "$@" 2>&1 | tail -6
+fi
+if [[ $what == ab ]]; then  # Nova alone in variants, one after another in this process's machine:
+  # AB="name:--set M.N=V ...|name2:..." (an empty list of sets is the default) over the bench gpt2 options given
+  shift
+  IFS='|' read -ra variants <<< "${AB:-default:}"
+  for v in "${variants[@]}"; do
+    echo "== ${v%%:*}"
+    # shellcheck disable=SC2086  # the sets are words
+    timeout 170 python3 -m nova.cli.main bench gpt2 --engines nova --out "$OUT/ab_${v%%:*}" ${v#*:} "$@" 2>&1 | tail -3
+  done
+  rm -f "$OUT"/ab_*/*.png
+  (cd "$OUT" && dirs=$(ls -d ab_*/) && tar czf "ab_${AB_NAME:-run}.tgz" $dirs && rm -rf $dirs)
 fi
 if [[ $what == bench-gpt2-dp1 ]]; then  # the same under torchrun over one rank: DDP and Nova's data_parallel, no link crossed
   shift
