@@ -399,11 +399,12 @@ def _cross_entropy(b, op, cts):
 @defvjp(nv.AttentionOp)
 def _attention(b, op, cts):
     g, g_lse = cts
-    q, k, v, *bias = op.operands
+    q, k, v, *tail = op.operands
+    bias, seed = nv.attention_tail(tail, op.props())
     out, lse = op.results
     gq = gk = gv = gbias = None
     if g is not None:
-        bwd = b.create(nv.AttentionBackwardOp, [g, q, k, v, out, lse, *bias], op.props())
+        bwd = b.create(nv.AttentionBackwardOp, [g, q, k, v, out, lse, *tail], op.props())
         gq, gk, gv = bwd.results
         if bias:
             # d scores / d bias = 1: the bias gets the unscaled dS. Built from
@@ -415,16 +416,17 @@ def _attention(b, op, cts):
         gq, gk = _add_opt(b, gq, dq), _add_opt(b, gk, dk)
         if bias:
             gbias = _add_opt(b, gbias, b.sum_to(b.cast(ds, elem_of(bias[0].type)), _shape(bias[0])))
-    return [gq, gk, gv, gbias][: len(op.operands)]
+    return [gq, gk, gv, *([gbias] if bias else []), *([None] if seed else [])]  # the seed has no cotangent
 
 
 def _attention_probs(b: OpBuilder, op: Operation) -> tuple[SSAValue, SSAValue, SSAValue]:
     """The attention probabilities P [B, H, Tq, Tk] rebuilt from q, k, the bias
     and lse, in lse's (statistics) element type, with q and k cast to it; 0 on
     rows that mask every key."""
-    q, k, _, *bias = op.operands
+    q, k, _, *tail = op.operands
     lse = op.results[1]
     p = op.props()
+    bias, _ = nv.attention_tail(tail, p)
     elem = elem_of(lse.type)
     bsz, heads, tq, _ = _shape(q)
     tk = _shape(k)[2]
@@ -446,13 +448,19 @@ def _attention_probs(b: OpBuilder, op: Operation) -> tuple[SSAValue, SSAValue, S
 
 
 def _attention_dbias(b: OpBuilder, op: Operation, g: SSAValue) -> SSAValue:
-    """dS = P * (dP - rowsum(dO * O)) with dP = dO V^T, summed to the bias's shape."""
-    _, _, v, bias = op.operands
+    """dS = P * (dP - rowsum(dO * O)) with dP = dO V^T (times the dropout
+    multiplier Z with dropout: dP = (dO V^T) Z), summed to the bias's shape."""
+    _, _, v, *tail = op.operands
+    p = op.props()
+    (bias,), seed = nv.attention_tail(tail, p)
     out = op.results[0]
     probs, _, _ = _attention_probs(b, op)
     elem = elem_of(probs.type)
     gs, vs, os = b.cast(g, elem), b.cast(v, elem), b.cast(out, elem)
     dp = b.matmul(gs, b.swap_last(vs))
+    if seed:  # the forward's multiplier: the same bits at the same flat indices of [B, H, Tq, Tk]
+        z = b.one(nv.DropoutMaskOp, seed, {"p": p["dropout"], "salt": p["salt"]}, probs.type)
+        dp = b.mul(dp, z)
     delta = b.reduce_sum(b.mul(gs, os), [3], keepdim=True)
     ds = b.mul(probs, b.sub(dp, delta))
     return b.sum_to(b.cast(ds, elem_of(bias.type)), _shape(bias))

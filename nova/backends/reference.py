@@ -345,24 +345,40 @@ def _probs(s, lse):
     return torch.where(dead, torch.zeros((), dtype=s.dtype, device=s.device), torch.exp(s - lse.unsqueeze(-1)))
 
 
+def _dropped(P, p, seed):
+    """The dropout multiplier of the attention probabilities P [B, H, Tq, Tk] (the
+    op's ``dropout`` and ``salt``, ``nova.rng``'s bits at P's flat indices), or None
+    without dropout."""
+    if not p["dropout"]:
+        return None
+    return rng.dropout_scale(seed[0], p["salt"], P.shape, p["dropout"], P.dtype, P.device)
+
+
 @impl(nv.AttentionOp)
 def _attention(op, xs):
-    q, k, v, *bias = xs
+    q, k, v, *tail = xs
     p = op.props()
+    bias, seed = nv.attention_tail(tail, p)
     s = _scores(q, k, p, *bias)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(_probs(s, lse), _wide(v))
+    P = _probs(s, lse)
+    z = _dropped(P, p, seed)
+    out = torch.matmul(P if z is None else P * z, _wide(v))
     return [out.to(q.dtype), lse.to(_result_dtype(op, 1))]
 
 
 @impl(nv.AttentionBackwardOp)
 def _attention_bwd(op, xs):
-    g, q, k, v, o, lse, *bias = xs
+    g, q, k, v, o, lse, *tail = xs
     p = op.props()
+    bias, seed = nv.attention_tail(tail, p)
     P = _probs(_scores(q, k, p, *bias), _wide(lse))
+    z = _dropped(P, p, seed)
     gf, vf = _wide(g), _wide(v)
-    dv = torch.matmul(P.transpose(-1, -2), gf)
+    dv = torch.matmul((P if z is None else P * z).transpose(-1, -2), gf)
     dp = torch.matmul(gf, vf.transpose(-1, -2))
+    if z is not None:
+        dp = dp * z
     delta = (gf * _wide(o)).sum(-1, keepdim=True)
     ds = P * (dp - delta) * p["scale"]
     dq = torch.matmul(ds, _wide(k))

@@ -661,8 +661,8 @@ def _cross_entropy(cx, logits, target, weight=None, reduction=1, ignore_index=-1
 
 @converts(aten.scaled_dot_product_attention.default)
 def _sdpa(cx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if dropout_p:
-        raise Unsupported("scaled_dot_product_attention with dropout_p > 0 (set the attention dropout to 0)")
+    if not 0.0 <= dropout_p < 1.0:
+        raise Unsupported(f"scaled_dot_product_attention with dropout_p {dropout_p} (Nova takes 0 <= dropout_p < 1)")
     if len(_shape(q)) != 4 or len(_shape(k)) != 4:
         raise Unsupported("scaled_dot_product_attention needs [B, H, T, D] inputs")
     if attn_mask is not None and is_causal:
@@ -675,9 +675,14 @@ def _sdpa(cx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         k, v = _repeat_heads(cx, k, hq // hk), _repeat_heads(cx, v, hq // hk)
     scale = 1.0 / math.sqrt(_shape(q)[-1]) if scale is None else float(scale)
     operands = [q, k, v]
+    props = {"causal": bool(is_causal), "scale": scale}
     if attn_mask is not None:
         operands.append(_attention_bias(cx, attn_mask, q))
-    op = cx.b.create(nv.AttentionOp, operands, {"causal": bool(is_causal), "scale": scale})
+    if dropout_p:  # the probabilities dropped inside the kernels, with Nova's bits (nova.rng), as nova.dropout_mask
+        cx.salt += 1
+        operands.append(cx.seed())
+        props |= {"dropout": float(dropout_p), "salt": cx.salt}
+    op = cx.b.create(nv.AttentionOp, operands, props)
     return op.results[0]
 
 

@@ -38,7 +38,7 @@ covers `label_smoothing`, `reduction="none"` and a batch whose targets are all i
 Not covered (a clear `nova.UnsupportedError`): convolutions, batch norm's running
 statistics (buffer mutation in forward), `sort`/`topk`, `erfinv`, integer `bitwise`
 ops other than on booleans, data-dependent shapes (boolean-mask indexing), class
-weights in `cross_entropy`, dropout inside SDPA.
+weights in `cross_entropy`, `dropout_p >= 1` in SDPA.
 """
 
 
@@ -59,8 +59,9 @@ def render() -> str:
         "`where.ScalarOther`, `diff`, `tril`, `triu`, `stack`, `rms_norm`, `einsum`,",
         "`repeat_interleave`, `mse_loss`. What is still left is reported, all at once, by",
         "`nova.UnsupportedError` at compile time with each op's source line; so are arguments",
-        "a converter does not take (e.g. `dropout_p > 0` in SDPA, class weights in",
-        "`cross_entropy`).",
+        "a converter does not take (e.g. class weights in `cross_entropy`). SDPA's",
+        "`dropout_p` runs inside the attention kernels, with Nova's own random bits",
+        "(`nova.rng`: torch's distribution, not its bit stream).",
         "",
         "Integer and boolean tensors are first-class: i64 arithmetic, compares, logic on",
         "booleans (as `where`), `cumsum`, indexing (`gather`, `index`, `index_select` as",

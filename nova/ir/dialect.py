@@ -12,6 +12,7 @@ Properties are builtin attributes: ``i64`` integers, ``f64`` floats,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 from xdsl.dialects.builtin import (
@@ -1042,7 +1043,27 @@ class CrossEntropyBackwardOp(NovaOp):
         return [logits]
 
 
-def _check_attention(name: str, q: TensorType, k: TensorType, v: TensorType, bias: list[TensorType]) -> None:
+def attention_tail(values: Sequence, props: dict) -> tuple[list, list]:
+    """An attention op's operands after its fixed ones (q, k, v; the backward's
+    grad, q, k, v, output, lse), split into ([bias] or [], [seed] or []): the
+    optional additive score bias, then the dropout seed, which is there exactly
+    when the op's ``dropout`` is not 0. Values, types or runtime tensors alike."""
+    values = list(values)
+    seeds = 1 if props.get("dropout") else 0
+    if not seeds <= len(values) <= seeds + 1:
+        raise VerifyException(f"attention: {len(values)} operands after the fixed ones, expected "
+                              f"{'a seed' if seeds else 'none'} after an optional bias")
+    return values[: len(values) - seeds], values[len(values) - seeds:]
+
+
+def _check_attention(name: str, q: TensorType, k: TensorType, v: TensorType, tail: list[TensorType],
+                     props: dict) -> None:
+    bias, seed = attention_tail(tail, props)
+    if not 0.0 <= props.get("dropout", 0.0) < 1.0:
+        raise VerifyException(f"{name}: dropout must be in [0, 1), got {props['dropout']}")
+    for s in seed:
+        if shape_of(s) != () or elem_of(s) != i64:
+            raise VerifyException(f"{name}: the dropout seed must be a 0-d i64 tensor, got {s}")
     sq, sk, sv = shape_of(q), shape_of(k), shape_of(v)
     _same_elem(name, q, k, v)
     if len(sq) != 4 or sk != sv or sq[:2] != sk[:2] or sq[3] != sk[3]:
@@ -1059,28 +1080,43 @@ def _check_attention(name: str, q: TensorType, k: TensorType, v: TensorType, bia
 class AttentionOp(NovaOp):
     """softmax(q k^T * scale (+ bias) (+ causal mask)) v; also returns the
     per-row log-sum-exp [B, H, Tq] (f32 or wider) that attention_backward uses.
-    The optional ``bias`` is an additive mask of rank 4 that broadcasts to the
-    scores [B, H, Tq, Tk] (boolean masks arrive as 0 / -inf). A row that masks
-    every key gives 0, as torch's SDPA does (its lse is -inf)."""
+    ``extras`` are an optional ``bias``, an additive mask of rank 4 that
+    broadcasts to the scores [B, H, Tq, Tk] (boolean masks arrive as 0 / -inf),
+    then, with ``dropout`` p > 0, the step's 0-d i64 seed (``attention_tail``).
+    A row that masks every key gives 0, as torch's SDPA does (its lse is -inf).
+
+    With ``dropout`` (SDPA's dropout_p) the probabilities are multiplied by
+    ``nova.dropout_mask``'s multiplier of the scores' shape [B, H, Tq, Tk]
+    (the element at flat index ((b H + h) Tq + i) Tk + j, with the op's ``salt``:
+    ``nova.rng``) before the product with v, as torch's SDPA drops them (with
+    Nova's random bits, not torch's); lse is of the scores, dropout aside."""
 
     name = "nova.attention"
     CATEGORY: ClassVar = "contraction"
     q = operand_def(TensorType)
     k = operand_def(TensorType)
     v = operand_def(TensorType)
-    bias = opt_operand_def(TensorType)
+    extras = var_operand_def(TensorType)
     causal = prop_def(BoolProp)
     scale = prop_def(FloatProp)
+    dropout = opt_prop_def(FloatProp)
+    salt = opt_prop_def(IntProp)
     result = result_def(TensorType)
     lse = result_def(TensorType)
     traits = traits_def(Pure())
-    PROPS: ClassVar = ("causal", "scale")
+    PROPS: ClassVar = ("causal", "scale", "dropout", "salt")
+    # absent: no dropout (capture creates the op without them then)
+    PROP_DEFAULTS: ClassVar = {"dropout": 0.0, "salt": 0}
+
+    @classmethod
+    def complete(cls, props: dict) -> dict:
+        return {k: v for k, v in props.items() if k not in cls.PROP_DEFAULTS or v}  # 0: the property left out
 
     @classmethod
     def infer(cls, in_types, props, hint):
-        q, k, v, *bias = in_types
+        q, k, v, *tail = in_types
         _require_float(cls.name, q)
-        _check_attention(cls.name, q, k, v, bias)
+        _check_attention(cls.name, q, k, v, tail, props)
         return [q, tensor(shape_of(q)[:3], stat_elem(q))]
 
 
@@ -1101,7 +1137,8 @@ class AttentionBackwardOp(NovaOp):
     With ``rounded`` (the tf32_operands stage sets it where only tf32 matmuls read
     the gradients) dq, dk and dv are returned rounded to the nearest tf32 value
     (``nova.round_tf32``'s rounding, f32 only); the column sums are of the values
-    before that rounding."""
+    before that rounding. ``extras``, ``dropout`` and ``salt`` are the forward's
+    (the same multiplier on P in dV = (P Z)^T dO and on dP = dO v^T)."""
 
     name = "nova.attention_backward"
     CATEGORY: ClassVar = "contraction"
@@ -1111,9 +1148,11 @@ class AttentionBackwardOp(NovaOp):
     v = operand_def(TensorType)
     output = operand_def(TensorType)
     lse = operand_def(TensorType)
-    bias = opt_operand_def(TensorType)
+    extras = var_operand_def(TensorType)
     causal = prop_def(BoolProp)
     scale = prop_def(FloatProp)
+    dropout = opt_prop_def(FloatProp)
+    salt = opt_prop_def(IntProp)
     sums = opt_prop_def(BoolProp)
     rounded = opt_prop_def(BoolProp)
     grad_q = result_def(TensorType)
@@ -1121,9 +1160,9 @@ class AttentionBackwardOp(NovaOp):
     grad_v = result_def(TensorType)
     grad_sums = opt_result_def(TensorType)
     traits = traits_def(Pure())
-    PROPS: ClassVar = ("causal", "scale", "sums", "rounded")
-    # absent: no column sums, gradients not rounded (autodiff creates the op without them)
-    PROP_DEFAULTS: ClassVar = {"sums": False, "rounded": False}
+    PROPS: ClassVar = ("causal", "scale", "dropout", "salt", "sums", "rounded")
+    # absent: no dropout, no column sums, gradients not rounded (autodiff creates the op without the last two)
+    PROP_DEFAULTS: ClassVar = {"dropout": 0.0, "salt": 0, "sums": False, "rounded": False}
 
     @classmethod
     def complete(cls, props: dict) -> dict:
@@ -1131,8 +1170,8 @@ class AttentionBackwardOp(NovaOp):
 
     @classmethod
     def infer(cls, in_types, props, hint):
-        g, q, k, v, o, lse, *bias = in_types
-        _check_attention(cls.name, q, k, v, bias)
+        g, q, k, v, o, lse, *tail = in_types
+        _check_attention(cls.name, q, k, v, tail, props)
         if props.get("rounded") and elem_of(q) != f32:
             raise VerifyException(f"{cls.name}: rounded (to tf32) needs f32 gradients, got {elem_of(q)}")
         if shape_of(g) != shape_of(q) or shape_of(o) != shape_of(q) or shape_of(lse) != shape_of(q)[:3]:

@@ -61,10 +61,10 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, hd).transpose(1, 2)
         v = v.view(B, T, self.n_head, hd).transpose(1, 2)
         if self.attention == "sdpa":
-            # No dropout_p: the fused op draws its mask inside, from torch's RNG
-            # stream, which Nova's counter-based dropout cannot reproduce (and its
-            # capture rejects). Attention-probability dropout is "manual" only.
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            # attention-probability dropout inside the fused op, as nanoGPT's (Nova
+            # draws its own bits, nova.rng: the distribution of torch's, not its stream)
+            p = self.attn_dropout.p if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
             att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))

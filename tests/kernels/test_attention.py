@@ -41,14 +41,19 @@ def check(outs, refs, dtype, what):
         assert rel_err(o, r) < RTOL[dtype], (what, i, rel_err(o, r))
 
 
-def forward_and_backward(q, k, v, causal, scale, cfg=None, precision="fp32", grad=None, bias=None, **kw):
-    """Runs both lowerings on (q, k, v[, bias]) and checks them against the
-    reference; returns the kernels' (out, lse) and (dq, dk, dv). ``kw``: more
-    lowering arguments (source_flags, the backward's tiles)."""
+def forward_and_backward(q, k, v, causal, scale, cfg=None, precision="fp32", grad=None, bias=None, dropout=None,
+                         **kw):
+    """Runs both lowerings on (q, k, v[, bias][, seed]) and checks them against the
+    reference; returns the kernels' (out, lse) and (dq, dk, dv). ``dropout``: (p,
+    salt, seed) of the probabilities' dropout. ``kw``: more lowering arguments
+    (source_flags, the backward's tiles)."""
     fwd, bwd = lowerings()
     dtype = q.dtype
     props = {"causal": causal, "scale": scale}
     z = [] if bias is None else [bias]
+    if dropout is not None:
+        props |= {"dropout": dropout[0], "salt": dropout[1]}
+        z.append(torch.tensor(dropout[2], dtype=torch.int64, device=q.device))
     op = build(nv.AttentionOp, [q, k, v, *z], props)
     outs = fwd(op, cfg, precision=precision, **{k2: a for k2, a in kw.items() if k2 != "tiles"}).launch([q, k, v, *z])
     refs = IMPLS[nv.AttentionOp](op, [q, k, v, *z])
@@ -68,6 +73,56 @@ def test_attention_ragged_blocks(device, dtype, causal):
     head and batch so the (batch, head) offsets are exercised."""
     q, k, v = qkv(2, 2, 37, 37, 16, dtype, device)
     forward_and_backward(q, k, v, causal, 0.25, SMALL)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_attention_dropout(device, dtype, causal):
+    """SDPA's dropout_p: the kernels drop the probabilities the reference drops
+    (``nova.rng``'s bits at the scores' flat indices, recomputed by the forward and
+    both backward walks), over ragged tiles, a second batch and head, and a seed
+    past 2**31 (its low 32 bits are the hash's)."""
+    q, k, v = qkv(2, 2, 37, 37, 16, dtype, device)
+    plain, plain_grads = forward_and_backward(q, k, v, causal, 0.25, SMALL)
+    for seed in (12345, 2**40 + 99):
+        outs, grads = forward_and_backward(q, k, v, causal, 0.25, SMALL, dropout=(0.3, 7, seed))
+        assert torch.equal(outs[1], plain[1])  # lse is of the scores, dropout aside
+        assert rel_err(outs[0], plain[0]) > 0.05 and rel_err(grads[0], plain_grads[0]) > 0.05
+
+
+def test_attention_dropout_bias_padded_head_and_f64(device):
+    """Dropout beside a padding-mask bias (the bias's and the seed's pointers both
+    passed), Tq != Tk with a padded head dim, f64 with the default plan."""
+    q, k, v = qkv(2, 2, 21, 40, 24, torch.float32, device, seed=3)
+    keys = torch.ones(2, 1, 1, 40, dtype=torch.bool, device=device)
+    keys[1, ..., 30:] = False
+    bias = torch.zeros(keys.shape, device=device).masked_fill(~keys, float("-inf"))
+    forward_and_backward(q, k, v, True, 24**-0.5, SMALL, bias=bias, dropout=(0.5, 3, 77))
+    q, k, v = qkv(1, 2, 33, 33, 8, torch.float64, device, seed=4)
+    forward_and_backward(q, k, v, False, 0.3, dropout=(0.1, 11, 5))
+
+
+def test_attention_dropout_reference_is_torch_with_the_mask(device):
+    """The reference's dropout (the oracle the kernels are held to) is torch's
+    attention with ``nova.rng``'s multiplier on the probabilities: the output and,
+    through autograd, every gradient (f64)."""
+    from nova import rng
+
+    q, k, v = (t.requires_grad_() for t in qkv(2, 3, 9, 9, 4, torch.float64, device, seed=5))
+    z = rng.dropout_scale(4242, 5, (2, 3, 9, 9), 0.25, torch.float64, device)
+    s = (q @ k.transpose(-1, -2) * 0.5).masked_fill(~torch.ones(9, 9, dtype=torch.bool, device=device).tril(), float("-inf"))
+    out = (torch.softmax(s, -1) * z) @ v
+    g = torch.randn(out.shape, dtype=torch.float64, device=device, generator=torch.Generator(device).manual_seed(1))
+    want = torch.autograd.grad(out, (q, k, v), g)
+    props = {"causal": True, "scale": 0.5, "dropout": 0.25, "salt": 5}
+    seed = torch.tensor(4242, device=device)
+    op = build(nv.AttentionOp, [q.detach(), k.detach(), v.detach(), seed], props)
+    o, lse = IMPLS[nv.AttentionOp](op, [q.detach(), k.detach(), v.detach(), seed])
+    assert torch.allclose(o, out, rtol=1e-12, atol=1e-14)
+    ins = [g, q.detach(), k.detach(), v.detach(), o, lse, seed]
+    got = IMPLS[nv.AttentionBackwardOp](build(nv.AttentionBackwardOp, ins, props), ins)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -47,6 +47,13 @@ Design choices, and why:
   stored rounded to nearest-even tf32 (``tf32_rn``), so those matmuls read them as
   ``prerounded``, from shared memory and without rounding in their K loops; the
   column sums add up the tiles before that rounding.
+* With the op's ``dropout`` p (SDPA's dropout_p) each program loads the step's seed
+  once and every score tile gets its keep mask from ``nova.rng``'s hash of the score's
+  flat index ((b H + h) Tq + i) Tk + j in uint32 (``dropout_keep``, the arithmetic of
+  ``nova.dropout_mask``'s lowering): the forward multiplies the probabilities it
+  multiplies v by (not those of the row sum, so lse is the scores' own), the dK/dV
+  walk P^T before dV += (P Z)^T dO and dP = (dO v^T) Z, the dQ walk dP likewise; the
+  masks are recomputed, never stored, and equal the reference's bit for bit.
 * ``SOURCE_FLAGS`` name optional variants of the text (fma_scale: the forward's scale
   inside one FMA; fused_bwd: dK/dV and dQ in one kernel), off unless a lowering is
   given ``source_flags``: candidates that ``scripts/attention_variants.py`` measures
@@ -71,6 +78,7 @@ import textwrap
 
 import torch
 
+from nova import rng
 from nova.codegen.triton.lowering import Kernel, lowers
 from nova.codegen.triton.matmul import TF32_RN_FN
 from nova.codegen.triton.rowwise import nbytes, next_pow2, result_specs, results
@@ -208,8 +216,9 @@ class _Gen:
     """Text snippets shared by the forward and backward kernels of one shape."""
 
     def __init__(self, b, h, tq, tk, d, dtype, causal, scale, bm, bn, ip, bias=False, flags=frozenset(), sums=False,
-                 rounded=False):
+                 rounded=False, dropout=0.0, salt=0):
         self.b, self.h, self.tq, self.tk, self.d = b, h, tq, tk, d
+        self.dropout, self.salt = float(dropout), int(salt)  # the probabilities' dropout (the op's), 0: none
         self.sums = sums  # the backward's column sums of dq, dk, dv (the op's ``sums``)
         self.rounded = rounded  # the backward's dq, dk, dv stored rounded to tf32 (the op's ``rounded``)
         self.flags = frozenset(flags)  # SOURCE_FLAGS variants of the text
@@ -249,7 +258,37 @@ class _Gen:
             "import triton\nimport triton.language as tl\n\n"
             + "".join(f"{k} = tl.constexpr({v})\n" for k, v in constants.items())
             + (TF32_RN_FN if self.ip == "tf32" or self.rounded else "")
+            + (_dropout_keep_fn(self.dropout) if self.dropout else "")
         )
+
+    def dropout_setup(self) -> str:
+        """A program's dropout lines: ``seed_term``, the seed's and the salt's part of
+        every hash (``nova.rng``'s x before the index's), and ``bh_term``, the head's
+        part of the flat index, (b H + h) Tq Tk mod 2**32; nothing without dropout."""
+        if not self.dropout:
+            return ""
+        salt = (self.salt * rng.SALT_MUL) & rng.M32
+        return (f"seed_term = tl.load(seed_ptr).to(tl.uint32) * {rng.SEED_MUL} + {salt}\n"
+                f"bh_term = pid_bh.to(tl.uint32) * {(self.tq * self.tk) % 2**32}")
+
+    def keep(self, rows: str, cols: str) -> str:
+        """The line setting ``keep``, where ``nova.rng`` keeps the scores of a
+        score-shaped tile at flat index ((b H + h) Tq + i) Tk + j; ``rows`` / ``cols``:
+        the tile's query / key indices, broadcast ("offs_m[:, None]", "offs_n[None, :]").
+        Nothing without dropout."""
+        if not self.dropout:
+            return ""
+        idx = f"bh_term + {rows}.to(tl.uint32) * {self.tk % 2**32} + {cols}.to(tl.uint32)"
+        return f"\n    keep = dropout_keep({idx}, seed_term)"
+
+    def drop(self, x: str) -> str:
+        """``x`` (a score-shaped tile) times its dropout multiplier (``keep``'s): 0
+        where dropped, 1/(1-p) rounded to the statistics type (as
+        ``rng.dropout_scale``'s) where kept; ``x`` itself without dropout."""
+        if not self.dropout:
+            return x
+        kept = torch.ones(1, dtype=torch.float64 if self.f64 else torch.float32) * (1.0 / (1.0 - self.dropout))
+        return f"tl.where(keep, {x} * {float(kept[0])!r}, 0.0)"
 
     def out(self, x: str) -> str:
         """A gradient tile as stored: rounded to tf32 under ``rounded`` (its column
@@ -299,6 +338,26 @@ class _Gen:
             h = (pid_bh % {self.h}).to(tl.int64)
             offs_d = tl.arange(0, BLOCK_D)
             """)
+
+
+def _dropout_keep_fn(p: float) -> str:
+    """``dropout_keep(idx, seed_term)``: whether ``nova.rng`` keeps flat index ``idx``
+    (uint32, mod 2**32 as the reference's) at dropout probability ``p``: MurmurHash3's
+    finalizer, kept iff the top 24 bits >= ceil(p 2**24) (u >= p, exactly), the
+    arithmetic of ``nova.dropout_mask``'s Triton lowering."""
+    threshold = math.ceil(p * 2**24)
+    return textwrap.dedent(f"""
+
+        @triton.jit
+        def dropout_keep(idx, seed_term):
+            x = idx * {rng.GOLDEN} + seed_term
+            x = x ^ (x >> 16)
+            x = x * 0x85EBCA6B
+            x = x ^ (x >> 13)
+            x = x * 0xC2B2AE35
+            x = x ^ (x >> 16)
+            return (x >> 8) >= {threshold}
+        """)
 
 
 def _strides(prefix: str) -> list[str]:
@@ -367,14 +426,17 @@ def attention_forward_source(g: _Gen) -> str:
     s = {g.dot("q", "kt")} * {g.qk_scale!r}{bias}{where}
     m_new = tl.maximum(m_i, tl.max(s, axis=1)){safe}
     p = {g.exp}(s - {m_ref}[:, None])"""
+        # with dropout the row sum is of every probability, the product with v of the kept ones
+        pv = "p" if not g.dropout else "pd"
+        dropped = f"{g.keep('offs_m[:, None]', 'offs_n[None, :]')}\n    pd = {g.drop('p')}" if g.dropout else ""
         return f"""
 for n0 in range({lo}, {hi}, BLOCK_N):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     kt = {kt}{scores}
     alpha = {g.exp}(m_i - {m_ref})
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    l_i = l_i * alpha + tl.sum(p, axis=1){dropped}
     v = {v}
-    acc = {g.dot(g.operand("p"), "v", "acc * alpha[:, None]")}
+    acc = {g.dot(g.operand(pv), "v", "acc * alpha[:, None]")}
     m_i = m_new
 """.strip("\n")
 
@@ -387,6 +449,7 @@ for n0 in range({lo}, {hi}, BLOCK_N):
     body = "\n".join([
         "start_m = tl.program_id(0) * BLOCK_M",
         g.bh(),
+        g.dropout_setup(),
         _ind(f"""
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q_base = {g.head_base('q')}
@@ -408,6 +471,8 @@ for n0 in range({lo}, {hi}, BLOCK_N):
         """, 0),
     ])
     params = ["q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr", *_strides("q"), *_strides("k"), *_strides("v")]
+    if g.dropout:
+        params[3:3] = ["seed_ptr"]
     if g.bias:
         params[3:3] = ["z_ptr"]
         params += _BIAS_STRIDES
@@ -460,9 +525,9 @@ for m0 in range({lo}, {hi}, BLOCK_M):
     do = {do}
     lse = {lse_in.format(rows='offs_m', mask=row_mask('offs_m'))}
     dl = {delta_in.format(rows='offs_m', mask=row_mask('offs_m'))}
-    pt = {g.exp}({g.dot("k", "qt")} * {g.qk_scale!r}{bias} - lse[None, :]){dead}{causal}
-    dv = {g.dot(g.operand("pt"), "do", "dv")}
-    dpt = {g.dot("v", "tl.trans(do)")}
+    pt = {g.exp}({g.dot("k", "qt")} * {g.qk_scale!r}{bias} - lse[None, :]){dead}{causal}{g.keep("offs_m[None, :]", "offs_n[:, None]")}
+    dv = {g.dot(g.operand(g.drop("pt")), "do", "dv")}
+    dpt = {g.drop(g.dot("v", "tl.trans(do)"))}
     dst = pt * (dpt - dl[None, :])
     dk = {g.dot(g.operand("dst"), "tl.trans(qt)", "dk")}
 """.strip("\n")
@@ -480,6 +545,7 @@ for m0 in range({lo}, {hi}, BLOCK_M):
     dkdv_body = "\n".join([
         "start_n = tl.program_id(0) * BLOCK_N",
         g.bh(),
+        g.dropout_setup(),
         _ind(f"""
             offs_n = start_n + tl.arange(0, BLOCK_N)
             q_base = {g.head_base('q')}
@@ -523,8 +589,8 @@ for n0 in range({lo}, {hi}, BLOCK_N):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     kt = {kt}
     vt = {vt}
-    p = {g.exp}({g.dot("q", "kt")} * {g.qk_scale!r}{bias} - lse[:, None]){dead}{where}
-    dp = {g.dot("do", "vt")}
+    p = {g.exp}({g.dot("q", "kt")} * {g.qk_scale!r}{bias} - lse[:, None]){dead}{where}{g.keep("offs_m[:, None]", "offs_n[None, :]")}
+    dp = {g.drop(g.dot("do", "vt"))}
     ds = p * (dp - dl[:, None])
     dq = {g.dot(g.operand("ds"), "tl.trans(kt)", "dq")}
 """.strip("\n")
@@ -534,6 +600,7 @@ for n0 in range({lo}, {hi}, BLOCK_N):
     dq_body = "\n".join([
         "start_m = tl.program_id(0) * BLOCK_M",
         g.bh(),
+        g.dropout_setup(),
         _ind(f"""
             offs_m = start_m + tl.arange(0, BLOCK_M)
             k_base = {g.head_base('k')}
@@ -556,7 +623,7 @@ for n0 in range({lo}, {hi}, BLOCK_N):
     ])
 
     lse_strides = ["slb", "slh", "slt"] + (_BIAS_STRIDES if g.bias else [])
-    z = ["z_ptr"] if g.bias else []
+    z = (["z_ptr"] if g.bias else []) + (["seed_ptr"] if g.dropout else [])
     dkdv_body = re.sub(r"\bBLOCK_([MN])\b", r"KV_BLOCK_\1", dkdv_body)
     dq_body = re.sub(r"\bBLOCK_([MN])\b", r"Q_BLOCK_\1", dq_body)
     header = g.header("attention backward", {
@@ -725,12 +792,13 @@ def _plan(op, cfg, precision: str, kernel: str, exact: bool = False, flags=froze
     _check_dtype(dtype)
     _check_head_dim(d)
     p = op.props()
-    bias = len(op.operands) == (7 if backward else 4)
+    bias, _ = nv.attention_tail(op.operands[6 if backward else 3:], p)
     if bias:
-        _check_dtype(_dtype(op.operands[-1].type))
+        _check_dtype(_dtype(bias[0].type))
     bm, bn, warps, stages = attention_plan(tq, tk, d, dtype, cfg, kernel, exact)
     g = _Gen(b, h, tq, tk, d, dtype, bool(p["causal"]), float(p["scale"]), bm, bn, _input_precision(dtype, precision),
-             bias, _check_flags(flags), sums=backward and bool(p["sums"]), rounded=backward and bool(p["rounded"]))
+             bool(bias), _check_flags(flags), sums=backward and bool(p["sums"]), rounded=backward and bool(p["rounded"]),
+             dropout=p["dropout"], salt=p["salt"])
     _check_flags_apply(g)
     return g, warps, stages
 
@@ -778,16 +846,19 @@ def _results(name: str, specs, outs, device, strided: tuple[int, ...]) -> list[t
 
 
 def _name(kind: str, g: _Gen) -> str:
-    return f"nova_attention_{kind}_{g.b}x{g.h}x{g.tq}x{g.tk}x{g.d}{'_causal' if g.causal else ''}{'_bias' if g.bias else ''}"
+    return (f"nova_attention_{kind}_{g.b}x{g.h}x{g.tq}x{g.tk}x{g.d}{'_causal' if g.causal else ''}"
+            f"{'_bias' if g.bias else ''}{f'_dropout_salt{g.salt}' if g.dropout else ''}")
 
 
-def _bias_args(g: _Gen, bias: list[torch.Tensor]) -> tuple[list, list[int]]:
-    """([bias pointer], its four strides) with the bias broadcast to the scores
-    [B, H, Tq, Tk] as a view (stride 0 on broadcast dims); ([], []) without one."""
+def _bias_args(g: _Gen, tail: list[torch.Tensor]) -> tuple[list, list[int]]:
+    """([bias, seed] pointers, as far as the op has them; the bias broadcast to the
+    scores [B, H, Tq, Tk] as a view, stride 0 on broadcast dims) and the bias's four
+    strides; ([], []) with neither."""
+    bias, seed = nv.attention_tail(tail, {"dropout": g.dropout})
     if not bias:
-        return [], []
+        return seed, []
     z = bias[0].expand(g.b, g.h, g.tq, g.tk)
-    return [z], list(z.stride())
+    return [z, *seed], list(z.stride())
 
 
 @lowers(nv.AttentionOp)
