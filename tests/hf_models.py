@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import transformers
 
 V, T, B, STEPS = 48, 12, 2, 6
+MASKED = ("bert", "roberta")  # masked LMs: token_type_ids in the batch
 
 
 def configs():
@@ -30,6 +31,13 @@ def configs():
                                                             num_key_value_heads=1, tie_word_embeddings=True)),
         "bert": lambda: tf.BertForMaskedLM(tf.BertConfig(**small, hidden_size=32, intermediate_size=48,
                                                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+        # int32 position ids from input_ids.ne(pad).int() (captured in int64, proved in range)
+        "roberta": lambda: tf.RobertaForMaskedLM(tf.RobertaConfig(**small, hidden_size=32, intermediate_size=48,
+                                                                  type_vocab_size=2, hidden_dropout_prob=0.0,
+                                                                  attention_probs_dropout_prob=0.0)),
+        # ALiBi: its slopes' exponents an int32 arange
+        "bloom": lambda: tf.BloomForCausalLM(tf.BloomConfig(vocab_size=V, n_layer=2, n_head=4, hidden_size=32,
+                                                            hidden_dropout=0.0, attention_dropout=0.0)),
     }  # fmt: skip
 
 
@@ -70,7 +78,7 @@ def make_batches(family: str, n: int):
         ids = torch.randint(0, V, (B, T), generator=g)
         mask = torch.ones(B, T, dtype=torch.long)
         mask[1, T - 3 :] = 0  # right padding in the second sequence
-        if family == "bert":
+        if family in MASKED:
             labels = torch.full((B, T), -100)
             pick = torch.rand(B, T, generator=g) < 0.3
             pick[0, 0] = True
@@ -90,7 +98,7 @@ def build(family: str, attn: str, dtype: torch.dtype):
         m = configs()[family]()
     m.config._attn_implementation = attn
     m = m.to(dtype).train()
-    return MaskedLM(m) if family == "bert" else CausalLM(m)
+    return MaskedLM(m) if family in MASKED else CausalLM(m)
 
 
 class default_dtype:

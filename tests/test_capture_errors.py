@@ -99,8 +99,16 @@ def decomposed(m, ids, h):  # ops Nova has no converter for, taken through PyTor
     return d + t + r + e + ri + F.mse_loss(h, h.flip(1)) + F.hardtanh(h * 3) + F.leaky_relu(h)
 
 
+def int32_positions(m, ids, h):  # was: TypeError nova does not support tensors of dtype torch.int32 (RoBERTa, BLOOM)
+    mask = ids.ne(0).int()  # RoBERTa's position ids
+    pos = (torch.cumsum(mask, dim=1).type_as(mask) + 2) * mask
+    powers = torch.arange(1, 5, dtype=torch.int32)  # BLOOM's ALiBi exponents
+    slopes = torch.pow(torch.tensor(0.5, dtype=h.dtype), powers)
+    return h * slopes.repeat(2)[None, None, :] + (pos.long() + 1).to(h.dtype)[..., None]
+
+
 WORKS = [position_ids, bool_logic, train_dropout, cumsum_mask, label_pad, rotary, gather_rows, sdpa_gqa_masks,
-         repeat_kv, rms_norm_silu, decomposed]  # fmt: skip
+         repeat_kv, rms_norm_silu, decomposed, int32_positions]  # fmt: skip
 
 
 def _batch():
@@ -145,7 +153,17 @@ def int_bitwise(m, ids, h):
     return h + (ids & 3)[..., None].float()
 
 
+def int32_of_ids(m, ids, h):  # token ids are a step argument: nothing bounds ids * 7 in int32
+    return h + (ids.int() * 7).float()[..., None]
+
+
+def int32_of_floats(m, ids, h):  # a float's truncation to int32 is unbounded (eager: undefined past the range)
+    return h + (h * 1e3).int().to(h.dtype)
+
+
 REJECTED = {
+    int32_of_ids: ["torch.int32 values", "cannot prove", "unbounded"],
+    int32_of_floats: ["torch.int32 values", "cannot prove"],
     sdpa_rank3: ["[B, H, T, D]"],
     sort_and_erfinv: ["erfinv", "sort"],
     ce_3d: ["cross_entropy"],

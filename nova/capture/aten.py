@@ -66,6 +66,16 @@ def _dim(d: int, rank: int) -> int:
     return d % rank if rank else 0
 
 
+# int32 is captured as i64: the importer proves every value eager computes in int32 stays in
+# its range (nova/capture/int_range.py), so the wider arithmetic is exact
+WIDENED_INTS = {torch.int32: torch.int64}
+
+
+def capture_elem(dtype: torch.dtype):
+    """The nova element type of a torch dtype an op asks for (int32 as i64)."""
+    return from_torch_dtype(WIDENED_INTS.get(dtype, dtype))
+
+
 def default_float():
     """torch's default dtype as a nova element type (ints meeting a float scalar become it)."""
     return from_torch_dtype(torch.get_default_dtype())
@@ -255,7 +265,7 @@ def _to_device(cx, x, device=None, dtype=None, non_blocking=False, copy=False, *
 
 def cast_to(cx: Ctx, x: SSAValue, dtype: torch.dtype) -> SSAValue:
     """A cast with torch's semantics: to bool is ``x != 0``, not a truncation."""
-    elem = from_torch_dtype(dtype)
+    elem = capture_elem(dtype)
     if elem == i1:
         return as_bool(cx, x)
     return cx.b.cast(x, elem)
@@ -270,7 +280,7 @@ def _fill(cx, shape, value, dtype):
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**53:
         raise Unsupported(f"integer fill value {value} is not exactly representable (nova constants are f64)")
     dtype = dtype or torch.get_default_dtype()
-    return cx.b.full(float(value), [int(s) for s in shape], from_torch_dtype(dtype))
+    return cx.b.full(float(value), [int(s) for s in shape], capture_elem(dtype))
 
 
 @converts(aten.full.default)
@@ -522,7 +532,7 @@ def _dims(x, dim) -> list[int]:
 @converts(aten.sum.dim_IntList, aten.sum.default)
 def _sum(cx, x, dim=None, keepdim=False, dtype=None):
     if dtype is not None:
-        x = cx.b.cast(x, from_torch_dtype(dtype))
+        x = cx.b.cast(x, capture_elem(dtype))
     elif elem_of(x.type) == i1:
         x = cx.b.cast(x, i64)  # torch sums booleans as int64
     return cx.b.reduce_sum(x, _dims(x, dim), keepdim)
@@ -531,7 +541,7 @@ def _sum(cx, x, dim=None, keepdim=False, dtype=None):
 @converts(aten.mean.dim, aten.mean.default)
 def _mean(cx, x, dim=None, keepdim=False, dtype=None):
     if dtype is not None:
-        x = cx.b.cast(x, from_torch_dtype(dtype))
+        x = cx.b.cast(x, capture_elem(dtype))
     dims = _dims(x, dim)
     n = numel([_shape(x)[d] for d in dims])
     # sum / n as torch does (not sum * (1/n), which rounds differently)
@@ -607,7 +617,7 @@ def _softmax_like(op_cls):
     # _softmax(x, dim, half_to_float) a flag (f16 in, f32 out)
     def convert(cx, x, dim, dtype=None):
         if dtype is not None:
-            x = cx.b.cast(x, from_torch_dtype(dtype))
+            x = cx.b.cast(x, capture_elem(dtype))
         return cx.b.one(op_cls, [x], {"dim": _dim(dim, len(_shape(x)))})
 
     def convert_internal(cx, x, dim, half_to_float=False):

@@ -27,6 +27,8 @@ the interpreter, `tests/gpu/test_hf_models_gpu.py` on the H200):
 | transformers `GPTNeoXForCausalLM` (eager, sdpa) | partial rotary, interleaved qkv, parallel residual |
 | transformers `Qwen2ForCausalLM` (eager, sdpa) | qkv biases, one key/value head, tied head |
 | transformers `BertForMaskedLM` (eager, sdpa) | `token_type_ids` gathers, `padding_idx`, masked-LM labels |
+| transformers `RobertaForMaskedLM` (eager, sdpa; against eager only) | int32 position ids from `input_ids.ne(pad).int()` and `cumsum` (computed in int64, proved in int32's range) |
+| transformers `BloomForCausalLM` (eager, sdpa; against eager only) | ALiBi (an int32 `arange` of exponents, `pow`), `baddbmm` scores |
 | a nanoGPT-style GPT | `masked_fill(~mask, -inf)`, tied head, `ignore_index` |
 
 All of them with a padding `attention_mask` (boolean masks, SDPA `attn_mask`,
@@ -38,7 +40,8 @@ covers `label_smoothing`, `reduction="none"` and a batch whose targets are all i
 Not covered (a clear `nova.UnsupportedError`): convolutions, batch norm's running
 statistics (buffer mutation in forward), `sort`/`topk`, `erfinv`, integer `bitwise`
 ops other than on booleans, data-dependent shapes (boolean-mask indexing), class
-weights in `cross_entropy`, `dropout_p >= 1` in SDPA.
+weights in `cross_entropy`, `dropout_p >= 1` in SDPA, int16 / uint8 tensors, int32
+values whose range Nova cannot bound (`nova/capture/int_range.py`).
 """
 
 

@@ -20,7 +20,8 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, i64
 from xdsl.ir import SSAValue
 
-from nova.capture.aten import CONVERTERS, IGNORED, Ctx, Unsupported
+from nova.capture.aten import CONVERTERS, IGNORED, WIDENED_INTS, Ctx, Unsupported
+from nova.capture.int_range import bounds, fits_int32
 from nova.errors import CaptureError, UnsupportedError
 from nova.ir.builder import OpBuilder
 from nova.ir.module import Slot, add_arg, new_step, set_results
@@ -70,6 +71,20 @@ def _tensor_slot(role: str, name: str, t: torch.Tensor) -> Slot:
             f"{role} tensor of dtype {t.dtype} (Nova takes float16, bfloat16, float32, float64, int64 and bool)", name,
         )]) from None  # fmt: skip
     return Slot(role, name, tensor(t.shape, elem))
+
+
+def _check_widened(node: torch.fx.Node, value, memo: dict) -> None:
+    """An op that eager computes in int32 (captured in i64: ``aten.WIDENED_INTS``) is
+    exact only if its values cannot leave int32's range, where eager would wrap:
+    ``int_range`` must prove it, or the op is refused."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dtype not in WIDENED_INTS or not isinstance(value, SSAValue):
+        return
+    if not fits_int32(value, memo):
+        b = bounds(value, memo)
+        raise Unsupported(f"{val.dtype} values that Nova (computing them in int64) cannot prove stay within "
+                          f"{val.dtype}'s range ({'unbounded' if b is None else f'bounds {list(b)}'}), where eager "
+                          "would wrap; compute them in int64")
 
 
 def export(model: torch.nn.Module, batch: tuple) -> torch.export.ExportedProgram:
@@ -183,6 +198,7 @@ def _capture(model: torch.nn.Module, batch: tuple) -> Captured:
 
     b = OpBuilder(block)
     cx = Ctx(b, get_seed)
+    bounds_memo: dict = {}  # int_range.bounds of the values seen so far
     output = None
     for node in ep.graph.nodes:
         if node.op != "call_function":
@@ -213,6 +229,7 @@ def _capture(model: torch.nn.Module, batch: tuple) -> Captured:
         b.location = where
         try:
             env[node] = conv(cx, *args, **kwargs)
+            _check_widened(node, env[node], bounds_memo)
         except Unsupported as e:
             problems.append((f"{node.target}: {e}", where))
         except Exception as e:  # noqa: BLE001 - a converter's own failure is still this op's problem

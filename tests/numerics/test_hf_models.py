@@ -1,6 +1,6 @@
 """Third-party model code trains like eager PyTorch: tiny random-initialised
-configs of Hugging Face transformers' GPT-2, Llama, GPT-NeoX, Qwen2 and BERT
-(masked LM), with "eager" and "sdpa" attention, built from configs (no
+configs of Hugging Face transformers' GPT-2, Llama, GPT-NeoX, Qwen2, BLOOM, BERT
+and RoBERTa (masked LMs), with "eager" and "sdpa" attention, built from configs (no
 downloads), and a nanoGPT-style GPT that masks with ``masked_fill(~mask, ...)``.
 
 Each trains 6 AdamW steps through Nova (reference executor) and through eager
@@ -74,7 +74,7 @@ def train_both(make, batches, dtype, steps=STEPS, lr=3e-3):
 
 
 TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
-FAMILIES = ["gpt2", "llama", "neox", "qwen2", "bert"]
+FAMILIES = ["gpt2", "llama", "neox", "qwen2", "bert", "roberta", "bloom"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
