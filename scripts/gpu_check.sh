@@ -45,10 +45,12 @@ if [[ $what == ab ]]; then  # Nova alone in variants, one after another in this 
   rm -f "$OUT"/ab_*/*.png
   (cd "$OUT" && dirs=$(ls -d ab_*/) && tar czf "ab_${AB_NAME:-run}.tgz" $dirs && rm -rf $dirs)
 fi
-if [[ $what == attn-dropout ]]; then  # SDPA's dropout_p: the step test against the reference, then the kernels' cost
+if [[ $what == attn-dropout ]]; then  # SDPA's dropout_p and the int32 models (RoBERTa, BLOOM): the step tests against
+  # the reference, then the dropout kernels' cost
   # beside SDPA's flash backend (scripts/attention_dropout.py)
   shift
-  timeout 200 python3 -m pytest -q -s tests/gpu/test_triton_step.py -k dropout -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_dropout.log" | tail -4
+  timeout 250 python3 -m pytest -q -s tests/gpu/test_triton_step.py tests/gpu/test_hf_models_gpu.py -k "dropout or roberta or bloom" \
+    -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_dropout.log" | tail -4
   timeout 200 python3 scripts/attention_dropout.py --out "$OUT" "$@" 2>&1 | tail -12
 fi
 if [[ $what == bench-gpt2-dp1 ]]; then  # the same under torchrun over one rank: DDP and Nova's data_parallel, no link crossed
