@@ -35,6 +35,13 @@ def configs():
         "roberta": lambda: tf.RobertaForMaskedLM(tf.RobertaConfig(**small, hidden_size=32, intermediate_size=48,
                                                                   type_vocab_size=2, hidden_dropout_prob=0.0,
                                                                   attention_probs_dropout_prob=0.0)),
+        # relative position buckets, an encoder-decoder with cross-attention, labels shifted right in place
+        # (copy, slice_scatter), RMS-style T5LayerNorm
+        "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=48, num_layers=2,
+                                                                 num_heads=4, decoder_start_token_id=0,
+                                                                 dropout_rate=0.0)),
+        # ALiBi from a Python base to the power of a tensor (pow.Scalar), reciprocal
+        "mpt": lambda: tf.MptForCausalLM(tf.MptConfig(vocab_size=V, n_layers=2, n_heads=4, d_model=32, max_seq_len=32)),
         # ALiBi: its slopes' exponents an int32 arange
         "bloom": lambda: tf.BloomForCausalLM(tf.BloomConfig(vocab_size=V, n_layer=2, n_head=4, hidden_size=32,
                                                             hidden_dropout=0.0, attention_dropout=0.0)),
@@ -60,6 +67,18 @@ class CausalLM(nn.Module):
         logits = self.m(input_ids=ids, attention_mask=mask, use_cache=False).logits
         shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=-100)
+
+
+class Seq2SeqLM(nn.Module):
+    """An encoder-decoder as its training loop calls it: the decoder's inputs are
+    the labels shifted right inside the model (-100 becomes the pad id there)."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, ids, mask, labels):
+        return self.m(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
 
 
 class MaskedLM(nn.Module):
@@ -98,7 +117,7 @@ def build(family: str, attn: str, dtype: torch.dtype):
         m = configs()[family]()
     m.config._attn_implementation = attn
     m = m.to(dtype).train()
-    return MaskedLM(m) if family in MASKED else CausalLM(m)
+    return MaskedLM(m) if family in MASKED else Seq2SeqLM(m) if family == "t5" else CausalLM(m)
 
 
 class default_dtype:

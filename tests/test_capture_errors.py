@@ -107,8 +107,20 @@ def int32_positions(m, ids, h):  # was: TypeError nova does not support tensors 
     return h * slopes.repeat(2)[None, None, :] + (pos.long() + 1).to(h.dtype)[..., None]
 
 
+def scatter_and_pow(m, ids, h):  # was: no conversion of copy, slice_scatter, select_scatter, pow.Scalar, reciprocal
+    shifted = h.new_zeros(h.shape)  # T5's _shift_right, on floats (a gradient through it) and on ids
+    shifted[:, 1:] = h[:, :-1].clone()
+    shifted[:, 0] = 2.0
+    shifted[..., ::3] = h[..., ::3] * 2  # a stepped slice written
+    lab = ids.new_zeros(ids.shape)
+    lab[:, 1:] = ids[:, :-1].clone()
+    lab[:, 0] = 5
+    slopes = torch.pow(2.0, -torch.arange(1, 9, dtype=h.dtype))  # MPT's ALiBi slopes
+    return shifted * slopes + torch.reciprocal(h.abs() + 1) + lab.masked_fill(lab == 3, 0)[..., None].to(h.dtype)
+
+
 WORKS = [position_ids, bool_logic, train_dropout, cumsum_mask, label_pad, rotary, gather_rows, sdpa_gqa_masks,
-         repeat_kv, rms_norm_silu, decomposed, int32_positions]  # fmt: skip
+         repeat_kv, rms_norm_silu, decomposed, int32_positions, scatter_and_pow]  # fmt: skip
 
 
 def _batch():

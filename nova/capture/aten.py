@@ -143,7 +143,12 @@ converts(aten.sub.Tensor, aten.sub.Scalar)(_binary(nv.SubOp))
 converts(aten.mul.Tensor, aten.mul.Scalar)(_binary(nv.MulOp))
 converts(aten.div.Tensor, aten.div.Scalar)(_binary(nv.DivOp, true_division=True))
 converts(aten.maximum.default)(_binary(nv.MaximumOp))
-converts(aten.pow.Tensor_Tensor)(_binary(nv.PowOp))
+converts(aten.pow.Tensor_Tensor, aten.pow.Scalar)(_binary(nv.PowOp))  # pow.Scalar: a Python base, a tensor exponent
+
+
+@converts(aten.reciprocal.default)
+def _reciprocal(cx, x):
+    return _binary(nv.DivOp, true_division=True)(cx, 1.0, x)  # 1 / x, as torch's kernel divides
 
 
 @converts(aten.pow.Tensor_Scalar)

@@ -25,7 +25,7 @@ from xdsl.ir import SSAValue
 
 from nova.capture.aten import Unsupported, _dim, _promote, _shape, as_bool, aten, cast_to, converts, scalar_like
 from nova.ir import dialect as nv
-from nova.ir.types import elem_of, is_float, numel, tensor
+from nova.ir.types import elem_of, is_float, numel, tensor, to_torch_dtype
 
 # --- boolean logic -----------------------------------------------------------
 
@@ -252,6 +252,46 @@ def _constant_pad(cx, x, pad, value=0):
                 parts.append(cx.b.full(float(value), shape, elem_of(x.type)))
         x = concat(cx, parts, d)
     return x
+
+
+@converts(aten.copy.default)
+def _copy(cx, dst, src, non_blocking=False):
+    """Functional ``dst.copy_(src)``: ``src`` broadcast to ``dst``'s shape in its dtype
+    (every element of ``dst`` is written over, so none is read)."""
+    if not isinstance(src, SSAValue):
+        src = scalar_like(cx, src, dst)
+    v = cast_to(cx, src, to_torch_dtype(elem_of(dst.type)))
+    return v if _shape(v) == _shape(dst) else cx.b.broadcast_to(v, list(_shape(dst)))
+
+
+@converts(aten.slice_scatter.default)
+def _slice_scatter(cx, x, src, dim=0, start=None, end=None, step=1):
+    """``x`` with ``x[start:end:step]`` along ``dim`` replaced by ``src`` (what
+    ``y[..., 1:] = z`` on a fresh tensor becomes): ``src`` padded to ``x``'s dim
+    (the slice's adjoint), chosen where a padded mask of ones is set."""
+    s = _shape(x)
+    d = _dim(dim, len(s))
+    start, end, step = slice(start, end, step).indices(s[d])
+    n = len(range(start, end, step))
+    src = cast_to(cx, src, to_torch_dtype(elem_of(x.type)))
+    if _shape(src)[d] != n or len(_shape(src)) != len(s):
+        raise Unsupported(f"slice_scatter of a {list(_shape(src))} source into {n} elements of dim {d} of {list(s)}")
+    if n == 0:
+        return x
+    props = {"dim": d, "start": start, "step": step, "size": s[d]}
+    placed = cx.b.one(nv.PadOp, [src], props)
+    ones = cx.b.full(1.0, [n if i == d else 1 for i in range(len(s))], i64)
+    mask = as_bool(cx, cx.b.one(nv.PadOp, [ones], props))
+    return cx.b.where(mask, placed, x)
+
+
+@converts(aten.select_scatter.default)
+def _select_scatter(cx, x, src, dim, index):
+    """``x`` with ``x.select(dim, index)`` replaced by ``src`` (``y[..., 0] = v``)."""
+    s = _shape(x)
+    d = _dim(dim, len(s))
+    i = index % s[d]
+    return _slice_scatter(cx, x, cx.b.reshape(src, [1 if j == d else n for j, n in enumerate(s)]), d, i, i + 1)
 
 
 @converts(aten.repeat.default)

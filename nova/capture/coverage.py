@@ -29,6 +29,8 @@ the interpreter, `tests/gpu/test_hf_models_gpu.py` on the H200):
 | transformers `BertForMaskedLM` (eager, sdpa) | `token_type_ids` gathers, `padding_idx`, masked-LM labels |
 | transformers `RobertaForMaskedLM` (eager, sdpa; against eager only) | int32 position ids from `input_ids.ne(pad).int()` and `cumsum` (computed in int64, proved in int32's range) |
 | transformers `BloomForCausalLM` (eager, sdpa; against eager only) | ALiBi (an int32 `arange` of exponents, `pow`), `baddbmm` scores |
+| transformers `MptForCausalLM` (eager, sdpa; against eager only, not sdpa in float64: eager's own loss is NaN there) | ALiBi from a Python base to a tensor power (`pow.Scalar`), `reciprocal` |
+| transformers `T5ForConditionalGeneration` (eager, sdpa; against eager only) | an encoder-decoder with cross-attention, relative position buckets, labels shifted right by writes into a fresh tensor (`copy`, `slice_scatter`, `select_scatter`) |
 | a nanoGPT-style GPT | `masked_fill(~mask, -inf)`, tied head, `ignore_index` |
 
 All of them with a padding `attention_mask` (boolean masks, SDPA `attn_mask`,

@@ -1,6 +1,6 @@
 """Third-party model code trains like eager PyTorch: tiny random-initialised
-configs of Hugging Face transformers' GPT-2, Llama, GPT-NeoX, Qwen2, BLOOM, BERT
-and RoBERTa (masked LMs), with "eager" and "sdpa" attention, built from configs (no
+configs of Hugging Face transformers' GPT-2, Llama, GPT-NeoX, Qwen2, BLOOM, MPT,
+BERT and RoBERTa (masked LMs) and T5 (encoder-decoder), with "eager" and "sdpa" attention, built from configs (no
 downloads), and a nanoGPT-style GPT that masks with ``masked_fill(~mask, ...)``.
 
 Each trains 6 AdamW steps through Nova (reference executor) and through eager
@@ -74,13 +74,15 @@ def train_both(make, batches, dtype, steps=STEPS, lr=3e-3):
 
 
 TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
-FAMILIES = ["gpt2", "llama", "neox", "qwen2", "bert", "roberta", "bloom"]
+FAMILIES = ["gpt2", "llama", "neox", "qwen2", "bert", "roberta", "bloom", "mpt", "t5"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_transformers_model_trains_like_eager(family, attn, dtype):
+    if (family, attn, dtype) == ("mpt", "sdpa", torch.float64):
+        pytest.skip("eager transformers' own MPT loss is NaN with sdpa in float64 (the padded rows)")
     batches = make_batches(family, 3)
     loss, (param, name) = train_both(lambda: build(family, attn, dtype), batches, dtype)
     assert loss < TOL[dtype], f"loss differs by {loss:.2e}"
