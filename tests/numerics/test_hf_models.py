@@ -89,6 +89,50 @@ def test_transformers_model_trains_like_eager(family, attn, dtype):
     assert param < TOL[dtype], f"parameter {name} differs by {param:.2e}"
 
 
+# --- vision transformers: the patch embedding is a convolution ----------------------
+
+
+class ImageClassifier(nn.Module):
+    """Pixels and class ids in, the loss out: ViT's logits, or CLIP's image
+    embedding read as logits over its projection's dims."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, pixels, labels):
+        out = self.m(pixel_values=pixels)
+        return F.cross_entropy(out.logits if hasattr(out, "logits") else out.image_embeds, labels)
+
+
+def vision_model(family: str, dtype: torch.dtype) -> nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    size = dict(image_size=30, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=48)  # 30: torch leaves out the pixels past the last whole patch
+    with default_dtype(dtype):
+        if family == "vit":
+            m = tf.ViTForImageClassification(tf.ViTConfig(**size, num_labels=5, hidden_dropout_prob=0.0,
+                                                          attention_probs_dropout_prob=0.0))
+        else:
+            m = tf.CLIPVisionModelWithProjection(tf.CLIPVisionConfig(**size, projection_dim=5))
+    return ImageClassifier(m.to(dtype).train())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("family", ["vit", "clip"])
+def test_vision_transformers_train_like_eager(family, dtype):
+    """ViT and CLIP's vision tower: the patch embedding (a convolution with kernel ==
+    stride) is a matmul of the patches; class token, learned positions, pre-norm."""
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(B, 3, 30, 30, generator=g, dtype=dtype), torch.randint(0, 5, (B,), generator=g))
+               for _ in range(3)]  # fmt: skip
+    loss, (param, name) = train_both(lambda: vision_model(family, dtype), batches, dtype)
+    assert loss < TOL[dtype], f"loss differs by {loss:.2e}"
+    assert param < TOL[dtype], f"parameter {name} differs by {param:.2e}"
+
+
 # --- a nanoGPT-style GPT whose causal mask is inverted with ~ --------------------
 
 
