@@ -17,6 +17,8 @@ Consequence: Nova's dropout has torch's distribution, not torch's bit stream.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 M32 = 0xFFFFFFFF
@@ -54,3 +56,19 @@ def dropout_scale(seed, salt: int, shape, p: float, dtype, device) -> torch.Tens
     u = uniform(seed, salt, numel, device).reshape(tuple(shape))
     keep = u >= p
     return keep.to(dtype) * (1.0 / (1.0 - p))
+
+
+def keep_threshold(p: float) -> int:
+    """The hash's top 24 bits keep an element iff they are at least this:
+    u >= p  <=>  (x >> 8) >= ceil(p * 2**24), exactly."""
+    return math.ceil(p * 2**24)
+
+
+def triton_hash(x: str, index: str, seed_term: str) -> str:
+    """Triton source lines setting the uint32 variable ``x`` to this module's hash
+    of the uint32 flat index ``index``, given ``seed_term`` = seed * SEED_MUL + salt *
+    SALT_MUL (mod 2**32): the generated kernels' copy of ``uniform``'s arithmetic
+    (``nova.dropout_mask``'s elementwise lowering, the attention kernels' dropout)."""
+    return (f"{x} = {index} * {GOLDEN} + {seed_term}\n"
+            f"{x} = {x} ^ ({x} >> 16)\n{x} = {x} * 0x85EBCA6B\n{x} = {x} ^ ({x} >> 13)\n"
+            f"{x} = {x} * 0xC2B2AE35\n{x} = {x} ^ ({x} >> 16)")

@@ -345,19 +345,8 @@ def _dropout_keep_fn(p: float) -> str:
     (uint32, mod 2**32 as the reference's) at dropout probability ``p``: MurmurHash3's
     finalizer, kept iff the top 24 bits >= ceil(p 2**24) (u >= p, exactly), the
     arithmetic of ``nova.dropout_mask``'s Triton lowering."""
-    threshold = math.ceil(p * 2**24)
-    return textwrap.dedent(f"""
-
-        @triton.jit
-        def dropout_keep(idx, seed_term):
-            x = idx * {rng.GOLDEN} + seed_term
-            x = x ^ (x >> 16)
-            x = x * 0x85EBCA6B
-            x = x ^ (x >> 13)
-            x = x * 0xC2B2AE35
-            x = x ^ (x >> 16)
-            return (x >> 8) >= {threshold}
-        """)
+    body = textwrap.indent(f"{rng.triton_hash('x', 'idx', 'seed_term')}\nreturn (x >> 8) >= {rng.keep_threshold(p)}", "    ")
+    return f"\n\n@triton.jit\ndef dropout_keep(idx, seed_term):\n{body}\n"
 
 
 def _strides(prefix: str) -> list[str]:

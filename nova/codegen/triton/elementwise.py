@@ -763,7 +763,7 @@ def _dropout_mask(op) -> Expr:
     _, out = _dtypes(op)
     p = op.props()
     prob, salt = float(p["p"]), int(p["salt"])
-    threshold = math.ceil(prob * 2**24)  # u >= p  <=>  (x >> 8) >= ceil(p * 2**24): exact
+    threshold = rng.keep_threshold(prob)
     # the kept value exactly as the reference rounds it (a 1-D tensor times a Python float)
     kept = (torch.ones(1, dtype=out) * (1.0 / (1.0 - prob)))[0]
     zero = torch.zeros((), dtype=out)
@@ -771,12 +771,7 @@ def _dropout_mask(op) -> Expr:
 
     def code(a, y):
         return f"""{y}_s = {a[0]}.to(tl.uint32)
-{y}_x = offs.to(tl.uint32) * {rng.GOLDEN} + {y}_s * {rng.SEED_MUL} + {salt_term}
-{y}_x = {y}_x ^ ({y}_x >> 16)
-{y}_x = {y}_x * 0x85EBCA6B
-{y}_x = {y}_x ^ ({y}_x >> 13)
-{y}_x = {y}_x * 0xC2B2AE35
-{y}_x = {y}_x ^ ({y}_x >> 16)
+{rng.triton_hash(f"{y}_x", "offs.to(tl.uint32)", f"{y}_s * {rng.SEED_MUL} + {salt_term}")}
 {y} = tl.where(({y}_x >> 8) >= {threshold}, {scalar_const(kept)}, {scalar_const(zero)})"""
 
     return Expr(("raw",), tag(out), code)
