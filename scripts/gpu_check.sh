@@ -49,7 +49,7 @@ if [[ $what == attn-dropout ]]; then  # SDPA's dropout_p and the int32 models (R
   # the reference, then the dropout kernels' cost
   # beside SDPA's flash backend (scripts/attention_dropout.py)
   shift
-  timeout 250 python3 -m pytest -q -s tests/gpu/test_triton_step.py tests/gpu/test_hf_models_gpu.py -k "dropout or roberta or bloom" \
+  timeout 250 python3 -m pytest -q -s tests/gpu/test_triton_step.py tests/gpu/test_hf_models_gpu.py -k "dropout or roberta or bloom or mpt or t5" \
     -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_dropout.log" | tail -4
   timeout 200 python3 scripts/attention_dropout.py --out "$OUT" "$@" 2>&1 | tail -12
 fi

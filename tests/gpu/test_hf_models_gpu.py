@@ -20,7 +20,7 @@ TOL = {"fp32": 1e-4, "bf16": 2e-2}
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("gpt2", "eager"), ("qwen2", "sdpa"), ("bert", "sdpa"),
-                                         ("roberta", "sdpa"), ("bloom", "eager")])
+                                         ("roberta", "sdpa"), ("bloom", "eager"), ("mpt", "eager"), ("t5", "sdpa")])
 def test_triton_step_trains_transformers_models_like_the_reference(family, attn, precision):
     from hf_models import build, key_bias_mask, make_batches
 
