@@ -614,35 +614,6 @@ def _addmm(cx, bias, a, b, beta=1, alpha=1):
     return cx.b.add(y, cx.b.scale(bias, float(beta)) if beta != 1 else bias)
 
 
-@converts(aten.convolution.default)
-def _convolution(cx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
-    """A patch embedding (ViT's, CLIP's: kernel == stride, no padding, dilation,
-    groups or transpose) as what it is, one matmul of the non-overlapping patches
-    [N * cells, C * kernel] by the weight [O, C * kernel]^T; any other convolution
-    is refused."""
-    k = [int(n) for n in _shape(w)[2:]]
-    nd = len(k)
-    if (transposed or groups != 1 or any(p != 0 for p in padding) or any(d != 1 for d in dilation)
-            or [int(s) for s in stride] != k):
-        raise Unsupported(f"convolution with kernel {k}, stride {list(stride)}, padding {list(padding)}, dilation "
-                          f"{list(dilation)}, groups {groups}{', transposed' if transposed else ''} (Nova takes "
-                          "patch embeddings: kernel == stride, no padding, dilation, groups or transpose)")
-    n, c, *space = _shape(x)
-    o = _shape(w)[0]
-    cells = [s // kk for s, kk in zip(space, k)]
-    for d, (s, kk, m) in enumerate(zip(space, k, cells)):
-        if s != m * kk:  # torch leaves out the pixels past the last whole patch
-            x = _slice_value(cx, x, 2 + d, 0, m * kk)
-    x = cx.b.reshape(x, [n, c, *(v for cell, kk in zip(cells, k) for v in (cell, kk))])  # [N, C, m1, k1, m2, k2, ...]
-    x = cx.b.transpose(x, [0, *(2 + 2 * i for i in range(nd)), 1, *(3 + 2 * i for i in range(nd))])  # [N, m.., C, k..]
-    cols = c * numel(k)
-    y = cx.b.matmul(cx.b.reshape(x, [n * numel(cells), cols]), cx.b.transpose(cx.b.reshape(w, [o, cols]), [1, 0]))
-    if bias is not None:
-        y = cx.b.add(y, bias)
-    y = cx.b.reshape(y, [n, *cells, o])
-    return cx.b.transpose(y, [0, nd + 1, *range(1, nd + 1)])  # [N, O, m1, m2, ...]
-
-
 # --- neural-network ops ----------------------------------------------------
 
 

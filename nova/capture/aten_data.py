@@ -20,6 +20,8 @@ backend code of its own:
 
 from __future__ import annotations
 
+import itertools
+
 from xdsl.dialects.builtin import i1, i64
 from xdsl.ir import SSAValue
 
@@ -292,6 +294,57 @@ def _select_scatter(cx, x, src, dim, index):
     d = _dim(dim, len(s))
     i = index % s[d]
     return _slice_scatter(cx, x, cx.b.reshape(src, [1 if j == d else n for j, n in enumerate(s)]), d, i, i + 1)
+
+
+@converts(aten.convolution.default)
+def _convolution(cx, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """A convolution (1-, 2- or 3-D, any stride, zero padding, dilation and groups) as
+    one matmul over its patches (im2col): the input zero-padded, one strided slice of
+    it per kernel offset stacked after the channels, [N * out, C/g * kernel] per group
+    times the weight [O/g, C/g * kernel]^T. A patch embedding (kernel == stride, no
+    padding or dilation: ViT's, CLIP's) needs no slices: its patches are a reshape.
+    Transposed convolutions are refused."""
+    if transposed:
+        raise Unsupported("transposed convolution")
+    k = [int(n) for n in _shape(w)[2:]]
+    nd, g = len(k), int(groups)
+    stride, padding, dilation = ([int(v) for v in t] for t in (stride, padding, dilation))
+    n, c, *space = _shape(x)
+    o = _shape(w)[0]
+    if stride == k and not any(padding) and all(d == 1 for d in dilation):  # patches: a reshape
+        out = [s // kk for s, kk in zip(space, k)]
+        for d, (s, kk, m) in enumerate(zip(space, k, out)):
+            if s != m * kk:  # torch leaves out the pixels past the last whole patch
+                x = cx.b.one(nv.SliceOp, [x], {"dim": 2 + d, "start": 0, "end": m * kk, "step": 1})
+        x = cx.b.reshape(x, [n, c, *(v for m, kk in zip(out, k) for v in (m, kk))])  # [N, C, m1, k1, m2, k2, ...]
+        cols = cx.b.transpose(x, [0, *(2 + 2 * i for i in range(nd)), 1, *(3 + 2 * i for i in range(nd))])
+    else:
+        out = [(s + 2 * p - d * (kk - 1) - 1) // st + 1 for s, p, d, kk, st in zip(space, padding, dilation, k, stride)]
+        if min(out) < 1:
+            raise Unsupported(f"convolution with no output (input {space}, kernel {k}, padding {padding})")
+        for d, p in enumerate(padding):
+            if p:
+                x = cx.b.one(nv.PadOp, [x], {"dim": 2 + d, "start": p, "step": 1, "size": space[d] + 2 * p})
+        taps = []
+        for offset in itertools.product(*(range(kk) for kk in k)):  # the weight's order: row-major over the kernel
+            t = x
+            for d, i in enumerate(offset):
+                start = i * dilation[d]
+                t = cx.b.one(nv.SliceOp, [t], {"dim": 2 + d, "start": start,
+                                                "end": start + (out[d] - 1) * stride[d] + 1, "step": stride[d]})
+            taps.append(cx.b.reshape(t, [n, c, 1, *out]))
+        x = concat(cx, taps, 2) if len(taps) > 1 else taps[0]  # [N, C, kernel, out...]
+        cols = cx.b.transpose(x, [0, *range(3, 3 + nd), 1, 2])  # [N, out..., C, kernel]
+    rows, per = n * numel(out), c // g * numel(k)
+    wk = cx.b.reshape(w, [g, o // g, per])
+    if g == 1:
+        y = cx.b.matmul(cx.b.reshape(cols, [rows, per]), cx.b.transpose(cx.b.reshape(wk, [o, per]), [1, 0]))
+    else:  # [g, rows, per] @ [g, per, O/g], the groups' outputs side by side
+        cols = cx.b.transpose(cx.b.reshape(cols, [rows, g, per]), [1, 0, 2])
+        y = cx.b.reshape(cx.b.transpose(cx.b.matmul(cols, cx.b.transpose(wk, [0, 2, 1])), [1, 0, 2]), [rows, o])
+    if bias is not None:
+        y = cx.b.add(y, bias)
+    return cx.b.transpose(cx.b.reshape(y, [n, *out, o]), [0, nd + 1, *range(1, nd + 1)])  # [N, O, out...]
 
 
 @converts(aten.repeat.default)

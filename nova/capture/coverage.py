@@ -32,7 +32,7 @@ the interpreter, `tests/gpu/test_hf_models_gpu.py` on the H200):
 | transformers `MptForCausalLM` (eager, sdpa; against eager only, not sdpa in float64: eager's own loss is NaN there) | ALiBi from a Python base to a tensor power (`pow.Scalar`), `reciprocal` |
 | transformers `T5ForConditionalGeneration` (eager, sdpa; against eager only) | an encoder-decoder with cross-attention, relative position buckets, labels shifted right by writes into a fresh tensor (`copy`, `slice_scatter`, `select_scatter`) |
 | a nanoGPT-style GPT | `masked_fill(~mask, -inf)`, tied head, `ignore_index` |
-| transformers `ViTForImageClassification`, `CLIPVisionModelWithProjection` (against eager only) | the patch embedding, a convolution with kernel == stride, as a matmul of the patches (pixels past the last whole patch left out, as torch does), class token |
+| transformers `ViTForImageClassification`, `CLIPVisionModelWithProjection` (against eager only) | the patch embedding, a convolution with kernel == stride, as a reshape and a matmul of the patches (pixels past the last whole patch left out, as torch does), class token |
 
 All of them with a padding `attention_mask` (boolean masks, SDPA `attn_mask`,
 `__and__`, `index.Tensor`, `new_ones`) and labels at -100. `tests/test_capture_errors.py`
@@ -40,8 +40,10 @@ covers SDPA with `enable_gqa`, boolean and additive masks and `scale`, `cumsum`
 position ids, `gather`, `flip`, `clamp`, `minimum`; `tests/numerics/test_loss_edge_cases.py`
 covers `label_smoothing`, `reduction="none"` and a batch whose targets are all ignored.
 
-Not covered (a clear `nova.UnsupportedError`): convolutions other than patch
-embeddings (kernel == stride, no padding, dilation or groups), batch norm's running
+Convolutions (1-, 2-, 3-D, stride, zero padding, dilation, groups) are a matmul over
+their patches (`tests/numerics/test_convolution.py`).
+
+Not covered (a clear `nova.UnsupportedError`): transposed convolutions, batch norm's running
 statistics (buffer mutation in forward), `sort`/`topk`, `erfinv`, integer `bitwise`
 ops other than on booleans, data-dependent shapes (boolean-mask indexing), class
 weights in `cross_entropy`, `dropout_p >= 1` in SDPA, int16 / uint8 tensors, int32
