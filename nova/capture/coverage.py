@@ -32,6 +32,7 @@ the interpreter, `tests/gpu/test_hf_models_gpu.py` on the H200):
 | transformers `MptForCausalLM` (eager, sdpa; against eager only, not sdpa in float64: eager's own loss is NaN there) | ALiBi from a Python base to a tensor power (`pow.Scalar`), `reciprocal` |
 | transformers `T5ForConditionalGeneration` (eager, sdpa; against eager only) | an encoder-decoder with cross-attention, relative position buckets, labels shifted right by writes into a fresh tensor (`copy`, `slice_scatter`, `select_scatter`) |
 | a nanoGPT-style GPT | `masked_fill(~mask, -inf)`, tied head, `ignore_index` |
+| transformers `WhisperForConditionalGeneration` (float64, against eager only) | log-mel features through 1-D convolutions (one strided), an encoder-decoder |
 | transformers `ViTForImageClassification`, `CLIPVisionModelWithProjection` (against eager only) | the patch embedding, a convolution with kernel == stride, as a reshape and a matmul of the patches (pixels past the last whole patch left out, as torch does), class token |
 
 All of them with a padding `attention_mask` (boolean masks, SDPA `attn_mask`,

@@ -133,6 +133,38 @@ def test_vision_transformers_train_like_eager(family, dtype):
     assert param < TOL[dtype], f"parameter {name} differs by {param:.2e}"
 
 
+class SpeechSeq2Seq(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, features, labels):
+        return self.m(input_features=features, labels=labels).loss
+
+
+def test_whisper_trains_like_eager(dtype=torch.float64):
+    """Whisper: log-mel features through two 1-D convolutions (the second strided), an
+    encoder-decoder with sinusoidal positions, labels shifted right in the model. In
+    float64 only: in float32 Adam turns the rounding noise of a LayerNorm bias's small
+    gradient into a 2e-4 difference, past this file's 1e-4 (float64 holds 1e-9)."""
+    import transformers as tf
+
+    def make():
+        torch.manual_seed(0)
+        cfg = tf.WhisperConfig(vocab_size=V, num_mel_bins=8, encoder_layers=2, decoder_layers=2, d_model=32,
+                               encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
+                               decoder_ffn_dim=48, max_source_positions=16, max_target_positions=16,
+                               decoder_start_token_id=1, pad_token_id=0, dropout=0.0)  # fmt: skip
+        with default_dtype(dtype):
+            return SpeechSeq2Seq(tf.WhisperForConditionalGeneration(cfg).to(dtype).train())
+
+    g = torch.Generator().manual_seed(6)
+    batches = [(torch.randn(B, 8, 32, generator=g, dtype=dtype), torch.randint(2, V, (B, 6), generator=g))
+               for _ in range(3)]  # fmt: skip
+    loss, (param, name) = train_both(make, batches, dtype)
+    assert loss < TOL[dtype] and param < TOL[dtype], (loss, name, param)
+
+
 # --- a nanoGPT-style GPT whose causal mask is inverted with ~ --------------------
 
 
