@@ -3,8 +3,8 @@
 backend with the same dropout: bf16, causal, one shape (GPT-2 124M's by default), random
 inputs. Rows: Nova's forward and its whole backward (delta, dK/dV, dQ) at the schedule
 the configure stage picks, and SDPA's forward and autograd backward, each at dropout 0
-and ``--p``. Timing: CUDA events around ``--launches`` launches, ``--repeats`` times after
-a warm-up; ms = median / launches. Nova's rows are checked against the reference
+and ``--p``. Timing: ``bench/timing.time_events``, the median of ``--repeats`` launches
+each between CUDA events, after warm-up. Nova's rows are checked against the reference
 executor (max relative error on o and dq, dk, dv) before they are timed.
 
     python scripts/attention_dropout.py [--batch 32] [--heads 12] [--seq 1024] [--dim 64] [--p 0.1] [--out DIR]
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench.timing import time_events  # noqa: E402
 
 
 def commit() -> str:
@@ -36,27 +37,12 @@ def commit() -> str:
         return "unknown"
 
 
-def timed(fn, launches: int, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(launches):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / launches)
-    return statistics.median(times)
-
-
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()
 
 
-def nova_rows(q, k, v, do, p: float, launches: int, repeats: int) -> list[dict]:
+def nova_rows(q, k, v, do, p: float, repeats: int) -> list[dict]:
     from nova.backends.reference import IMPLS
     from nova.codegen.triton import attention
     from nova.ir import dialect as nv
@@ -91,13 +77,13 @@ def nova_rows(q, k, v, do, p: float, launches: int, repeats: int) -> list[dict]:
     gouts = [torch.empty_like(t) for t in grads]
     return [
         {"engine": "nova", "pass": "fwd", "p": p, "rel_err": err_f,
-         "ms": timed(lambda: fwd.launch(fwd_in, outs), launches, repeats)},
+         "ms": time_events(lambda: fwd.launch(fwd_in, outs), repeats)},
         {"engine": "nova", "pass": "bwd", "p": p, "rel_err": err_b,
-         "ms": timed(lambda: bwd.launch(bwd_in, gouts), launches, repeats)},
+         "ms": time_events(lambda: bwd.launch(bwd_in, gouts), repeats)},
     ]  # fmt: skip
 
 
-def sdpa_rows(q, k, v, do, p: float, launches: int, repeats: int) -> list[dict]:
+def sdpa_rows(q, k, v, do, p: float, repeats: int) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import torch.nn.functional as F
@@ -115,8 +101,8 @@ def sdpa_rows(q, k, v, do, p: float, launches: int, repeats: int) -> list[dict]:
             torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
 
         with torch.no_grad():
-            rows.append({"engine": "sdpa_flash", "pass": "fwd", "p": p, "ms": timed(fwd, launches, repeats)})
-        rows.append({"engine": "sdpa_flash", "pass": "bwd", "p": p, "ms": timed(bwd, launches, repeats)})
+            rows.append({"engine": "sdpa_flash", "pass": "fwd", "p": p, "ms": time_events(fwd, repeats)})
+        rows.append({"engine": "sdpa_flash", "pass": "bwd", "p": p, "ms": time_events(bwd, repeats)})
     return rows
 
 
@@ -127,8 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--p", type=float, default=0.1)
-    ap.add_argument("--launches", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "runs")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -136,8 +121,8 @@ def main(argv=None) -> int:
     q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     rows = []
     for p in (0.0, a.p):
-        rows += nova_rows(q, k, v, do, p, a.launches, a.repeats)
-        rows += sdpa_rows(q, k, v, do, p, a.launches, a.repeats)
+        rows += nova_rows(q, k, v, do, p, a.repeats)
+        rows += sdpa_rows(q, k, v, do, p, a.repeats)
     for r in rows:
         err = f"  rel err {r['rel_err']:.1e}" if "rel_err" in r else ""
         print(f"{r['engine']:>10} {r['pass']} p={r['p']:<4} {r['ms']:.4f} ms{err}")
