@@ -276,7 +276,7 @@ def _slice_scatter(cx, x, src, dim=0, start=None, end=None, step=1):
     start, end, step = slice(start, end, step).indices(s[d])
     n = len(range(start, end, step))
     src = cast_to(cx, src, to_torch_dtype(elem_of(x.type)))
-    if _shape(src)[d] != n or len(_shape(src)) != len(s):
+    if len(_shape(src)) != len(s) or _shape(src)[d] != n:
         raise Unsupported(f"slice_scatter of a {list(_shape(src))} source into {n} elements of dim {d} of {list(s)}")
     if n == 0:
         return x
