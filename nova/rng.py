@@ -58,6 +58,13 @@ def dropout_scale(seed, salt: int, shape, p: float, dtype, device) -> torch.Tens
     return keep.to(dtype) * (1.0 / (1.0 - p))
 
 
+def kept_value(p: float, dtype: torch.dtype) -> torch.Tensor:
+    """The multiplier of a kept element, 1 / (1 - p) rounded to ``dtype`` exactly as
+    ``dropout_scale`` rounds it (a tensor of ``dtype`` times a Python float): the
+    generated kernels' constant."""
+    return (torch.ones(1, dtype=dtype) * (1.0 / (1.0 - p)))[0]
+
+
 def keep_threshold(p: float) -> int:
     """The hash's top 24 bits keep an element iff they are at least this:
     u >= p  <=>  (x >> 8) >= ceil(p * 2**24), exactly."""

@@ -287,8 +287,8 @@ class _Gen:
         ``rng.dropout_scale``'s) where kept; ``x`` itself without dropout."""
         if not self.dropout:
             return x
-        kept = torch.ones(1, dtype=torch.float64 if self.f64 else torch.float32) * (1.0 / (1.0 - self.dropout))
-        return f"tl.where(keep, {x} * {float(kept[0])!r}, 0.0)"
+        kept = rng.kept_value(self.dropout, torch.float64 if self.f64 else torch.float32)
+        return f"tl.where(keep, {x} * {float(kept)!r}, 0.0)"
 
     def out(self, x: str) -> str:
         """A gradient tile as stored: rounded to tf32 under ``rounded`` (its column
@@ -839,7 +839,7 @@ def _name(kind: str, g: _Gen) -> str:
             f"{'_bias' if g.bias else ''}{f'_dropout_salt{g.salt}' if g.dropout else ''}")
 
 
-def _bias_args(g: _Gen, tail: list[torch.Tensor]) -> tuple[list, list[int]]:
+def _tail_args(g: _Gen, tail: list[torch.Tensor]) -> tuple[list, list[int]]:
     """([bias, seed] pointers, as far as the op has them; the bias broadcast to the
     scores [B, H, Tq, Tk] as a view, stride 0 on broadcast dims) and the bias's four
     strides; ([], []) with neither."""
@@ -864,8 +864,8 @@ def lower_attention(op, cfg: LoweringConfig | None = None, *, precision: str = "
 
     def launch(inputs, outs=None):
         _check_inputs(name, op, inputs)
-        q, k, v, *bias = inputs
-        z, z_strides = _bias_args(g, bias)
+        q, k, v, *tail = inputs
+        z, z_strides = _tail_args(g, tail)
         out, lse = _results(name, specs, outs, q.device, strided=(0,))
         if out.numel() == 0:
             return [out, lse]
@@ -921,8 +921,8 @@ def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision
     every += ("sums",) if sums_k is not None else ()
 
     def launch_kernels(inputs, outs, delta, kernels=every, partials=None):
-        do, q, k, v, o, lse, *bias = inputs
-        z, z_strides = _bias_args(g, bias)
+        do, q, k, v, o, lse, *tail = inputs
+        z, z_strides = _tail_args(g, tail)
         dq, dk, dv, *sums = outs
         if sums_k is not None and partials is None:
             partials = torch.empty(partial_shape, dtype=stat, device=q.device)
@@ -948,8 +948,8 @@ def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision
 
     def launch(inputs, outs=None):
         _check_inputs(name, op, inputs)
-        do, q, k, v, o, lse, *bias = inputs
-        z, _ = _bias_args(g, bias)
+        do, q, k, v, o, lse, *tail = inputs
+        z, _ = _tail_args(g, tail)
         grads = _results(name, specs, outs, q.device, strided=(0, 1, 2))
         if empty:
             return [x.zero_() for x in grads]

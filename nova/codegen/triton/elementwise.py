@@ -764,8 +764,7 @@ def _dropout_mask(op) -> Expr:
     p = op.props()
     prob, salt = float(p["p"]), int(p["salt"])
     threshold = rng.keep_threshold(prob)
-    # the kept value exactly as the reference rounds it (a 1-D tensor times a Python float)
-    kept = (torch.ones(1, dtype=out) * (1.0 / (1.0 - prob)))[0]
+    kept = rng.kept_value(prob, out)  # as the reference rounds it
     zero = torch.zeros((), dtype=out)
     salt_term = (salt * rng.SALT_MUL) & rng.M32
 
