@@ -111,6 +111,10 @@ class NovaOp(IRDLOperation):
     # values of properties a creator may leave out (added later to an op that
     # existing IR and callers create without them)
     PROP_DEFAULTS: ClassVar[dict] = {}
+    # leave a property of PROP_DEFAULTS out of the op where its value is falsy (the
+    # default), instead of writing the default in: IR made before the property existed,
+    # and ops that do not use it, keep their text and so their structural hash
+    OMIT_DEFAULTS: ClassVar[bool] = False
     # what kind of computation the op is, for fusion (``nova.transforms.fuse``) and
     # scheduling; grouping reads this, never op names (CATEGORIES says what each means)
     CATEGORY: ClassVar[str] = "opaque"
@@ -159,7 +163,10 @@ class NovaOp(IRDLOperation):
 
     @classmethod
     def complete(cls, props: dict) -> dict:
-        """``props`` with the defaults of the properties it leaves out."""
+        """``props`` with the defaults of the properties it leaves out (``OMIT_DEFAULTS``:
+        without those of its defaulted properties that are falsy)."""
+        if cls.OMIT_DEFAULTS:
+            return {k: v for k, v in props.items() if k not in cls.PROP_DEFAULTS or v}
         return {**cls.PROP_DEFAULTS, **props} if cls.PROP_DEFAULTS else props
 
     def props(self) -> dict:
@@ -1107,10 +1114,7 @@ class AttentionOp(NovaOp):
     PROPS: ClassVar = ("causal", "scale", "dropout", "salt")
     # absent: no dropout (capture creates the op without them then)
     PROP_DEFAULTS: ClassVar = {"dropout": 0.0, "salt": 0}
-
-    @classmethod
-    def complete(cls, props: dict) -> dict:
-        return {k: v for k, v in props.items() if k not in cls.PROP_DEFAULTS or v}  # 0: the property left out
+    OMIT_DEFAULTS: ClassVar = True
 
     @classmethod
     def infer(cls, in_types, props, hint):
@@ -1163,10 +1167,7 @@ class AttentionBackwardOp(NovaOp):
     PROPS: ClassVar = ("causal", "scale", "dropout", "salt", "sums", "rounded")
     # absent: no dropout, no column sums, gradients not rounded (autodiff creates the op without the last two)
     PROP_DEFAULTS: ClassVar = {"dropout": 0.0, "salt": 0, "sums": False, "rounded": False}
-
-    @classmethod
-    def complete(cls, props: dict) -> dict:
-        return {k: v for k, v in props.items() if k not in cls.PROP_DEFAULTS or v}  # False: the property left out
+    OMIT_DEFAULTS: ClassVar = True
 
     @classmethod
     def infer(cls, in_types, props, hint):
