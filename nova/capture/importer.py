@@ -132,6 +132,14 @@ def capture(model: torch.nn.Module, batch: tuple) -> Captured:
         return _capture(model, batch)
 
 
+def _home_device(model: torch.nn.Module, batch: tuple) -> torch.device:
+    """The device the step runs on: its parameters', else its batch's."""
+    for t in (*model.parameters(), *batch):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
 def _capture(model: torch.nn.Module, batch: tuple) -> Captured:
     ep = decompose(export(model, batch))
     sig = ep.graph_signature
@@ -163,7 +171,11 @@ def _capture(model: torch.nn.Module, batch: tuple) -> Captured:
                 slots.append(_tensor_slot("param", spec.target, t))
                 cap.params[spec.target] = t
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            t = model.get_buffer(spec.target) if spec.kind == InputKind.BUFFER else ep.constants[spec.target]
+            if spec.kind == InputKind.BUFFER:
+                t = model.get_buffer(spec.target)
+            else:  # a tensor the forward creates (torch.tensor(...) lands on the CPU): eager lets a 0-d CPU
+                # tensor meet CUDA ones, a compiled step's launches read one device: Nova's copy moves there
+                t = ep.constants[spec.target].to(_home_device(model, batch))
             name = spec.target if spec.kind == InputKind.BUFFER else f"constant.{spec.target}"
             slots.append(_tensor_slot("buffer", name, t))
             cap.buffers[name] = t

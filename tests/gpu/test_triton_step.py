@@ -72,3 +72,29 @@ def test_triton_step_with_attention_dropout_matches_reference(precision):
         assert errs.pop("loss") <= TOL[precision], i
         bad = {k: f"{v:.2e}" for k, v in errs.items() if v > TOL[precision]}
         assert not bad, f"step {i}: parameters {bad}"
+
+
+def test_a_tensor_the_forward_creates_on_the_cpu_is_moved_to_the_step_s_device():
+    """``torch.tensor(...)`` in a forward (transformers' T5 with sdpa) makes a 0-d
+    CPU tensor that eager lets meet CUDA tensors. torch.export lifts it as a
+    constant; the step's copy of it lives on the parameters' device, so the
+    Triton launches bind it, and the step matches the reference."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x, y):
+            h = self.lin(x) * torch.tensor(0.5) + torch.tensor(-1.0)
+            return torch.nn.functional.mse_loss(h, y)
+
+    torch.manual_seed(0)
+    ref = Scaled().cuda()
+    mine = copy.deepcopy(ref)
+    oracle = nova.compile(ref, make_optimizer("adamw", ref.parameters()), backend="reference")
+    step = nova.compile(mine, make_optimizer("adamw", mine.parameters()), backend="triton")
+    for _ in range(3):
+        x, y = torch.randn(8, 16, device="cuda"), torch.randn(8, 16, device="cuda")
+        errs = step_errors(step(x, y), oracle(x, y), mine, ref)
+        assert max(errs.values()) <= TOL["fp32"], errs
