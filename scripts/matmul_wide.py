@@ -15,7 +15,7 @@ Every kernel here is the template's persistent loop (group-M swizzle, one softwa
 pipeline flattened over tiles and their K loops, host-built TMA descriptors, C stored
 through pointers), also at 128x128 and 128x256 (``one``) for a like-for-like base. Beside
 them: Nova's own launch as the Analytic Configurator sets it, and Nova's template at the
-plain kernel's 128x128 config. Timed in CUDA graphs (bench.timing.time_graph) beside cuBLAS
+plain kernel's 128x128 config, each also with C through pointers (``matmul.C_TMA`` off). Timed in CUDA graphs (bench.timing.time_graph) beside cuBLAS
 (torch.matmul on the same layouts), rotating through input sets that cover twice the L2 as
 ``nova bench matmul`` does; tf32 operands rounded to nearest first (Nova's launches take
 them as prerounded, as the step's do); every result checked against a float64 product.
@@ -166,6 +166,7 @@ def run(prec: str, shapes, reps: int, names: set[str] | None) -> list[dict]:
 
     from bench.matmul import _cfg, describe
     from bench.timing import time_graph
+    from nova.codegen.triton import matmul as mm
     from nova.codegen.triton.matmul import configure, device_spec, matmul, round_to_tf32
 
     torch.backends.cuda.matmul.allow_tf32 = prec == "tf32"
@@ -213,12 +214,17 @@ def run(prec: str, shapes, reps: int, names: set[str] | None) -> list[dict]:
         variants = []
         pre = ("a", "b") if prec == "tf32" else ()
         nova_prec = "tf32-rn" if prec == "tf32" else None
-        for label, cfg in (("nova configured", None),
-                           ("template 128x128 s4 w8", _cfg(128, 128, KERNELS[prec][1][4], 8, 4, persistent=True,
-                                                           tma=True))):
-            def nova(cfg=cfg):
+        t128 = _cfg(128, 128, KERNELS[prec][1][4], 8, 4, persistent=True, tma=True)
+        for label, cfg, c_tma in (("nova configured", None, True), ("nova configured, C ptr", None, False),
+                                  ("template 128x128 s4 w8", t128, True),
+                                  ("template 128x128 s4 w8 C ptr", t128, False)):
+            def nova(cfg=cfg, c_tma=c_tma):  # C_TMA off: C through pointers where it would take a descriptor
                 i = nxt()
-                matmul(A[i], B[i].t() if b_t else B[i], cfg=cfg, precision=nova_prec, out=C[i], prerounded=pre)
+                was, mm.C_TMA = mm.C_TMA, c_tma
+                try:
+                    matmul(A[i], B[i].t() if b_t else B[i], cfg=cfg, precision=nova_prec, out=C[i], prerounded=pre)
+                finally:
+                    mm.C_TMA = was
 
             variants.append((label, nova, None))
         for name, kind, BM, BN, BK, stages, warps in KERNELS[prec]:
