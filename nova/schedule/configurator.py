@@ -408,6 +408,16 @@ ONE_WAVE_SPLIT_MIN_GAIN = 0.10
 PAD_WASTE = 0.125
 # 8d's split form needs this deep a ring beside the fp32 tile's conversion (docs/configurator.md, 9d)
 PERSISTENT_SPLIT_STAGES = 4
+# 8e: on the staged tf32 path, an unsplit grid whose tiles fill less than this share of their
+# waves (tiles / (waves x S)) takes the next smaller tile in 8d's persistent loop, where that
+# gives every program at least two tiles (docs/configurator.md, 9e). Measured on an H100
+# (scripts/matmul_wide.py, bench/results/runs/matmul_wide_h100_82788fb.json, both operands
+# prerounded, K-major): 8192x768x768 (192 tiles of 128x256, 1.45 waves: 0.73 full) 47.4 us at
+# 128x128x32 s3 two blocks an SM against 38.8 at 128x128x32 s4 persistent (cuBLAS 40.6);
+# 8192x768x3072 143.6 at 128x256x32 s4 against 122.7 (127.6); 8192x2304x768 (576 tiles, 4.36
+# waves: 0.87) 121.0 at 128x256x32 s3 persistent against 102.5 (83.0). Kept where the waves are
+# full: 8192x3072x768 (768 tiles, 0.97) 125.5 at 128x256 against 138.1 at 128x128. 0 turns it off
+TF32_RETILE_WAVE_FILL = 0.9
 
 
 def least_time_split(model_time, c: float, most: int) -> int:
@@ -756,6 +766,23 @@ def plan_matmul(
     # 128x256 tile one program a work item (2 stages would fit; its 128x128 persistent 0.778
     # against 0.744)
     tf32_staged = stage_a and stage_b and path == "tf32"
+
+    # 8e. the staged tf32 path's part-full last wave, re-tiled (TF32_RETILE_WAVE_FILL, with its
+    # measurements): the next smaller tile, every program looping over at least two of them in
+    # 8d's persistent loop, in place of a grid whose waves the tiles fill less than the threshold.
+    # From 128x256 to 128x128 only, as measured (not below: 128x128's own short grids, e.g.
+    # 8192x384x1536, keep 6c's two blocks an SM)
+    def wave_fill(t: _Tile) -> float:
+        return n_tiles(t) / (_cdiv(n_tiles(t), S) * S)
+
+    half = smaller(rung)
+    if (tf32_staged and tma_path and split == 1 and not streamk_chosen and half is not None
+            and (PERSISTENT_EPILOGUES or PERSISTENT_STAGED_EPILOGUES or not epilogue)
+            and t.bm * t.bn > 128 * 128 and tile(half).bm * tile(half).bn >= 128 * 128
+            and wave_fill(t) < TF32_RETILE_WAVE_FILL and n_tiles(tile(half)) >= 2 * S
+            and wave_fill(tile(half)) > wave_fill(t)):
+        rung, t = half, dataclasses.replace(tile(half), stage_bytes=(tile(half).bm * ea + tile(half).bn * eb) * bk)
+        tiles = items = n_tiles(t)
     staged_persistent = (tf32_staged and tma_path and n_tiles(t) * split >= 2 * S and not streamk_chosen
                          and (PERSISTENT_EPILOGUES or PERSISTENT_STAGED_EPILOGUES or not epilogue))
     split_ring = (smem_budget - t.bm * t.bn * 4) // t.stage_bytes
