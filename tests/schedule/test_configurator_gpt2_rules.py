@@ -316,3 +316,32 @@ def test_the_staged_tf32_path_takes_warp_specialization_only_when_asked(M, N, K,
     assert p.smem_bytes == 4 * (128 + 128) * 32 * 4 + 128 * 128 * 4
     e = plan_matmul(*args, device="H100", prerounded=("a", "b"), epilogue=True).config
     assert "ws" not in e.instruction.split("+")
+
+
+@pytest.mark.parametrize("M,N,K,fill,retiled", [
+    (8192, 768, 768, 192 / 264, True),  # attention out at batch 8: 1.45 waves of 128x256
+    (8192, 768, 3072, 192 / 264, True),  # MLP down
+    (8192, 2304, 768, 576 / 660, True),  # qkv: 4.36 waves, 0.87 full
+    (8192, 3072, 768, 768 / 792, False),  # c_fc: 0.97 full, 128x256 stays (125.5 against 138.1 us)
+    (8192, 1536, 384, 384 / 396, False),  # the 46M MLP's up projection: full waves
+])  # fmt: skip
+def test_staged_tf32_part_full_waves_retile_to_128x128_persistent(M, N, K, fill, retiled, monkeypatch):
+    """Rule 8e on the H100 (its 132 SMs; measured there, runs/matmul_wide_h100_82788fb.json):
+    both tf32 operands prerounded and K-major, unsplit, a 128x256 grid filling less than 0.9 of
+    its waves runs 128x128 in rule 8d's persistent loop; at TF32_RETILE_WAVE_FILL = 0 it keeps
+    what the steps before it chose (never a persistent 128x128)."""
+    c = configure_matmul(M, N, K, 1, *TF32, "row", "col", device="H100", prerounded=("a", "b"))
+    assert (math.ceil(M / 128) * math.ceil(N / 256)) / (math.ceil(M * N / (128 * 256 * 132)) * 132) == pytest.approx(fill)
+    assert ((c.block_m, c.block_n, c.persistent, c.split_k) == (128, 128, True, 1)) == retiled
+    if retiled:
+        assert c.instruction == "wgmma+tma+stage_a+stage_b" and c.num_stages == 5
+    monkeypatch.setattr(cf, "TF32_RETILE_WAVE_FILL", 0.0)
+    c = configure_matmul(M, N, K, 1, *TF32, "row", "col", device="H100", prerounded=("a", "b"))
+    assert not (c.block_m == c.block_n == 128 and c.persistent)
+
+
+def test_staged_tf32_retile_is_from_128x256_only():
+    """8e takes 128x256 -> 128x128 only: the 46M MLP's 8192x384x1536 (192 tiles of 128x128, 0.73
+    full) keeps 6c's two blocks an SM, not a 64x128 persistent grid nobody measured."""
+    c = configure_matmul(8192, 384, 1536, 1, *TF32, "row", "col", device="H100", prerounded=("a", "b"))
+    assert (c.block_m, c.block_n, c.persistent) == (128, 128, False)
