@@ -95,7 +95,9 @@ TF32_ROUND_B_PENALTY = 0.5
 # Measured on an H100 (bench/results/runs/matmul_gpt2_all_search24_h100_c527b90.json,
 # tf32 2304x768x8192 col/row, GPT-2's qkv weight gradient at batch 8): 128x128x32 unsplit,
 # which step 4's halving chose, 0.196 ms; 128x256x32 split 7 (stream-K) 0.156; cuBLAS
-# 0.156. Off: every tile's tau is its products' alone
+# 0.156. Off: every tile's tau is its products' alone. In the step (GPT-2 124M tf32 batch 8,
+# Nova alone, H100, 83712ff, bench/results/runs/ab_rule4c_*_h100_83712ff.json): 175,475 tok/s
+# with it against 173,695 without (+1.0%)
 TF32_REGISTER_A_BN = 256
 TF32_REGISTER_A_BY_TILE = True
 # Rule 9a: on Hopper every tf32 kernel reads both operands from shared memory. Off: the
@@ -305,7 +307,10 @@ PERSISTENT_EPILOGUES = False
 # Off until measured in a step. Offline sm_90a (scripts/epilogue_sm90_check.py --precision
 # tf32 --batch 16 with it on): GPT-2's three epilogue kernels with both operands staged at
 # 128x256x32 s3 persistent, 171-175 registers, no spills (the fourth, B alone staged, keeps its
-# grid); bit for bit the tile grid (interpreter tests)
+# grid); bit for bit the tile grid (interpreter tests). Measured in the steps on an H100 at
+# e1ea8b7 (README: the MLP 932,095 against 962,397 tok/s off) and again at a555b0c (Nova alone, off / on / off / on, bench/results/runs/ab_pse_*_h100_a555b0c.json): the
+# 46M MLP tf32 b8 955,513 / 925,558 / 954,702 / 927,318 tok/s (3% slower on), GPT-2 124M tf32
+# b16 191,323 / 190,093 (0.6% slower): stays off
 PERSISTENT_STAGED_EPILOGUES = False
 
 # 8b. Warp specialization (docs/configurator.md, "Matmul", 9b): the tile of the

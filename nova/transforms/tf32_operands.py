@@ -70,7 +70,7 @@ K-step: 0.67x cuBLAS at 8192x768x2304 row/row against 0.82x for the same kernel 
 A prerounded at 8192x768x3072 on an H100 (``bench/results/matmul_gpt2.md``, 4eb8856).
 No store is added: the kernels write the rounded tiles instead of the raw ones.
 
-A second store (``ROUND_SECOND_STORE``, off until measured): a value whose kernel takes
+A second store (``ROUND_SECOND_STORE``, off: no gain measured, below): a value whose kernel takes
 an elementwise epilogue, which f32 matmuls read as a K-major A and other ops read raw
 (the residual gradient: the next layer's adds and the weight gradient read it raw; the
 input gradient dY @ W reads it as A), gets a ``nova.round_tf32`` read by exactly those
@@ -250,7 +250,10 @@ def _round_attention_gradients(block) -> int:
 
 
 # a second, rounded store of a value that other ops read raw, for the matmuls that read it
-# as a K-major A (the residual gradient's input-gradient matmul); off until measured
+# as a K-major A (the residual gradient's input-gradient matmul). Measured on an H100, Nova
+# alone, off against on: the 46M MLP tf32 b8 955,893 against 962,947 tok/s (83712ff), GPT-2
+# 124M tf32 b16 191,323 against 191,727 (a555b0c; bench/results/runs/ab_rss_*): +0.7% and
+# +0.2%, within the runs' spread (the MLP's off runs 954,702-955,893). Off: no gain shown
 ROUND_SECOND_STORE = False
 
 
