@@ -194,9 +194,61 @@ def test_unsupported_code_is_one_unsupported_error_with_locations(body):
     assert all("node" in where and "test_capture_errors.py" in where for _, where in e.value.problems), e.value.problems
 
 
+class Weighted(nn.Module):  # a third batch tensor: per-token weights, given as int16 (eager takes them)
+    def __init__(self):
+        super().__init__()
+        self.net = Net(int32_input)
+
+    def forward(self, ids, y, w):
+        return self.net(ids, y) * w.float().mean()
+
+
 def test_a_batch_of_an_unsupported_dtype_is_named():
-    model = Net(int32_input)
+    model = Weighted()
     step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.1))
     ids, y = _batch()
-    with pytest.raises(nova.UnsupportedError, match="int32"):
+    w = torch.ones(2, 6, dtype=torch.int16)
+    model(ids, y, w)  # eager runs it
+    with pytest.raises(nova.UnsupportedError, match=r"int16 .*and int32 batches\)"):
+        step(ids, y, w)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_an_int32_batch_trains_as_eager_does_and_as_its_int64_copy(backend):
+    """int32 token ids (an embedding's indices: eager takes them) are captured as the
+    step's int64 argument, copied in widened (exact): the same loss and parameters as
+    eager over 3 SGD steps, and bit for bit the step given the int64 ids. The interpreted
+    Triton backend copies the batch into its arena, casting there."""
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    torch.manual_seed(0)
+    model, twin, wide = (Net(int32_input).to(dtype) for _ in range(3))
+    twin.load_state_dict(model.state_dict())
+    wide.load_state_dict(model.state_dict())
+    step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.5), backend=backend)
+    step64 = nova.compile(wide, torch.optim.SGD(wide.parameters(), lr=0.5), backend=backend)
+    opt = torch.optim.SGD(twin.parameters(), lr=0.5)
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for _ in range(3):
+        ids, y = _batch()
+        loss = step(ids.int(), y)
+        assert torch.equal(loss, step64(ids, y))
+        opt.zero_grad()
+        want = twin(ids.int(), y)
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(loss, want.detach(), **tol)
+    for (n, a), b, c in zip(model.named_parameters(), twin.parameters(), wide.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), **tol, msg=n)
+        assert torch.equal(a, c), n
+
+
+def test_int32_arithmetic_on_an_int32_batch_is_refused():
+    """An int32 batch holds any int32 value: ``ids + 1`` could wrap in eager (int32) where
+    Nova would compute it in int64, so capture refuses it (``int_range``); int64 ids are not
+    at risk and compile."""
+    model = Net(lambda m, ids, h: h + (ids + 1).float()[..., None])
+    step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ids, y = _batch()
+    with pytest.raises(nova.UnsupportedError, match="cannot prove"):
         step(ids.int(), y)
+    step(ids, y)

@@ -21,7 +21,7 @@ from xdsl.dialects.builtin import ModuleOp, i64
 from xdsl.ir import SSAValue
 
 from nova.capture.aten import CONVERTERS, IGNORED, WIDENED_INTS, Ctx, Unsupported
-from nova.capture.int_range import bounds, fits_int32
+from nova.capture.int_range import INT32, bounds, fits_int32
 from nova.errors import CaptureError, UnsupportedError
 from nova.ir.builder import OpBuilder
 from nova.ir.module import Slot, add_arg, new_step, set_results
@@ -64,11 +64,14 @@ def _location(node: torch.fx.Node) -> str:
 
 
 def _tensor_slot(role: str, name: str, t: torch.Tensor) -> Slot:
+    if role == "batch" and t.dtype == torch.int32:  # widened exactly; the step copies it in as int64
+        return Slot(role, name, tensor(t.shape, i64))
     try:
         elem = from_torch_dtype(t.dtype)
     except TypeError:
         raise UnsupportedError([(
-            f"{role} tensor of dtype {t.dtype} (Nova takes float16, bfloat16, float32, float64, int64 and bool)", name,
+            f"{role} tensor of dtype {t.dtype} (Nova takes float16, bfloat16, float32, float64, int64 and bool"
+            f"{', and int32 batches' if role == 'batch' else ''})", name,
         )]) from None  # fmt: skip
     return Slot(role, name, tensor(t.shape, elem))
 
@@ -210,7 +213,9 @@ def _capture(model: torch.nn.Module, batch: tuple) -> Captured:
 
     b = OpBuilder(block)
     cx = Ctx(b, get_seed)
-    bounds_memo: dict = {}  # int_range.bounds of the values seen so far
+    # int_range.bounds of the values seen so far; an int32 batch (an i64 argument) holds int32's values
+    bounds_memo: dict = {arg_of[ph]: INT32 for ph, s in zip(owner, slots, strict=True)
+                         if s.role == "batch" and batch[cap.batch_names.index(s.name)].dtype == torch.int32}
     output = None
     for node in ep.graph.nodes:
         if node.op != "call_function":
