@@ -15,12 +15,14 @@ Every kernel here is the template's persistent loop (group-M swizzle, one softwa
 pipeline flattened over tiles and their K loops, host-built TMA descriptors, C stored
 through pointers), also at 128x128 and 128x256 (``one``) for a like-for-like base. Beside
 them: Nova's own launch as the Analytic Configurator sets it, and Nova's template at the
-plain kernel's 128x128 config, each also with C through pointers (``matmul.C_TMA`` off). Timed in CUDA graphs (bench.timing.time_graph) beside cuBLAS
-(torch.matmul on the same layouts), rotating through input sets that cover twice the L2 as
-``nova bench matmul`` does; tf32 operands rounded to nearest first (Nova's launches take
-them as prerounded, as the step's do); every result checked against a float64 product.
-At 83712ff+ on an H100 (``--kernels all``, one input set) the two-dot tiles ran at
-0.61-0.70x cuBLAS on every bf16 shape, slower than 128x128 and 128x256: not a way forward.
+plain kernel's 128x128 config, each also with C through pointers (``matmul.C_TMA`` off).
+Timed in CUDA graphs (bench.timing.time_graph) beside cuBLAS (torch.matmul on the same
+layouts), rotating through input sets that cover twice the L2 as ``nova bench matmul``
+does; tf32 operands rounded to nearest first (Nova's launches take them as prerounded, as
+the step's do); every result checked against a float64 product.
+At 8a95c94 on an H100 (``--kernels all``, one input set: bench/results/runs/
+matmul_wide_twodot_one_set_h100_8a95c94.json) the two-dot tiles ran at 0.61-0.70x cuBLAS on
+every bf16 shape, slower than 128x128 and 128x256: not a way forward.
 
     python scripts/matmul_wide.py [--out DIR] [--shapes bf16b8|tf32b8|mlp|all] [--kernels one|all|NAMES]
     python scripts/matmul_wide.py --offline   # compile for sm_90a here (no GPU): shared memory

@@ -308,9 +308,10 @@ PERSISTENT_EPILOGUES = False
 # tf32 --batch 16 with it on): GPT-2's three epilogue kernels with both operands staged at
 # 128x256x32 s3 persistent, 171-175 registers, no spills (the fourth, B alone staged, keeps its
 # grid); bit for bit the tile grid (interpreter tests). Measured in the steps on an H100 at
-# e1ea8b7 (README: the MLP 932,095 against 962,397 tok/s off) and again at a555b0c (Nova alone, off / on / off / on, bench/results/runs/ab_pse_*_h100_a555b0c.json): the
-# 46M MLP tf32 b8 955,513 / 925,558 / 954,702 / 927,318 tok/s (3% slower on), GPT-2 124M tf32
-# b16 191,323 / 190,093 (0.6% slower): stays off
+# e1ea8b7 (README: the MLP 932,095 tok/s on against 962,397 off) and again at a555b0c (Nova
+# alone, off / on / off / on, bench/results/runs/ab_pse_*_h100_a555b0c.json): the 46M MLP tf32
+# b8 955,513 / 925,558 / 954,702 / 927,318 tok/s (3% slower on), GPT-2 124M tf32 b16 191,323 /
+# 190,093 (0.6% slower): stays off
 PERSISTENT_STAGED_EPILOGUES = False
 
 # 8b. Warp specialization (docs/configurator.md, "Matmul", 9b): the tile of the

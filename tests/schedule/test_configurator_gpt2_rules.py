@@ -331,7 +331,8 @@ def test_staged_tf32_part_full_waves_retile_to_128x128_persistent(M, N, K, fill,
     its waves runs 128x128 in rule 8d's persistent loop; at TF32_RETILE_WAVE_FILL = 0 it keeps
     what the steps before it chose (never a persistent 128x128)."""
     c = configure_matmul(M, N, K, 1, *TF32, "row", "col", device="H100", prerounded=("a", "b"))
-    assert (math.ceil(M / 128) * math.ceil(N / 256)) / (math.ceil(M * N / (128 * 256 * 132)) * 132) == pytest.approx(fill)
+    tiles = math.ceil(M / 128) * math.ceil(N / 256)
+    assert tiles / (math.ceil(tiles / 132) * 132) == pytest.approx(fill)
     assert ((c.block_m, c.block_n, c.persistent, c.split_k) == (128, 128, True, 1)) == retiled
     if retiled:
         assert c.instruction == "wgmma+tma+stage_a+stage_b" and c.num_stages == 5
