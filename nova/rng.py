@@ -76,6 +76,21 @@ def triton_hash(x: str, index: str, seed_term: str) -> str:
     of the uint32 flat index ``index``, given ``seed_term`` = seed * SEED_MUL + salt *
     SALT_MUL (mod 2**32): the generated kernels' copy of ``uniform``'s arithmetic
     (``nova.dropout_mask``'s elementwise lowering, the attention kernels' dropout)."""
-    return (f"{x} = {index} * {GOLDEN} + {seed_term}\n"
+    return triton_mix(x, f"{index} * {GOLDEN} + {seed_term}")
+
+
+def keep_bits(p: float) -> int | None:
+    """``keep_threshold`` on the whole hash: (x >> 8) >= t  <=>  x >= t * 2**8 (uint32 x),
+    exactly, one shift less an element; None where t * 2**8 is past uint32 (t = 2**24,
+    p within 2**-24 of 1: nothing is kept)."""
+    t = keep_threshold(p) << 8
+    return t if t < 2**32 else None
+
+
+def triton_mix(x: str, start: str) -> str:
+    """``triton_hash``'s lines from its first value ``start`` = index * GOLDEN +
+    seed_term (mod 2**32) on: a caller that adds up the index's parts multiplied
+    already (a row's and a column's, the attention kernels' tiles) passes their sum."""
+    return (f"{x} = {start}\n"
             f"{x} = {x} ^ ({x} >> 16)\n{x} = {x} * 0x85EBCA6B\n{x} = {x} ^ ({x} >> 13)\n"
             f"{x} = {x} * 0xC2B2AE35\n{x} = {x} ^ ({x} >> 16)")

@@ -275,11 +275,13 @@ class _Gen:
         """The line setting ``keep``, where ``nova.rng`` keeps the scores of a
         score-shaped tile at flat index ((b H + h) Tq + i) Tk + j; ``rows`` / ``cols``:
         the tile's query / key indices, broadcast ("offs_m[:, None]", "offs_n[None, :]").
-        Nothing without dropout."""
+        The hash's first value, index * GOLDEN + seed_term (mod 2**32), is the sum of a
+        row's part and a column's, each a vector multiplied once: one add a score in
+        place of an add and a multiply-add (the same bits). Nothing without dropout."""
         if not self.dropout:
             return ""
-        idx = f"bh_term + {rows}.to(tl.uint32) * {self.tk % 2**32} + {cols}.to(tl.uint32)"
-        return f"\n    keep = dropout_keep({idx}, seed_term)"
+        row = f"(bh_term + {rows}.to(tl.uint32) * {self.tk % 2**32}) * {rng.GOLDEN} + seed_term"
+        return f"\n    keep = dropout_keep(({row}) + {cols}.to(tl.uint32) * {rng.GOLDEN})"
 
     def drop(self, x: str) -> str:
         """``x`` (a score-shaped tile) times its dropout multiplier (``keep``'s): 0
@@ -341,12 +343,16 @@ class _Gen:
 
 
 def _dropout_keep_fn(p: float) -> str:
-    """``dropout_keep(idx, seed_term)``: whether ``nova.rng`` keeps flat index ``idx``
-    (uint32, mod 2**32 as the reference's) at dropout probability ``p``: MurmurHash3's
-    finalizer, kept iff the top 24 bits >= ceil(p 2**24) (u >= p, exactly), the
-    arithmetic of ``nova.dropout_mask``'s Triton lowering."""
-    body = textwrap.indent(f"{rng.triton_hash('x', 'idx', 'seed_term')}\nreturn (x >> 8) >= {rng.keep_threshold(p)}", "    ")
-    return f"\n\n@triton.jit\ndef dropout_keep(idx, seed_term):\n{body}\n"
+    """``dropout_keep(start)``: whether ``nova.rng`` keeps the flat index whose hash
+    starts at ``start`` = index * GOLDEN + seed_term (uint32, mod 2**32 as the
+    reference's) at dropout probability ``p``: MurmurHash3's finalizer, kept iff the
+    top 24 bits >= ceil(p 2**24) (u >= p, exactly), compared on the whole hash
+    (``rng.keep_bits``), the arithmetic of ``nova.dropout_mask``'s Triton lowering."""
+    bits = rng.keep_bits(p)
+    # (a uint32 constant: the comparison is unsigned whatever the threshold's size)
+    test = f"x >= tl.full([], {bits}, tl.uint32)" if bits is not None else "x != x"
+    body = textwrap.indent(f"{rng.triton_mix('x', 'start')}\nreturn {test}", "    ")
+    return f"\n\n@triton.jit\ndef dropout_keep(start):\n{body}\n"
 
 
 def _strides(prefix: str) -> list[str]:

@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""The attention forward's machine code counted offline (no GPU): the kernel Nova
+generates for GPT-2's shape (T 1024, head dim 64, bf16, causal; 12 heads) without and
+with SDPA's dropout, compiled for sm_90a by Triton's own ptxas and read back by its
+nvdisasm, one line each: its SASS instructions and the most frequent opcodes. A proxy
+for the dropout hash's cost beside the plain kernel, not a timing
+(``gpu_check.sh attn-dropout`` times it).
+
+    python scripts/attention_sass.py [--p 0.1]
+
+Runs without TRITON_INTERPRET (the real compiler)."""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "kernels")]
+os.environ.pop("TRITON_INTERPRET", None)
+
+OPCODE = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+
+
+def counts(sass: str) -> tuple[int, collections.Counter]:
+    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+    ops = collections.Counter(m.group(1).split(".")[0] for m in map(OPCODE.search, lines) if m)
+    return len(lines), ops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--p", type=float, default=0.1)
+    args = ap.parse_args()
+
+    import torch
+    import triton
+    from test_rowwise import build  # the kernel tests' op builder
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from nova.codegen.triton import attention
+    from nova.codegen.triton.wgmma_check import sass_of
+    from nova.ir import dialect as nv
+
+    pointer = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int64: "*i64"}
+    built: dict[str, str] = {}
+
+    def build_only(self, *a, grid, warmup, **kwargs):  # compile for sm_90a instead of launching
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        sig, consts, it = {}, {}, iter(a)
+        for i, p in enumerate(self.params):
+            if p.is_constexpr:
+                sig[p.name], consts[(i,)] = "constexpr", kwargs[p.name]
+                continue
+            v = next(it)
+            sig[p.name] = pointer[v.dtype] if isinstance(v, torch.Tensor) else "i32" if abs(v) < 2**31 else "i64"
+        k = triton.compile(ASTSource(fn=self, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                           options=options)
+        built[self.fn.__name__] = sass_of(k.asm["cubin"])
+
+    JITFunction.run = build_only
+    q = torch.empty(2, 12, 1024, 64, dtype=torch.bfloat16)
+    for p in (0.0, args.p):
+        props, z = {"causal": True, "scale": 64**-0.5}, []
+        if p:
+            props |= {"dropout": p, "salt": 1}
+            z = [torch.tensor(5, dtype=torch.int64)]
+        op = build(nv.AttentionOp, [q, q, q, *z], props)
+        built.clear()
+        attention.lower_attention(op, None, precision="bf16").launch([q, q, q, *z])
+        for name, sass in built.items():
+            n, ops = counts(sass)
+            print(f"p={p} {name}: {n} SASS instructions; {dict(ops.most_common(12))}")
+
+
+if __name__ == "__main__":
+    main()
