@@ -38,3 +38,17 @@ def test_dropout_gradient_uses_the_same_mask():
     # with dropout, the loss must still fall under SGD on a fixed batch
     losses = _train(3)
     assert losses[-1] < losses[0]
+
+
+def test_the_kernels_keep_test_on_the_whole_hash_is_the_reference_s():
+    """The attention kernels compare the whole 32-bit hash with ``rng.keep_bits(p)``
+    where the reference compares its top 24 bits with ``keep_threshold(p)``: the same
+    decision for every hash, at the threshold's edges too; none kept where p is within
+    2**-24 of 1 (the threshold past uint32)."""
+    gen = torch.Generator().manual_seed(0)
+    for p in (0.1, 0.25, 0.5, 0.9, 1 - 2**-23):
+        t, bits = rng.keep_threshold(p), rng.keep_bits(p)
+        x = torch.cat([torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64),
+                       torch.tensor([t << 8, (t << 8) - 1, 0, 2**32 - 1])])
+        assert bits is not None and torch.equal((x >> 8) >= t, x >= bits), p
+    assert rng.keep_threshold(1 - 2**-30) == 2**24 and rng.keep_bits(1 - 2**-30) is None
