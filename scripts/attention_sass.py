@@ -37,33 +37,12 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    import triton
-    from test_rowwise import build  # the kernel tests' op builder
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
+    from test_rowwise import build, build_for_sm90  # the kernel tests' op builder and sm_90a build
 
     from nova.codegen.triton import attention
     from nova.codegen.triton.wgmma_check import sass_of
     from nova.ir import dialect as nv
 
-    pointer = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int64: "*i64"}
-    built: dict[str, str] = {}
-
-    def build_only(self, *a, grid, warmup, **kwargs):  # compile for sm_90a instead of launching
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-        sig, consts, it = {}, {}, iter(a)
-        for i, p in enumerate(self.params):
-            if p.is_constexpr:
-                sig[p.name], consts[(i,)] = "constexpr", kwargs[p.name]
-                continue
-            v = next(it)
-            sig[p.name] = pointer[v.dtype] if isinstance(v, torch.Tensor) else "i32" if abs(v) < 2**31 else "i64"
-        k = triton.compile(ASTSource(fn=self, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                           options=options)
-        built[self.fn.__name__] = sass_of(k.asm["cubin"])
-
-    JITFunction.run = build_only
     q = torch.empty(2, 12, 1024, 64, dtype=torch.bfloat16)
     for p in (0.0, args.p):
         props, z = {"causal": True, "scale": 64**-0.5}, []
@@ -71,10 +50,10 @@ def main() -> None:
             props |= {"dropout": p, "salt": 1}
             z = [torch.tensor(5, dtype=torch.int64)]
         op = build(nv.AttentionOp, [q, q, q, *z], props)
-        built.clear()
-        attention.lower_attention(op, None, precision="bf16").launch([q, q, q, *z])
-        for name, sass in built.items():
-            n, ops = counts(sass)
+        cubins: dict = {}
+        build_for_sm90([(lambda op=op: attention.lower_attention(op, None, precision="bf16"), [q, q, q, *z])], cubins)
+        for name, cubin in cubins.items():
+            n, ops = counts(sass_of(cubin))
             print(f"p={p} {name}: {n} SASS instructions; {dict(ops.most_common(12))}")
 
 

@@ -342,13 +342,14 @@ def test_every_rowwise_op_registered():
     assert all(op in LOWERINGS for op in ops)
 
 
-def build_for_sm90(cases) -> list[str]:
+def build_for_sm90(cases, cubins: dict | None = None) -> list[str]:
     """Build (not run) every kernel the launches of ``cases`` ([(lower, inputs)])
     would start, for sm_90 with the real compiler and ptxas; no GPU needed. Runs in
     a process without TRITON_INTERPRET: the interpreter leaves triton.language
     patched after it runs (device-function calls are never unpatched), and it
     accepts programs the compiler rejects, which is what this build catches.
-    Returns the names of the kernels built."""
+    Returns the names of the kernels built; ``cubins`` (a dict) receives each one's
+    binary by name (scripts/attention_sass.py reads their machine code)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -371,6 +372,8 @@ def build_for_sm90(cases) -> list[str]:
                                   target=GPUTarget("cuda", 90, 32), options=options)
         assert "cubin" in compiled.asm
         built.append(self.fn.__name__)
+        if cubins is not None:
+            cubins[self.fn.__name__] = compiled.asm["cubin"]
 
     original, JITFunction.run = JITFunction.run, build_only
     try:
