@@ -159,6 +159,7 @@ def _capture(model: torch.nn.Module, batch: tuple) -> Captured:
     alias: dict[str, str] = {}  # tied placeholder -> placeholder of the same tensor
     cap = Captured(module=None, fn=None)  # type: ignore[arg-type]
     user_i = 0
+    widened: list[str] = []  # placeholders of int32 batch tensors
     for spec in sig.input_specs:
         ph = spec.arg.name
         if spec.kind == InputKind.PARAMETER:
@@ -189,6 +190,8 @@ def _capture(model: torch.nn.Module, batch: tuple) -> Captured:
             name = f"batch.{user_i}"
             slots.append(_tensor_slot("batch", name, t))
             cap.batch_names.append(name)
+            if t.dtype == torch.int32:  # an i64 argument holding int32's values (int_range, below)
+                widened.append(ph)
             user_i += 1
         else:
             problems.append((f"input kind {spec.kind.name}", ph))
@@ -213,9 +216,7 @@ def _capture(model: torch.nn.Module, batch: tuple) -> Captured:
 
     b = OpBuilder(block)
     cx = Ctx(b, get_seed)
-    # int_range.bounds of the values seen so far; an int32 batch (an i64 argument) holds int32's values
-    bounds_memo: dict = {arg_of[ph]: INT32 for ph, s in zip(owner, slots, strict=True)
-                         if s.role == "batch" and batch[cap.batch_names.index(s.name)].dtype == torch.int32}
+    bounds_memo: dict = {arg_of[ph]: INT32 for ph in widened}  # int_range.bounds of the values seen so far
     output = None
     for node in ep.graph.nodes:
         if node.op != "call_function":
