@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|ab|attn-dropout|wide|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-tiles|ws-tf32|tf32-search|streamk|few-tiles|mm-stalls|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|ab|attn-dropout|wide|tail|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-tiles|ws-tf32|tf32-search|streamk|few-tiles|mm-stalls|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -56,6 +56,10 @@ fi
 if [[ $what == wide ]]; then  # 192-wide tiles and plain kernels beside Nova's launches and cuBLAS (scripts/matmul_wide.py)
   shift
   timeout 420 python3 scripts/matmul_wide.py --out "$OUT" "$@" 2>&1 | tee "$OUT/matmul_wide.log" | tail -130
+fi
+if [[ $what == tail ]]; then  # a grid's last partial wave as a second launch (scripts/matmul_tail.py)
+  shift
+  timeout 420 python3 scripts/matmul_tail.py --out "$OUT" "$@" 2>&1 | tee "$OUT/matmul_tail.log" | tail -80
 fi
 if [[ $what == bench-gpt2-dp1 ]]; then  # the same under torchrun over one rank: DDP and Nova's data_parallel, no link crossed
   shift
