@@ -211,7 +211,10 @@ def describe(cfg: LoweringConfig | None) -> str:
     text += f" sk{cfg.split_k}" if cfg.split_k > 1 else ""
     text += (" pers" if cfg.persistent else "") + (" tma" if "tma" in cfg.instruction else "")
     tokens = cfg.instruction.split("+")
-    return text + "".join(f" {t}" for t in ("stage_a", "stage_b") if t in tokens)
+    text += "".join(f" {t}" for t in ("stage_a", "stage_b", "ws") if t in tokens)
+    if cfg.tail_at:  # rule 8f's second launch
+        text += f" tail {cfg.tail_axis}{cfg.tail_at}" + (f" sk{cfg.tail_split}" if cfg.tail_split > 1 else "")
+    return text
 
 
 # --------------------------------------------------------------------------- timing

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|ab|attn-dropout|wide|tail|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-tiles|ws-tf32|tf32-search|streamk|few-tiles|mm-stalls|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|ab|attn-dropout|wide|tail|wave-tail|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-tiles|ws-tf32|tf32-search|streamk|few-tiles|mm-stalls|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -60,6 +60,28 @@ fi
 if [[ $what == tail ]]; then  # a grid's last partial wave as a second launch (scripts/matmul_tail.py)
   shift
   timeout 420 python3 scripts/matmul_tail.py --out "$OUT" "$@" 2>&1 | tee "$OUT/matmul_tail.log" | tail -80
+fi
+if [[ $what == wave-tail ]]; then  # configurator rule 8f (WAVE_TAIL) on and off: its GPU test, the step's bf16
+  # matmuls at batch 8 and 32, then the bf16 steps (Nova alone) at batch 8 and 32
+  shift
+  timeout 150 python3 -m pytest -q tests/gpu/test_matmul_tail_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_tail.log" | tail -3
+  for v in on off; do
+    sets=(); [[ $v == off ]] && sets=(--set schedule.configurator.WAVE_TAIL=False)
+    for b in 8 32; do
+      timeout 100 python3 -m nova.cli.main bench matmul --shapes gpt2 --batch $b --precisions bf16 --search-budget 0 \
+        --out "$OUT/mm${b}_$v" "${sets[@]}" 2>&1 | tail -2
+    done
+  done
+  for b in 8 32; do
+    for v in on off on2; do
+      sets=(); [[ $v == off ]] && sets=(--set schedule.configurator.WAVE_TAIL=False)
+      echo "== step b$b tail $v"
+      timeout 120 python3 -m nova.cli.main bench gpt2 --engines nova --model 124m --precision bf16 --batch $b \
+        --out "$OUT/step${b}_$v" "${sets[@]}" "$@" 2>&1 | tail -2
+    done
+  done
+  rm -f "$OUT"/mm*/*.png "$OUT"/step*/*.png
+  (cd "$OUT" && tar czf wave_tail.tgz mm8_* mm32_* step8_* step32_* && rm -rf mm8_* mm32_* step8_* step32_*)
 fi
 if [[ $what == bench-gpt2-dp1 ]]; then  # the same under torchrun over one rank: DDP and Nova's data_parallel, no link crossed
   shift

@@ -28,9 +28,21 @@ class LoweringConfig:
     instruction: str = "mma"
     # why: the regime the configurator classified the op into, e.g. "compute-bound"
     regime: str = ""
+    # matmuls: the wave tail (configurator rule 8f). Where ``tail_at`` > 0, C's rows (``tail_axis``
+    # "m") or columns ("n") before ``tail_at`` run at this config and the rest as a second launch
+    # at ``configurator.tail_config`` (its tile, split ``tail_split`` ways along K)
+    tail_at: int = 0
+    tail_axis: str = ""
+    tail_split: int = 1
 
     def to_dict(self) -> dict[str, int | str | bool]:
-        return asdict(self)
+        """The fields, less the wave tail's where there is none (the IR of every other config
+        stays as it was)."""
+        d = asdict(self)
+        if not self.tail_at:
+            for f in _TAIL_FIELDS:
+                del d[f]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "LoweringConfig":
@@ -39,3 +51,6 @@ class LoweringConfig:
         if unknown:
             raise ValueError(f"unknown lowering_config fields: {sorted(unknown)}")
         return cls(**d)
+
+
+_TAIL_FIELDS = ("tail_at", "tail_axis", "tail_split")

@@ -426,6 +426,101 @@ PERSISTENT_SPLIT_STAGES = 4
 TF32_RETILE_WAVE_FILL = 0.9
 
 
+# 8f. The wave tail: a plain 16-bit launch (no epilogue, no batch, both operands through
+# descriptors) whose grid ends in a partial wave runs as two launches in the same stream: the
+# head, C's leading whole blocks of rows (or columns) whose tiles fill whole waves at the big
+# tile, and the tail, the rest of C at TAIL_TILE, split along K where the tail's tiles leave
+# SMs idle, so that the last wave's SMs share the tail instead of one tile of it each
+# (docs/configurator.md, 9f). Two cases, each as measured on an H100 (scripts/matmul_tail.py,
+# bench/results/runs/matmul_tail_h100_d218078.json; cuBLAS 52.4-53.5 us on the K >= 2304 rows):
+# - a warp-specialized launch (8b) whose 128x256 grid has 1..TAIL_MAX_WAVES whole waves and
+#   whose tail fits one wave at TAIL_TILE: the head at 128x256 warp-specialized, the tail
+#   unsplit. GPT-2 bf16 batch 8: 8192x768x3072 63.7 -> 59.3 us (row/col) and 61.3 -> 57.4
+#   (row/row), 8192x768x2304 49.5 -> 45.3, 8192x2304x768 51.8 -> 50.1. At 8192x768x768 (one
+#   12-step tile a program in the head) it lost, 20.9 -> 23.7: the head's programs must walk at
+#   least TAIL_MIN_HEAD_STEPS K-steps;
+# - a 2-D split (step 5) whose TAIL_TILE grid has S..2S tiles: the head one wave of TAIL_TILE
+#   unsplit, the tail split so that its (tile, split) items fill one wave. 3072x768x8192 (run
+#   as stream-K at 128x256 split 3) 69.9 -> 60.0 us at tail split 11 (4: 66.7, 8: 63.4);
+#   768x3072x8192 70.2 -> 61.2 at 8 (head along N). A tail split below TAIL_MIN_SPLIT was
+#   not measured: such shapes keep step 5's split.
+WAVE_TAIL = True
+TAIL_TILE = (128, 128, 8, 5)  # BM, BN, warps, stages: 768x2304x8192's config (0.98x cuBLAS, H100)
+TAIL_MAX_WAVES = 4
+TAIL_MIN_HEAD_STEPS = 32
+TAIL_MIN_SPLIT = 4
+
+
+def _group_m(dev: DeviceSpec, blocks: int, bm: int, bn: int, M: int, k_per_split: int, ea: int) -> int:
+    """Step 7's GROUP_M for a bm x bn tile with ``blocks`` blocks an SM."""
+    g_traffic = math.sqrt(dev.sm_count * blocks * bn / bm)
+    g_l2 = dev.l2_bytes // 2 // (bm * k_per_split * ea)
+    return _pow2_floor(max(1, min(g_traffic, g_l2, _cdiv(M, bm))))
+
+
+def tail_config(cfg: LoweringConfig, K: int) -> LoweringConfig:
+    """The tail's launch of a config with a wave tail (``cfg.tail_at`` > 0, rule 8f):
+    TAIL_TILE split ``cfg.tail_split`` ways along K, on the one-program-a-tile kernel."""
+    bm, bn, warps, stages = TAIL_TILE
+    steps = _cdiv(_cdiv(K, cfg.tail_split), cfg.block_k)
+    return LoweringConfig(kind="matmul", block_m=bm, block_n=bn, block_k=cfg.block_k, group_m=cfg.group_m,
+                          split_k=cfg.tail_split, persistent=False, num_warps=warps,
+                          num_stages=max(2, min(stages, steps)), instruction="wgmma+tma", regime=cfg.regime)
+
+
+def head_config(cfg: LoweringConfig) -> LoweringConfig:
+    """The head's launch of a config with a wave tail: the config without it."""
+    return dataclasses.replace(cfg, tail_at=0, tail_axis="", tail_split=1)
+
+
+def wave_tail(cfg: LoweringConfig, M: int, N: int, K: int, dev: DeviceSpec, smem_budget: int) -> LoweringConfig | None:
+    """Rule 8f on a configured plain 16-bit launch (the caller checked the operands, the
+    epilogue and the batch): the config with its head and tail, or None where neither case
+    applies."""
+    S, bk = dev.sm_count, cfg.block_k
+    tokens = cfg.instruction.split("+")
+    tbm, tbn, t_warps, t_stages = TAIL_TILE
+    ws = WS_TILES.get("plain")
+    if "ws" in tokens and ws is not None:  # the warp-specialized head, along M
+        bm, bn, warps = ws
+        per_block = _cdiv(N, bn)
+        waves = _cdiv(M, bm) * per_block // S
+        head = waves * S // per_block * bm
+        if not (1 <= waves <= TAIL_MAX_WAVES and 0 < head < M and waves * _cdiv(K, bk) >= TAIL_MIN_HEAD_STEPS
+                and _cdiv(M - head, tbm) * _cdiv(N, tbn) <= S):
+            return None
+        stage = (bm + bn) * 2 * bk
+        stages = min(WS_MAX_STAGES, (smem_budget - bm * bn // 2) // stage, _cdiv(K, bk))  # 8b's ring
+        if stages < 2:
+            return None
+        return dataclasses.replace(cfg, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages,
+                                   group_m=_group_m(dev, 1, bm, bn, head, K, 2), tail_at=head, tail_axis="m",
+                                   tail_split=1)
+    if (cfg.split_k > 1 and not cfg.persistent and "ws" not in tokens and cfg.block_m * cfg.block_n >= tbm * tbn
+            and min(M, N) >= min(tbm, tbn)):  # the split head, along M or N
+        tiles = _cdiv(M, tbm) * _cdiv(N, tbn)
+        if not S <= tiles < 2 * S:
+            return None
+        best = None
+        for axis, extent, other, b_here, b_other in (("m", M, N, tbm, tbn), ("n", N, M, tbn, tbm)):
+            per_block = _cdiv(other, b_other)
+            head = S // per_block * b_here
+            if 0 < head < extent and (best is None or head // b_here * per_block > best[2]):
+                best = (axis, head, head // b_here * per_block)
+        if best is None:
+            return None
+        axis, head, head_tiles = best
+        split = min(S // (tiles - head_tiles), _cdiv(K, bk) // 2)
+        if split < TAIL_MIN_SPLIT or t_stages * (tbm + tbn) * 2 * bk > smem_budget:
+            return None
+        rows = head if axis == "m" else M
+        return dataclasses.replace(cfg, block_m=tbm, block_n=tbn, num_warps=t_warps,
+                                   num_stages=max(2, min(t_stages, _cdiv(K, bk))), split_k=1,
+                                   group_m=_group_m(dev, 1, tbm, tbn, rows, K, 2), tail_at=head, tail_axis=axis,
+                                   tail_split=split)
+    return None
+
+
 def least_time_split(model_time, c: float, most: int) -> int:
     """The split in 2..``most`` with the least ``model_time`` (the first such, as
     ``min`` picks), where a split s > 1 costs at least ``c`` s + LAUNCH_SECONDS (its
@@ -870,9 +965,7 @@ def plan_matmul(
     # L2: at most half of it (the other half for the B panels streaming through and C).
     # Rounded down to a power of two: GROUP_M is part of the kernel text, and fewer
     # distinct values mean fewer compiled kernels across shapes
-    g_traffic = math.sqrt(S * blocks * t.bn / t.bm)
-    g_l2 = dev.l2_bytes // 2 // (t.bm * _cdiv(K, split) * ea)
-    group_m = _pow2_floor(max(1, min(g_traffic, g_l2, _cdiv(M, t.bm))))
+    group_m = _group_m(dev, blocks, t.bm, t.bn, M, _cdiv(K, split), ea)
 
     # 9. instruction path: TMA needs a contiguous dim in each operand. Layouts change
     # nothing else: a 16-element tile side is >= one 32-byte L2 sector in every dtype
@@ -914,6 +1007,23 @@ def plan_matmul(
         instruction=instruction,
         regime=regime,
     )
+    # 8f. the wave tail (WAVE_TAIL): a grid whose last wave is partial runs as two launches
+    tail = None
+    if (WAVE_TAIL and batch == 1 and not epilogue and not epilogue_sums and path == "bf16" and ea == eb == eo == 2
+            and "tma" in instruction.split("+")):
+        tail = wave_tail(cfg, M, N, K, dev, smem_budget)
+    if tail is not None:
+        cfg = tail
+        head = _cdiv(cfg.tail_at, cfg.block_m if cfg.tail_axis == "m" else cfg.block_n)
+        tiles = head * (_cdiv(N, cfg.block_n) if cfg.tail_axis == "m" else _cdiv(M, cfg.block_m))
+        t_cfg = tail_config(cfg, K)
+        rest = (M - cfg.tail_at, N) if cfg.tail_axis == "m" else (M, N - cfg.tail_at)
+        t_tiles = _cdiv(rest[0], t_cfg.block_m) * _cdiv(rest[1], t_cfg.block_n)
+        items, blocks = tiles + t_tiles * t_cfg.split_k, 1
+        waves = _cdiv(tiles, S) + t_tiles * t_cfg.split_k / S
+        smem = max(cfg.num_stages * (cfg.block_m * ea + cfg.block_n * eb) * bk,
+                   t_cfg.num_stages * (t_cfg.block_m * ea + t_cfg.block_n * eb) * bk)
+        tiles += t_tiles
     return MatmulPlan(
         config=cfg,
         path=path,

@@ -199,6 +199,10 @@ def matmul_cost(op, ins, outs, cfg, precision, operands=None) -> Cost:
     if cfg is not None and cfg.split_k > 1:
         nbytes += 2 * cfg.split_k * M * N * batch * 4
         launches += 1
+    if cfg is not None and cfg.tail_at:  # rule 8f: the tail's launch, and its split's partials and reduction
+        rest = (M - cfg.tail_at) * N if cfg.tail_axis == "m" else M * (N - cfg.tail_at)
+        launches += 1 + (cfg.tail_split > 1)
+        nbytes += 2 * cfg.tail_split * rest * 4 if cfg.tail_split > 1 else 0
     if cfg is not None and "+stage_a" in cfg.instruction and "a" not in staged_free:
         nbytes += 2 * M * K * batch * 4
         launches += 1
@@ -473,7 +477,12 @@ def schedule_summary(cfg: LoweringConfig | None) -> str:
         s = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
         if cfg.kind == "matmul":
             s += f" g{cfg.group_m}" + (f" split{cfg.split_k}" if cfg.split_k > 1 else "")
-        return s + f" w{cfg.num_warps} s{cfg.num_stages} {cfg.instruction}"
+        s += f" w{cfg.num_warps} s{cfg.num_stages} {cfg.instruction}"
+        if cfg.tail_at:  # rule 8f: the tail's launch after C's first tail_at rows (columns)
+            bm, bn, _, _ = cf.TAIL_TILE
+            s += (f" | tail {'rows' if cfg.tail_axis == 'm' else 'cols'} {cfg.tail_at}+ {bm}x{bn}"
+                  + (f" split{cfg.tail_split}" if cfg.tail_split > 1 else ""))
+        return s
     s = f"block {cfg.block}" + (f"x{cfg.block_m}" if cfg.block_m > 1 else "")
     s += f" split{cfg.split_k}" if cfg.split_k > 1 else ""
     return s + f" w{cfg.num_warps}"

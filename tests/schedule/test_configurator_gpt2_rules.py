@@ -76,7 +76,9 @@ def test_few_wide_tiles_take_the_half_warp_specialized_tile(K, device, monkeypat
     192 tiles of 128x256, under 2 S; at 128x128 they are 384, every program looping over 2-3
     of them in the partitioned loop (measured on an H100, 4e0b99b: 8192x768x768 419 -> 460
     TFLOP/s, 8192x768x2304 565 -> 611). An epilogue keeps its kernel; without the rule, the
-    one-program-a-tile grid."""
+    one-program-a-tile grid. (Rule 8f's wave tail, off here, takes K >= 2304 on from this:
+    test_configurator_wave_tail.py.)"""
+    monkeypatch.setattr(cf, "WAVE_TAIL", False)
     c = plan_matmul(8192, 768, K, 1, *BF16, "row", "row", device=device).config
     assert "ws" in c.instruction.split("+") and c.persistent
     assert (c.block_m, c.block_n, c.num_warps, c.num_stages, c.split_k) == (128, 128, 4, 4, 1)

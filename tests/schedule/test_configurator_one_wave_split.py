@@ -36,6 +36,7 @@ def _model(M, N, K, cfg, dev=H200):
 ])  # fmt: skip
 def test_a_more_than_half_full_wave_is_split(M, N, K, a, b, monkeypatch):
     monkeypatch.setattr(cf, "STREAM_K_TILES", False)  # step 5's split model alone (5c: test_configurator_stream_k.py)
+    monkeypatch.setattr(cf, "WAVE_TAIL", False)  # (8f: test_configurator_wave_tail.py)
     cfg = cf.configure_matmul(M, N, K, 1, "bfloat16", "bfloat16", "bfloat16", "bf16", a, b, False, H200)
     tiles, splits, t = _model(M, N, K, cfg)
     assert H200.sm_count / 2 < tiles < H200.sm_count

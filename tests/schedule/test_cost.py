@@ -82,11 +82,13 @@ def test_matmul_epilogue_and_split_k():
 
 
 @pytest.mark.parametrize("M, N, K, stream_k", [(768, 3072, 32768, True), (768, 768, 32768, False)])
-def test_a_split_the_launcher_runs_as_stream_k_says_so(M, N, K, stream_k):
+def test_a_split_the_launcher_runs_as_stream_k_says_so(M, N, K, stream_k, monkeypatch):
     # GPT-2's bf16 weight gradients at batch 32: 768x3072 (72 tiles of 128x256) splits past one
     # wave of the H200's 132 SMs, which the launcher runs as stream-K; 768x768 (18 tiles) keeps
-    # its split within one wave, a plain split
+    # its split within one wave, a plain split (rule 8f's wave tail off: the next test)
     from nova.codegen.triton import matmul as mm
+
+    monkeypatch.setattr(cf, "WAVE_TAIL", False)
 
     module, fn, b = _step(Slot("batch", "a", tensor([M, K], bf16)), Slot("param", "w", tensor([K, N], bf16)))
     y = b.matmul(*fn.body.block.args)
@@ -286,3 +288,17 @@ def test_a_missing_rule_names_the_op(monkeypatch):
     monkeypatch.delitem(cost.RULES, nv.NegOp)
     with pytest.raises(cost.NoCostRule, match="no rule for nova.neg"):
         _finish(module, fn, b.reduce_sum(y, [0, 1]))
+
+
+def test_a_wave_tail_counts_its_second_launch_and_partials():
+    """Rule 8f on a 3072x768x8192 bf16 product (GPT-2's b8 weight-gradient shape): one wave of
+    128x128 head tiles, then C's last 256 rows split 11 ways: three launches (head, tail, the
+    tail's reduction), the tail's fp32 partials written and read once, and the schedule says so."""
+    module, fn, b = _step(Slot("batch", "a", tensor([3072, 8192], bf16)), Slot("param", "w", tensor([8192, 768], bf16)))
+    y = b.matmul(*fn.body.block.args)
+    (k, _) = _finish(module, fn, b.reduce_sum(y, [0, 1]))
+    cfg = cost.config_of(fn.body.block.first_op)
+    assert (cfg.tail_at, cfg.tail_axis, cfg.tail_split, cfg.split_k) == (2816, "m", 11, 1)
+    assert k.launches == 3
+    assert k.bytes - (3072 * 8192 + 8192 * 768 + 3072 * 768) * 2 == 2 * 11 * 256 * 768 * 4
+    assert k.config.endswith("| tail rows 2816+ 128x128 split11")

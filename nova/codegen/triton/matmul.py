@@ -1593,6 +1593,9 @@ def scratch_bytes(
         sums = sum(column_sum_rows(M, batch, cfg, splits) * N * d.itemsize for d in column_sums)
     if cfg is None:
         return _configured_scratch_bytes(M, N, K, batch, a_dtype, out_dtype, precision, device, epilogue) + sums
+    if cfg.tail_at:  # a wave tail: the head's launch and the tail's, both counted (rule 8f)
+        return sums + sum(scratch_bytes(r1 - r0, c1 - c0, K, batch, a_dtype, b_dtype, out_dtype, part, device=device,
+                                        epilogue=epilogue) for part, (r0, r1), (c0, c1) in tail_parts(cfg, M, N, K))
     f32 = torch.float32.itemsize
     total = sums
     splits = split_k_plan(K, cfg)[1]
@@ -2090,6 +2093,39 @@ def _check_prologue(pro: Prologue, vectors, a, b, bias, M: int, K: int) -> None:
                              f"with unit stride on {a.device}, got {tuple(v.shape)} stride {v.stride()} on {v.device}")
 
 
+def tail_parts(cfg: LoweringConfig, M: int, N: int, K: int):
+    """A wave tail's two launches (configurator rule 8f): ((head config, C's rows, C's
+    columns), (tail config, rows, columns)), each a (start, stop) range of C."""
+    from nova.schedule.configurator import head_config, tail_config
+
+    at, whole_m, whole_n = cfg.tail_at, (0, M), (0, N)
+    if cfg.tail_axis == "m":
+        return (head_config(cfg), (0, at), whole_n), (tail_config(cfg, K), (at, M), whole_n)
+    return (head_config(cfg), whole_m, (0, at)), (tail_config(cfg, K), whole_m, (at, N))
+
+
+def _run_tail(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, record, prerounded, M, N, K,
+              fused: bool):
+    """A config with a wave tail: the head and the tail as two launches of ``_run`` on views
+    of A (or B), the bias and C, one after the other in the stream (``tail_parts``)."""
+    extent = M if cfg.tail_axis == "m" else N
+    block = cfg.block_m if cfg.tail_axis == "m" else cfg.block_n
+    if cfg.tail_axis not in ("m", "n") or not 0 < cfg.tail_at < extent or cfg.tail_at % block:
+        raise ValueError(f"matmul: tail_at={cfg.tail_at} along {cfg.tail_axis!r} must be a multiple of the "
+                         f"block ({block}) inside C's {extent} {'rows' if cfg.tail_axis == 'm' else 'columns'}")
+    if fused:
+        raise ValueError("matmul: a config with a wave tail (tail_at) is for a plain 2-D launch; this one has a "
+                         "batch, an epilogue or an operand prologue (the configurator gives those none)")
+    compiled = []
+    for part, (r0, r1), (c0, c1) in tail_parts(cfg, M, N, K):
+        c = out[r0:r1, c0:c1]
+        r = _run(a[r0:r1], b[:, c0:c1], bias[c0:c1] if bias is not None else None, part, precision, c, out_dtype,
+                 num_programs, warmup, record=record, prerounded=prerounded)
+        if warmup:
+            compiled += r
+    return compiled if warmup else out
+
+
 def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, record=None, epilogue=None, prerounded=(),
          prologue=None):
     batched, batch, M, N, K, shape, in_name, out_name, out_dtype, precision = _validate(
@@ -2123,6 +2159,9 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     if in_name != "float32":
         precision = "bf16"  # 16-bit operands: nothing to round; one kernel for every spelling
     pro, pro_vectors = prologue if prologue is not None else (None, [])
+    if cfg.tail_at:
+        return _run_tail(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, record, prerounded,
+                         M, N, K, batched or ep is not None or pro is not None or a.dim() + b.dim() + out.dim() != 6)
     if pro is not None:
         _check_prologue(pro, pro_vectors, a, b, bias, M, K)
 
