@@ -443,12 +443,16 @@ TF32_RETILE_WAVE_FILL = 0.9
 #   unsplit, the tail split so that its (tile, split) items fill one wave. 3072x768x8192 (run
 #   as stream-K at 128x256 split 3) 69.9 -> 60.0 us at tail split 11 (4: 66.7, 8: 63.4);
 #   768x3072x8192 70.2 -> 61.2 at 8 (head along N). A tail split below TAIL_MIN_SPLIT was
-#   not measured: such shapes keep step 5's split.
+#   not measured: such shapes keep step 5's split. So do heads longer than TAIL_SPLIT_MAX_K_STEPS
+#   K-steps: at batch 32 (K = 32768, 512 steps) the same cut lost to stream-K, 207.5 -> 209.1 and
+#   208.1 -> 211.4 us (`gpu_check.sh wave-tail`, bench/results/runs/matmul_gpt2_b32_wavetail_*_h100_5ab1025.json),
+#   where stream-K's fix-up is a small share of the launch; between 128 and 512, unmeasured.
 WAVE_TAIL = True
 TAIL_TILE = (128, 128, 8, 5)  # BM, BN, warps, stages: 768x2304x8192's config (0.98x cuBLAS, H100)
 TAIL_MAX_WAVES = 4
 TAIL_MIN_HEAD_STEPS = 32
 TAIL_MIN_SPLIT = 4
+TAIL_SPLIT_MAX_K_STEPS = 128
 
 
 def _group_m(dev: DeviceSpec, blocks: int, bm: int, bn: int, M: int, k_per_split: int, ea: int) -> int:
@@ -499,7 +503,7 @@ def wave_tail(cfg: LoweringConfig, M: int, N: int, K: int, dev: DeviceSpec, smem
     if (cfg.split_k > 1 and not cfg.persistent and "ws" not in tokens and cfg.block_m * cfg.block_n >= tbm * tbn
             and min(M, N) >= min(tbm, tbn)):  # the split head, along M or N
         tiles = _cdiv(M, tbm) * _cdiv(N, tbn)
-        if not S <= tiles < 2 * S:
+        if not S <= tiles < 2 * S or _cdiv(K, bk) > TAIL_SPLIT_MAX_K_STEPS:
             return None
         best = None
         for axis, extent, other, b_here, b_other in (("m", M, N, tbm, tbn), ("n", N, M, tbn, tbm)):

@@ -54,6 +54,8 @@ def test_gpt2_batch8_shapes_take_a_tail(M, N, K, layouts, head, cut, device):
     (8192, 3072, 768, ("row", "row"), "768 tiles of 128x256: five whole waves, past TAIL_MAX_WAVES"),
     (4096, 768, 50304, ("row", "row"), "the LM head's dh: 60 tail tiles, split 2 < TAIL_MIN_SPLIT"),
     (32768, 768, 3072, ("row", "row"), "batch 32: 768 tiles of 128x256, past TAIL_MAX_WAVES"),
+    (3072, 768, 32768, ("col", "row"), "batch 32's weight gradient: 512 K-steps, lost 1% to stream-K"),
+    (768, 3072, 32768, ("col", "row"), "... and its transpose: lost 1.6%"),
 ])  # fmt: skip
 def test_shapes_that_keep_one_launch(M, N, K, layouts, why):
     assert _cut(configure_matmul(M, N, K, 1, *BF16, *layouts, device="H100")) == (0, "", 1), why
