@@ -557,6 +557,7 @@ def plan_matmul(
     epilogue: bool = False,
     epilogue_sums: bool = False,
     prerounded: tuple[str, ...] = (),
+    tail: bool = True,
 ) -> MatmulPlan:
     """``configure_matmul`` with its reasoning. Steps 1-9 are the sections of
     docs/configurator.md, "Matmul"."""
@@ -1012,12 +1013,12 @@ def plan_matmul(
         regime=regime,
     )
     # 8f. the wave tail (WAVE_TAIL): a grid whose last wave is partial runs as two launches
-    tail = None
-    if (WAVE_TAIL and batch == 1 and not epilogue and not epilogue_sums and path == "bf16" and ea == eb == eo == 2
-            and "tma" in instruction.split("+")):
-        tail = wave_tail(cfg, M, N, K, dev, smem_budget)
-    if tail is not None:
-        cfg = tail
+    cut = None
+    if (WAVE_TAIL and tail and batch == 1 and not epilogue and not epilogue_sums and path == "bf16"
+            and ea == eb == eo == 2 and "tma" in instruction.split("+")):
+        cut = wave_tail(cfg, M, N, K, dev, smem_budget)
+    if cut is not None:
+        cfg = cut
         head = _cdiv(cfg.tail_at, cfg.block_m if cfg.tail_axis == "m" else cfg.block_n)
         tiles = head * (_cdiv(N, cfg.block_n) if cfg.tail_axis == "m" else _cdiv(M, cfg.block_m))
         t_cfg = tail_config(cfg, K)
@@ -1062,6 +1063,7 @@ def configure_matmul(
     epilogue: bool = False,
     epilogue_sums: bool = False,
     prerounded: tuple[str, ...] = (),
+    tail: bool = True,
 ) -> LoweringConfig:
     """The LoweringConfig for C[batch, M, N] = A[batch, M, K] @ B[batch, K, N] (+ bias).
 
@@ -1069,10 +1071,12 @@ def configure_matmul(
     tensor cores; layouts are "row" (last dim contiguous), "col" (transposed) or
     "strided"; ``device`` is a DeviceSpec or a DEVICES key (default "H200"). ``prerounded``:
     the operands ("a", "b") the caller passes already rounded to nearest tf32 (as
-    ``matmul(prerounded=)``), which count as staged where their layout is K-major."""
+    ``matmul(prerounded=)``), which count as staged where their layout is K-major. ``tail``:
+    whether the launch may run as a head and a tail (rule 8f; not for a launch with an
+    operand prologue, which the caller knows of and the arguments do not say)."""
     return plan_matmul(
         M, N, K, batch, dtype_a, dtype_b, out_dtype, precision, a_layout, b_layout, has_bias, device, epilogue,
-        epilogue_sums, prerounded,
+        epilogue_sums, prerounded, tail,
     ).config
 
 

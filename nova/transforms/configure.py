@@ -170,7 +170,8 @@ def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringC
         in_dt = to_torch_dtype(elem_of(op.operands[g_in].type))
         path = "bf16" if in_dt.itemsize == 2 else cf.STEP_MATMUL_PRECISION[precision]
         rows = min(op.props()["chunk"], max(n, 1))
-        return cf.configure_matmul(rows, v, d, 1, in_dt, in_dt, in_dt, path, "row", "col", False, device)
+        # (tail=False: the lowering launches its chunks with prologues and epilogues, one launch each)
+        return cf.configure_matmul(rows, v, d, 1, in_dt, in_dt, in_dt, path, "row", "col", False, device, tail=False)
     if isinstance(op, (nv.AttentionOp, nv.AttentionBackwardOp)):
         q = shape_of(op.operands[0 if isinstance(op, nv.AttentionOp) else 1].type)
         in_dt = to_torch_dtype(elem_of(op.operands[0].type))

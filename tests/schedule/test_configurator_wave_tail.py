@@ -84,3 +84,21 @@ def test_the_ir_of_a_config_without_a_tail_is_unchanged():
     d = t.to_dict()
     assert (d["tail_at"], d["tail_axis"], d["tail_split"]) == (2816, "m", 11)
     assert LoweringConfig.from_dict(d) == t and LoweringConfig.from_dict(c.to_dict()) == c
+
+
+def test_launches_with_a_prologue_are_configured_without_a_tail():
+    """The fused LM head's chunk launches take operand prologues, which a cut launch refuses:
+    its configs (linear_ce.Configs, and the configure stage's for the op) ask for none, as
+    does the launcher configuring an epilogue's or a prologue's launch itself."""
+    import torch
+
+    from nova.codegen.triton import linear_ce
+    from nova.codegen.triton import matmul as mm
+
+    a = torch.empty(8192, 3072, dtype=torch.bfloat16, device="meta").t()  # [3072, 8192], a dY^T
+    b = torch.empty(8192, 768, dtype=torch.bfloat16, device="meta")
+    assert mm.configure(3072, 768, 8192, 1, torch.bfloat16, torch.bfloat16, "bf16", "col", "row", False,
+                        mm.device_spec(a.device)).tail_at  # the shape is one the rule cuts
+    assert not mm.configure(3072, 768, 8192, 1, torch.bfloat16, torch.bfloat16, "bf16", "col", "row", False,
+                            mm.device_spec(a.device), tail=False).tail_at
+    assert not linear_ce.Configs("bf16")(a, b, torch.bfloat16).tail_at

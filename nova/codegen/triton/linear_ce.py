@@ -350,9 +350,10 @@ class Configs:
                a.device.type, prerounded)  # fmt: skip
         cfg = self.known.get(key)
         if cfg is None:
+            # (one launch each, tail=False: the chunks' launches take operand prologues, rule 8f's cut does not)
             cfg = self.known[key] = configure_matmul(
                 key[0], key[1], key[2], 1, a.dtype, a.dtype, out_dtype, self.precision, key[5], key[6], False,
-                mm.device_spec(a.device), epilogue=epilogue, prerounded=prerounded)  # fmt: skip
+                mm.device_spec(a.device), epilogue=epilogue, prerounded=prerounded, tail=False)  # fmt: skip
         return cfg
 
 
@@ -383,7 +384,7 @@ def _matmul_scratch(M: int, N: int, K: int, dtype, out_dtype, precision: str, cf
     for la in a_layouts:
         for lb in b_layouts:
             c = cfg or mm.configure(M, N, K, 1, dtype, out_dtype, precision, la, lb, False,
-                                    mm.device_spec(lowering_device()), prerounded=pre)
+                                    mm.device_spec(lowering_device()), prerounded=pre, tail=False)
             splits = mm.split_k_plan(K, c)[1] if c.split_k > 1 else 1
             tokens = c.instruction.split("+")
             staged = ("stage_a" in tokens and not a_rounded) * M * K + ("stage_b" in tokens and not b_rounded) * K * N

@@ -1659,13 +1659,14 @@ def layout(t: torch.Tensor) -> str:
 
 
 def configure(M, N, K, batch, dtype, out_dtype, precision, a_layout, b_layout, has_bias, device,
-              prerounded: tuple[str, ...] = ()) -> LoweringConfig:
+              prerounded: tuple[str, ...] = (), tail: bool = True) -> LoweringConfig:
     """The Analytic Configurator's schedule for one matmul (``device``: a DeviceSpec;
-    ``prerounded`` as ``matmul``'s)."""
+    ``prerounded`` as ``matmul``'s; ``tail``: whether rule 8f may cut it, not where an
+    epilogue or a prologue rides on the launch)."""
     from nova.schedule.configurator import configure_matmul
 
     return configure_matmul(M, N, K, batch, dtype, dtype, out_dtype, precision, a_layout, b_layout, has_bias, device,
-                            prerounded=prerounded)
+                            prerounded=prerounded, tail=tail)
 
 
 def _span(t: torch.Tensor, margin: int) -> int:
@@ -2151,7 +2152,8 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
         return out
     if cfg is None:
         cfg = configure(
-            M, N, K, batch, a.dtype, out_dtype, precision, layout(a), layout(b), bias is not None, device_spec(a.device)
+            M, N, K, batch, a.dtype, out_dtype, precision, layout(a), layout(b), bias is not None, device_spec(a.device),
+            tail=ep is None and prologue is None,
         )
     elif cfg.kind != "matmul":
         raise ValueError(f"matmul: config is for a {cfg.kind!r} kernel")
