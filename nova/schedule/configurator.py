@@ -557,7 +557,7 @@ def plan_matmul(
     epilogue: bool = False,
     epilogue_sums: bool = False,
     prerounded: tuple[str, ...] = (),
-    tail: bool = True,
+    allow_tail: bool = True,
 ) -> MatmulPlan:
     """``configure_matmul`` with its reasoning. Steps 1-9 are the sections of
     docs/configurator.md, "Matmul"."""
@@ -1014,7 +1014,7 @@ def plan_matmul(
     )
     # 8f. the wave tail (WAVE_TAIL): a grid whose last wave is partial runs as two launches
     cut = None
-    if (WAVE_TAIL and tail and batch == 1 and not epilogue and not epilogue_sums and path == "bf16"
+    if (WAVE_TAIL and allow_tail and batch == 1 and not epilogue and not epilogue_sums and path == "bf16"
             and ea == eb == eo == 2 and "tma" in instruction.split("+")):
         cut = wave_tail(cfg, M, N, K, dev, smem_budget)
     if cut is not None:
