@@ -4,13 +4,17 @@ replayed ``repeats`` times between CUDA events after one warm-up replay; the med
 replay over ``launches`` is the time of one launch without the host's launch cost.
 ``time_events`` is the median of single launches between CUDA events (the host's launch
 cost included where the device waits for it); ``sampled`` runs a timed window while a
-thread reads the GPU's SM clock and power."""
+thread reads the GPU's SM clock and power; ``write_rows`` writes an experiment script's rows
+with the device, the versions and the commit."""
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -138,3 +142,17 @@ def sampled(fn, period_s: float = 0.005, reasons: list | None = None,
 
 def median_or_none(xs: list) -> float | None:
     return statistics.median(xs) if xs else None
+
+
+def write_rows(out_dir, name: str, rows: list) -> Path:
+    """``out_dir``/``name``_<commit>.json: ``rows`` with the device, torch's and Triton's
+    versions and the commit (``NOVA_COMMIT``: the device machine has no git)."""
+    import triton
+
+    commit = os.environ.get("NOVA_COMMIT", "unknown")[:7]
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "commit": commit, "rows": rows}
+    path = Path(out_dir) / f"{name}_{commit}.json"
+    path.write_text(json.dumps(meta, indent=1))
+    print("wrote", path)
+    return path

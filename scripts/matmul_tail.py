@@ -22,8 +22,6 @@ Writes matmul_tail_<commit>.json to --out (commit from NOVA_COMMIT)."""
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -186,12 +184,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     rows = run(args.reps)
-    commit = os.environ.get("NOVA_COMMIT", "unknown")[:7]
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": commit, "rows": rows}
-    path = Path(args.out) / f"matmul_tail_{commit}.json"
-    path.write_text(json.dumps(meta, indent=1))
-    print("wrote", path)
+    from bench.timing import write_rows
+
+    write_rows(args.out, "matmul_tail", rows)
 
 
 if __name__ == "__main__":

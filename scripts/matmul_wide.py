@@ -31,8 +31,6 @@ Writes matmul_wide_<commit>.json to --out (commit from NOVA_COMMIT)."""
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -304,12 +302,9 @@ def main() -> None:
     plan["all"] = plan["bf16b8"] + plan["tf32b8"] + plan["mlp"]
     names = None if args.kernels == "all" else set(args.kernels.split(","))
     rows = [r for prec, shapes in plan[args.shapes] for r in run(prec, shapes, args.reps, names)]
-    commit = os.environ.get("NOVA_COMMIT", "unknown")[:7]
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": commit, "rows": rows}
-    path = Path(args.out) / f"matmul_wide_{commit}.json"
-    path.write_text(json.dumps(meta, indent=1))
-    print("wrote", path)
+    from bench.timing import write_rows
+
+    write_rows(args.out, "matmul_wide", rows)
 
 
 if __name__ == "__main__":
