@@ -477,6 +477,21 @@ def head_config(cfg: LoweringConfig) -> LoweringConfig:
     return dataclasses.replace(cfg, tail_at=0, tail_axis="", tail_split=1)
 
 
+def tail_parts(cfg: LoweringConfig, M: int, N: int, K: int):
+    """A wave tail's two launches: ((head config, C's rows, C's columns), (tail config,
+    rows, columns)), each a (start, stop) range of C. The launcher, the memory bound, the
+    cost model and the plan's counts all cut C here."""
+    at, whole_m, whole_n = cfg.tail_at, (0, M), (0, N)
+    if cfg.tail_axis == "m":
+        return (head_config(cfg), (0, at), whole_n), (tail_config(cfg, K), (at, M), whole_n)
+    return (head_config(cfg), whole_m, (0, at)), (tail_config(cfg, K), whole_m, (at, N))
+
+
+def part_items(part: LoweringConfig, rows: tuple[int, int], cols: tuple[int, int]) -> int:
+    """The (tile, split) work items of one part of ``tail_parts``."""
+    return _cdiv(rows[1] - rows[0], part.block_m) * _cdiv(cols[1] - cols[0], part.block_n) * part.split_k
+
+
 def wave_tail(cfg: LoweringConfig, M: int, N: int, K: int, dev: DeviceSpec, smem_budget: int) -> LoweringConfig | None:
     """Rule 8f on a configured plain 16-bit launch (the caller checked the operands, the
     epilogue and the batch): the config with its head and tail, or None where neither case
@@ -1017,18 +1032,13 @@ def plan_matmul(
     if (WAVE_TAIL and allow_tail and batch == 1 and not epilogue and not epilogue_sums and path == "bf16"
             and ea == eb == eo == 2 and "tma" in instruction.split("+")):
         cut = wave_tail(cfg, M, N, K, dev, smem_budget)
-    if cut is not None:
+    if cut is not None:  # the plan's counts over both launches (the head's items are whole waves)
         cfg = cut
-        head = _cdiv(cfg.tail_at, cfg.block_m if cfg.tail_axis == "m" else cfg.block_n)
-        tiles = head * (_cdiv(N, cfg.block_n) if cfg.tail_axis == "m" else _cdiv(M, cfg.block_m))
-        t_cfg = tail_config(cfg, K)
-        rest = (M - cfg.tail_at, N) if cfg.tail_axis == "m" else (M, N - cfg.tail_at)
-        t_tiles = _cdiv(rest[0], t_cfg.block_m) * _cdiv(rest[1], t_cfg.block_n)
-        items, blocks = tiles + t_tiles * t_cfg.split_k, 1
-        waves = _cdiv(tiles, S) + t_tiles * t_cfg.split_k / S
-        smem = max(cfg.num_stages * (cfg.block_m * ea + cfg.block_n * eb) * bk,
-                   t_cfg.num_stages * (t_cfg.block_m * ea + t_cfg.block_n * eb) * bk)
-        tiles += t_tiles
+        (h, *h_ext), (t_cfg, *t_ext) = tail_parts(cfg, M, N, K)
+        head_items, tail_items = part_items(h, *h_ext), part_items(t_cfg, *t_ext)
+        tiles, items, blocks = head_items + tail_items // t_cfg.split_k, head_items + tail_items, 1
+        waves = head_items / S + tail_items / S
+        smem = max(p.num_stages * (p.block_m * ea + p.block_n * eb) * bk for p in (h, t_cfg))
     return MatmulPlan(
         config=cfg,
         path=path,

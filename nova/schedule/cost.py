@@ -200,9 +200,9 @@ def matmul_cost(op, ins, outs, cfg, precision, operands=None) -> Cost:
         nbytes += 2 * cfg.split_k * M * N * batch * 4
         launches += 1
     if cfg is not None and cfg.tail_at:  # rule 8f: the tail's launch, and its split's partials and reduction
-        rest = (M - cfg.tail_at) * N if cfg.tail_axis == "m" else M * (N - cfg.tail_at)
-        launches += 1 + (cfg.tail_split > 1)
-        nbytes += 2 * cfg.tail_split * rest * 4 if cfg.tail_split > 1 else 0
+        _, (tail, (r0, r1), (c0, c1)) = cf.tail_parts(cfg, M, N, K)
+        launches += 1 + (tail.split_k > 1)
+        nbytes += 2 * tail.split_k * (r1 - r0) * (c1 - c0) * 4 if tail.split_k > 1 else 0
     if cfg is not None and "+stage_a" in cfg.instruction and "a" not in staged_free:
         nbytes += 2 * M * K * batch * 4
         launches += 1

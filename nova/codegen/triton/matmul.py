@@ -1594,6 +1594,8 @@ def scratch_bytes(
     if cfg is None:
         return _configured_scratch_bytes(M, N, K, batch, a_dtype, out_dtype, precision, device, epilogue) + sums
     if cfg.tail_at:  # a wave tail: the head's launch and the tail's, both counted (rule 8f)
+        from nova.schedule.configurator import tail_parts
+
         return sums + sum(scratch_bytes(r1 - r0, c1 - c0, K, batch, a_dtype, b_dtype, out_dtype, part, device=device,
                                         epilogue=epilogue) for part, (r0, r1), (c0, c1) in tail_parts(cfg, M, N, K))
     f32 = torch.float32.itemsize
@@ -2094,17 +2096,6 @@ def _check_prologue(pro: Prologue, vectors, a, b, bias, M: int, K: int) -> None:
                              f"with unit stride on {a.device}, got {tuple(v.shape)} stride {v.stride()} on {v.device}")
 
 
-def tail_parts(cfg: LoweringConfig, M: int, N: int, K: int):
-    """A wave tail's two launches (configurator rule 8f): ((head config, C's rows, C's
-    columns), (tail config, rows, columns)), each a (start, stop) range of C."""
-    from nova.schedule.configurator import head_config, tail_config
-
-    at, whole_m, whole_n = cfg.tail_at, (0, M), (0, N)
-    if cfg.tail_axis == "m":
-        return (head_config(cfg), (0, at), whole_n), (tail_config(cfg, K), (at, M), whole_n)
-    return (head_config(cfg), whole_m, (0, at)), (tail_config(cfg, K), whole_m, (at, N))
-
-
 def _run_tail(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, record, prerounded, M, N, K,
               fused: bool):
     """A config with a wave tail: the head and the tail as two launches of ``_run`` on views
@@ -2117,6 +2108,8 @@ def _run_tail(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, 
     if fused:
         raise ValueError("matmul: a config with a wave tail (tail_at) is for a plain 2-D launch; this one has a "
                          "batch, an epilogue or an operand prologue (the configurator gives those none)")
+    from nova.schedule.configurator import tail_parts
+
     compiled = []
     for part, (r0, r1), (c0, c1) in tail_parts(cfg, M, N, K):
         c = out[r0:r1, c0:c1]
