@@ -394,6 +394,8 @@ STREAM_K_MIN_GAIN = 0.05
 # 4: a compute-bound tile that step 5 fills the machine with by splitting K is not halved
 # (docs/configurator.md, 4)
 SPLIT_BEFORE_HALVING = True
+HALVED_OWN_SPLIT = True
+HALVED_SPLIT_MIN_TILE = 128
 # Step 5's one-wave split (S/2 < tiles < S) is taken only where the model gains more than this
 # share over the same tile unsplit: the model charges a split its partials and a launch but
 # not each work item's pipeline fill and fp32 tile store, and there the gain it sees can be
@@ -743,10 +745,22 @@ def plan_matmul(
         if not SPLIT_BEFORE_HALVING or ai < ridge or nxt is None:
             return False
         if (stream_k and r == top and tile(r).family == "wgmma"
-                and streamk_time(tile(r)) < (1 - STREAM_K_MIN_GAIN) * wave_time(tile(nxt), 1)):
+                and streamk_time(tile(r)) < (1 - STREAM_K_MIN_GAIN) * halved_time(nxt)):
             return True
         s = underfilled_split(tile(r))
-        return s >= 2 and wave_time(tile(r), s) < wave_time(tile(nxt), 1)
+        return s >= 2 and wave_time(tile(r), s) < halved_time(nxt)
+
+    # 4d. the halved tile at its own split (HALVED_OWN_SPLIT, docs/configurator.md 4d): where
+    # the halved tile is at least HALVED_SPLIT_MIN_TILE on both sides and step 4 would stop
+    # there (its own under-filled split fills the wave, ``split_fills``), step 5 splits it,
+    # so step 4 weighs it at that split. Not otherwise: a halved tile that step 4 would halve
+    # again is weighed unsplit, as the model has no term for a smaller tile's lower rate
+    def halved_time(nxt: int) -> float:
+        h = tile(nxt)
+        unsplit = wave_time(h, 1)
+        if not HALVED_OWN_SPLIT or min(h.bm, h.bn) < HALVED_SPLIT_MIN_TILE or not split_fills(nxt):
+            return unsplit
+        return min(unsplit, wave_time(h, underfilled_split(h)))
 
     while n_tiles(tile(rung)) * 2 <= S and not split_fills(rung):
         nxt = smaller(rung)

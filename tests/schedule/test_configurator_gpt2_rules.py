@@ -348,3 +348,33 @@ def test_staged_tf32_retile_is_from_128x256_only():
     full) keeps 6c's two blocks an SM, not a 64x128 persistent grid nobody measured."""
     c = configure_matmul(8192, 384, 1536, 1, *TF32, "row", "col", device="H100", prerounded=("a", "b"))
     assert (c.block_m, c.block_n, c.persistent) == (128, 128, False)
+
+
+@pytest.mark.parametrize("device", ["H100", "H200"])
+def test_step_4_weighs_the_halved_tile_at_its_own_split(device, monkeypatch):
+    """Rule 4d: GPT-2 bf16 batch 8's 768x768x8192 weight gradient halves to 128x128 split 3
+    (108 work items, 21.9 us in the H100's model) rather than keeping 128x256 split 7 (126 items,
+    26.0 us): measured on an H100 22.3 against 25.3 us (runs/matmul_tail_h100_d218078.json).
+    It stops at 128x128: the next halving, 64x128, is weighed unsplit (64-row tiles ran 30.8
+    us). Batch 32's K = 32768 keeps 128x256 split 7, where the model puts 128x128 split 3 3.7%
+    behind. A halved tile that step 4 would halve again is weighed unsplit: 1024x1024x32768
+    keeps 128x256 (at 128x128 split 2 it would go on to 64x128 unsplit, the model's best for
+    want of a rate term). Tiles under HALVED_SPLIT_MIN_TILE are weighed unsplit (640x512x16384
+    would take 128x256 split 13 if 64-row tiles were weighed at their split). With the rule off
+    the old choice comes back."""
+    c = configure_matmul(768, 768, 8192, 1, *BF16, "col", "row", device=device)
+    assert (c.block_m, c.block_n, c.block_k, c.split_k, c.persistent) == (128, 128, 64, 3, False)
+    assert not c.tail_at
+    b32 = configure_matmul(768, 768, 32768, 1, *BF16, "col", "row", device=device)
+    assert (b32.block_m, b32.block_n, b32.split_k) == (128, 256, 7)
+    big = configure_matmul(1024, 1024, 32768, 1, *BF16, "col", "row", device=device)
+    assert (big.block_m, big.block_n, big.split_k) == (128, 256, 4)
+    g = configure_matmul(640, 512, 16384, 1, *BF16, "col", "row", device=device)
+    assert (g.block_m, g.block_n, g.split_k) == (128, 128, 6)
+    monkeypatch.setattr(cf, "HALVED_SPLIT_MIN_TILE", 64)
+    g64 = configure_matmul(640, 512, 16384, 1, *BF16, "col", "row", device=device)
+    assert (g64.block_m, g64.block_n) == (128, 256)
+    monkeypatch.undo()
+    monkeypatch.setattr(cf, "HALVED_OWN_SPLIT", False)
+    off = configure_matmul(768, 768, 8192, 1, *BF16, "col", "row", device=device)
+    assert (off.block_m, off.block_n, off.split_k) == (128, 256, 7)
