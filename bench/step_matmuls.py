@@ -90,11 +90,13 @@ def _launch(source, a, b, out_dtype, bias, precision_arg, cfg, cfg_args, extra=N
 
 
 def configure_args(M, N, K, batch, dtype, out_dtype, path, a_layout, b_layout, has_bias=False, epilogue=False,
-                   prerounded=()) -> dict:
+                   prerounded=(), epilogue_sums=False) -> dict:
     args = {"M": M, "N": N, "K": K, "batch": batch, "dtype": dtype, "out_dtype": out_dtype, "precision": path,
             "a_layout": a_layout, "b_layout": b_layout, "has_bias": has_bias}
-    if epilogue:  # an epilogue kernel (LM head's dw +=)
+    if epilogue:  # an epilogue kernel (a fused group's matmul, the LM head's dw +=)
         args["epilogue"] = True
+    if epilogue_sums:  # its epilogue sums columns (a bias gradient)
+        args["epilogue_sums"] = True
     if prerounded:  # the operands the call declares stored rounded (the configure stage's, dh's)
         args["prerounded"] = list(prerounded)
     return args
@@ -108,7 +110,7 @@ def configured(args: dict, device=None):
     return cf.configure_matmul(
         args["M"], args["N"], args["K"], args["batch"], args["dtype"], args["dtype"], args["out_dtype"],
         args["precision"], args["a_layout"], args["b_layout"], args["has_bias"], device or DEVICES["H200"],
-        args.get("epilogue", False), prerounded=tuple(args.get("prerounded", ())),
+        args.get("epilogue", False), args.get("epilogue_sums", False), prerounded=tuple(args.get("prerounded", ())),
     )  # fmt: skip
 
 
@@ -172,9 +174,13 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
             # operands their producer stored rounded to tf32 (the tf32_operands stage), as _matmul_run passes
             # them and the configure stage configures them
             pre = nv.prerounded_operands(lhs, rhs, prec)
+            # a group's matmul is configured with its epilogue (configure.configure_op), which
+            # keeps a wave tail (rule 8f) and column sums off the warp-specialized kernel
+            sums = group is not None and any(nv.column_sum(o) for o in group.inner_ops())
             args = configure_args(
                 res[-2], res[-1], shape_of(op.operands[0].type)[-1], numel(batch), _dname(in_dt), _dname(out_dt),
                 path_of(in_dt), operand_layout(lhs), operand_layout(rhs), prerounded=pre,
+                epilogue=group is not None, epilogue_sums=sums,
             )  # fmt: skip
             out.append(_launch("nova.matmul", a, b, out_dt, False, prec, config_of(group or op), args,
                                {"prerounded": list(pre)} if pre else None, epilogue=group is not None))  # fmt: skip

@@ -119,6 +119,11 @@ def test_cached_gpt2_list_is_what_the_pipeline_extracts():
         return out
 
     assert table(fresh, 2) == table(steps[("bf16", 8)], 12), f"the step's launches changed: run {sm.REGENERATE}"
+    # at GPT-2's width too, the recorded arguments give the configure stage's config (a group's matmul
+    # is configured with its epilogue: the qkv forward 8192x2304x768 with its bias takes no wave tail)
+    for r in fresh["shapes"]:
+        assert sm.configured(r["configure"]).to_dict() == r["config"], (r["source"], r["M"], r["N"], r["K"])
+    assert any(r["configure"].get("epilogue") and r["M"] == 8192 and r["N"] == 2304 for r in fresh["shapes"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU path")
