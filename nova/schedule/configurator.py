@@ -394,6 +394,10 @@ STREAM_K_MIN_GAIN = 0.05
 # 4: a compute-bound tile that step 5 fills the machine with by splitting K is not halved
 # (docs/configurator.md, 4)
 SPLIT_BEFORE_HALVING = True
+# 4d: step 4 weighs the halved tile at its own split where step 4 would stop there, and only
+# tiles of at least HALVED_SPLIT_MIN_TILE on a side (docs/configurator.md, 4d). Measured on an
+# H100 (bench/results/runs/matmul_tail_h100_d218078.json): GPT-2 bf16 b8's 768x768x8192 weight
+# gradient 25.3 us at 128x256 split 7, 22.3 at 128x128 split 3, 30.8 at 64-row tiles (cuBLAS 20.7)
 HALVED_OWN_SPLIT = True
 HALVED_SPLIT_MIN_TILE = 128
 # Step 5's one-wave split (S/2 < tiles < S) is taken only where the model gains more than this
