@@ -313,6 +313,14 @@ PERSISTENT_EPILOGUES = False
 # b8 955,513 / 925,558 / 954,702 / 927,318 tok/s (3% slower on), GPT-2 124M tf32 b16 191,323 /
 # 190,093 (0.6% slower): stays off
 PERSISTENT_STAGED_EPILOGUES = False
+# With PERSISTENT_STAGED_EPILOGUES, rule 8e's 128x128 tile for every staged tf32 epilogue launch
+# whatever its wave fill (the 128x256 tile with an epilogue in the flattened loop is what lost
+# above). Off until measured in a step: the matmul part alone, on an H100 at aa5c7ff
+# (bench/results/runs/tf32_tiles_mlp46m_h100_aa5c7ff.json, both operands prerounded, no epilogue),
+# the MLP's 8192x1536x384 0.0460 ms one program a tile (the step's 128x128x32 s3) against 0.0427
+# at 128x128x32 s5 persistent (cuBLAS 0.0361); GPT-2 tf32 b8's forwards with epilogues run the
+# former at 0.71-0.73x cuBLAS (runs/matmul_gpt2_b8_h100_aa5c7ff.md)
+TF32_RETILE_EPILOGUES = False
 
 # 8b. Warp specialization (docs/configurator.md, "Matmul", 9b): the tile of the
 # warp-specialized persistent kernel (matmul.py's docstring) for an unsplit 2-D matmul on
@@ -918,8 +926,9 @@ def plan_matmul(
     if (tf32_staged and tma_path and split == 1 and not streamk_chosen and half is not None
             and (PERSISTENT_EPILOGUES or PERSISTENT_STAGED_EPILOGUES or not epilogue)
             and t.bm * t.bn > 128 * 128 and tile(half).bm * tile(half).bn >= 128 * 128
-            and wave_fill(t) < TF32_RETILE_WAVE_FILL and n_tiles(tile(half)) >= 2 * S
-            and wave_fill(tile(half)) > wave_fill(t)):
+            and n_tiles(tile(half)) >= 2 * S
+            and ((epilogue and TF32_RETILE_EPILOGUES)
+                 or (wave_fill(t) < TF32_RETILE_WAVE_FILL and wave_fill(tile(half)) > wave_fill(t)))):
         rung, t = half, dataclasses.replace(tile(half), stage_bytes=(tile(half).bm * ea + tile(half).bn * eb) * bk)
         tiles = items = n_tiles(t)
     staged_persistent = (tf32_staged and tma_path and n_tiles(t) * split >= 2 * S and not streamk_chosen

@@ -301,6 +301,31 @@ def test_persistent_staged_epilogues_reach_only_the_staged_tf32_path(monkeypatch
     assert [configure_matmul(*o) for o in others] == before
 
 
+@pytest.mark.parametrize("M,N,K,tiles_off", [
+    (16384, 3072, 768, (128, 128, 3)),   # GPT-2 tf32 b16's c_fc forward: 6c's two blocks an SM
+    (16384, 768, 3072, (128, 256, 4)),   # its MLP down projection with the residual
+    (8192, 1536, 384, (128, 128, 3)),    # the 46M MLP's up projection with GELU
+])  # fmt: skip
+def test_tf32_retile_epilogues_takes_128x128_persistent_only_with_both_switches(M, N, K, tiles_off, monkeypatch):
+    """``TF32_RETILE_EPILOGUES`` (off as shipped): with ``PERSISTENT_STAGED_EPILOGUES`` a staged tf32
+    epilogue launch takes rule 8e's 128x128 tile in 8d's persistent loop, its ring as deep as fits
+    beside C's half tile (5 stages), whatever its waves' fill; the same BLOCK_K and split. Alone,
+    or with the switches off, the launch keeps its grid; PERSISTENT_STAGED_EPILOGUES alone gives
+    the 128x256 persistent tile measured slower in the steps."""
+    args = (M, N, K, 1, *TF32, "row", "col", False, "H100", True)
+    off = configure_matmul(*args, prerounded=("a", "b"))
+    assert ((off.block_m, off.block_n, off.num_stages), off.persistent) == (tiles_off, False)
+    monkeypatch.setattr(cf, "TF32_RETILE_EPILOGUES", True)
+    assert configure_matmul(*args, prerounded=("a", "b")) == off
+    monkeypatch.setattr(cf, "PERSISTENT_STAGED_EPILOGUES", True)
+    on = configure_matmul(*args, prerounded=("a", "b"))
+    assert (on.block_m, on.block_n, on.num_stages, on.persistent) == (128, 128, 5, True)
+    assert (on.block_k, on.split_k, on.instruction) == (off.block_k, off.split_k, "wgmma+tma+stage_a+stage_b")
+    monkeypatch.setattr(cf, "TF32_RETILE_EPILOGUES", False)
+    alone = configure_matmul(*args, prerounded=("a", "b"))
+    assert (alone.block_m, alone.block_n, alone.persistent) == (128, 256, True)
+
+
 @pytest.mark.parametrize("M,N,K", [(16384, 2304, 768), (8192, 1536, 384)])
 def test_the_staged_tf32_path_takes_warp_specialization_only_when_asked(M, N, K, monkeypatch):
     """Rule 8b on the staged tf32 path (WS_TF32, off): both operands rounded and K-major (here
