@@ -978,16 +978,21 @@ def run_gpt2(opts, checkpoint=None, log=print) -> dict:
     return doc
 
 
+GAP_ROWS = 5  # the launches a step lists by their count x (Nova - cuBLAS)
+
+
 def step_totals(rows) -> list[dict]:
     """Per step (precision, batch): the sum over its launches of count x time, for
     Nova's configs, cuBLAS and the template's best (the faster of the searched best and
-    Nova's own config: the template can run either), with the launches measured."""
+    Nova's own config: the template can run either), with the launches measured; and
+    ``gaps``, the GAP_ROWS launches whose count x (Nova - cuBLAS) is largest (where the
+    step's matmul time against cuBLAS goes; negative where Nova is ahead)."""
     steps: dict[tuple, dict] = {}
     for r in rows:
         for u in r["uses"]:
             s = steps.setdefault((u["precision"], u["batch"]), {
                 "precision": u["precision"], "batch": u["batch"], "launches": 0, "distinct": 0,
-                "nova_ms": 0.0, "cublas_ms": 0.0, "best_ms": 0.0, "missing": 0, "by_source": {}})
+                "nova_ms": 0.0, "cublas_ms": 0.0, "best_ms": 0.0, "missing": 0, "by_source": {}, "gaps": []})
             nova, cublas = r["nova"]["ms"], r["cublas"]["ms"]
             best = min(x for x in (nova, (r["search"]["best"] or {}).get("ms")) if x) if nova or r["search"]["best"] else None
             s["launches"] += u["count"]
@@ -998,6 +1003,8 @@ def step_totals(rows) -> list[dict]:
             s["nova_ms"] += u["count"] * nova
             s["cublas_ms"] += u["count"] * cublas
             s["best_ms"] += u["count"] * best
+            s["gaps"].append({"id": r.get("id"), "source": u["source"], "M": r["M"], "N": r["N"], "K": r["K"],
+                              "count": u["count"], "gap_ms": u["count"] * (nova - cublas)})
             kind = u["source"].split(":")[-1] if ":" in u["source"] else "layers"
             k = s["by_source"].setdefault(kind, {"launches": 0, "nova_ms": 0.0, "cublas_ms": 0.0, "best_ms": 0.0})
             k["launches"] += u["count"]
@@ -1010,6 +1017,7 @@ def step_totals(rows) -> list[dict]:
         s["nova_vs_cublas"] = s["cublas_ms"] / s["nova_ms"] if s["nova_ms"] else None
         s["nova_vs_best"] = s["best_ms"] / s["nova_ms"] if s["nova_ms"] else None
         s["best_vs_cublas"] = s["cublas_ms"] / s["best_ms"] if s["best_ms"] else None
+        s["gaps"] = sorted(s["gaps"], key=lambda g: -g["gap_ms"])[:GAP_ROWS]
         out.append(s)
     return out
 
@@ -1045,6 +1053,11 @@ def markdown_gpt2(doc) -> str:
         parts = [f"{k} ({v['launches']}): {_fmt(v['nova_ms'], '.3f')} / {_fmt(v['cublas_ms'], '.3f')} / "
                  f"{_fmt(v['best_ms'], '.3f')}" for k, v in sorted(t["by_source"].items())]
         lines.append(f"* {t['precision']} b{t['batch']}: " + "; ".join(parts))
+    lines += ["", f"The {GAP_ROWS} launches behind cuBLAS by most a step (count x (Nova - cuBLAS), ms):", ""]
+    for t in doc.get("steps", []):
+        parts = [f"{g['M']}x{g['N']}x{g['K']} {g['source'].removeprefix('nova.')} x{g['count']}: {g['gap_ms']:+.3f}"
+                 for g in t.get("gaps", [])]  # (files written before the gaps have none)
+        lines.append(f"* {t['precision']} b{t['batch']}: " + ("; ".join(parts) or "-"))
     lines += [
         "",
         "| prec | source | M | N | K | layouts (step / configure) | out | Nova ms | cuBLAS ms | best ms | Nova/cuBLAS "

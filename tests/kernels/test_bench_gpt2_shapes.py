@@ -184,6 +184,12 @@ def test_step_totals_and_merge_of_parts(tmp_path):
     assert b8["best_ms"] == 3 * 1.0 + 2 * 1.0  # no searched best: nova's own config is the template's best
     assert b8["by_source"]["logits"]["launches"] == 2 and b8["by_source"]["layers"]["nova_ms"] == 6.0
     assert b32["nova_ms"] == 2.0 and b32["nova_vs_cublas"] == 0.75
+    # where the time against cuBLAS goes: count x (Nova - cuBLAS), largest first (b is ahead: negative)
+    assert [(g["id"], g["count"], g["gap_ms"]) for g in b8["gaps"]] == [("a", 3, 1.5), ("b", 2, -2.0)]
+    assert [g["gap_ms"] for g in b32["gaps"]] == [0.5]
+    text = bench.markdown_gpt2({"settings": {"search_budget": 1}, "device": "d", "torch": "t", "triton": "t",
+                                "git": {"commit": "c"}, "created": "now", "steps": [b8, b32], "shapes": []})
+    assert "* bf16 b8: 8x8x8 matmul x3: +1.500; 8x8x8 linear_cross_entropy:logits x2: -2.000" in text
     files = []
     for i, rows in enumerate(([a], [b])):
         d = {"git": {"commit": f"c{i}"}, "settings": {"seconds": 1.0, "shapes": "gpt2"}, "shapes": rows}
