@@ -956,7 +956,8 @@ def run_gpt2(opts, checkpoint=None, log=print) -> dict:
             row.update(
                 id=hashlib.sha1(sm.signature(L).encode()).hexdigest()[:12],  # the same in every part
                 source=L["source"], uses=e["uses"], batch=batch, dtype=L["dtype"], out_dtype=L["out_dtype"],
-                bias=L["bias"], a=L["a"], b=L["b"], layouts=L["layouts"],
+                bias=L["bias"], epilogue=bool(L.get("epilogue")),  # the step runs it with a fused epilogue (timed without)
+                a=L["a"], b=L["b"], layouts=L["layouts"],
                 configure_layouts=[L["configure"]["a_layout"], L["configure"]["b_layout"]],
                 config_as_in_step=L["config"] == nova_cfg.to_dict(),
                 variant=_variant(nova_cfg, L),
@@ -1036,7 +1037,8 @@ def markdown_gpt2(doc) -> str:
         + f" | search budget {s['search_budget']} | {doc['created']}",
         "",
         "Every distinct matmul launch of the GPT-2 124M AdamW step (layer matmuls forward and backward, the fused "
-        "LM head's chunk matmuls), with the operand layouts the step gives it. Step totals: sum of count x time "
+        "LM head's chunk matmuls), with the operand layouts the step gives it, each timed without the step's "
+        "fused epilogue ('(epilogue)': the step runs one, at the config shown). Step totals: sum of count x time "
         "(best: the faster of the searched best and Nova's config).",
         "",
         "| step | launches | Nova ms | cuBLAS ms | best ms | Nova/cuBLAS | Nova/best | best/cuBLAS | not measured |",
@@ -1070,7 +1072,8 @@ def markdown_gpt2(doc) -> str:
         kernel = ("tma" if v.get("tma") else "pointer") + (f" sk{v['splits']}" if v.get("splits", 1) > 1 else "")
         kernel += "".join(f" stage_{x}" for x in v.get("staged", []))
         lines.append(
-            f"| {r['precision']} | {r['source'].removeprefix('nova.')} | {r['M']} | {r['N']} | {r['K']} "
+            f"| {r['precision']} | {r['source'].removeprefix('nova.')}{' (epilogue)' if r.get('epilogue') else ''} "
+            f"| {r['M']} | {r['N']} | {r['K']} "
             f"| {'/'.join(r['layouts'])} ({'/'.join(r['configure_layouts'])}) | {r['out_dtype']} "
             f"| {_fmt(r['nova']['ms'], '.4f')} | {_fmt(r['cublas']['ms'], '.4f')} | {_fmt(best['ms'] if best else None, '.4f')} "
             f"| {_fmt(r['nova_vs_cublas'], '.2f')} | {_fmt(r['nova_vs_best'], '.2f')} "

@@ -137,6 +137,9 @@ def test_gpt2_dry_run_writes_step_totals(tmp_path, monkeypatch):
     doc = json.loads((tmp_path / "matmul_gpt2.json").read_text())
     assert doc["settings"]["switches"] == {"nova.schedule.configurator.STREAM_K_TILES": "False"}
     assert (tmp_path / "matmul_gpt2.md").read_text().startswith("# nova bench matmul --shapes gpt2")
+    # the launches the step runs with a fused epilogue say so (the bench times their matmul alone)
+    assert any(r["epilogue"] for r in doc["shapes"]) and not all(r["epilogue"] for r in doc["shapes"])
+    assert "| matmul (epilogue) |" in (tmp_path / "matmul_gpt2.md").read_text()
     assert (tmp_path / "matmul_gpt2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "matmul.json").exists()  # the grid's results are not overwritten
     (step,) = doc["steps"]
