@@ -13,9 +13,9 @@ shapes, strides and storage offsets the step gives ``nova.codegen.triton.matmul`
   other ops to the accumulator instead of storing C; a bias is one of them, so
   ``bias`` is false; which ops depends on remat's choices, which vary with the
   depth, so the record says only whether): the config the configure stage wrote,
-  and the arguments it called ``configure_matmul`` with (its layouts:
-  ``configure.operand_layout``, the view chain above the operand replayed, so they equal
-  the strides' ``layouts``);
+  and the arguments it called ``configure_matmul`` with (``configure.matmul_arguments``,
+  the stage's own function; its layouts: ``configure.operand_layout``, the view chain above
+  the operand replayed, so they equal the strides' ``layouts``);
 * the fused LM head (``nova.linear_cross_entropy[_backward|_with_grad]``, ``linear_ce.py``):
   per chunk of ``chunk`` token rows, the logits h[r0:r1] @ w^T (forward, and again in
   the backward; once in the merged op) with the op's config, then (backward and
@@ -128,7 +128,7 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
     from nova.ir.types import elem_of, numel, shape_of, to_torch_dtype
     from nova.schedule.configurator import STEP_MATMUL_PRECISION
     from nova.schedule.devices import DEVICES
-    from nova.transforms.configure import operand_layout
+    from nova.transforms.configure import group_matmul_arguments, matmul_arguments
 
     spec = device or DEVICES["H200"]
     prec = STEP_MATMUL_PRECISION[precision]
@@ -169,18 +169,15 @@ def step_matmuls(module, precision: str, device=None) -> list[dict]:
                         return t.contiguous().view(-1, *t.shape[-2:])
 
                 a, b = flat3(a), flat3(b)
-            in_dt = to_torch_dtype(elem_of(op.operands[0].type))
             out_dt = to_torch_dtype(elem_of(op.results[0].type))
-            # operands their producer stored rounded to tf32 (the tf32_operands stage), as _matmul_run passes
-            # them and the configure stage configures them
+            # operands their producer stored rounded to tf32 (the tf32_operands stage), as _matmul_run passes them
             pre = nv.prerounded_operands(lhs, rhs, prec)
-            # a group's matmul is configured with its epilogue (configure.configure_op), which
-            # keeps a wave tail (rule 8f) and column sums off the warp-specialized kernel
-            sums = group is not None and any(nv.column_sum(o) for o in group.inner_ops())
+            # the configure stage's own arguments (a group's matmul with its epilogue and column sums)
+            kw = group_matmul_arguments(group, precision) if group else matmul_arguments(op, lhs, rhs, precision)
             args = configure_args(
-                res[-2], res[-1], shape_of(op.operands[0].type)[-1], numel(batch), _dname(in_dt), _dname(out_dt),
-                path_of(in_dt), operand_layout(lhs), operand_layout(rhs), prerounded=pre,
-                epilogue=group is not None, epilogue_sums=sums,
+                kw["M"], kw["N"], kw["K"], kw["batch"], _dname(kw["dtype_a"]), _dname(kw["out_dtype"]),
+                kw["precision"], kw["a_layout"], kw["b_layout"], prerounded=kw["prerounded"],
+                epilogue=kw["epilogue"], epilogue_sums=kw["epilogue_sums"],
             )  # fmt: skip
             out.append(_launch("nova.matmul", a, b, out_dt, False, prec, config_of(group or op), args,
                                {"prerounded": list(pre)} if pre else None, epilogue=group is not None))  # fmt: skip

@@ -200,7 +200,7 @@ def apply_variant(variant: str) -> None:
 
         def configure_matmul(*a, **k):
             cfg = shipped(*a, **k)
-            epilogue = k.get("epilogue", a[12] if len(a) > 12 else False)  # configure._configure_matmul: positional
+            epilogue = k.get("epilogue", a[12] if len(a) > 12 else False)  # keywords from configure.configure_op, else positional
             return dataclasses.replace(cfg, **over) if epilogue else cfg
         cf.configure_matmul = configure_matmul
     if variant.startswith("splitk:"):

@@ -756,11 +756,12 @@ def plan_matmul(
         nxt = smaller(r)
         if not SPLIT_BEFORE_HALVING or ai < ridge or nxt is None:
             return False
+        halved = halved_time(nxt)
         if (stream_k and r == top and tile(r).family == "wgmma"
-                and streamk_time(tile(r)) < (1 - STREAM_K_MIN_GAIN) * halved_time(nxt)):
+                and streamk_time(tile(r)) < (1 - STREAM_K_MIN_GAIN) * halved):
             return True
         s = underfilled_split(tile(r))
-        return s >= 2 and wave_time(tile(r), s) < halved_time(nxt)
+        return s >= 2 and wave_time(tile(r), s) < halved
 
     # 4d. the halved tile at its own split (HALVED_OWN_SPLIT, docs/configurator.md 4d): where
     # the halved tile is at least HALVED_SPLIT_MIN_TILE on both sides and step 4 would stop

@@ -114,9 +114,10 @@ def configure_fused(op: nv.FusedOp, device: DeviceSpec) -> LoweringConfig:
     return cf.configure_elementwise(numel(op.iteration_shape()), dt, max(1, count - 1), device)
 
 
-def _configure_matmul(op: nv.MatmulOp, lhs, rhs, device: DeviceSpec, precision: str,
-                      epilogue: bool = False, epilogue_sums: bool = False) -> LoweringConfig:
-    """A matmul's schedule; ``lhs`` / ``rhs`` are the values it reads (in a group:
+def matmul_arguments(op: nv.MatmulOp, lhs, rhs, precision: str, epilogue: bool = False,
+                     epilogue_sums: bool = False) -> dict:
+    """``configure_matmul``'s keyword arguments for a matmul, the device aside (also what
+    ``bench/step_matmuls.py`` records); ``lhs`` / ``rhs`` are the values it reads (in a group:
     the group's operands, whose producers say the layout). A matmul with an
     epilogue (``epilogue``) gets the schedule it has without one but for the grid:
     BLOCK_K and the split are what fix its summation order (each output element is
@@ -135,22 +136,30 @@ def _configure_matmul(op: nv.MatmulOp, lhs, rhs, device: DeviceSpec, precision: 
     in_dt = to_torch_dtype(elem_of(op.operands[0].type))
     dt = to_torch_dtype(elem_of(op.results[0].type))
     path = "bf16" if in_dt.itemsize == 2 else cf.STEP_MATMUL_PRECISION[precision]
-    pre = nv.prerounded_operands(lhs, rhs, path)
-    return cf.configure_matmul(
-        a[-2], b[-1], a[-1], numel(out[:-2]), in_dt, in_dt, dt, path,
-        operand_layout(lhs), operand_layout(rhs), False, device, epilogue, epilogue_sums, pre,
-    )  # fmt: skip
+    return dict(M=a[-2], N=b[-1], K=a[-1], batch=numel(out[:-2]), dtype_a=in_dt, dtype_b=in_dt, out_dtype=dt,
+                precision=path, a_layout=operand_layout(lhs), b_layout=operand_layout(rhs), has_bias=False,
+                epilogue=epilogue, epilogue_sums=epilogue_sums, prerounded=nv.prerounded_operands(lhs, rhs, path))
+
+
+def group_matmul_arguments(op: nv.FusedOp, precision: str) -> dict | None:
+    """``matmul_arguments`` of a fused group's matmul with its epilogue (``epilogue_sums``:
+    the epilogue sums columns, which keeps it off the warp-specialized kernel, rule 8b);
+    None for a group without one."""
+    head = op.contraction()
+    if not isinstance(head, nv.MatmulOp):
+        return None
+    args = list(op.body.block.args)
+    lhs, rhs = (op.operands[args.index(v)] for v in head.operands)
+    sums = any(nv.column_sum(o) for o in op.inner_ops())
+    return matmul_arguments(head, lhs, rhs, precision, epilogue=True, epilogue_sums=sums)
 
 
 def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringConfig | None:
     if isinstance(op, LAYOUT_OPS) or op.CATEGORY == "collective":  # no kernel: torch.distributed runs it
         return None
-    head = op.contraction() if isinstance(op, nv.FusedOp) else None
-    if isinstance(head, nv.MatmulOp):  # a matmul with its epilogue: the matmul's schedule
-        args = list(op.body.block.args)
-        lhs, rhs = (op.operands[args.index(v)] for v in head.operands)
-        sums = any(nv.column_sum(o) for o in op.inner_ops())
-        return _configure_matmul(head, lhs, rhs, device, precision, epilogue=True, epilogue_sums=sums)
+    group = group_matmul_arguments(op, precision) if isinstance(op, nv.FusedOp) else None
+    if group is not None:  # a matmul with its epilogue: the matmul's schedule
+        return cf.configure_matmul(**group, device=device)
     reduction = op.reduction() if isinstance(op, nv.FusedOp) else None
     if reduction is not None:
         # a reduction with its prologue / epilogue: the reduction's own schedule, which fixes
@@ -161,7 +170,7 @@ def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringC
         return configure_fused(op, device)
     dt = to_torch_dtype(elem_of(op.results[0].type)) if op.results else None
     if isinstance(op, nv.MatmulOp):
-        return _configure_matmul(op, op.operands[0], op.operands[1], device, precision)
+        return cf.configure_matmul(**matmul_arguments(op, op.operands[0], op.operands[1], precision), device=device)
     if isinstance(op, (nv.LinearCrossEntropyOp, nv.LinearCrossEntropyBackwardOp, nv.LinearCrossEntropyWithGradOp)):
         # the fused LM head's dominant kernel: one chunk's logits h[chunk] @ w^T (w [V, D] read transposed);
         # the lowering's row kernels and its two gradient matmuls are sized at launch
