@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Which schedules of Nova's FlashAttention-2 kernels reach torch SDPA (an experiment,
 evidence for the configurator's attention rule): bf16 attention of one shape (causal
-unless --full) with random inputs, timed for
+unless --full) with random inputs, or f32 under the tf32 policy (--precision tf32),
+timed for
 
-  sdpa_fwd / sdpa_bwd   torch SDPA with the flash and the cuDNN backend (sdpa_kernel;
-                        "unavailable" recorded when a backend refuses), the math backend
-                        under --dry
+  sdpa_fwd / sdpa_bwd   torch SDPA with the flash, the cuDNN and the memory-efficient
+                        backend (sdpa_kernel; "unavailable" recorded when a backend
+                        refuses: flash and cuDNN take no f32), the math backend under --dry
   nova_fwd              Nova's forward over a grid of (BLOCK_M, BLOCK_N, warps, stages)
   nova_dkdv, nova_dq    the two backward kernels alone, each over its own grid
                         (lower_attention_backward's ``tiles``), and nova_delta
@@ -16,6 +17,10 @@ unless --full) with random inputs, timed for
 and the forward / backward kernels' optional source variants (``attention.SOURCE_FLAGS``:
 fma_scale, fused_bwd; ``--source-flags`` picks some, none with an empty list) at the
 default schedule (right after the defaults) and at a few other tiles (after the grids).
+Under tf32, --prerounded passes q, k, v and dO rounded to tf32 and tells the kernels
+so (``lower_attention(prerounded=)``: their tiles go into the dots without
+``tf32_rn``, as where the tf32_operands stage stored them rounded); the grids are
+then TF32_GRIDS.
 
 Every row is checked before it is timed, against a float32 reference (SDPA's math
 backend on the same inputs in f32, lse from the masked scores): max abs error on o and
@@ -79,6 +84,17 @@ FLAG_BWD = [((32, 128, 4, 5), (128, 32, 4, 5)), ((32, 128, 4, 3), (128, 32, 4, 3
 DRY_FLAG_FWD = [(16, 32, 4, 1)]
 DRY_FLAG_BWD = [((16, 32, 4, 1), (32, 16, 4, 1))]
 DRY_GRIDS = {"fwd": [(32, 16, 4, 1), (16, 32, 4, 2)], "dkdv": [(16, 32, 4, 1)], "dq": [(32, 16, 4, 1)]}
+# f32 operands under tf32 (twice the bytes of a bf16 tile): the tiles that compile to wgmma
+# for sm_90a at D = 64 without spills or near it (offline ptxas, 255 registers the cap), the
+# defaults' 64x32 w8 s2 (mma) beside them
+TF32_GRIDS = {
+    "fwd": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 4, 2),
+            (128, 128, 8, 2), (128, 32, 8, 3)],
+    "dkdv": [(64, 32, 8, 2), (32, 64, 4, 2), (32, 64, 4, 3), (32, 64, 8, 3), (16, 64, 4, 3), (64, 64, 4, 2),
+             (64, 64, 8, 2), (64, 128, 8, 2), (32, 128, 4, 2), (32, 128, 8, 3)],
+    "dq": [(64, 32, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3),
+           (128, 32, 8, 3), (64, 64, 8, 2)],
+}
 
 REL_TOL = 2e-2  # of the reference's max |value|: about 2.5 bf16 ulps at that magnitude
 SDPA_FACTOR = 2.0  # or twice SDPA's own error on that output, whichever is larger
@@ -166,8 +182,15 @@ class Bench:
         self.causal = not opts.full
         self.scale = d**-0.5
         gen = torch.Generator(device=self.dev).manual_seed(0)
-        self.q, self.k, self.v, self.do = (torch.randn(self.shape, device=self.dev, dtype=torch.bfloat16, generator=gen)
+        self.tf32 = opts.precision == "tf32"
+        self.dtype = torch.float32 if self.tf32 else torch.bfloat16
+        self.prerounded = ("q", "k", "v", "do") if opts.prerounded else None
+        self.q, self.k, self.v, self.do = (torch.randn(self.shape, device=self.dev, dtype=self.dtype, generator=gen)
                                            for _ in range(4))
+        if opts.prerounded:  # the values a tf32_operands stage would have stored
+            from nova.codegen.triton.matmul import round_to_tf32
+
+            self.q, self.k, self.v, self.do = (round_to_tf32(x) for x in (self.q, self.k, self.v, self.do))
         self._reference()
 
     # ---- reference and SDPA
@@ -182,7 +205,7 @@ class Bench:
         with torch.no_grad():
             lse = torch.stack([self._lse(q[i], k[i]) for i in range(q.shape[0])])
         self.ref = {"o": o.detach(), "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-        self.o16 = o.detach().to(torch.bfloat16)  # the backward kernels' o and lse inputs
+        self.o16 = o.detach().to(self.dtype)  # the backward kernels' o and lse inputs
         self.lse = lse.contiguous()
         self.ref["delta"] = (self.do.float() * self.o16.float()).sum(-1).reshape(-1, self.shape[2])
         self.sdpa_err: dict[str, float] = {}
@@ -210,7 +233,8 @@ class Bench:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         backends = [("math", SDPBackend.MATH)] if self.dry else [("flash", SDPBackend.FLASH_ATTENTION),
-                                                                 ("cudnn", SDPBackend.CUDNN_ATTENTION)]
+                                                                 ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                                                                 ("efficient", SDPBackend.EFFICIENT_ATTENTION)]
         timed = self.timer()
         # autograd runs a backward op on its forward op's stream: the forward runs on the
         # stream the backward's graph is then captured on
@@ -274,7 +298,7 @@ class Bench:
         from nova.transforms.configure import configure_op
 
         spec = DEVICES["H200"] if self.dry else from_torch_device(self.dev)
-        return configure_op(op, spec, "bf16")
+        return configure_op(op, spec, self.opts.precision)
 
     def nova_rows(self):
         from nova.codegen.triton import attention as A
@@ -328,14 +352,15 @@ class Bench:
             self.add(row)
 
         def fwd_lower(c, flags=()):
-            return lambda: A.lower_attention(fwd_op, c, precision="bf16", **self.flag_kw(flags))
+            return lambda: A.lower_attention(fwd_op, c, precision=self.opts.precision, prerounded=self.prerounded,
+                                             **self.flag_kw(flags))
 
         def fwd_run(kernel):
             return lambda: kernel.launch(self.fwd_ins, [o, lse])
 
         def bwd_lower(tiles=None, flags=()):
-            return lambda: A.lower_attention_backward(bwd_op, bcfg, precision="bf16", tiles=tiles,
-                                                      **self.flag_kw(flags))
+            return lambda: A.lower_attention_backward(bwd_op, bcfg, precision=self.opts.precision, tiles=tiles,
+                                                      prerounded=self.prerounded, **self.flag_kw(flags))
 
         def bwd_run(kernels):
             def run(kernel):
@@ -386,7 +411,8 @@ class Bench:
         for flag in self.opts.source_flags:  # the source variants at the default schedule
             flag_rows(flag, [None], [None])
 
-        grids = DRY_GRIDS if self.dry else {"fwd": FWD_GRID, "dkdv": DKDV_GRID, "dq": DQ_GRID}
+        grids = (DRY_GRIDS if self.dry else TF32_GRIDS if self.tf32
+                 else {"fwd": FWD_GRID, "dkdv": DKDV_GRID, "dq": DQ_GRID})
         for tiles in grids["fwd"]:
             c = lc(*tiles)
             measure({"kernel": "nova_fwd", "tiles": tiles_of(c)}, fwd_lower(c), fwd_run, got_f, tol_f, ["attention_fwd"])
@@ -435,8 +461,8 @@ class Bench:
         if row.get("ms") and row["kernel"] in FLOP_FACTOR:
             flop = FLOP_FACTOR[row["kernel"]] * b * h * t * t * d / (2 if self.causal else 1)
             row["tflops"] = round(flop / (row["ms"] * 1e-3) / 1e12, 2)
-        elif row.get("ms"):  # the delta pass: dO and O (bf16) read, delta (f32) written
-            row["gbps"] = round((2 * b * h * t * d * 2 + b * h * t * 4) / (row["ms"] * 1e-3) / 1e9, 1)
+        elif row.get("ms"):  # the delta pass: dO and O read, delta (f32) written
+            row["gbps"] = round((2 * b * h * t * d * self.dtype.itemsize + b * h * t * 4) / (row["ms"] * 1e-3) / 1e9, 1)
         row.setdefault("default", False)
         row.setdefault("flags", [])
         row.setdefault("ms", None)
@@ -513,7 +539,14 @@ def parse(argv=None):
     ap.add_argument("--source-flags", nargs="*", default=None,
                     help="source variants to measure (default: every attention.SOURCE_FLAGS flag)")
     ap.add_argument("--dry", action="store_true", help="CPU through the Triton interpreter (TRITON_INTERPRET=1)")
-    return ap.parse_args(argv)
+    ap.add_argument("--precision", choices=("bf16", "tf32"), default="bf16",
+                    help="bf16 inputs, or f32 inputs under the tf32 policy")
+    ap.add_argument("--prerounded", action="store_true",
+                    help="tf32: q, k, v and dO rounded to tf32, and the kernels told so")
+    opts = ap.parse_args(argv)
+    if opts.prerounded and opts.precision != "tf32":
+        ap.error("--prerounded needs --precision tf32")
+    return opts
 
 
 def main(argv=None) -> int:
@@ -549,13 +582,16 @@ def main(argv=None) -> int:
     doc = {"device": "cpu (TRITON_INTERPRET=1)" if opts.dry else torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0], "commit": c,
            "shape": {"batch": opts.batch, "heads": opts.heads, "seq": opts.seq, "dim": opts.dim,
-                     "causal": not opts.full, "dtype": "bfloat16", "scale": opts.dim**-0.5},
+                     "causal": not opts.full, "dtype": "float32" if opts.precision == "tf32" else "bfloat16",
+                     "scale": opts.dim**-0.5},
+           "precision": opts.precision, "prerounded": opts.prerounded,
            "settings": {"launches": opts.launches, "repeats": opts.repeats, "budget_s": opts.budget_s,
                         "dry": opts.dry, "rel_tol": REL_TOL, "sdpa_factor": SDPA_FACTOR,
                         "source_flags": opts.source_flags, "flop_factor": FLOP_FACTOR},
            "wall_s": round(time.perf_counter() - bench.t0, 1), "summary": summary, "rows": rows}
     opts.out.mkdir(parents=True, exist_ok=True)
-    path = opts.out / f"attention_variants_{c}.json"
+    tag = "" if opts.precision == "bf16" else "_tf32" + ("_prerounded" if opts.prerounded else "")
+    path = opts.out / f"attention_variants{tag}_{c}.json"
     path.write_text(json.dumps(doc, indent=1, default=str))
     print(f"wrote {path} ({doc['wall_s']} s)")
     return 0

@@ -109,6 +109,9 @@ SOURCE_FLAGS: dict[str, str] = {
     # program lengths; the dK/dV kernel's warps and stages
     "fused_bwd": "backward: dK/dV and dQ in one kernel, program i does key block i and query block i",
 }
+# a dot operand's tile name in the kernels' text -> the input it is loaded from
+_INPUT_OF = {"q": "q", "qt": "q", "k": "k", "kt": "k", "v": "v", "vt": "v", "do": "do"}
+ROUNDABLE_INPUTS = ("q", "k", "v", "do")
 _TL = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16", torch.float64: "tl.float64"}
 
 
@@ -216,8 +219,11 @@ class _Gen:
     """Text snippets shared by the forward and backward kernels of one shape."""
 
     def __init__(self, b, h, tq, tk, d, dtype, causal, scale, bm, bn, ip, bias=False, flags=frozenset(), sums=False,
-                 rounded=False, dropout=0.0, salt=0):
+                 rounded=False, dropout=0.0, salt=0, prerounded=frozenset()):
         self.b, self.h, self.tq, self.tk, self.d = b, h, tq, tk, d
+        # the inputs ("q", "k", "v", "do") whose values are tf32 already (``prerounded``): their
+        # tiles go into the dots as loaded, not through ``tf32_rn``
+        self.prerounded = frozenset(prerounded) if ip == "tf32" else frozenset()
         self.dropout, self.salt = float(dropout), int(salt)  # the probabilities' dropout (the op's), 0: none
         self.sums = sums  # the backward's column sums of dq, dk, dv (the op's ``sums``)
         self.rounded = rounded  # the backward's dq, dk, dv stored rounded to tf32 (the op's ``rounded``)
@@ -236,7 +242,8 @@ class _Gen:
 
     def dot(self, a: str, b: str, acc: str | None = None) -> str:
         if self.ip == "tf32":  # rounded to nearest, not truncated by the tensor cores
-            a, b = f"tf32_rn({a})", f"tf32_rn({b})"
+            a, b = (x if _INPUT_OF.get(x.removeprefix("tl.trans(").removesuffix(")")) in self.prerounded
+                    else f"tf32_rn({x})" for x in (a, b))
         args = [a, b] + ([acc] if acc else [])
         if self.dtype in (torch.float32, torch.float64):
             args.append(f'input_precision="{self.ip}"')
@@ -776,11 +783,27 @@ def _check_flags_apply(g: "_Gen") -> None:
                          f"(scale {g.scale!r}, bias {g.bias})")
 
 
-def _plan(op, cfg, precision: str, kernel: str, exact: bool = False, flags=frozenset()) -> tuple[_Gen, int, int]:
+def prerounded_inputs(op) -> frozenset[str]:
+    """The inputs of an attention op ("q", "k", "v"; the backward's "do" too) whose
+    values are tf32 already (``nv.tf32_rounded``: the tf32_operands stage stored them
+    rounded), which a tf32 kernel then reads into its dots as they are."""
+    backward = isinstance(op, nv.AttentionBackwardOp)
+    names = ("do", "q", "k", "v") if backward else ("q", "k", "v")
+    return frozenset(n for n, v in zip(names, op.operands) if nv.tf32_rounded(v))
+
+
+def _plan(op, cfg, precision: str, kernel: str, exact: bool = False, flags=frozenset(),
+          prerounded=None) -> tuple[_Gen, int, int]:
     """The generator of one kernel of ``op`` (its shape, props and tiles), its
     num_warps and num_stages (``exact``: as ``attention_plan``'s; ``flags``: source
-    variants, ``SOURCE_FLAGS``)."""
+    variants, ``SOURCE_FLAGS``; ``prerounded``: the inputs known rounded to tf32, by
+    default ``prerounded_inputs(op)``)."""
     backward = isinstance(op, nv.AttentionBackwardOp)
+    if prerounded is None:
+        prerounded = prerounded_inputs(op)
+    elif set(prerounded) - set(ROUNDABLE_INPUTS):
+        raise ValueError(f"attention: prerounded names {sorted(set(prerounded) - set(ROUNDABLE_INPUTS))} "
+                         f"are not inputs {ROUNDABLE_INPUTS}")
     q_t, k_t = op.operands[1 if backward else 0].type, op.operands[2 if backward else 1].type
     (b, h, tq, d), tk = shape_of(q_t), shape_of(k_t)[2]
     dtype = _dtype(q_t)
@@ -793,7 +816,7 @@ def _plan(op, cfg, precision: str, kernel: str, exact: bool = False, flags=froze
     bm, bn, warps, stages = attention_plan(tq, tk, d, dtype, cfg, kernel, exact)
     g = _Gen(b, h, tq, tk, d, dtype, bool(p["causal"]), float(p["scale"]), bm, bn, _input_precision(dtype, precision),
              bool(bias), _check_flags(flags), sums=backward and bool(p["sums"]), rounded=backward and bool(p["rounded"]),
-             dropout=p["dropout"], salt=p["salt"])
+             dropout=p["dropout"], salt=p["salt"], prerounded=prerounded)
     _check_flags_apply(g)
     return g, warps, stages
 
@@ -857,11 +880,14 @@ def _tail_args(g: _Gen, tail: list[torch.Tensor]) -> tuple[list, list[int]]:
 
 
 @lowers(nv.AttentionOp)
-def lower_attention(op, cfg: LoweringConfig | None = None, *, precision: str = "fp32", source_flags=(), **_) -> Kernel:
+def lower_attention(op, cfg: LoweringConfig | None = None, *, precision: str = "fp32", source_flags=(),
+                    prerounded=None, **_) -> Kernel:
     """``precision``: the module's policy ("fp32" | "tf32" | "bf16"); "tf32" lets
     fp32 q k^T and P v run on tf32 tensor cores, anything else keeps them exact.
-    ``source_flags``: optional text variants (``SOURCE_FLAGS``; none by default)."""
-    g, warps, stages = _plan(op, cfg, precision, "fwd", flags=source_flags)
+    ``source_flags``: optional text variants (``SOURCE_FLAGS``; none by default).
+    ``prerounded``: the inputs whose values are tf32 already (default: as the IR
+    says, ``prerounded_inputs``); a caller that names one must pass it rounded."""
+    g, warps, stages = _plan(op, cfg, precision, "fwd", flags=source_flags, prerounded=prerounded)
     src = attention_forward_source(g)
     kernel, _ = load_kernel(src, "attention_fwd")
     name = _name("fwd", g)
@@ -887,7 +913,8 @@ def lower_attention(op, cfg: LoweringConfig | None = None, *, precision: str = "
 
 @lowers(nv.AttentionBackwardOp)
 def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision: str = "fp32",
-                             tiles: dict[str, LoweringConfig] | None = None, source_flags=(), **_) -> Kernel:
+                             tiles: dict[str, LoweringConfig] | None = None, source_flags=(), prerounded=None,
+                             **_) -> Kernel:
     """Three kernels: delta, dK/dV, dQ (see the module docstring); ``precision`` as
     for the forward. ``Kernel.config`` is the dK/dV kernel's schedule; the dQ
     kernel's is in ``extra["dq_config"]``.
@@ -897,7 +924,7 @@ def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision
     stages are used as given (capped only to the padded sequence), not capped by
     ``cfg``; a kernel not named keeps the rule above. The pipeline never passes it
     (default behaviour is unchanged); it is how ``scripts/attention_variants.py``
-    measures other schedules. ``source_flags`` as for the forward.
+    measures other schedules. ``source_flags`` and ``prerounded`` as for the forward.
 
     ``extra["launch_kernels"](inputs, outs, delta, kernels)`` launches only the
     named kernels ("delta", "dkdv", "dq"; "fused" under the fused_bwd flag) into
@@ -907,8 +934,9 @@ def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision
     unknown = set(tiles) - {"dkdv", "dq"}
     if unknown:
         raise ValueError(f"attention backward: tiles for unknown kernels {sorted(unknown)} (dkdv, dq)")
-    g_kv, kv_warps, kv_stages = _plan(op, tiles.get("dkdv", cfg), precision, "dkdv", "dkdv" in tiles, source_flags)
-    g_q, q_warps, q_stages = _plan(op, tiles.get("dq", cfg), precision, "dq", "dq" in tiles, source_flags)
+    g_kv, kv_warps, kv_stages = _plan(op, tiles.get("dkdv", cfg), precision, "dkdv", "dkdv" in tiles, source_flags,
+                                      prerounded)
+    g_q, q_warps, q_stages = _plan(op, tiles.get("dq", cfg), precision, "dq", "dq" in tiles, source_flags, prerounded)
     src = attention_backward_source(g_kv, g_q)
     delta_k, _ = load_kernel(src, "attention_bwd_delta")
     dkdv_k, _ = load_kernel(src, "attention_bwd_dkdv")
@@ -971,5 +999,5 @@ def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision
                   scratch_bytes=0 if empty else scratch)
 
 
-__all__ = ["MAX_HEAD_DIM", "SOURCE_FLAGS", "attention_plan", "attention_forward_source", "attention_backward_source",
+__all__ = ["MAX_HEAD_DIM", "ROUNDABLE_INPUTS", "SOURCE_FLAGS", "attention_plan", "prerounded_inputs", "attention_forward_source", "attention_backward_source",
            "lower_attention", "lower_attention_backward"]
