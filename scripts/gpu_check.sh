@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|ab|attn-dropout|wide|tail|wave-tail|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-tiles|ws-tf32|tf32-search|streamk|few-tiles|mm-stalls|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|ab|attn-dropout|attn-tf32|wide|tail|wave-tail|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-tiles|ws-tf32|tf32-search|streamk|few-tiles|mm-stalls|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -52,6 +52,15 @@ if [[ $what == attn-dropout ]]; then  # SDPA's dropout_p and the int32 models (R
   timeout 250 python3 -m pytest -q -s tests/gpu/test_triton_step.py tests/gpu/test_hf_models_gpu.py -k "dropout or roberta or bloom or mpt or t5" \
     -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_dropout.log" | tail -4
   timeout 200 python3 scripts/attention_dropout.py --out "$OUT" "$@" 2>&1 | tail -12
+fi
+if [[ $what == attn-tf32 ]]; then  # the tf32 attention kernels over TF32_GRIDS, as they are and with q, k, v, dO
+  # prerounded (scripts/attention_variants.py --precision tf32 [--prerounded]); GPT-2's batch 16 unless given
+  shift
+  for pre in "" --prerounded; do
+    echo "== tf32 attention ${pre:-as is}"
+    timeout 270 python3 scripts/attention_variants.py --precision tf32 $pre --batch 16 --source-flags --budget-s 200 \
+      --out "$OUT" "$@" 2>&1 | tee -a "$OUT/attention_tf32.log" | sed -n '/sorted by kernel/,/summary/p' | head -60
+  done
 fi
 if [[ $what == wide ]]; then  # 192-wide tiles and plain kernels beside Nova's launches and cuBLAS (scripts/matmul_wide.py)
   shift
