@@ -1349,7 +1349,9 @@ def configure_attention(
     # small heads on wgmma: one warpgroup per program, the largest tile whose fp32 values fit
     # WARPGROUP_TILE_REGS registers a thread, so ATTENTION_PROGRAMS programs share an SM and one's
     # softmax runs while another's MMAs do (docs/configurator.md, "Attention")
-    small = [(bm, bn) for bm, bn in options if bm >= WGMMA_M and family(bm) == "wgmma"
+    # (16-bit operands only: f32 ones on tf32 tensor cores ran 64x64 w4 s3 0.357 ms against 0.313
+    # at the rule below's 128x128 w8 (GPT-2 at batch 16 on an H100, docs/configurator.md, "Attention")
+    small = [(bm, bn) for bm, bn in options if bm >= WGMMA_M and family(bm) == "wgmma" and elt == 2
              and (bm * d + bm * bn) * acc_words <= WARPGROUP * 32 * WARPGROUP_TILE_REGS]  # fmt: skip
     if small:
         bm, bn = small[0]

@@ -184,7 +184,9 @@ def configure_op(op: nv.NovaOp, device: DeviceSpec, precision: str) -> LoweringC
     if isinstance(op, (nv.AttentionOp, nv.AttentionBackwardOp)):
         q = shape_of(op.operands[0 if isinstance(op, nv.AttentionOp) else 1].type)
         in_dt = to_torch_dtype(elem_of(op.operands[0].type))
-        return cf.configure_attention(q[0], q[1], q[2], q[3], op.props()["causal"], in_dt, device)
+        # f32 under the tf32 policy: the kernels' dots run on tf32 tensor cores (attention.py)
+        path = cf.STEP_MATMUL_PRECISION[precision] if in_dt == torch.float32 else None
+        return cf.configure_attention(q[0], q[1], q[2], q[3], op.props()["causal"], in_dt, device, path)
     if type(op) in ROWWISE:
         x = shape_of(op.operands[1 if isinstance(op, (nv.LayerNormBackwardOp, nv.CrossEntropyBackwardOp)) else 0].type)
         if isinstance(op, (nv.ReduceSumOp, nv.ReduceMaxOp)):

@@ -130,32 +130,44 @@ _TL = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16
 # (GPT-2, B 32, H 12, T 1024, D 64, causal; bench/results/runs/
 # attention_variants_eb7626a.json): dK/dV 32x64 w4 s3 0.271 ms (the table's 32x128 w8
 # s2 before: 0.491; 64x64 w4 s3 0.287), dQ 64x64 w4 s3 0.175 (128x32 w8 s2: 0.268);
-# the whole backward with the delta pass 0.47 ms against cuDNN's 0.51.
+# the whole backward with the delta pass 0.47 ms against cuDNN's 0.51. "tf32": f32
+# operands on tf32 tensor cores (the "32" row is f32 on the FMA path). At D <= 64,
+# measured on an H100 (GPT-2 at batch 16: B 16, H 12, T 1024, D 64, causal;
+# ``gpu_check.sh attn-tf32``, bench/results/runs/attention_variants_tf32_21454d7.json):
+# dK/dV 64x128 w8 s2 0.592 ms (the "32" row's 64x32 w8 s2, which compiles to mma.sync,
+# not wgmma: 1.041; 32x64 w4 s3 0.679; 64x64 spills), dQ 128x32 w4 s3 0.366 (64x32 w8
+# s2: 0.938); the whole backward 2.05 ms before, SDPA's memory-efficient backend 2.23.
 _TILES = {
     "fwd": {
         "16": ((128, 64, 8), (128, 64, 8), (64, 32, 8)),
         "32": ((64, 32, 4), (64, 32, 4), (32, 32, 4)),
+        "tf32": ((128, 64, 8), (64, 32, 4), (32, 32, 4)),
         "64": ((32, 16, 4), (32, 16, 4), (16, 16, 4)),
     },
     "dkdv": {
         "16": ((32, 64, 4), (64, 32, 8), (32, 32, 8)),
         "32": ((64, 32, 8), (64, 32, 8), (32, 32, 8)),
+        "tf32": ((64, 128, 8), (64, 32, 8), (32, 32, 8)),
         "64": ((64, 32, 8), (32, 16, 8), (16, 16, 8)),
     },
     "dq": {
         "16": ((64, 64, 4), (128, 32, 8), (32, 32, 8)),
         "32": ((64, 32, 8), (64, 32, 8), (32, 32, 8)),
+        "tf32": ((128, 32, 4), (64, 32, 8), (32, 32, 8)),
         "64": ((32, 64, 8), (16, 32, 8), (16, 16, 8)),
     },
 }
 # Stages of the backward kernels: 16-bit at D <= 64 three (measured above: dK/dV 0.271
-# ms against 0.302 at two), else two.
+# ms against 0.302 at two), tf32 at D <= 64 (dK/dV, dQ) two and three (as measured
+# above), else two.
 _BWD_STAGES_SMALL_HEAD = 3
+_BWD_STAGES_TF32 = {"dkdv": 2, "dq": 3}
 
 
 def attention_plan(tq: int, tk: int, d: int, dtype: torch.dtype, cfg: LoweringConfig | None, kernel: str = "fwd",
-                   exact: bool = False):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("fwd", "dkdv", "dq").
+                   exact: bool = False, ip: str = "ieee"):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("fwd", "dkdv", "dq");
+    ``ip``: the dots' input precision (f32 "tf32" takes the table's tf32 row).
 
     The forward takes ``cfg``'s tiles when it sets block_m and block_n. The
     configurator sizes attention for the forward pass only, and the backward
@@ -165,11 +177,13 @@ def attention_plan(tq: int, tk: int, d: int, dtype: torch.dtype, cfg: LoweringCo
     they are (a schedule chosen for that kernel, e.g. by
     ``scripts/attention_variants.py``). Without ``cfg``: the defaults. Backward
     tiles never exceed the padded sequence."""
-    cls = "64" if dtype == torch.float64 else "32" if dtype == torch.float32 else "16"
+    cls = "64" if dtype == torch.float64 else ("tf32" if ip == "tf32" else "32") if dtype == torch.float32 else "16"
     bd = max(16, next_pow2(d))
     bm, bn, warps = _TILES[kernel][cls][0 if bd <= 64 else 1 if bd <= 128 else 2]
     # f64 has no multi-stage async-copy pipeline worth its shared memory
-    stages = 1 if dtype == torch.float64 else 3 if kernel == "fwd" else _BWD_STAGES_SMALL_HEAD if cls == "16" and bd <= 64 else 2
+    stages = (1 if dtype == torch.float64 else 3 if kernel == "fwd"
+              else _BWD_STAGES_SMALL_HEAD if cls == "16" and bd <= 64
+              else _BWD_STAGES_TF32[kernel] if cls == "tf32" and bd <= 64 else 2)
     if cfg is not None and cfg.block_m and cfg.block_n:
         for name, v in (("block_m", cfg.block_m), ("block_n", cfg.block_n)):
             if v < 16 or v & (v - 1):
@@ -813,8 +827,9 @@ def _plan(op, cfg, precision: str, kernel: str, exact: bool = False, flags=froze
     bias, _ = nv.attention_tail(op.operands[6 if backward else 3:], p)
     if bias:
         _check_dtype(_dtype(bias[0].type))
-    bm, bn, warps, stages = attention_plan(tq, tk, d, dtype, cfg, kernel, exact)
-    g = _Gen(b, h, tq, tk, d, dtype, bool(p["causal"]), float(p["scale"]), bm, bn, _input_precision(dtype, precision),
+    ip = _input_precision(dtype, precision)
+    bm, bn, warps, stages = attention_plan(tq, tk, d, dtype, cfg, kernel, exact, ip)
+    g = _Gen(b, h, tq, tk, d, dtype, bool(p["causal"]), float(p["scale"]), bm, bn, ip,
              bool(bias), _check_flags(flags), sums=backward and bool(p["sums"]), rounded=backward and bool(p["rounded"]),
              dropout=p["dropout"], salt=p["salt"], prerounded=prerounded)
     _check_flags_apply(g)
