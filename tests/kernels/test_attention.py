@@ -306,6 +306,26 @@ def test_backward_caps_a_forward_sized_config():
     assert kv.num_stages == q.num_stages == 3 and "KV_BLOCK_N = tl.constexpr(64)" in kernel.source
 
 
+def test_tf32_backward_takes_its_own_row():
+    """f32 operands on tf32 tensor cores take the table's tf32 row (GPT-2's head, D =
+    64): dK/dV 64x128 w8 s2 and dQ 128x32 w4 s3 under the forward's 128x128 config; the
+    same op under fp32 (FMA dots) keeps the f32 row's 64x32 w8 s2."""
+    fwd, bwd = lowerings()
+    x = torch.empty(2, 4, 1024, 64)
+    lse = torch.empty(2, 4, 1024)
+    cfg = LoweringConfig(kind="attention", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    op = build(nv.AttentionBackwardOp, [x, x, x, x, x, lse], {"causal": True, "scale": 0.125})
+
+    def tiles(kernel):
+        return [(c.block_m, c.block_n, c.num_warps, c.num_stages) for c in (kernel.config, kernel.extra["dq_config"])]
+
+    assert tiles(bwd(op, cfg, precision="tf32")) == [(64, 128, 8, 2), (128, 32, 4, 3)]
+    assert tiles(bwd(op, cfg, precision="fp32")) == [(64, 32, 8, 2), (64, 32, 8, 2)]
+    assert tiles(bwd(op, None, precision="tf32")) == [(64, 128, 8, 2), (128, 32, 4, 3)]  # no config: the row
+    assert fwd(build(nv.AttentionOp, [x, x, x], {"causal": True, "scale": 0.125}), None,
+               precision="tf32").config.block_m == 128
+
+
 def test_backward_tiles_set_each_kernel_on_its_own(device):
     """``tiles`` gives the dK/dV and the dQ kernel their own schedules, used as given
     (not capped by cfg, a 16x16 config here), capped only to the padded sequence; the
@@ -399,6 +419,60 @@ def test_tf32_attention_rounds_its_dot_operands_to_nearest(device):
     assert kern.source.count("tf32_rn(") == 2 * kern.source.count("tl.dot(") + 1
     grads, grads_r = kern.launch(ins), kern.launch([g, *r, o, lse])
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_r))
+
+
+def test_tf32_prerounded_inputs_go_into_the_dots_as_loaded(device):
+    """Inputs known rounded to tf32 (``prerounded``: the tf32_operands stage stored
+    them so, ``nv.tf32_rounded``) are not rounded again: only the P and dS tiles are
+    (two ``tf32_rn`` calls in each kernel that forms them), and on rounded inputs the
+    kernels give the bits of the kernels that round every operand. A name that is no
+    input is refused; under fp32 and for 16-bit inputs the argument changes nothing."""
+    from nova.codegen.triton.attention import prerounded_inputs
+    from nova.codegen.triton.matmul import round_to_tf32
+
+    fwd, bwd = lowerings()
+    q, k, v = (round_to_tf32(x) for x in qkv(1, 2, 37, 37, 16, torch.float32, device, seed=5))
+    props = {"causal": True, "scale": 0.25}
+    op = build(nv.AttentionOp, [q, k, v], props)
+    assert prerounded_inputs(op) == frozenset()  # step arguments: nothing known rounded
+    every = ("q", "k", "v", "do")
+    pre = fwd(op, SMALL, precision="tf32", prerounded=every[:3])
+    assert "tf32_rn(q)" not in pre.source and "tf32_rn(kt)" not in pre.source and "tf32_rn(v)" not in pre.source
+    assert pre.source.count("tf32_rn(") == 1 + 2  # the definition, then p before p @ v in both key loops
+    plain = fwd(op, SMALL, precision="tf32")
+    outs = pre.launch([q, k, v])
+    assert all(torch.equal(a, b) for a, b in zip(outs, plain.launch([q, k, v])))
+    o, lse = outs
+    g = round_to_tf32(rand(*q.shape, dtype=torch.float32, device=device, gen=torch.Generator().manual_seed(3)))
+    ins = [g, q, k, v, o, lse]
+    bop = build(nv.AttentionBackwardOp, ins, props)
+    bpre = bwd(bop, SMALL, precision="tf32", prerounded=every)
+    for x in ("q", "qt", "k", "kt", "v", "vt", "do", "tl.trans(do)", "tl.trans(qt)", "tl.trans(kt)"):
+        assert f"tf32_rn({x})" not in bpre.source, x
+    # the definition, then P and dS: pt and dst in each of dK/dV's two key loops, ds in each of dQ's
+    assert bpre.source.count("tf32_rn(") == 1 + 2 * 2 + 2
+    assert all(torch.equal(a, b) for a, b in zip(bpre.launch(ins), bwd(bop, SMALL, precision="tf32").launch(ins)))
+    assert bwd(bop, SMALL, precision="fp32", prerounded=every).source == bwd(bop, SMALL, precision="fp32").source
+    with pytest.raises(ValueError, match="not inputs"):
+        fwd(op, SMALL, precision="tf32", prerounded=("o",))
+
+
+def test_prerounded_inputs_follow_the_ir():
+    """``prerounded_inputs`` reads ``nv.tf32_rounded`` through layout views: q from a
+    ``nova.round_tf32`` (through a transpose) counts, k and v as given do not."""
+    from nova.codegen.triton.attention import prerounded_inputs
+    from nova.ir.builder import OpBuilder
+    from nova.ir.module import Slot, new_step
+    from nova.ir.types import from_torch_dtype, tensor
+
+    t = tensor((1, 2, 8, 16), from_torch_dtype(torch.float32))
+    _, fn = new_step([Slot("batch", f"x{i}", t) for i in range(3)])
+    b = OpBuilder(fn.body.block)
+    x, k, v = fn.body.block.args
+    r = b.create(nv.RoundTf32Op, [x], {}).results[0]
+    tr = b.create(nv.TransposeOp, [r], {"perm": (0, 1, 2, 3)}).results[0]
+    op = b.create(nv.AttentionOp, [tr, k, v], {"causal": True, "scale": 0.25})
+    assert prerounded_inputs(op) == frozenset({"q"})
 
 
 _SUMS_CASES = {"f32": (torch.float32, ("dkdv", "dq")), "bf16": (torch.bfloat16, ("dkdv", "dq")),

@@ -423,6 +423,33 @@ def test_attention(device):
         configure_attention(1, 1, 128, 512, False, "bfloat16", dev)
 
 
+def test_f32_attention_under_tf32_is_configured_on_the_tensor_cores():
+    """The configure stage passes the step's precision: f32 attention under tf32 runs its
+    dots on tf32 tensor cores (wgmma on Hopper) and takes the general rule's 128x128 w8,
+    not the 16-bit small-head rule's 64x64 w4 (measured slower for f32 operands); under
+    fp32 it stays on the FMA path, and bf16 keeps the small-head tile."""
+    from nova.ir import dialect as nv
+    from nova.ir.builder import OpBuilder
+    from nova.ir.module import Slot, new_step
+    from nova.ir.types import from_torch_dtype, tensor
+    from nova.transforms.configure import configure_op
+
+    def op_of(dtype):
+        t = tensor((16, 12, 1024, 64), from_torch_dtype(dtype))
+        _, fn = new_step([Slot("batch", f"x{i}", t) for i in range(3)])
+        return OpBuilder(fn.body.block).create(nv.AttentionOp, list(fn.body.block.args), {"causal": True, "scale": 0.125})
+
+    for name in ("H100", "H200"):
+        dev = DEVICES[name]
+        tf32 = configure_op(op_of(torch.float32), dev, "tf32")
+        assert (tf32.block_m, tf32.block_n, tf32.num_warps, tf32.num_stages, tf32.instruction) == (
+            128, 128, 8, 3, "wgmma+tma")
+        assert tf32 == configure_attention(16, 12, 1024, 64, True, "float32", dev, "tf32-rn")
+        assert configure_op(op_of(torch.float32), dev, "fp32").instruction == "fma"
+        bf16 = configure_op(op_of(torch.bfloat16), dev, "bf16")
+        assert (bf16.block_m, bf16.block_n, bf16.num_warps, bf16.instruction) == (64, 64, 4, "wgmma+tma")
+
+
 def test_registry_names_every_kind():
     assert set(CONFIGURATORS) == {"matmul", "reduction", "elementwise", "attention"}
 

@@ -133,7 +133,7 @@ _TL = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16
 # the whole backward with the delta pass 0.47 ms against cuDNN's 0.51. "tf32": f32
 # operands on tf32 tensor cores (the "32" row is f32 on the FMA path). At D <= 64,
 # measured on an H100 (GPT-2 at batch 16: B 16, H 12, T 1024, D 64, causal;
-# ``gpu_check.sh attn-tf32``, bench/results/runs/attention_variants_tf32_21454d7.json):
+# ``gpu_check.sh attn-tf32``, bench/results/runs/attention_variants_tf32_h100_21454d7.json):
 # dK/dV 64x128 w8 s2 0.592 ms (the "32" row's 64x32 w8 s2, which compiles to mma.sync,
 # not wgmma: 1.041; 32x64 w4 s3 0.679; 64x64 spills), dQ 128x32 w4 s3 0.366 (64x32 w8
 # s2: 0.938); the whole backward 2.05 ms before, SDPA's memory-efficient backend 2.23.
