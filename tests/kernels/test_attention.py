@@ -6,6 +6,8 @@ aligned like SDPA's is_causal, with Tq < Tk and Tq > Tk."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_rowwise import build, build_for_sm90, rand, rel_err, run_sm90_build  # shared kernel-test helpers
@@ -309,11 +311,13 @@ def test_backward_caps_a_forward_sized_config():
 def test_tf32_backward_takes_its_own_row():
     """f32 operands on tf32 tensor cores take the table's tf32 row (GPT-2's head, D =
     64): dK/dV 64x128 w8 s2 and dQ 128x32 w4 s3 under the forward's 128x128 config; the
-    same op under fp32 (FMA dots) keeps the f32 row's 64x32 w8 s2."""
+    same op under fp32 (FMA dots), or under a config for mma.sync, keeps the f32 row's
+    64x32 w8 s2."""
     fwd, bwd = lowerings()
     x = torch.empty(2, 4, 1024, 64)
     lse = torch.empty(2, 4, 1024)
-    cfg = LoweringConfig(kind="attention", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    cfg = LoweringConfig(kind="attention", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3,
+                         instruction="wgmma+tma")
     op = build(nv.AttentionBackwardOp, [x, x, x, x, x, lse], {"causal": True, "scale": 0.125})
 
     def tiles(kernel):
@@ -322,6 +326,9 @@ def test_tf32_backward_takes_its_own_row():
     assert tiles(bwd(op, cfg, precision="tf32")) == [(64, 128, 8, 2), (128, 32, 4, 3)]
     assert tiles(bwd(op, cfg, precision="fp32")) == [(64, 32, 8, 2), (64, 32, 8, 2)]
     assert tiles(bwd(op, None, precision="tf32")) == [(64, 128, 8, 2), (128, 32, 4, 3)]  # no config: the row
+    # a config for mma.sync (sm_80 / sm_86: the row, measured on Hopper, spills there) keeps the f32 row
+    mma = dataclasses.replace(cfg, block_n=64, num_stages=4, instruction="mma")
+    assert tiles(bwd(op, mma, precision="tf32")) == [(64, 32, 8, 2), (64, 32, 8, 2)]
     assert fwd(build(nv.AttentionOp, [x, x, x], {"causal": True, "scale": 0.125}), None,
                precision="tf32").config.block_m == 128
 

@@ -167,7 +167,8 @@ _BWD_STAGES_TF32 = {"dkdv": 2, "dq": 3}
 def attention_plan(tq: int, tk: int, d: int, dtype: torch.dtype, cfg: LoweringConfig | None, kernel: str = "fwd",
                    exact: bool = False, ip: str = "ieee"):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("fwd", "dkdv", "dq");
-    ``ip``: the dots' input precision (f32 "tf32" takes the table's tf32 row).
+    ``ip``: the dots' input precision (f32 "tf32" takes the table's tf32 row where
+    ``cfg`` is for wgmma, or absent).
 
     The forward takes ``cfg``'s tiles when it sets block_m and block_n. The
     configurator sizes attention for the forward pass only, and the backward
@@ -177,7 +178,10 @@ def attention_plan(tq: int, tk: int, d: int, dtype: torch.dtype, cfg: LoweringCo
     they are (a schedule chosen for that kernel, e.g. by
     ``scripts/attention_variants.py``). Without ``cfg``: the defaults. Backward
     tiles never exceed the padded sequence."""
-    cls = "64" if dtype == torch.float64 else ("tf32" if ip == "tf32" else "32") if dtype == torch.float32 else "16"
+    # the tf32 row was measured on Hopper (wgmma); a config for mma.sync (sm_80 / sm_86, where
+    # its dK/dV tile spills: 64x64 w8 4.6 KB, offline ptxas) keeps the f32 row
+    wgmma = cfg is None or not cfg.instruction or cfg.instruction.startswith("wgmma")
+    cls = "64" if dtype == torch.float64 else ("tf32" if ip == "tf32" and wgmma else "32") if dtype == torch.float32 else "16"
     bd = max(16, next_pow2(d))
     bm, bn, warps = _TILES[kernel][cls][0 if bd <= 64 else 1 if bd <= 128 else 2]
     # f64 has no multi-stage async-copy pipeline worth its shared memory
