@@ -187,6 +187,26 @@ def test_tf32_rn_rounding_is_bit_exact():
     assert out[4].isnan() and out[5] == float("inf")
 
 
+def test_tf32_rn_cvt_text_and_its_refusal_under_the_interpreter(monkeypatch):
+    """``TF32_RN_CVT`` writes the rounding as ``cvt.rn.tf32.f32`` (one instruction, sm_90+) in
+    the K loop's text and in ``tf32_rn``; off, the integer arithmetic. Under the interpreter,
+    which runs no inline assembly, it is refused (its bits are checked on the device:
+    tests/gpu/test_tf32_cvt_gpu.py)."""
+    from nova.codegen.triton import source
+
+    assert "0xFFFFE000" in mm.tf32_rn_text("a") and "cvt" not in mm.tf32_rn_fn()
+    monkeypatch.setattr(mm, "TF32_RN_CVT", True)
+    monkeypatch.setattr(source, "interpreting", lambda: False)
+    text = mm.tf32_rn_text("a")
+    assert text.startswith("a = tl.inline_asm_elementwise(") and "cvt.rn.tf32.f32 $0, $1;" in text
+    assert "0xFFFFE000" not in mm.tf32_rn_fn() and "def tf32_rn(x):" in mm.tf32_rn_fn()
+    cast, _ = mm._dot_text("float32", "tf32-rn", ("b",))
+    assert cast.count("cvt.rn.tf32.f32") == 1  # A only: B is prerounded
+    monkeypatch.setattr(source, "interpreting", lambda: True)
+    with pytest.raises(ValueError, match="no inline assembly"):
+        mm.tf32_rn_text("a")
+
+
 def test_tf32_rn_kernel_rounds_operands_like_the_host(device):
     """precision="tf32-rn" rounds both operand tiles in the kernel (the TF32_RN text,
     the same arithmetic as round_to_tf32). The interpreter computes the tf32 dot in

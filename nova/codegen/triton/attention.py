@@ -80,7 +80,7 @@ import torch
 
 from nova import rng
 from nova.codegen.triton.lowering import Kernel, lowers
-from nova.codegen.triton.matmul import TF32_RN_FN
+from nova.codegen.triton.matmul import tf32_rn_fn
 from nova.codegen.triton.rowwise import nbytes, next_pow2, result_specs, results
 from nova.codegen.triton.source import load_kernel
 from nova.ir import dialect as nv
@@ -282,7 +282,7 @@ class _Gen:
             f"dot precision {self.ip}\n"
             "import triton\nimport triton.language as tl\n\n"
             + "".join(f"{k} = tl.constexpr({v})\n" for k, v in constants.items())
-            + (TF32_RN_FN if self.ip == "tf32" or self.rounded else "")
+            + (tf32_rn_fn() if self.ip == "tf32" or self.rounded else "")
             + (_dropout_keep_fn(self.dropout) if self.dropout else "")
         )
 

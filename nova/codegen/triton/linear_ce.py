@@ -267,7 +267,7 @@ def linear_ce_source(V: int, ignore: int, ls: float, has_bias: bool, logit_ty: s
               f"label_smoothing {ls!r}, bias {has_bias}, logits {logit_ty}, head {z_ty}, block {block}"
               + (f", statistics of {stats_tiles} column tiles" if stats_tiles else "") + "\n"
               f"import triton\nimport triton.language as tl\n\nBLOCK = tl.constexpr({block})\n"
-              + (mm.TF32_RN_FN if preround else ""))
+              + (mm.tf32_rn_fn() if preround else ""))
     stats_p = ["rm_ptr", "rs_ptr"] if stats_tiles else []
     vectors = ""
     if stats_tiles and row_vectors:

@@ -238,9 +238,31 @@ TF32_RN = """\
 {x} = {x}_bits.to(tl.float32, bitcast=True)"""
 
 
-# TF32_RN as a device function, for generated kernels that round dot operands of their own
-# (attention's dots, the LM head's logits gradient): ``tf32_rn(x)``
-TF32_RN_FN = "\n\n@triton.jit\ndef tf32_rn(x):\n" + textwrap.indent(TF32_RN.format(x="x"), "    ") + "\n    return x\n"
+# The same rounding as one instruction, ``cvt.rn.tf32.f32`` (round to nearest even; sm_90 and
+# newer, PTX 7.8), in place of the four integer operations: the kernels that round in registers
+# (a matmul's register-path operands, the attention kernels' dot operands, the LM head's d) spend
+# CUDA-core issue slots beside the tensor cores on it. Off: not yet measured on a device; the
+# interpreter runs no inline assembly (``tf32_rn_text`` refuses it there).
+TF32_RN_CVT = False
+
+
+def tf32_rn_text(x: str) -> str:
+    """Lines rounding the fp32 tile ``x`` to tf32 in place: ``TF32_RN``'s integer arithmetic, or
+    the instruction under ``TF32_RN_CVT``."""
+    if not TF32_RN_CVT:
+        return TF32_RN.format(x=x)
+    from nova.codegen.triton.source import interpreting
+
+    if interpreting():
+        raise ValueError("matmul.TF32_RN_CVT: the Triton interpreter runs no inline assembly (cvt.rn.tf32.f32)")
+    return (f'{x} = tl.inline_asm_elementwise("cvt.rn.tf32.f32 $0, $1;", "=r,f", [{x}], dtype=tl.uint32, '
+            f"is_pure=True, pack=1).to(tl.float32, bitcast=True)")
+
+
+def tf32_rn_fn() -> str:
+    """``tf32_rn_text`` as a device function, for generated kernels that round dot operands of
+    their own (attention's dots, the LM head's logits gradient): ``tf32_rn(x)``."""
+    return "\n\n@triton.jit\ndef tf32_rn(x):\n" + textwrap.indent(tf32_rn_text("x"), "    ") + "\n    return x\n"
 
 
 def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
@@ -527,7 +549,7 @@ def _dot_text(in_name: str, precision: str, prerounded: tuple[str, ...], settle:
         cast, dot = "\n            a = a.to(tl.bfloat16)\n            b = b.to(tl.bfloat16)", "tl.dot(a, b, acc)"
     elif in_name == "float32" and precision == "tf32-rn":
         todo = [x for x in ("a", "b") if x not in prerounded]
-        cast = "".join("\n" + textwrap.indent(TF32_RN.format(x=x), " " * 12) for x in todo)
+        cast = "".join("\n" + textwrap.indent(tf32_rn_text(x), " " * 12) for x in todo)
         dot = 'tl.dot(a, b, acc, input_precision="tf32")'
     elif in_name == "float32":
         cast, dot = "", f'tl.dot(a, b, acc, input_precision="{precision}")'
@@ -1151,7 +1173,7 @@ batched {'yes' if batched else 'no'}, index {'int64' if index_64 else 'int32'}
         """)
     helpers = epilogue.helpers.strip("\n") + "\n\n\n" if epilogue is not None and epilogue.helpers else ""
     if prologue is not None and prologue.rounded:
-        helpers += TF32_RN_FN.strip("\n") + "\n\n\n"
+        helpers += tf32_rn_fn().strip("\n") + "\n\n\n"
     text = header + "\n\n" + helpers + kernel
     if split_partials and not last:
         text += "\n\n" + _reduce_source(name + "_reduce", has_bias, _TL_DTYPE[out_name], epilogue)
