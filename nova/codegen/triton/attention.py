@@ -181,7 +181,8 @@ def attention_plan(tq: int, tk: int, d: int, dtype: torch.dtype, cfg: LoweringCo
     # the tf32 row was measured on Hopper (wgmma); a config for mma.sync (sm_80 / sm_86, where
     # its dK/dV tile spills: 64x64 w8 4.6 KB, offline ptxas) keeps the f32 row
     wgmma = cfg is None or not cfg.instruction or cfg.instruction.startswith("wgmma")
-    cls = "64" if dtype == torch.float64 else ("tf32" if ip == "tf32" and wgmma else "32") if dtype == torch.float32 else "16"
+    f32_row = "tf32" if ip == "tf32" and wgmma else "32"
+    cls = "64" if dtype == torch.float64 else f32_row if dtype == torch.float32 else "16"
     bd = max(16, next_pow2(d))
     bm, bn, warps = _TILES[kernel][cls][0 if bd <= 64 else 1 if bd <= 128 else 2]
     # f64 has no multi-stage async-copy pipeline worth its shared memory
@@ -1018,5 +1019,5 @@ def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision
                   scratch_bytes=0 if empty else scratch)
 
 
-__all__ = ["MAX_HEAD_DIM", "ROUNDABLE_INPUTS", "SOURCE_FLAGS", "attention_plan", "prerounded_inputs", "attention_forward_source", "attention_backward_source",
-           "lower_attention", "lower_attention_backward"]
+__all__ = ["MAX_HEAD_DIM", "ROUNDABLE_INPUTS", "SOURCE_FLAGS", "attention_plan", "prerounded_inputs",
+           "attention_forward_source", "attention_backward_source", "lower_attention", "lower_attention_backward"]
