@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "attention_variants.py"
@@ -67,6 +68,21 @@ def test_dry_run_rows_carry_checked_errors(tmp_path):
     flagged = [(r["kernel"], r["flags"][0]) for r in rows if r["flags"]]
     assert sorted(flagged) == [("nova_bwd", "fused_bwd")] * 2 + [("nova_fwd", "fma_scale")] * 2
     assert doc["summary"]["nova_bwd_best_parts_ms"] > 0 and doc["summary"]["fwd_sdpa_over_nova_best"] > 0
+
+
+def test_dry_run_tf32_prerounded(tmp_path):
+    """``--precision tf32 --prerounded``: f32 inputs rounded to tf32, every Nova row checked
+    ok against the f32 reference, the JSON named and described as such; --prerounded alone
+    is refused."""
+    argv = DRY + ["--precision", "tf32", "--prerounded", "--source-flags", "--out", str(tmp_path)]
+    run_script(f"import runpy, sys; sys.argv = {['x', *argv]!r}; runpy.run_path({str(SCRIPT)!r}, run_name='__main__')",
+               tmp_path)
+    doc = json.loads((tmp_path / "attention_variants_tf32_prerounded_testcommit.json").read_text())
+    assert doc["shape"]["dtype"] == "float32" and doc["precision"] == "tf32" and doc["prerounded"] is True
+    nova = [r for r in doc["rows"] if r["kernel"].startswith("nova_")]
+    assert nova and all(r["status"] == "ok" for r in nova), nova
+    with pytest.raises(SystemExit):
+        script().parse(DRY + ["--prerounded"])
 
 
 def test_check_flags_wrong_results():
