@@ -7,6 +7,11 @@ for the dropout hash's cost beside the plain kernel, not a timing
 (``gpu_check.sh attn-dropout`` times it).
 
     python scripts/attention_sass.py [--p 0.1]
+    python scripts/attention_sass.py --precision tf32 [--batch 16]
+
+``--precision tf32``: f32 attention under the tf32 policy instead, the forward and both backward
+kernels at the configure stage's H100 configs, each with the integer tf32 rounding and with
+``matmul.TF32_RN_CVT`` (one ``cvt.rn.tf32.f32``): what the rounding costs in instructions.
 
 Runs without TRITON_INTERPRET (the real compiler)."""
 from __future__ import annotations
@@ -26,7 +31,7 @@ OPCODE = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 
 
 def counts(sass: str) -> tuple[int, collections.Counter]:
-    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
     ops = collections.Counter(m.group(1).split(".")[0] for m in map(OPCODE.search, lines) if m)
     return len(lines), ops
 
@@ -34,7 +39,12 @@ def counts(sass: str) -> tuple[int, collections.Counter]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--p", type=float, default=0.1)
+    ap.add_argument("--precision", choices=("bf16", "tf32"), default="bf16")
+    ap.add_argument("--batch", type=int, default=16, help="tf32: the batch the configs are for")
     args = ap.parse_args()
+    if args.precision == "tf32":
+        tf32(args.batch)
+        return
 
     import torch
     from test_rowwise import build, build_for_sm90  # the kernel tests' op builder and sm_90a build
@@ -55,6 +65,33 @@ def main() -> None:
         for name, cubin in cubins.items():
             n, ops = counts(sass_of(cubin))
             print(f"p={p} {name}: {n} SASS instructions; {dict(ops.most_common(12))}")
+
+
+def tf32(batch: int) -> None:
+    import torch
+    from test_rowwise import build, build_for_sm90
+
+    from nova.codegen.triton import attention
+    from nova.codegen.triton import matmul as mm
+    from nova.codegen.triton.wgmma_check import sass_of
+    from nova.ir import dialect as nv
+    from nova.schedule.devices import DEVICES
+    from nova.transforms.configure import configure_op
+
+    x, lse = torch.empty(batch, 12, 1024, 64), torch.empty(batch, 12, 1024)
+    props = {"causal": True, "scale": 64**-0.5}
+    fwd, bwd = build(nv.AttentionOp, [x, x, x], props), build(nv.AttentionBackwardOp, [x, x, x, x, x, lse], props)
+    cases = [(lambda: attention.lower_attention(fwd, configure_op(fwd, DEVICES["H100"], "tf32"), precision="tf32"),
+              [x, x, x]),
+             (lambda: attention.lower_attention_backward(bwd, configure_op(bwd, DEVICES["H100"], "tf32"),
+                                                         precision="tf32"), [x, x, x, x, x, lse])]  # fmt: skip
+    for cvt in (False, True):
+        mm.TF32_RN_CVT = cvt
+        cubins: dict = {}
+        build_for_sm90(cases, cubins)
+        for name, cubin in cubins.items():
+            n, ops = counts(sass_of(cubin))
+            print(f"TF32_RN_CVT={cvt} {name}: {n} SASS instructions; {dict(ops.most_common(12))}")
 
 
 if __name__ == "__main__":
