@@ -516,12 +516,16 @@ def wave_tail(cfg: LoweringConfig, M: int, N: int, K: int, dev: DeviceSpec, smem
     ws = WS_TILES.get("plain")
     if "ws" in tokens and ws is not None:  # the warp-specialized head, along M
         bm, bn, warps = ws
+        if bn > _pow2_ceil(N) or bm > _pow2_ceil(M):
+            return None  # a head tile wider than C (8b keeps its tile within C)
         per_block = _cdiv(N, bn)
         waves = _cdiv(M, bm) * per_block // S
         head = waves * S // per_block * bm
         if not (1 <= waves <= TAIL_MAX_WAVES and 0 < head < M and waves * _cdiv(K, bk) >= TAIL_MIN_HEAD_STEPS
                 and _cdiv(M - head, tbm) * _cdiv(N, tbn) <= S):
             return None
+        if max(2, min(t_stages, _cdiv(K, bk))) * (tbm + tbn) * 2 * bk > smem_budget:
+            return None  # the tail's ring (tail_config's stages) does not fit: at BLOCK_K 128, 5 x 64 KiB
         stage = (bm + bn) * 2 * bk
         stages = min(WS_MAX_STAGES, (smem_budget - bm * bn // 2) // stage, _cdiv(K, bk))  # 8b's ring
         if stages < 2:
@@ -959,6 +963,10 @@ def plan_matmul(
 
     if ws is not None and WS_HALF_TILE and not epilogue and ws_tiles(ws) < WS_MIN_TILES_PER_SM * S and ws[1] > 128:
         ws = (ws[0], ws[1] // 2, ws[2])  # 8b's half tile (WS_HALF_TILE)
+    if ws is not None and ws[1] > 128 and ws[1] > _pow2_ceil(N):
+        ws = (ws[0], 128, ws[2])  # no wider than C (both WS tiles were measured; a 61-wide C took 128x256)
+    if ws is not None and (ws[0] > _pow2_ceil(M) or ws[1] > _pow2_ceil(N)):
+        ws = None  # C narrower than the smallest measured WS tile: step 8's kernel
     if not (ws is not None and not epilogue_sums and tma_path and split == 1 and batch == 1 and ea == eb == eo == 2
             and path == "bf16" and ws_tiles(ws) >= WS_MIN_TILES_PER_SM * S):
         ws = None
@@ -1388,7 +1396,7 @@ def _attention_config(B, H, T, D, causal, dev, path, elt, bm, bn, d, warps, stag
     fam = "fma" if not _tensor_cores(dev, path) else "wgmma" if dev.has_wgmma and bm % WGMMA_M == 0 else "mma"
     flops = 4 * B * H * T * T * D // (2 if causal else 1)
     nbytes = 4 * B * H * T * D * elt  # Q, K, V read, O written
-    instruction = "wgmma+tma" if fam == "wgmma" and dev.has_tma else fam
+    instruction = fam  # the attention kernels load q, k and v through pointers (cp.async), not TMA
     regime = "compute-bound" if flops / nbytes >= dev.ridge(path) else "memory-bound"
     if _cdiv(T, bm) * B * H * 2 <= dev.sm_count:
         regime = "launch-bound"

@@ -317,7 +317,7 @@ def test_tf32_backward_takes_its_own_row():
     x = torch.empty(2, 4, 1024, 64)
     lse = torch.empty(2, 4, 1024)
     cfg = LoweringConfig(kind="attention", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3,
-                         instruction="wgmma+tma")
+                         instruction="wgmma")
     op = build(nv.AttentionBackwardOp, [x, x, x, x, x, lse], {"causal": True, "scale": 0.125})
 
     def tiles(kernel):

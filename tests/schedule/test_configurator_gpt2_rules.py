@@ -89,6 +89,21 @@ def test_few_wide_tiles_take_the_half_warp_specialized_tile(K, device, monkeypat
     assert "ws" not in c.instruction.split("+") and not c.persistent
 
 
+@pytest.mark.parametrize("device", ["H100", "H200"])
+def test_warp_specialized_tiles_stay_within_c(device):
+    """Rule 8b's tile is no wider than C (C's width rounded up to a power of two): a
+    50304 x 61 output took 128x256, four times its MMA work in padding; 113 to 128 columns
+    take the 128x128 tile, fewer than 128 step 8's kernel, and rule 8f's warp-specialized
+    head keeps to the same bound (found by a 120,000-shape sweep of test_any_shape_is_legal's
+    checks; GPT-2's shapes, at least 768 wide, keep their configs)."""
+    for M, N, K, want in ((50304, 61, 4096, None), (50304, 128, 3072, 128), (50304, 113, 1846, 128),
+                          (43, 50304, 4096, None), (8192, 768, 3072, 256)):
+        c = configure_matmul(M, N, K, 1, *BF16, "row", "row", device=device)
+        assert c.block_n <= max(16, 1 << (N - 1).bit_length()) and c.block_m <= max(16, 1 << (M - 1).bit_length())
+        ws = "ws" in c.instruction.split("+")
+        assert (c.block_n if ws else None) == want, (M, N, K, c)
+
+
 def test_short_k_without_enough_tiles_still_takes_two_blocks():
     """6c still fires where the persistent loop is not taken (fewer than 2 S tiles of
     128x256): a 4096 x 2048 x 768 bf16 matmul has 128 of them. With an epilogue: storing C

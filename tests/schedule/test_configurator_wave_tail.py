@@ -77,6 +77,24 @@ def test_only_a_plain_16_bit_launch_takes_a_tail(monkeypatch):
     assert not c.tail_at and c.split_k > 1  # step 5's split, as before the rule
 
 
+@pytest.mark.parametrize("device", ["H100", "H200"])
+def test_no_tail_whose_ring_does_not_fit(device):
+    """8833x513x3969 bf16 takes BLOCK_K 128; the warp-specialized head fits at 2 stages, but the
+    tail's 128x128 ring at tail_config's 5 stages is 320 KiB: no tail then (found by
+    test_configurator.py's test_any_shape_is_legal). Every tail the rule does cut fits."""
+    from nova.schedule.devices import DEVICES
+
+    dev = DEVICES[device]
+    p = plan_matmul(8833, 513, 3969, 1, *BF16, "row", "row", device=device)
+    assert p.config.block_k == 128 and not p.config.tail_at
+    assert p.smem_bytes + cf.STATIC_SMEM + cf.BARRIER_SMEM <= dev.smem_per_block
+    for M, N, K in ((8192, 768, 3072), (8192, 768, 2304), (8833, 513, 2048)):
+        c = configure_matmul(M, N, K, 1, *BF16, "row", "row", device=device)
+        if c.tail_at:
+            t = tail_config(c, K)
+            assert t.num_stages * (t.block_m + t.block_n) * 2 * t.block_k <= dev.smem_per_block
+
+
 def test_the_ir_of_a_config_without_a_tail_is_unchanged():
     c = configure_matmul(8192, 768, 768, 1, *BF16, "row", "col", device="H100")
     assert not any(k.startswith("tail") for k in c.to_dict())
