@@ -76,7 +76,10 @@ def test_grid_is_legal_on_every_device(device, precision, dtype):
         assert c.num_stages * (c.block_m + c.block_n) * c.block_k * elt <= p.smem_bytes
 
 
-@settings(max_examples=300, deadline=None)
+# the same 300 shapes in every run and no example database: a shape this finds fails every run,
+# not one run in many (an unseeded run found 8833x513x3969 in the twenty-second session;
+# scripts/configurator_sweep.py walks 120,000 random shapes through the same checks)
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(
     M=st.integers(1, 20000), N=st.integers(1, 20000), K=st.integers(1, 20000), batch=st.integers(1, 8),
     case=st.sampled_from(CASES), device=st.sampled_from(sorted(DEVICES)), bias=st.booleans(),
