@@ -27,6 +27,25 @@ _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.bool: "*u8", torc
 _DESC = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.bool: "u8", torch.int64: "i64"}
 
 
+def build_sm90(fn, sig: dict, consts: dict, attrs: dict, warps: int, stages: int, **options):
+    """(the compiled kernel, its ptxas -v log) of a ``@triton.jit`` function for sm_90a with
+    Triton's own ptxas; ``sig`` / ``consts`` / ``attrs`` as ``ASTSource`` takes them. Needs a
+    process that has not imported triton.language under TRITON_INTERPRET=1."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    log = io.StringIO()
+    triton.knobs.nvidia.dump_ptxas_log = True
+    try:
+        with contextlib.redirect_stdout(log):
+            k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=warps, num_stages=stages, **options))
+    finally:
+        triton.knobs.nvidia.dump_ptxas_log = False
+    return k, log.getvalue()
+
+
 def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int, e_box=None,
                  consts: dict | None = None, pointers: dict | None = None) -> tuple[str, str, int, bool]:
     """(ptxas -v log, ptx, shared memory bytes) of the source's ``matmul_kernel`` compiled for sm_90a, with
@@ -40,10 +59,6 @@ def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int
     prologue's vectors). The last result says whether Triton partitioned the loop (warp
     specialization). Needs a process
     that has not imported triton.language under TRITON_INTERPRET=1."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from nova.codegen.triton.source import load_kernel
 
     fn, _ = load_kernel(src, "matmul_kernel")
@@ -78,15 +93,8 @@ def compile_sm90(src: str, ep, a_box, b_box, dtype: str, warps: int, stages: int
             sig[a] = f"*{elt}" if a.endswith("_ptr") else "i32"
         if not a.endswith("_desc") and not sig[a].startswith("tensordesc"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    log = io.StringIO()
-    triton.knobs.nvidia.dump_ptxas_log = True
-    try:
-        with contextlib.redirect_stdout(log):
-            k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False))  # fmt: skip
-    finally:
-        triton.knobs.nvidia.dump_ptxas_log = False
-    return log.getvalue(), k.asm["ptx"], k.metadata.shared, "ttg.warp_specialize" in k.asm["ttgir"]
+    k, log = build_sm90(fn, sig, consts, attrs, warps, stages, enable_fp_fusion=False)
+    return log, k.asm["ptx"], k.metadata.shared, "ttg.warp_specialize" in k.asm["ttgir"]
 
 
 def _ptxas(log: str) -> tuple[list[str], list[str]]:

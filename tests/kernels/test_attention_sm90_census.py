@@ -8,15 +8,19 @@ TRITON_INTERPRET (``test_rowwise.run_sm90_build``)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
+import sys
+from pathlib import Path
 
 import torch
 from test_rowwise import build, run_sm90_build
 
 from nova.ir import dialect as nv
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
 
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16"}
 _STATS = ("lse_ptr", "delta_ptr")  # f32 whatever the inputs
@@ -24,9 +28,7 @@ _UNIT = re.compile(r"^s[a-z]+d$")  # a tensor's last-dim stride (sqd, skd, sdod,
 
 
 def _compile(src: str, name: str, dtype: torch.dtype, warps: int, stages: int) -> dict:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from epilogue_sm90_check import build_sm90  # scripts/: Triton's ptxas for sm_90a, with its log
 
     from nova.codegen.triton.source import load_kernel
 
@@ -41,16 +43,9 @@ def _compile(src: str, name: str, dtype: torch.dtype, warps: int, stages: int) -
         else:
             sig[a] = "i32"
         attrs[(i,)] = [["tt.divisibility", 16]]
-    log = io.StringIO()
-    triton.knobs.nvidia.dump_ptxas_log = True
-    try:
-        with contextlib.redirect_stdout(log):
-            k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=warps, num_stages=stages))
-    finally:
-        triton.knobs.nvidia.dump_ptxas_log = False
+    k, log = build_sm90(fn, sig, consts, attrs, warps, stages)
     ttgir = k.asm["ttgir"]
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log.getvalue())]
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
     return {"dots": ttgir.count("tt.dot ") + ttgir.count("ttng.warp_group_dot "),
             "wgmma": ttgir.count("ttng.warp_group_dot "), "spill_bytes": max(spills, default=0)}
 
