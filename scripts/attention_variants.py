@@ -205,9 +205,9 @@ class Bench:
         with torch.no_grad():
             lse = torch.stack([self._lse(q[i], k[i]) for i in range(q.shape[0])])
         self.ref = {"o": o.detach(), "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-        self.o16 = o.detach().to(self.dtype)  # the backward kernels' o and lse inputs
+        self.o_in = o.detach().to(self.dtype)  # the backward kernels' o (in the inputs' dtype) and lse inputs
         self.lse = lse.contiguous()
-        self.ref["delta"] = (self.do.float() * self.o16.float()).sum(-1).reshape(-1, self.shape[2])
+        self.ref["delta"] = (self.do.float() * self.o_in.float()).sum(-1).reshape(-1, self.shape[2])
         self.sdpa_err: dict[str, float] = {}
 
     def _lse(self, q, k):
@@ -289,7 +289,7 @@ class Bench:
             return OpBuilder(fn.body.block).create(op_cls, list(fn.body.block.args),
                                                    {"causal": self.causal, "scale": self.scale})
         self.fwd_ins = [self.q, self.k, self.v]
-        self.bwd_ins = [self.do, self.q, self.k, self.v, self.o16, self.lse]
+        self.bwd_ins = [self.do, self.q, self.k, self.v, self.o_in, self.lse]
         return build(nv.AttentionOp, self.fwd_ins), build(nv.AttentionBackwardOp, self.bwd_ins)
 
     def default_config(self, op):

@@ -109,8 +109,6 @@ SOURCE_FLAGS: dict[str, str] = {
     # program lengths; the dK/dV kernel's warps and stages
     "fused_bwd": "backward: dK/dV and dQ in one kernel, program i does key block i and query block i",
 }
-# a dot operand's tile name in the kernels' text -> the input it is loaded from
-_INPUT_OF = {"q": "q", "qt": "q", "k": "k", "kt": "k", "v": "v", "vt": "v", "do": "do"}
 ROUNDABLE_INPUTS = ("q", "k", "v", "do")
 _TL = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16", torch.float64: "tl.float64"}
 
@@ -259,10 +257,12 @@ class _Gen:
         self.qk_scale = scale if self.f64 else scale * _LOG2E
         self.lse_to_exp = 1.0 if self.f64 else _LOG2E  # natural lse -> the exp domain
 
-    def dot(self, a: str, b: str, acc: str | None = None) -> str:
-        if self.ip == "tf32":  # rounded to nearest, not truncated by the tensor cores
-            a, b = (x if _INPUT_OF.get(x.removeprefix("tl.trans(").removesuffix(")")) in self.prerounded
-                    else f"tf32_rn({x})" for x in (a, b))
+    def dot(self, a: str, b: str, acc: str | None = None, inputs: tuple[str | None, str | None] = (None, None)) -> str:
+        """``tl.dot(a, b[, acc])``; ``inputs`` names the input ("q", "k", "v", "do") each operand's
+        tile is loaded from, None for a tile the kernel computes: under tf32 every operand is
+        rounded to nearest (the tensor cores would truncate) but a loaded tile of a prerounded input."""
+        if self.ip == "tf32":
+            a, b = (x if src in self.prerounded else f"tf32_rn({x})" for x, src in zip((a, b), inputs))
         args = [a, b] + ([acc] if acc else [])
         if self.dtype in (torch.float32, torch.float64):
             args.append(f'input_precision="{self.ip}"')
@@ -439,12 +439,12 @@ def attention_forward_source(g: _Gen) -> str:
         safe = '\n    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)' if g.bias else ""
         if "fma_scale" in g.flags:  # raw scores; the scale inside the exponent (checked: > 0, no bias)
             scores = f"""
-    s = {g.dot("q", "kt")}{where}
+    s = {g.dot("q", "kt", inputs=("q", "k"))}{where}
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * {g.qk_scale!r})
     p = {g.exp}(s * {g.qk_scale!r} - m_new[:, None])"""
         else:
             scores = f"""
-    s = {g.dot("q", "kt")} * {g.qk_scale!r}{bias}{where}
+    s = {g.dot("q", "kt", inputs=("q", "k"))} * {g.qk_scale!r}{bias}{where}
     m_new = tl.maximum(m_i, tl.max(s, axis=1)){safe}
     p = {g.exp}(s - {m_ref}[:, None])"""
         # with dropout the row sum is of every probability, the product with v of the kept ones
@@ -457,7 +457,7 @@ for n0 in range({lo}, {hi}, BLOCK_N):
     alpha = {g.exp}(m_i - {m_ref})
     l_i = l_i * alpha + tl.sum(p, axis=1){dropped}
     v = {v}
-    acc = {g.dot(g.operand(pv), "v", "acc * alpha[:, None]")}
+    acc = {g.dot(g.operand(pv), "v", "acc * alpha[:, None]", (None, "v"))}
     m_i = m_new
 """.strip("\n")
 
@@ -546,11 +546,11 @@ for m0 in range({lo}, {hi}, BLOCK_M):
     do = {do}
     lse = {lse_in.format(rows='offs_m', mask=row_mask('offs_m'))}
     dl = {delta_in.format(rows='offs_m', mask=row_mask('offs_m'))}
-    pt = {g.exp}({g.dot("k", "qt")} * {g.qk_scale!r}{bias} - lse[None, :]){dead}{causal}{g.keep("offs_m[None, :]", "offs_n[:, None]")}
-    dv = {g.dot(g.operand(g.drop("pt")), "do", "dv")}
-    dpt = {g.drop(g.dot("v", "tl.trans(do)"))}
+    pt = {g.exp}({g.dot("k", "qt", inputs=("k", "q"))} * {g.qk_scale!r}{bias} - lse[None, :]){dead}{causal}{g.keep("offs_m[None, :]", "offs_n[:, None]")}
+    dv = {g.dot(g.operand(g.drop("pt")), "do", "dv", (None, "do"))}
+    dpt = {g.drop(g.dot("v", "tl.trans(do)", inputs=("v", "do")))}
     dst = pt * (dpt - dl[None, :])
-    dk = {g.dot(g.operand("dst"), "tl.trans(qt)", "dk")}
+    dk = {g.dot(g.operand("dst"), "tl.trans(qt)", "dk", (None, "q"))}
 """.strip("\n")
 
     if g.causal:
@@ -610,10 +610,10 @@ for n0 in range({lo}, {hi}, BLOCK_N):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     kt = {kt}
     vt = {vt}
-    p = {g.exp}({g.dot("q", "kt")} * {g.qk_scale!r}{bias} - lse[:, None]){dead}{where}{g.keep("offs_m[:, None]", "offs_n[None, :]")}
-    dp = {g.drop(g.dot("do", "vt"))}
+    p = {g.exp}({g.dot("q", "kt", inputs=("q", "k"))} * {g.qk_scale!r}{bias} - lse[:, None]){dead}{where}{g.keep("offs_m[:, None]", "offs_n[None, :]")}
+    dp = {g.drop(g.dot("do", "vt", inputs=("do", "v")))}
     ds = p * (dp - dl[:, None])
-    dq = {g.dot(g.operand("ds"), "tl.trans(kt)", "dq")}
+    dq = {g.dot(g.operand("ds"), "tl.trans(kt)", "dq", (None, "k"))}
 """.strip("\n")
 
     ranges = _key_ranges(g, tk, full_keys)

@@ -622,6 +622,13 @@ def scalar_const(value: torch.Tensor) -> str:
     return f"tl.full([], {ibits}, {itl}).to({_TL[t]}, bitcast=True)"
 
 
+def tf32_rn_bits(bits: str) -> str:
+    """Round-to-nearest-even of fp32 bits to tf32, as an expression on the uint32 ``bits``: add
+    half a tf32 ulp (0xFFF) and the lowest kept bit (ties to even), clear the 13 dropped bits
+    (``matmul.TF32_RN`` says why that is the IEEE rounding, infinities and NaNs included)."""
+    return f"({bits} + 0xFFF + (({bits} >> 13) & 1)) & 0xFFFFE000"
+
+
 # float bodies: (args, y, compute type) -> code
 _BINARY: dict[type, Callable[[Sequence[str], str, str], str]] = {
     nv.AddOp: lambda a, y, ct: f"{y} = {a[0]} + {a[1]}",
@@ -650,10 +657,8 @@ _UNARY: dict[type, Callable[[Sequence[str], str, str], str]] = {
     nv.CosOp: lambda a, y, ct: f"{y} = tl.cos({a[0]})",
     nv.SinOp: lambda a, y, ct: f"{y} = tl.sin({a[0]})",
     nv.AbsOp: lambda a, y, ct: f"{y} = tl.abs({a[0]})",
-    # matmul.TF32_RN in one expression: add half a tf32 ulp and the lowest kept bit, clear 13 bits
-    nv.RoundTf32Op: lambda a, y, ct: (
-        f"{y} = (({a[0]}.to(tl.uint32, bitcast=True) + 0xFFF + (({a[0]}.to(tl.uint32, bitcast=True) >> 13) & 1))"
-        f" & 0xFFFFE000).to(tl.float32, bitcast=True)"),
+    # matmul.TF32_RN in one expression
+    nv.RoundTf32Op: lambda a, y, ct: f"{y} = ({tf32_rn_bits(a[0] + '.to(tl.uint32, bitcast=True)')}).to(tl.float32, bitcast=True)",
 }  # fmt: skip
 # integer arithmetic (position ids, index math): i64 in, i64 out, wrapping like torch
 _INTEGER_BINARY: dict[type, str] = {nv.AddOp: "+", nv.SubOp: "-", nv.MulOp: "*"}

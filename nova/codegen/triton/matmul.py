@@ -106,7 +106,7 @@ import textwrap
 from dataclasses import dataclass
 import torch
 
-from nova.codegen.triton.elementwise import Operand, convert, storage_view, tag
+from nova.codegen.triton.elementwise import Operand, convert, storage_view, tag, tf32_rn_bits
 from nova.codegen.triton.source import interpreting, kernel_source, load_kernel
 from nova.log import get_logger, once
 from nova.schedule.config import LoweringConfig
@@ -232,10 +232,9 @@ def _dtype_name(dtype) -> str:
 # inf, as IEEE rounding does); inf stays inf; NaNs stay NaN (their payload is in the
 # high mantissa bits for every NaN Triton or torch produces). The tensor core's own
 # conversion truncates, so after this it sees values it represents exactly.
-TF32_RN = """\
-{x}_bits = {x}.to(tl.uint32, bitcast=True)
-{x}_bits = ({x}_bits + 0xFFF + (({x}_bits >> 13) & 1)) & 0xFFFFE000
-{x} = {x}_bits.to(tl.float32, bitcast=True)"""
+TF32_RN = ("{x}_bits = {x}.to(tl.uint32, bitcast=True)\n"
+           f"{{x}}_bits = {tf32_rn_bits('{x}_bits')}\n"
+           "{x} = {x}_bits.to(tl.float32, bitcast=True)")
 
 
 # The same rounding as one instruction, ``cvt.rn.tf32.f32`` (round to nearest even; sm_90 and
