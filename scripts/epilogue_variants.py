@@ -14,7 +14,8 @@ epilogue kernels are scheduled and what joins them, each variant in its own proc
                 reader
   tile:FIELDS   the shipped configurator, every epilogue kernel's schedule overridden
                 by FIELDS (colon-separated: BMxBN, sS stages, wW warps, gG group_m, p the
-                persistent flattened loop), e.g. tile:128x256:s3 or tile:128x128:s4:p
+                persistent flattened loop, np one program a tile, nows the kernel without warp
+                specialization), e.g. tile:128x256:s3 or tile:128x128:s4:p or tile:128x128:s3:w4:nows:np
                 (a schedule that does not compile fails its row)
   splitk:N      the shipped configurator, every split-K matmul (the weight gradients, the LM
                 head's dh) split N ways instead (N >= 2)
@@ -194,6 +195,10 @@ def apply_variant(variant: str) -> None:
                 over["block_m"], over["block_n"] = map(int, f.split("x"))
             elif f == "p":
                 over["persistent"] = True
+            elif f == "np":
+                over["persistent"] = False
+            elif f == "nows":
+                over["nows"] = True
             else:
                 over[{"s": "num_stages", "w": "num_warps", "g": "group_m"}[f[0]]] = int(f[1:])
         shipped = cf.configure_matmul
@@ -201,7 +206,12 @@ def apply_variant(variant: str) -> None:
         def configure_matmul(*a, **k):
             cfg = shipped(*a, **k)
             epilogue = k.get("epilogue", a[12] if len(a) > 12 else False)  # keywords from configure.configure_op, else positional
-            return dataclasses.replace(cfg, **over) if epilogue else cfg
+            if not epilogue:
+                return cfg
+            fields = {k: v for k, v in over.items() if k != "nows"}
+            if over.get("nows"):  # the unpartitioned kernel: the config without warp specialization
+                fields["instruction"] = cfg.instruction.replace("+ws", "")
+            return dataclasses.replace(cfg, **fields)
         cf.configure_matmul = configure_matmul
     if variant.startswith("splitk:"):
         import dataclasses
