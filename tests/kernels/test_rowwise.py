@@ -342,14 +342,17 @@ def test_every_rowwise_op_registered():
     assert all(op in LOWERINGS for op in ops)
 
 
-def build_for_sm90(cases, cubins: dict | None = None) -> list[str]:
+def build_for_sm90(cases, cubins: dict | None = None, specialize: bool = False) -> list[str]:
     """Build (not run) every kernel the launches of ``cases`` ([(lower, inputs)])
     would start, for sm_90 with the real compiler and ptxas; no GPU needed. Runs in
     a process without TRITON_INTERPRET: the interpreter leaves triton.language
     patched after it runs (device-function calls are never unpatched), and it
     accepts programs the compiler rejects, which is what this build catches.
     Returns the names of the kernels built; ``cubins`` (a dict) receives each one's
-    binary by name (scripts/attention_sass.py reads their machine code)."""
+    binary by name (scripts/attention_sass.py reads their machine code). ``specialize``:
+    the arguments as Triton's launcher specializes them (an integer 1 a constant, integers
+    and pointers divisible by 16 known so), the code a launch on the device compiles;
+    without it every integer and pointer is unknown (fewer vectorized accesses)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -361,14 +364,22 @@ def build_for_sm90(cases, cubins: dict | None = None) -> list[str]:
 
     def build_only(self, *args, grid, warmup, **kwargs):
         options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-        sig, consts, it = {}, {}, iter(args)
+        sig, consts, attrs, it = {}, {}, {}, iter(args)
         for i, p in enumerate(self.params):
             if p.is_constexpr:
                 sig[p.name], consts[(i,)] = "constexpr", kwargs[p.name]
                 continue
             a = next(it)
+            if hasattr(a, "block_shape"):  # a host-built TMA descriptor (triton.tools.tensor_descriptor)
+                sig[p.name] = f"tensordesc<{pointer[a.base.dtype][1:]}{list(a.block_shape)}>"
+                continue
+            if specialize and not isinstance(a, torch.Tensor) and a == 1:
+                sig[p.name], consts[(i,)] = "constexpr", 1
+                continue
             sig[p.name] = pointer[a.dtype] if isinstance(a, torch.Tensor) else "i32" if abs(a) < 2**31 else "i64"
-        compiled = triton.compile(ASTSource(fn=self, signature=sig, constexprs=consts),
+            if specialize and (a.data_ptr() if isinstance(a, torch.Tensor) else a) % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        compiled = triton.compile(ASTSource(fn=self, signature=sig, constexprs=consts, attrs=attrs),
                                   target=GPUTarget("cuda", 90, 32), options=options)
         assert "cubin" in compiled.asm
         built.append(self.fn.__name__)

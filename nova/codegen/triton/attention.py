@@ -108,6 +108,12 @@ SOURCE_FLAGS: dict[str, str] = {
     # query block i walks i key blocks) where each kernel alone has a triangle of
     # program lengths; the dK/dV kernel's warps and stages
     "fused_bwd": "backward: dK/dV and dQ in one kernel, program i does key block i and query block i",
+    # the forward's k and v tiles through TMA descriptors of [B, H, Tk, D] (host-built, a
+    # [1, 1, BLOCK_N, BLOCK_D] box; out-of-range keys and the padded head dim come back 0,
+    # as the masked loads give) instead of pointer loads: one copy instruction a tile in
+    # place of a 16-byte cp.async and its address arithmetic per thread and vector. Needs
+    # k and v with a unit last stride and 16-byte aligned base and strides
+    "tma_kv": "forward: k and v tiles loaded through TMA descriptors, not pointers",
 }
 ROUNDABLE_INPUTS = ("q", "k", "v", "do")
 _TL = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16", torch.float64: "tl.float64"}
@@ -428,9 +434,13 @@ def attention_forward_source(g: _Gen) -> str:
     def key_loop(masked: bool) -> str:
         n_ok = f"offs_n[None, :] < {tk}" if masked and tk % g.bn else None
         keep = g.mask(n_ok, "offs_n[None, :] <= offs_m[:, None]" if g.causal else None)
-        kt = g.load("k_base + offs_n[None, :] * skt + offs_d[:, None] * skd", g.mask(n_ok, g.d_ok("col")))
         v_n_ok = f"offs_n[:, None] < {tk}" if masked and tk % g.bn else None
-        v = g.load("v_base + offs_n[:, None] * svt + offs_d[None, :] * svd", g.mask(v_n_ok, g.d_ok("row")))
+        if "tma_kv" in g.flags:  # zero-filled out of range, as the masked loads
+            kt = "tl.trans(k_ptr.load([b32, h32, n0, 0]).reshape(BLOCK_N, BLOCK_D))"
+            v = "v_ptr.load([b32, h32, n0, 0]).reshape(BLOCK_N, BLOCK_D)"
+        else:
+            kt = g.load("k_base + offs_n[None, :] * skt + offs_d[:, None] * skd", g.mask(n_ok, g.d_ok("col")))
+            v = g.load("v_base + offs_n[:, None] * svt + offs_d[None, :] * svd", g.mask(v_n_ok, g.d_ok("row")))
         lo, hi = ("masked_lo", "masked_hi") if masked else ("0", "full_hi")
         where = f"\n    s = tl.where({keep}, s, float(\"-inf\"))" if masked and keep else ""
         bias = g.bias_tile("offs_m[:, None] * szm", "offs_n[None, :] * szn", g.mask(m_ok, n_ok))
@@ -467,6 +477,11 @@ for n0 in range({lo}, {hi}, BLOCK_N):
     # a row whose every key is masked (l_i = 0, lse = -inf) gives 0, as torch's SDPA
     out = "tl.where(l_i[:, None] == 0.0, 0.0, acc / l_i[:, None])" if g.bias else "acc / l_i[:, None]"
     q = g.load("q_base + offs_m[:, None] * sqt + offs_d[None, :] * sqd", g.mask(m_ok, g.d_ok("row")))
+    if "tma_kv" in g.flags:  # k_ptr and v_ptr are descriptors; the box's (batch, head) as int32
+        kv_bases = [f"b32 = pid_bh // {g.h}", f"h32 = pid_bh % {g.h}"]
+    else:
+        kv_bases = [f"k_base = {g.head_base('k')}", f"v_base = {g.head_base('v')}"]
+    kv_bases = "\n            ".join(kv_bases)  # (the lines of the dedented block below)
     body = "\n".join([
         "start_m = tl.program_id(0) * BLOCK_M",
         g.bh(),
@@ -474,8 +489,7 @@ for n0 in range({lo}, {hi}, BLOCK_N):
         _ind(f"""
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q_base = {g.head_base('q')}
-            k_base = {g.head_base('k')}
-            v_base = {g.head_base('v')}{bias_base}
+            {kv_bases}{bias_base}
             q = {q}
             m_i = tl.full((BLOCK_M,), float("-inf"), {g.acc})
             l_i = tl.zeros((BLOCK_M,), {g.acc})
@@ -883,6 +897,21 @@ def _results(name: str, specs, outs, device, strided: tuple[int, ...]) -> list[t
     return list(outs)
 
 
+def _descriptors(name: str, g: _Gen, *tensors: torch.Tensor) -> list:
+    """Host-built TMA descriptors of [B, H, T, D] tensors with a [1, 1, BLOCK_N, BLOCK_D]
+    box (the ``tma_kv`` flag's k and v); a layout TMA cannot address is an error."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    descs = []
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:-1]):
+            raise ValueError(f"{name}: source flag tma_kv needs a unit last stride and 16-byte aligned base and "
+                             f"strides; got strides {tuple(t.stride())} of {t.dtype} at offset {t.data_ptr() % 16}")
+        descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, g.bn, g.bd]))
+    return descs
+
+
 def _name(kind: str, g: _Gen) -> str:
     return (f"nova_attention_{kind}_{g.b}x{g.h}x{g.tq}x{g.tk}x{g.d}{'_causal' if g.causal else ''}"
             f"{'_bias' if g.bias else ''}{f'_dropout_salt{g.salt}' if g.dropout else ''}")
@@ -924,7 +953,8 @@ def lower_attention(op, cfg: LoweringConfig | None = None, *, precision: str = "
         if g.tk == 0:  # softmax over no keys: the reference's 0 / 0
             return [out.fill_(float("nan")), lse.fill_(float("-inf"))]
         _check_spans(name, max(g.bm, g.bn, g.bd), q, k, v, *z, out)
-        kernel[grid](q, k, v, *z, out, lse, *_strides4(q), *_strides4(k), *_strides4(v), *z_strides, *_strides4(out),
+        kd, vd = _descriptors(name, g, k, v) if "tma_kv" in g.flags else (k, v)
+        kernel[grid](q, kd, vd, *z, out, lse, *_strides4(q), *_strides4(k), *_strides4(v), *z_strides, *_strides4(out),
                      num_warps=warps, num_stages=stages)
         return [out, lse]
 
