@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call on the device machine:
-#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|ab|attn-dropout|attn-tf32|wide|tail|wave-tail|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-tiles|ws-tf32|tf32-search|streamk|few-tiles|mm-stalls|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
+#   NOVA_COMMIT=<sha> bash scripts/gpu_check.sh [tests [pytest args]|gpt2|bench|bench-gpt2|headline|ab|attn-dropout|attn-tf32|attn-tma|wide|tail|wave-tail|bench-gpt2-dp1|profile|gaps|ws|ws-epi|adamw|warm|tf32|tf32-tiles|ws-tf32|tf32-search|streamk|few-tiles|mm-stalls|wgmma-cost|launches|lce-rows|lm-head|variants|dram|stalls|rates|all] [options]
 # Installs the carried wheels (.whl: xdsl and its two dependencies), runs the GPU
 # tests, the GPT-2 124M step check and the matmul benchmark; logs and JSON go to $OUT.
 set -uo pipefail
@@ -60,6 +60,16 @@ if [[ $what == attn-tf32 ]]; then  # the tf32 attention kernels over TF32_GRIDS,
     echo "== tf32 attention ${pre:-as is}"
     timeout 270 python3 scripts/attention_variants.py --precision tf32 $pre --batch 16 --source-flags --budget-s 200 \
       --out "$OUT" "$@" 2>&1 | tee -a "$OUT/attention_tf32.log" | sed -n '/sorted by kernel/,/summary/p' | head -60
+  done
+fi
+if [[ $what == attn-tma ]]; then  # the forward's tma_kv source flag beside the shipped pointer loads, at the
+  # default schedules (then grid tiles for the rest of 45 s): bf16 at batch 32, tf32 at batch 16 (scripts/attention_variants.py)
+  shift
+  for p in "bf16 32" "tf32 16"; do
+    set -- $p
+    echo "== $1 attention, tma_kv"
+    timeout 200 python3 scripts/attention_variants.py --precision $1 --batch $2 --source-flags tma_kv --budget-s 45 \
+      --out "$OUT" 2>&1 | tee -a "$OUT/attention_tma_kv.log" | sed -n '/sorted by kernel/,/summary/p' | head -30
   done
 fi
 if [[ $what == wide ]]; then  # 192-wide tiles and plain kernels beside Nova's launches and cuBLAS (scripts/matmul_wide.py)
