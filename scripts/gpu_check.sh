@@ -62,13 +62,13 @@ if [[ $what == attn-tf32 ]]; then  # the tf32 attention kernels over TF32_GRIDS,
       --out "$OUT" "$@" 2>&1 | tee -a "$OUT/attention_tf32.log" | sed -n '/sorted by kernel/,/summary/p' | head -60
   done
 fi
-if [[ $what == attn-tma ]]; then  # the forward's tma_kv source flag beside the shipped pointer loads, at the
+if [[ $what == attn-tma ]]; then  # the TMA source flags (tma_kv, tma_bwd) beside the shipped pointer loads, at the
   # default schedules (then grid tiles for the rest of 45 s): bf16 at batch 32, tf32 at batch 16 (scripts/attention_variants.py)
   shift
   for p in "bf16 32" "tf32 16"; do
     set -- $p
-    echo "== $1 attention, tma_kv"
-    timeout 200 python3 scripts/attention_variants.py --precision $1 --batch $2 --source-flags tma_kv --budget-s 45 \
+    echo "== $1 attention, tma_kv and tma_bwd"
+    timeout 200 python3 scripts/attention_variants.py --precision $1 --batch $2 --source-flags tma_kv tma_bwd --budget-s 45 \
       --out "$OUT" 2>&1 | tee -a "$OUT/attention_tma_kv.log" | sed -n '/sorted by kernel/,/summary/p' | head -30
   done
 fi

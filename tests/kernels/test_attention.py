@@ -371,7 +371,7 @@ def test_source_flags(device, dtype, causal):
     ones (dK/dV over 32-key blocks beside dQ over 16-query blocks: the guarded calls)."""
     from nova.codegen.triton.attention import SOURCE_FLAGS
 
-    assert set(SOURCE_FLAGS) == {"fma_scale", "fused_bwd", "tma_kv"}  # (tma_kv: its own test below)
+    assert set(SOURCE_FLAGS) == {"fma_scale", "fused_bwd", "tma_kv", "tma_bwd"}  # (the TMA ones: their own test)
     kv32 = {"dkdv": LoweringConfig(kind="attention", block_m=16, block_n=32, num_warps=4, num_stages=1)}
     for tq, tk, tiles in ((37, 37, None), (37, 37, kv32), (20, 45, kv32), (45, 20, None)):
         q, k, v = qkv(1, 2, tq, tk, 24, dtype, device, seed=tq + tk)
@@ -391,17 +391,19 @@ def test_source_flags(device, dtype, causal):
         fwd(build(nv.AttentionOp, [q, k, v, z], {"causal": causal, "scale": 0.25}), SMALL, source_flags={"fma_scale"})
 
 
-@pytest.mark.parametrize("case", ["bf16", "f32", "tf32", "packed", "bias-dropout"])
-def test_tma_kv_forward_is_the_pointer_forward_bit_for_bit(device, case):
-    """The ``tma_kv`` flag loads the forward's k and v tiles through TMA descriptors:
-    out-of-range keys (T = 37 in 16-key blocks) and the padded head dim (24 -> 32) come
-    back 0 as the masked pointer loads give them, so o and lse are the same bits. k and v
-    as views of a packed [B, T, 3, H, D] buffer too; a layout TMA cannot address is refused.
-    (f32 under "ieee": the interpreter's dot is numpy's matmul, whose summation order
-    follows its operands' memory layout, so there the two agree to rounding, not bit for bit.)"""
-    fwd, _ = lowerings()
-    dtype = torch.float32 if case in ("f32", "tf32") else torch.bfloat16
-    precision = "tf32" if case == "tf32" else "fp32"
+@pytest.mark.parametrize("case", ["bf16", "f32", "tf32", "packed", "bias-dropout", "sums-rounded"])
+def test_tma_flags_are_the_pointer_kernels_bit_for_bit(device, case):
+    """The ``tma_kv`` flag loads the forward's k and v tiles through TMA descriptors, ``tma_bwd``
+    the tiles the backward's walks load (q and dO in dK/dV over 16-query blocks, k and v in dQ
+    over 32-key blocks: two boxes): out-of-range rows (T = 37) and the padded head dim (24 -> 32)
+    come back 0 as the masked pointer loads give them, so every result is the same bits. q, k, v
+    as views of a packed [B, T, 3, H, D] buffer too; a layout TMA cannot address is refused, and
+    so are fused_bwd with tma_bwd and float64. (f32 under "ieee": the interpreter's dot is numpy's
+    matmul, whose summation order follows its operands' memory layout, so there the two agree to
+    rounding, not bit for bit.)"""
+    fwd, bwd = lowerings()
+    dtype = torch.float32 if case in ("f32", "tf32", "sums-rounded") else torch.bfloat16
+    precision = "tf32" if case in ("tf32", "sums-rounded") else "fp32"
     q, k, v = qkv(2, 2, 37, 37, 24, dtype, device, seed=11)
     z, props = [], {"causal": True, "scale": 24**-0.5}
     if case == "packed":
@@ -411,16 +413,38 @@ def test_tma_kv_forward_is_the_pointer_forward_bit_for_bit(device, case):
         z = [rand(2, 1, 37, 37, dtype=dtype, device=device, gen=torch.Generator().manual_seed(5)),
              torch.tensor(7, dtype=torch.int64, device=device)]
         props |= {"dropout": 0.2, "salt": 3}
+
+    def same(xs, ys):
+        for a, b in zip(xs, ys, strict=True):
+            assert torch.equal(a, b) if case != "f32" else rel_err(a, b) < 1e-6
+
     op = build(nv.AttentionOp, [q, k, v, *z], props)
     tma = fwd(op, SMALL, precision=precision, source_flags={"tma_kv"})
     assert "k_ptr.load([b32, h32, n0, 0])" in tma.source and "k_base" not in tma.source
     plain = fwd(op, SMALL, precision=precision)
-    for a, b in zip(tma.launch([q, k, v, *z]), plain.launch([q, k, v, *z]), strict=True):
-        assert torch.equal(a, b) if case != "f32" else rel_err(a, b) < 1e-6
+    o, lse = plain.launch([q, k, v, *z])
+    same(tma.launch([q, k, v, *z]), [o, lse])
+    g = rand(*q.shape, dtype=dtype, device=device, gen=torch.Generator().manual_seed(8))
+    ins = [g, q, k, v, o, lse, *z]
+    bprops = props | ({"sums": True, "rounded": True} if case == "sums-rounded" else {})
+    bop = build(nv.AttentionBackwardOp, ins, bprops)
+    tiles = {"dq": LoweringConfig(kind="attention", block_m=16, block_n=32, num_warps=4, num_stages=1)}
+    btma = bwd(bop, SMALL, precision=precision, tiles=tiles, source_flags={"tma_bwd"})
+    assert "q_ptr.load([b32, h32, m0, 0])" in btma.source and "k_ptr.load([b32, h32, n0, 0])" in btma.source
+    assert "q_base" not in btma.source.split("def attention_bwd_dkdv")[1].split("def attention_bwd_dq")[0]
+    same(btma.launch(ins), bwd(bop, SMALL, precision=precision, tiles=tiles).launch(ins))
     if case == "packed":  # a last dim of 27 elements: 54-byte rows, no TMA
         odd = rand(2, 2, 37, 27, dtype=dtype, device=device, gen=torch.Generator().manual_seed(6))[..., :24]
-        with pytest.raises(ValueError, match="tma_kv needs a unit last stride and 16-byte aligned"):
+        with pytest.raises(ValueError, match="TMA source flags need a unit last stride and 16-byte aligned"):
             tma.launch([q, odd, v])
+        with pytest.raises(ValueError, match="TMA source flags need a unit last stride and 16-byte aligned"):
+            btma.launch([g, q, odd, v, o, lse])
+    if case == "bf16":
+        with pytest.raises(ValueError, match="tma_bwd and fused_bwd do not combine"):
+            bwd(bop, SMALL, source_flags={"tma_bwd", "fused_bwd"})
+        x = q.double()
+        with pytest.raises(ValueError, match="not float64"):
+            fwd(build(nv.AttentionOp, [x, x, x], props), SMALL, source_flags={"tma_kv"})
 
 
 def test_attention_ops_registered():

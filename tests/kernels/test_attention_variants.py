@@ -66,8 +66,8 @@ def test_dry_run_rows_carry_checked_errors(tmp_path):
         assert sorted(ran) == sorted(mod.DRY_GRIDS[grid]), (kernel, ran)
     # every source variant: at the default schedule and at the dry list's (checked, ok above)
     flagged = [(r["kernel"], r["flags"][0]) for r in rows if r["flags"]]
-    assert sorted(flagged) == ([("nova_bwd", "fused_bwd")] * 2 + [("nova_fwd", "fma_scale")] * 2
-                               + [("nova_fwd", "tma_kv")] * 2)
+    assert sorted(flagged) == ([("nova_bwd", "fused_bwd")] * 2 + [("nova_bwd", "tma_bwd")] * 2
+                               + [("nova_fwd", "fma_scale")] * 2 + [("nova_fwd", "tma_kv")] * 2)
     assert doc["summary"]["nova_bwd_best_parts_ms"] > 0 and doc["summary"]["fwd_sdpa_over_nova_best"] > 0
 
 

@@ -55,7 +55,8 @@ Design choices, and why:
   walk P^T before dV += (P Z)^T dO and dP = (dO v^T) Z, the dQ walk dP likewise; the
   masks are recomputed, never stored, and equal the reference's bit for bit.
 * ``SOURCE_FLAGS`` name optional variants of the text (fma_scale: the forward's scale
-  inside one FMA; fused_bwd: dK/dV and dQ in one kernel), off unless a lowering is
+  inside one FMA; fused_bwd: dK/dV and dQ in one kernel; tma_kv, tma_bwd: the tiles the
+  key and query walks load through host-built TMA descriptors), off unless a lowering is
   given ``source_flags``: candidates that ``scripts/attention_variants.py`` measures
   before a default changes. ``lower_attention_backward(tiles=)`` sets either backward
   kernel's schedule on its own, for the same script.
@@ -114,6 +115,9 @@ SOURCE_FLAGS: dict[str, str] = {
     # place of a 16-byte cp.async and its address arithmetic per thread and vector. Needs
     # k and v with a unit last stride and 16-byte aligned base and strides
     "tma_kv": "forward: k and v tiles loaded through TMA descriptors, not pointers",
+    # the same for the tiles the backward's walks load each step: q and dO in the dK/dV
+    # kernel, k and v in the dQ kernel (each kernel's own box; not with fused_bwd)
+    "tma_bwd": "backward: the walked tiles (q, dO for dK/dV; k, v for dQ) through TMA descriptors",
 }
 ROUNDABLE_INPUTS = ("q", "k", "v", "do")
 _TL = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16", torch.float64: "tl.float64"}
@@ -541,14 +545,21 @@ def attention_backward_source(g_kv: _Gen, g_q: _Gen) -> str:
         return "" if tq % g.bm == 0 else f", mask={var} < {tq}, other=0.0"
 
     # ---- dK, dV: one program per key block, walking query blocks (P^T in registers)
+    tma = "tma_bwd" in g.flags
+    # the walked operands' (batch, head) as int32 box coordinates, or their heads' bases
+    box_bh = f"b32 = pid_bh // {g.h}\n            h32 = pid_bh % {g.h}"
     n_ok_row = None if tk % g.bn == 0 else f"offs_n[:, None] < {tk}"
     kv_mask = g.mask(n_ok_row, g.d_ok("row"))
 
     def query_loop(masked: bool) -> str:
         m_ok_col = None if tq % g.bm == 0 else f"offs_m[None, :] < {tq}"
         m_ok_row = None if tq % g.bm == 0 else f"offs_m[:, None] < {tq}"
-        qt = g.load("q_base + offs_m[None, :] * sqt + offs_d[:, None] * sqd", g.mask(m_ok_col, g.d_ok("col")))
-        do = g.load("do_base + offs_m[:, None] * sdot + offs_d[None, :] * sdod", g.mask(m_ok_row, g.d_ok("row")))
+        if tma:  # q_ptr and do_ptr are descriptors: zero-filled out of range, as the masked loads
+            qt = "tl.trans(q_ptr.load([b32, h32, m0, 0]).reshape(BLOCK_M, BLOCK_D))"
+            do = "do_ptr.load([b32, h32, m0, 0]).reshape(BLOCK_M, BLOCK_D)"
+        else:
+            qt = g.load("q_base + offs_m[None, :] * sqt + offs_d[:, None] * sqd", g.mask(m_ok_col, g.d_ok("col")))
+            do = g.load("do_base + offs_m[:, None] * sdot + offs_d[None, :] * sdod", g.mask(m_ok_row, g.d_ok("row")))
         causal = "\n    pt = tl.where(offs_m[None, :] >= offs_n[:, None], pt, 0.0)" if masked else ""
         lo, hi = ("masked_lo", "masked_hi") if masked else ("full_lo", str(tq))
         bias = g.bias_tile("offs_n[:, None] * szn", "offs_m[None, :] * szm", g.mask(n_ok_row, m_ok_col))
@@ -583,8 +594,7 @@ for m0 in range({lo}, {hi}, BLOCK_M):
         g.dropout_setup(),
         _ind(f"""
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            q_base = {g.head_base('q')}
-            do_base = {g.head_base('do')}{bias_base}
+            {box_bh if tma else f"q_base = {g.head_base('q')}{chr(10)}            do_base = {g.head_base('do')}"}{bias_base}
             k = {g.load(f"{g.head_base('k')} + offs_n[:, None] * skt + offs_d[None, :] * skd", kv_mask)}
             v = {g.load(f"{g.head_base('v')} + offs_n[:, None] * svt + offs_d[None, :] * svd", kv_mask)}
             dk = tl.zeros((BLOCK_N, BLOCK_D), {g.acc})
@@ -613,8 +623,12 @@ for m0 in range({lo}, {hi}, BLOCK_M):
     def key_loop(masked: bool) -> str:
         n_ok = f"offs_n[None, :] < {tk}" if masked and tk % g.bn else None
         keep = g.mask(n_ok, "offs_n[None, :] <= offs_m[:, None]" if g.causal else None)
-        kt = g.load("k_base + offs_n[None, :] * skt + offs_d[:, None] * skd", g.mask(n_ok, g.d_ok("col")))
-        vt = g.load("v_base + offs_n[None, :] * svt + offs_d[:, None] * svd", g.mask(n_ok, g.d_ok("col")))
+        if tma:  # k_ptr and v_ptr are descriptors
+            kt = "tl.trans(k_ptr.load([b32, h32, n0, 0]).reshape(BLOCK_N, BLOCK_D))"
+            vt = "tl.trans(v_ptr.load([b32, h32, n0, 0]).reshape(BLOCK_N, BLOCK_D))"
+        else:
+            kt = g.load("k_base + offs_n[None, :] * skt + offs_d[:, None] * skd", g.mask(n_ok, g.d_ok("col")))
+            vt = g.load("v_base + offs_n[None, :] * svt + offs_d[:, None] * svd", g.mask(n_ok, g.d_ok("col")))
         where = f"\n    p = tl.where({keep}, p, 0.0)" if masked and keep else ""
         lo, hi = ("masked_lo", "masked_hi") if masked else ("0", "full_hi")
         bias = g.bias_tile("offs_m[:, None] * szm", "offs_n[None, :] * szn", g.mask(m_ok_row, n_ok))
@@ -638,8 +652,7 @@ for n0 in range({lo}, {hi}, BLOCK_N):
         g.dropout_setup(),
         _ind(f"""
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            k_base = {g.head_base('k')}
-            v_base = {g.head_base('v')}{bias_base}
+            {box_bh if tma else f"k_base = {g.head_base('k')}{chr(10)}            v_base = {g.head_base('v')}"}{bias_base}
             q = {g.load(f"{g.head_base('q')} + offs_m[:, None] * sqt + offs_d[None, :] * sqd", q_mask)}
             do = {g.load(f"{g.head_base('do')} + offs_m[:, None] * sdot + offs_d[None, :] * sdod", q_mask)}
             lse = {lse_in.format(rows='offs_m', mask=row_mask('offs_m'))}
@@ -811,6 +824,10 @@ def _check_flags(flags) -> frozenset:
 
 
 def _check_flags_apply(g: "_Gen") -> None:
+    if {"tma_bwd", "fused_bwd"} <= g.flags:
+        raise ValueError("attention: source flags tma_bwd and fused_bwd do not combine (one kernel, two boxes)")
+    if g.f64 and g.flags & {"tma_kv", "tma_bwd"}:
+        raise ValueError("attention: the TMA source flags take 16-bit and f32 inputs, not float64")
     if "fma_scale" in g.flags and (g.bias or not g.scale > 0):
         raise ValueError("attention: source flag fma_scale needs scale > 0 and no bias "
                          f"(scale {g.scale!r}, bias {g.bias})")
@@ -897,18 +914,18 @@ def _results(name: str, specs, outs, device, strided: tuple[int, ...]) -> list[t
     return list(outs)
 
 
-def _descriptors(name: str, g: _Gen, *tensors: torch.Tensor) -> list:
-    """Host-built TMA descriptors of [B, H, T, D] tensors with a [1, 1, BLOCK_N, BLOCK_D]
-    box (the ``tma_kv`` flag's k and v); a layout TMA cannot address is an error."""
+def _descriptors(name: str, rows: int, g: _Gen, *tensors: torch.Tensor) -> list:
+    """Host-built TMA descriptors of [B, H, T, D] tensors with a [1, 1, rows, BLOCK_D] box
+    (the TMA source flags' operands); a layout TMA cannot address is an error."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     descs = []
     for t in tensors:
         size = t.element_size()
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:-1]):
-            raise ValueError(f"{name}: source flag tma_kv needs a unit last stride and 16-byte aligned base and "
+            raise ValueError(f"{name}: the TMA source flags need a unit last stride and 16-byte aligned base and "
                              f"strides; got strides {tuple(t.stride())} of {t.dtype} at offset {t.data_ptr() % 16}")
-        descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, g.bn, g.bd]))
+        descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, g.bd]))
     return descs
 
 
@@ -953,7 +970,7 @@ def lower_attention(op, cfg: LoweringConfig | None = None, *, precision: str = "
         if g.tk == 0:  # softmax over no keys: the reference's 0 / 0
             return [out.fill_(float("nan")), lse.fill_(float("-inf"))]
         _check_spans(name, max(g.bm, g.bn, g.bd), q, k, v, *z, out)
-        kd, vd = _descriptors(name, g, k, v) if "tma_kv" in g.flags else (k, v)
+        kd, vd = _descriptors(name, g.bn, g, k, v) if "tma_kv" in g.flags else (k, v)
         kernel[grid](q, kd, vd, *z, out, lse, *_strides4(q), *_strides4(k), *_strides4(v), *z_strides, *_strides4(out),
                      num_warps=warps, num_stages=stages)
         return [out, lse]
@@ -1015,11 +1032,14 @@ def lower_attention_backward(op, cfg: LoweringConfig | None = None, *, precision
             delta_k[(math.ceil(g.tq / _delta_rows(g.bd)), bh)](do, o, delta, *_strides4(do), *_strides4(o),
                                                                 num_warps=4)
         common = [*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(do), *lse.stride(), *z_strides]
+        tma = "tma_bwd" in g.flags
         if "dkdv" in kernels:
-            dkdv_k[(math.ceil(g.tk / g_kv.bn), bh)](q, k, v, *z, do, lse, delta, dk, dv, *ps, *common, *_strides4(dk),
+            qd, dod = _descriptors(name, g_kv.bm, g, q, do) if tma else (q, do)
+            dkdv_k[(math.ceil(g.tk / g_kv.bn), bh)](qd, k, v, *z, dod, lse, delta, dk, dv, *ps, *common, *_strides4(dk),
                                                      *_strides4(dv), num_warps=kv_warps, num_stages=kv_stages)
         if "dq" in kernels:
-            dq_k[(math.ceil(g.tq / g_q.bm), bh)](q, k, v, *z, do, lse, delta, dq, *ps, *common, *_strides4(dq),
+            kd, vd = _descriptors(name, g_q.bn, g, k, v) if tma else (k, v)
+            dq_k[(math.ceil(g.tq / g_q.bm), bh)](q, kd, vd, *z, do, lse, delta, dq, *ps, *common, *_strides4(dq),
                                                   num_warps=q_warps, num_stages=q_stages)
         if "fused" in kernels:
             programs = max(math.ceil(g.tk / g_kv.bn), math.ceil(g.tq / g_q.bm))
