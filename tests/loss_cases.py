@@ -15,20 +15,23 @@ import nova
 
 
 class LM(nn.Module):
-    def __init__(self, mode="mean", smoothing=0.0):
+    def __init__(self, mode="mean", smoothing=0.0, weighted=False):
         super().__init__()
         self.emb = nn.Embedding(16, 8)
         self.head = nn.Linear(8, 16)
         self.mode, self.smoothing = mode, smoothing
+        # class weights (a buffer: it follows .to(dtype)), one 0 among them: a target class of weight 0
+        self.register_buffer("weight", torch.linspace(0.0, 2.0, 16).roll(3) if weighted else None)
 
     def forward(self, ids, y):
         logits = self.head(torch.tanh(self.emb(ids))).flatten(0, 1)
         y = y.flatten()
         if self.mode == "none":  # per-token losses, masked and averaged by hand
-            per = F.cross_entropy(logits, y, reduction="none", label_smoothing=self.smoothing)
+            per = F.cross_entropy(logits, y, weight=self.weight, reduction="none", label_smoothing=self.smoothing)
             keep = (y != -100).to(per.dtype)
             return (per * keep).sum() / keep.sum().clamp(min=1.0)
-        return F.cross_entropy(logits, y, ignore_index=-100, reduction=self.mode, label_smoothing=self.smoothing)
+        return F.cross_entropy(logits, y, weight=self.weight, ignore_index=-100, reduction=self.mode,
+                               label_smoothing=self.smoothing)
 
 
 def run_both(model, batches, backend, dtype):

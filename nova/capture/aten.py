@@ -663,15 +663,53 @@ def _embedding(cx, weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse
 
 @converts(aten.cross_entropy_loss.default)
 def _cross_entropy(cx, logits, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
-    if weight is not None:
-        raise Unsupported("cross_entropy with class weights")
     if is_float(target.type):
         raise Unsupported("cross_entropy with class-probability targets (Nova takes int64 class ids)")
     if len(_shape(logits)) != 2 or elem_of(target.type) != i64:
         raise Unsupported("cross_entropy needs logits [N, C] and int64 class targets [N]")
     red = {0: "none", 1: "mean", 2: "sum"}[int(reduction)]
+    if weight is not None:
+        return _weighted_cross_entropy(cx, logits, target, weight, red, int(ignore_index), float(label_smoothing))
     props = {"ignore_index": int(ignore_index), "reduction": red, "label_smoothing": float(label_smoothing)}
     return cx.b.one(nv.CrossEntropyOp, [logits, target], props)
+
+
+def _weighted_cross_entropy(cx, logits, target, weight, red: str, ignore_index: int, eps: float) -> SSAValue:
+    """cross_entropy with class weights w [C], from plain ops, as ATen computes it
+    (``cross_entropy_loss_label_smoothing`` over ``nll_loss_nd``, and torch's decomposition of
+    ``nll_loss_forward``): logp = log_softmax(logits); a row's loss -(logp w)[t] where its target t
+    is not ignore_index, else 0; "mean" divides the sum by the targets' weights (0 / 0: NaN for
+    a batch of padding, as eager). With label smoothing eps: (1 - eps) of that plus eps / C of the
+    row's -sum(logp w) (0 where ignored), its "mean" divided by the same total weight. Not the
+    fused nova.cross_entropy (nor the LM head's fusion, which needs it): every op here has its own
+    VJP. An out-of-range target is caught on the device as a gather's index is."""
+    from nova.capture.aten_data import _gather
+
+    n, c = _shape(logits)
+    elem = elem_of(logits.type)
+    if list(_shape(weight)) != [c] or elem_of(weight.type) != elem:
+        raise Unsupported(f"cross_entropy with class weights {weight.type} for logits {logits.type} (eager takes a "
+                          f"[C] weight of the logits' dtype)")
+    logp = cx.b.one(nv.LogSoftmaxOp, [logits], {"dim": 1})
+    w = cx.b.broadcast_to(cx.b.reshape(weight, [1, c]), [n, c])
+    wl = cx.b.mul(logp, w)
+    keep = cx.b.one(nv.NeOp, [target, cx.b.full(float(ignore_index), [], i64)])
+    safe = cx.b.reshape(cx.b.where(keep, target, cx.b.full(0.0, [], i64)), [n, 1])
+    zero = cx.b.full(0.0, [], elem)
+    loss = cx.b.where(keep, cx.b.neg(cx.b.reshape(_gather(cx, wl, 1, safe), [n])), zero)
+    total = cx.b.reduce_sum(cx.b.where(keep, cx.b.reshape(_gather(cx, w, 1, safe), [n]), zero), [0])
+
+    def reduce(x: SSAValue) -> SSAValue:
+        if red == "none":
+            return x
+        s = cx.b.reduce_sum(x, [0])
+        return s if red == "sum" else cx.b.div(s, total)
+
+    nll = reduce(loss)
+    if not eps:
+        return nll
+    smooth = reduce(cx.b.where(keep, cx.b.neg(cx.b.reduce_sum(wl, [1])), zero))
+    return cx.b.add(cx.b.scale(nll, 1.0 - eps), cx.b.scale(smooth, eps / c))
 
 
 @converts(aten.scaled_dot_product_attention.default)

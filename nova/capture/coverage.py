@@ -44,10 +44,14 @@ covers `label_smoothing`, `reduction="none"` and a batch whose targets are all i
 Convolutions (1-, 2-, 3-D, stride, zero padding, dilation, groups) are a matmul over
 their patches (`tests/numerics/test_convolution.py`).
 
+`cross_entropy` with class weights is built from plain ops as ATen computes it (log_softmax,
+the targets' weighted log-probabilities, "mean" over the targets' weights, label smoothing),
+not the fused kernel (`tests/numerics/test_loss_edge_cases.py`).
+
 Not covered (a clear `nova.UnsupportedError`): transposed convolutions, batch norm's running
 statistics (buffer mutation in forward), `sort`/`topk`, `erfinv`, integer `bitwise`
-ops other than on booleans, data-dependent shapes (boolean-mask indexing), class
-weights in `cross_entropy`, `dropout_p >= 1` in SDPA, int16 / uint8 tensors, int32
+ops other than on booleans, data-dependent shapes (boolean-mask indexing), class-probability
+targets in `cross_entropy`, `dropout_p >= 1` in SDPA, int16 / uint8 tensors, int32
 values whose range Nova cannot bound (`nova/capture/int_range.py`).
 """
 
@@ -69,7 +73,7 @@ def render() -> str:
         "`where.ScalarOther`, `diff`, `tril`, `triu`, `stack`, `rms_norm`, `einsum`,",
         "`repeat_interleave`, `mse_loss`. What is still left is reported, all at once, by",
         "`nova.UnsupportedError` at compile time with each op's source line; so are arguments",
-        "a converter does not take (e.g. class weights in `cross_entropy`). SDPA's",
+        "a converter does not take (e.g. class-probability targets in `cross_entropy`). SDPA's",
         "`dropout_p` runs inside the attention kernels, with Nova's own random bits",
         "(`nova.rng`: torch's distribution, not its bit stream).",
         "",

@@ -1,8 +1,9 @@
 """Cross-entropy as real training code uses it, against eager PyTorch: a batch
 whose targets are all ignore_index (a batch of padding: eager's loss is NaN but
 its gradients are 0, so the optimizer still steps), label smoothing, and
-reduction="none" with the user's own masking. The Triton backend's version of
-the first test is in tests/kernels/test_triton_step_interpreted.py."""
+reduction="none" with the user's own masking, and class weights (built from plain ops, as
+ATen computes them). The Triton backend's version of the first test is in
+tests/kernels/test_triton_step_interpreted.py."""
 
 from __future__ import annotations
 
@@ -30,3 +31,30 @@ def test_label_smoothing_and_per_token_losses_match_eager(mode, smoothing):
     for mine, theirs in losses:
         assert abs(mine - theirs) <= 1e-12 * abs(theirs)
     assert worst < 1e-9, worst
+
+
+@pytest.mark.parametrize("mode,smoothing", [("mean", 0.0), ("mean", 0.1), ("sum", 0.2), ("none", 0.1), ("none", 0.0)])
+def test_class_weights_match_eager(mode, smoothing):
+    """cross_entropy(weight=): "mean" divides by the targets' weights (a class of weight 0
+    among them), ignore_index rows count nowhere, label smoothing weighs the row's sum too;
+    the batch of padding gives 0 / 0 = NaN under "mean" on both sides and leaves the
+    parameters finite."""
+    torch.manual_seed(2)
+    losses, worst = run_both(LM(mode, smoothing, weighted=True), loss_batches(), "reference", torch.float64)
+    for mine, theirs in losses:
+        assert (math.isnan(mine) and math.isnan(theirs)) or abs(mine - theirs) <= 1e-12 * abs(theirs)
+    assert math.isnan(losses[1][1]) == (mode == "mean")
+    assert worst < 1e-9, worst
+
+
+def test_class_weights_of_another_dtype_are_refused():
+    """Eager refuses a weight whose dtype is not the logits' (it is a buffer the model
+    did not convert); Nova says so before anything runs."""
+    import nova
+
+    model = LM("mean", 0.0, weighted=True).to(torch.float64)
+    model.weight = model.weight.float()
+    step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="reference")
+    ids, y = loss_batches()[0]
+    with pytest.raises(nova.UnsupportedError, match="class weights tensor<16xf32> for logits tensor<10x16xf64>"):
+        step(ids, y)
