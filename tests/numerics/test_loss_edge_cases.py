@@ -58,3 +58,19 @@ def test_class_weights_of_another_dtype_are_refused():
     ids, y = loss_batches()[0]
     with pytest.raises(nova.UnsupportedError, match="class weights tensor<16xf32> for logits tensor<10x16xf64>"):
         step(ids, y)
+
+
+def test_class_weights_with_a_target_out_of_range_raise_and_keep_the_parameters():
+    """A target id >= C (eager raises too): the gather's range check fails the step on
+    the device, and the parameters and optimizer state are as before it."""
+    import nova
+
+    model = LM("mean", 0.0, weighted=True).to(torch.float64)
+    before = [p.detach().clone() for p in model.parameters()]
+    step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="reference")
+    ids, y = loss_batches()[0]
+    y = y.clone()
+    y[1, 2] = 16
+    with pytest.raises(IndexError, match="out of range"):
+        step(ids, y)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
