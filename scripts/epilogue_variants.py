@@ -208,7 +208,7 @@ def apply_variant(variant: str) -> None:
             epilogue = k.get("epilogue", a[12] if len(a) > 12 else False)  # keywords from configure.configure_op, else positional
             if not epilogue:
                 return cfg
-            fields = {k: v for k, v in over.items() if k != "nows"}
+            fields = {name: value for name, value in over.items() if name != "nows"}
             if over.get("nows"):  # the unpartitioned kernel: the config without warp specialization
                 fields["instruction"] = cfg.instruction.replace("+ws", "")
             return dataclasses.replace(cfg, **fields)
