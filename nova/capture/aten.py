@@ -683,7 +683,7 @@ def _weighted_cross_entropy(cx, logits, target, weight, red: str, ignore_index: 
     row's -sum(logp w) (0 where ignored), its "mean" divided by the same total weight. Not the
     fused nova.cross_entropy (nor the LM head's fusion, which needs it): every op here has its own
     VJP. An out-of-range target is caught on the device as a gather's index is."""
-    from nova.capture.aten_data import _gather
+    from nova.capture.aten_data import _gather, _index_select
 
     n, c = _shape(logits)
     elem = elem_of(logits.type)
@@ -691,13 +691,15 @@ def _weighted_cross_entropy(cx, logits, target, weight, red: str, ignore_index: 
         raise Unsupported(f"cross_entropy with class weights {weight.type} for logits {logits.type} (eager takes a "
                           f"[C] weight of the logits' dtype)")
     logp = cx.b.one(nv.LogSoftmaxOp, [logits], {"dim": 1})
-    w = cx.b.broadcast_to(cx.b.reshape(weight, [1, c]), [n, c])
-    wl = cx.b.mul(logp, w)
     keep = cx.b.one(nv.NeOp, [target, cx.b.full(float(ignore_index), [], i64)])
-    safe = cx.b.reshape(cx.b.where(keep, target, cx.b.full(0.0, [], i64)), [n, 1])
+    safe = cx.b.where(keep, target, cx.b.full(0.0, [], i64))
     zero = cx.b.full(0.0, [], elem)
-    loss = cx.b.where(keep, cx.b.neg(cx.b.reshape(_gather(cx, wl, 1, safe), [n])), zero)
-    total = cx.b.reduce_sum(cx.b.where(keep, cx.b.reshape(_gather(cx, w, 1, safe), [n]), zero), [0])
+    # w[t] a row, not the [N, C] broadcast ATen gathers it from: the same value, and (logp w)[t]
+    # is logp[t] w[t], one rounding either way
+    wt = _index_select(cx, weight, 0, safe)
+    picked = cx.b.reshape(_gather(cx, logp, 1, cx.b.reshape(safe, [n, 1])), [n])
+    loss = cx.b.where(keep, cx.b.neg(cx.b.mul(picked, wt)), zero)
+    total = cx.b.reduce_sum(cx.b.where(keep, wt, zero), [0])
 
     def reduce(x: SSAValue) -> SSAValue:
         if red == "none":
@@ -708,6 +710,7 @@ def _weighted_cross_entropy(cx, logits, target, weight, red: str, ignore_index: 
     nll = reduce(loss)
     if not eps:
         return nll
+    wl = cx.b.mul(logp, cx.b.broadcast_to(cx.b.reshape(weight, [1, c]), [n, c]))
     smooth = reduce(cx.b.where(keep, cx.b.neg(cx.b.reduce_sum(wl, [1])), zero))
     return cx.b.add(cx.b.scale(nll, 1.0 - eps), cx.b.scale(smooth, eps / c))
 
