@@ -41,6 +41,21 @@ def counts(sass: str) -> tuple[int, collections.Counter]:
     return len(lines), ops
 
 
+def report(label: str, cases, only: tuple[str, ...] | None = None) -> None:
+    """One line per kernel the launches of ``cases`` ([(lower, inputs)]) start (or those named
+    in ``only``): its SASS instruction count and its most frequent opcodes."""
+    from test_rowwise import build_for_sm90  # the kernel tests' sm_90a build
+
+    from nova.codegen.triton.wgmma_check import sass_of
+
+    kernels: dict = {}
+    build_for_sm90(cases, kernels, specialize=True)
+    for name, (compiled, _) in kernels.items():
+        if only is None or name in only:
+            n, ops = counts(sass_of(compiled.asm["cubin"]))
+            print(f"{label} {name}: {n} SASS instructions; {dict(ops.most_common(12))}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--p", type=float, default=0.1)
@@ -50,83 +65,46 @@ def main() -> None:
                     help="only the forward at the configure stage's H100 config, bf16 (batch 32) and tf32 "
                          "(--batch), with and without the tma_kv source flag")
     args = ap.parse_args()
-    if args.tma_kv:
-        tma_kv(args.batch)
-        return
-    if args.precision == "tf32":
-        tf32(args.batch)
-        return
 
     import torch
-    from test_rowwise import build, build_for_sm90  # the kernel tests' op builder and sm_90a build
-
-    from nova.codegen.triton import attention
-    from nova.codegen.triton.wgmma_check import sass_of
-    from nova.ir import dialect as nv
-
-    q = torch.empty(2, 12, 1024, 64, dtype=torch.bfloat16)
-    for p in (0.0, args.p):
-        props, z = {"causal": True, "scale": 64**-0.5}, []
-        if p:
-            props |= {"dropout": p, "salt": 1}
-            z = [torch.tensor(5, dtype=torch.int64)]
-        op = build(nv.AttentionOp, [q, q, q, *z], props)
-        cubins: dict = {}
-        build_for_sm90([(lambda op=op: attention.lower_attention(op, None, precision="bf16"), [q, q, q, *z])], cubins,
-                       specialize=True)
-        for name, cubin in cubins.items():
-            n, ops = counts(sass_of(cubin))
-            print(f"p={p} {name}: {n} SASS instructions; {dict(ops.most_common(12))}")
-
-
-def tf32(batch: int) -> None:
-    import torch
-    from test_rowwise import build, build_for_sm90
+    from test_rowwise import build  # the kernel tests' op builder
 
     from nova.codegen.triton import attention
     from nova.codegen.triton import matmul as mm
-    from nova.codegen.triton.wgmma_check import sass_of
     from nova.ir import dialect as nv
     from nova.schedule.devices import DEVICES
     from nova.transforms.configure import configure_op
 
-    x, lse = torch.empty(batch, 12, 1024, 64), torch.empty(batch, 12, 1024)
-    props = {"causal": True, "scale": 64**-0.5}
-    fwd, bwd = build(nv.AttentionOp, [x, x, x], props), build(nv.AttentionBackwardOp, [x, x, x, x, x, lse], props)
-    cases = [(lambda: attention.lower_attention(fwd, configure_op(fwd, DEVICES["H100"], "tf32"), precision="tf32"),
-              [x, x, x]),
-             (lambda: attention.lower_attention_backward(bwd, configure_op(bwd, DEVICES["H100"], "tf32"),
-                                                         precision="tf32"), [x, x, x, x, x, lse])]  # fmt: skip
-    for cvt in (False, True):
-        mm.TF32_RN_CVT = cvt
-        cubins: dict = {}
-        build_for_sm90(cases, cubins, specialize=True)
-        for name, cubin in cubins.items():
-            n, ops = counts(sass_of(cubin))
-            print(f"TF32_RN_CVT={cvt} {name}: {n} SASS instructions; {dict(ops.most_common(12))}")
-
-
-def tma_kv(batch: int) -> None:
-    import torch
-    from test_rowwise import build, build_for_sm90
-
-    from nova.codegen.triton import attention
-    from nova.codegen.triton.wgmma_check import sass_of
-    from nova.ir import dialect as nv
-    from nova.schedule.devices import DEVICES
-    from nova.transforms.configure import configure_op
-
-    for dtype, precision, b in ((torch.bfloat16, "bf16", 32), (torch.float32, "tf32", batch)):
-        x = torch.empty(b, 12, 1024, 64, dtype=dtype)
-        op = build(nv.AttentionOp, [x, x, x], {"causal": True, "scale": 64**-0.5})
-        cfg = configure_op(op, DEVICES["H100"], precision)
-        for flags in ((), ("tma_kv",)):
-            cubins: dict = {}
-            build_for_sm90([(lambda: attention.lower_attention(op, cfg, precision=precision, source_flags=flags),
-                             [x, x, x])], cubins, specialize=True)
-            n, ops = counts(sass_of(cubins["attention_fwd"]))
-            print(f"{precision} forward {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
-                  f"{'+'.join(flags) or 'pointer loads'}: {n} SASS instructions; {dict(ops.most_common(12))}")
+    causal = {"causal": True, "scale": 64**-0.5}
+    if args.tma_kv:
+        for dtype, precision, b in ((torch.bfloat16, "bf16", 32), (torch.float32, "tf32", args.batch)):
+            x = torch.empty(b, 12, 1024, 64, dtype=dtype)
+            op = build(nv.AttentionOp, [x, x, x], causal)
+            cfg = configure_op(op, DEVICES["H100"], precision)
+            for flags in ((), ("tma_kv",)):
+                report(f"{precision} forward {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
+                       f"{'+'.join(flags) or 'pointer loads'}",
+                       [(lambda: attention.lower_attention(op, cfg, precision=precision, source_flags=flags),
+                         [x, x, x])], only=("attention_fwd",))  # fmt: skip
+    elif args.precision == "tf32":
+        x, lse = torch.empty(args.batch, 12, 1024, 64), torch.empty(args.batch, 12, 1024)
+        fwd, bwd = build(nv.AttentionOp, [x, x, x], causal), build(nv.AttentionBackwardOp, [x, x, x, x, x, lse], causal)
+        cases = [(lambda: attention.lower_attention(fwd, configure_op(fwd, DEVICES["H100"], "tf32"), precision="tf32"),
+                  [x, x, x]),
+                 (lambda: attention.lower_attention_backward(bwd, configure_op(bwd, DEVICES["H100"], "tf32"),
+                                                             precision="tf32"), [x, x, x, x, x, lse])]  # fmt: skip
+        for cvt in (False, True):
+            mm.TF32_RN_CVT = cvt
+            report(f"TF32_RN_CVT={cvt}", cases)
+    else:
+        q = torch.empty(2, 12, 1024, 64, dtype=torch.bfloat16)
+        for p in (0.0, args.p):
+            props, z = dict(causal), []
+            if p:
+                props |= {"dropout": p, "salt": 1}
+                z = [torch.tensor(5, dtype=torch.int64)]
+            op = build(nv.AttentionOp, [q, q, q, *z], props)
+            report(f"p={p}", [(lambda op=op: attention.lower_attention(op, None, precision="bf16"), [q, q, q, *z])])
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ import time
 
 import torch
 
-_PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.bool: "*u8", torch.int64: "*i64", torch.float64: "*fp64"}
+_PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.bool: "*u8", torch.int64: "*i64", torch.float64: "*fp64",
+        torch.int32: "*i32"}
 _DESC = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.bool: "u8", torch.int64: "i64"}
 
 

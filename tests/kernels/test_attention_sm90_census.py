@@ -10,47 +10,23 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import torch
-from test_rowwise import build, run_sm90_build
+from test_rowwise import build, build_for_sm90, run_sm90_build
 
 from nova.ir import dialect as nv
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
 
-_PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16"}
-_STATS = ("lse_ptr", "delta_ptr")  # f32 whatever the inputs
-_UNIT = re.compile(r"^s[a-z]+d$")  # a tensor's last-dim stride (sqd, skd, sdod, sdkd, ...): 1 in the step
-
-
-def _compile(src: str, name: str, dtype: torch.dtype, warps: int, stages: int) -> dict:
-    from epilogue_sm90_check import build_sm90  # scripts/: Triton's ptxas for sm_90a, with its log
-
-    from nova.codegen.triton.source import load_kernel
-
-    fn, _ = load_kernel(src, name)
-    sig, consts, attrs = {}, {}, {}
-    for i, a in enumerate(fn.arg_names):
-        if a.endswith("_ptr"):
-            sig[a] = "*fp32" if a in _STATS else _PTR[dtype]
-        elif _UNIT.match(a):
-            sig[a], consts[a] = "constexpr", 1
-            continue
-        else:
-            sig[a] = "i32"
-        attrs[(i,)] = [["tt.divisibility", 16]]
-    k, log = build_sm90(fn, sig, consts, attrs, warps, stages)
-    ttgir = k.asm["ttgir"]
+def _row(compiled, log: str) -> dict:
+    ttgir = compiled.asm["ttgir"]
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
     return {"dots": ttgir.count("tt.dot ") + ttgir.count("ttng.warp_group_dot "),
             "wgmma": ttgir.count("ttng.warp_group_dot "), "spill_bytes": max(spills, default=0)}
 
 
 def census() -> list[dict]:
+    """Every distinct kernel of the two precisions on the two devices, built as a launch
+    specializes its arguments (``build_for_sm90(specialize=True)``)."""
     from nova.codegen.triton import attention as A
     from nova.schedule.devices import DEVICES
     from nova.transforms.configure import configure_op
@@ -65,15 +41,22 @@ def census() -> list[dict]:
             spec = DEVICES[device]
             kf = A.lower_attention(fwd, configure_op(fwd, spec, precision), precision=precision)
             kb = A.lower_attention_backward(bwd, configure_op(bwd, spec, precision), precision=precision)
-            for src, name, cfg in ((kf.source, "attention_fwd", kf.config), (kb.source, "attention_bwd_dkdv", kb.config),
-                                   (kb.source, "attention_bwd_dq", kb.extra["dq_config"])):
-                key = (src, name, cfg.num_warps, cfg.num_stages)
-                if key in seen:
+            tiles = {"attention_fwd": (kf.source, kf.config), "attention_bwd_dkdv": (kb.source, kb.config),
+                     "attention_bwd_dq": (kb.source, kb.extra["dq_config"])}
+            keys = {name: (src, name, cfg.num_warps, cfg.num_stages) for name, (src, cfg) in tiles.items()}
+            if all(k in seen for k in keys.values()):
+                continue
+            kernels: dict = {}
+            build_for_sm90([(lambda kf=kf: kf, [x, x, x]), (lambda kb=kb: kb, [x, x, x, x, x, lse])], kernels,
+                           specialize=True)
+            assert set(tiles) <= set(kernels), sorted(kernels)  # and the backward's delta pass, no dot in it
+            for name, (_, cfg) in tiles.items():
+                if keys[name] in seen:
                     continue
-                seen.add(key)
+                seen.add(keys[name])
                 row = {"precision": precision, "device": device, "kernel": name,
                        "tile": f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"}
-                rows.append(row | _compile(src, name, dtype, cfg.num_warps, cfg.num_stages))
+                rows.append(row | _row(*kernels[name]))
     return rows
 
 

@@ -342,24 +342,30 @@ def test_every_rowwise_op_registered():
     assert all(op in LOWERINGS for op in ops)
 
 
-def build_for_sm90(cases, cubins: dict | None = None, specialize: bool = False) -> list[str]:
+def build_for_sm90(cases, kernels: dict | None = None, specialize: bool = False) -> list[str]:
     """Build (not run) every kernel the launches of ``cases`` ([(lower, inputs)])
     would start, for sm_90 with the real compiler and ptxas; no GPU needed. Runs in
     a process without TRITON_INTERPRET: the interpreter leaves triton.language
     patched after it runs (device-function calls are never unpatched), and it
     accepts programs the compiler rejects, which is what this build catches.
-    Returns the names of the kernels built; ``cubins`` (a dict) receives each one's
-    binary by name (scripts/attention_sass.py reads their machine code). ``specialize``:
-    the arguments as Triton's launcher specializes them (an integer 1 a constant, integers
-    and pointers divisible by 16 known so), the code a launch on the device compiles;
-    without it every integer and pointer is unknown (fewer vectorized accesses)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    Returns the names of the kernels built; ``kernels`` (a dict) receives each one's
+    (compiled kernel, ptxas -v log) by name (scripts/attention_sass.py reads their machine
+    code, test_attention_sm90_census their wgmma and spills). ``specialize``: the arguments
+    as Triton's launcher specializes them (an integer 1 a constant, integers and pointers
+    divisible by 16 known so), the code a launch on the device compiles; without it every
+    integer and pointer is unknown (fewer vectorized accesses). The compile itself is
+    scripts/epilogue_sm90_check.build_sm90's."""
+    import sys
+    from pathlib import Path
+
     from triton.runtime.jit import JITFunction
 
-    pointer = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float64: "*fp64", torch.int64: "*i64",
-               torch.int32: "*i32"}
+    scripts = str(Path(__file__).resolve().parents[2] / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    from epilogue_sm90_check import _PTR as pointer
+    from epilogue_sm90_check import build_sm90
+
     built = []
 
     def build_only(self, *args, grid, warmup, **kwargs):
@@ -379,12 +385,11 @@ def build_for_sm90(cases, cubins: dict | None = None, specialize: bool = False) 
             sig[p.name] = pointer[a.dtype] if isinstance(a, torch.Tensor) else "i32" if abs(a) < 2**31 else "i64"
             if specialize and (a.data_ptr() if isinstance(a, torch.Tensor) else a) % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-        compiled = triton.compile(ASTSource(fn=self, signature=sig, constexprs=consts, attrs=attrs),
-                                  target=GPUTarget("cuda", 90, 32), options=options)
+        compiled, log = build_sm90(self, sig, consts, attrs, options.get("num_warps", 4), options.get("num_stages", 3))
         assert "cubin" in compiled.asm
         built.append(self.fn.__name__)
-        if cubins is not None:
-            cubins[self.fn.__name__] = compiled.asm["cubin"]
+        if kernels is not None:
+            kernels[self.fn.__name__] = (compiled, log)
 
     original, JITFunction.run = JITFunction.run, build_only
     try:
