@@ -187,24 +187,31 @@ def test_tf32_rn_rounding_is_bit_exact():
     assert out[4].isnan() and out[5] == float("inf")
 
 
-def test_tf32_rn_cvt_text_and_its_refusal_under_the_interpreter(monkeypatch):
+def test_tf32_rn_cvt_text_and_the_targets_without_it(monkeypatch):
     """``TF32_RN_CVT`` writes the rounding as ``cvt.rn.tf32.f32`` (one instruction, sm_90+) in
-    the K loop's text and in ``tf32_rn``; off, the integer arithmetic. Under the interpreter,
-    which runs no inline assembly, it is refused (its bits are checked on the device:
-    tests/gpu/test_tf32_cvt_gpu.py)."""
+    the K loop's text and in ``tf32_rn``; off, the integer arithmetic. For a target without the
+    instruction (the interpreter, which runs no inline assembly; a device before sm_90) it writes
+    the integer arithmetic, whose bits the instruction's are checked against on the device
+    (tests/gpu/test_tf32_cvt_gpu.py)."""
     from nova.codegen.triton import source
 
-    assert "0xFFFFE000" in mm.tf32_rn_text("a") and "cvt" not in mm.tf32_rn_fn()
+    integer = mm.tf32_rn_text("a")
+    assert "0xFFFFE000" in integer and "cvt" not in mm.tf32_rn_fn()
     monkeypatch.setattr(mm, "TF32_RN_CVT", True)
     monkeypatch.setattr(source, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # an offline sm_90a build
     text = mm.tf32_rn_text("a")
     assert text.startswith("a = tl.inline_asm_elementwise(") and "cvt.rn.tf32.f32 $0, $1;" in text
     assert "0xFFFFE000" not in mm.tf32_rn_fn() and "def tf32_rn(x):" in mm.tf32_rn_fn()
     cast, _ = mm._dot_text("float32", "tf32-rn", ("b",))
     assert cast.count("cvt.rn.tf32.f32") == 1  # A only: B is prerounded
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))  # an A100
+    assert mm.tf32_rn_text("a") == integer
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
+    assert mm.tf32_rn_text("a") == text
     monkeypatch.setattr(source, "interpreting", lambda: True)
-    with pytest.raises(ValueError, match="no inline assembly"):
-        mm.tf32_rn_text("a")
+    assert mm.tf32_rn_text("a") == integer
 
 
 def test_tf32_rn_kernel_rounds_operands_like_the_host(device):

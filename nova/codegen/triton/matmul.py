@@ -240,20 +240,30 @@ TF32_RN = ("{x}_bits = {x}.to(tl.uint32, bitcast=True)\n"
 # The same rounding as one instruction, ``cvt.rn.tf32.f32`` (round to nearest even; sm_90 and
 # newer, PTX 7.8), in place of the four integer operations: the kernels that round in registers
 # (a matmul's register-path operands, the attention kernels' dot operands, the LM head's d) spend
-# CUDA-core issue slots beside the tensor cores on it. Off: not yet measured on a device; the
-# interpreter runs no inline assembly (``tf32_rn_text`` refuses it there).
+# CUDA-core issue slots beside the tensor cores on it. Where the kernels are built for a target
+# without it (the interpreter, which runs no inline assembly; a CUDA device before sm_90) the
+# integer form is written instead: the same bits (tests/gpu/test_tf32_cvt_gpu.py checks that on
+# a Hopper GPU), so the switch chooses an instruction, never a result. Off: not yet measured.
 TF32_RN_CVT = False
+
+
+def cvt_target() -> bool:
+    """Whether the kernels being built can use ``cvt.rn.tf32.f32``: not under the interpreter,
+    not for a CUDA device older than sm_90; with no CUDA device (an offline sm_90a build) yes."""
+    import torch
+
+    from nova.codegen.triton.source import interpreting
+
+    if interpreting():
+        return False
+    return not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (9, 0)
 
 
 def tf32_rn_text(x: str) -> str:
     """Lines rounding the fp32 tile ``x`` to tf32 in place: ``TF32_RN``'s integer arithmetic, or
-    the instruction under ``TF32_RN_CVT``."""
-    if not TF32_RN_CVT:
+    the instruction under ``TF32_RN_CVT`` where the target has it (``cvt_target``)."""
+    if not (TF32_RN_CVT and cvt_target()):
         return TF32_RN.format(x=x)
-    from nova.codegen.triton.source import interpreting
-
-    if interpreting():
-        raise ValueError("matmul.TF32_RN_CVT: the Triton interpreter runs no inline assembly (cvt.rn.tf32.f32)")
     return (f'{x} = tl.inline_asm_elementwise("cvt.rn.tf32.f32 $0, $1;", "=r,f", [{x}], dtype=tl.uint32, '
             f"is_pure=True, pack=1).to(tl.float32, bitcast=True)")
 
