@@ -62,3 +62,24 @@ def loss_batches(all_ignored_at=1):
     return out
 
 
+class SoftLM(LM):
+    """Class-probability targets: given (a batch's soft labels, as mixup or a stored teacher's),
+    or a second head's softmax not detached, so that the loss's gradient flows into the
+    targets too."""
+
+    def __init__(self, mode, smoothing, weighted, from_teacher):
+        super().__init__(mode, smoothing, weighted)
+        self.teacher = nn.Linear(8, 16) if from_teacher else None
+
+    def forward(self, ids, p):
+        h = torch.tanh(self.emb(ids)).flatten(0, 1)
+        target = torch.softmax(self.teacher(h), dim=-1) if self.teacher is not None else p.flatten(0, 1)
+        return F.cross_entropy(self.head(h), target, weight=self.weight, reduction=self.mode,
+                               label_smoothing=self.smoothing)
+
+
+def soft_batches(dtype=torch.float64):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, 16, (2, 5), generator=g),
+             torch.softmax(3 * torch.randn(2, 5, 16, generator=g, dtype=torch.float64), -1).to(dtype))
+            for _ in range(3)]

@@ -663,11 +663,12 @@ def _embedding(cx, weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse
 
 @converts(aten.cross_entropy_loss.default)
 def _cross_entropy(cx, logits, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
-    if is_float(target.type):
-        raise Unsupported("cross_entropy with class-probability targets (Nova takes int64 class ids)")
-    if len(_shape(logits)) != 2 or elem_of(target.type) != i64:
-        raise Unsupported("cross_entropy needs logits [N, C] and int64 class targets [N]")
     red = {0: "none", 1: "mean", 2: "sum"}[int(reduction)]
+    if is_float(target.type):
+        return _probability_cross_entropy(cx, logits, target, weight, red, int(ignore_index), float(label_smoothing))
+    if len(_shape(logits)) != 2 or elem_of(target.type) != i64:
+        raise Unsupported("cross_entropy needs logits [N, C] and int64 class targets [N] (or class probabilities "
+                          "[N, C])")
     if weight is not None:
         return _weighted_cross_entropy(cx, logits, target, weight, red, int(ignore_index), float(label_smoothing))
     props = {"ignore_index": int(ignore_index), "reduction": red, "label_smoothing": float(label_smoothing)}
@@ -713,6 +714,35 @@ def _weighted_cross_entropy(cx, logits, target, weight, red: str, ignore_index: 
     wl = cx.b.mul(logp, cx.b.broadcast_to(cx.b.reshape(weight, [1, c]), [n, c]))
     smooth = reduce(cx.b.where(keep, cx.b.neg(cx.b.reduce_sum(wl, [1])), zero))
     return cx.b.add(cx.b.scale(nll, 1.0 - eps), cx.b.scale(smooth, eps / c))
+
+
+def _probability_cross_entropy(cx, logits, target, weight, red: str, ignore_index: int, eps: float) -> SSAValue:
+    """cross_entropy with class-probability targets p [N, C] (distillation, mixup), from plain
+    ops as ATen's ``cross_entropy_loss_prob_target`` computes it: logp = log_softmax(logits);
+    with label smoothing p (1 - eps) + eps / C; the product logp p (times w [C] with class
+    weights); "none" each row's negated sum, "sum" the negated sum of all, "mean" that divided by
+    N (not by the weights, unlike class-id targets). The targets may carry gradients (a
+    teacher's probabilities not detached): every op has its own VJP."""
+    n, c = _shape(logits) if len(_shape(logits)) == 2 else (None, None)
+    elem = elem_of(logits.type)
+    if n is None or list(_shape(target)) != [n, c] or elem_of(target.type) != elem:
+        raise Unsupported(f"cross_entropy with class-probability targets {target.type} for logits {logits.type} "
+                          f"(Nova takes logits [N, C] and targets of the same shape and dtype)")
+    if ignore_index >= 0:  # eager: "ignore_index is not supported for floating point target"
+        raise Unsupported(f"cross_entropy with class-probability targets and ignore_index {ignore_index}")
+    if weight is not None and (list(_shape(weight)) != [c] or elem_of(weight.type) != elem):
+        raise Unsupported(f"cross_entropy with class weights {weight.type} for logits {logits.type} (eager takes a "
+                          f"[C] weight of the logits' dtype)")
+    logp = cx.b.one(nv.LogSoftmaxOp, [logits], {"dim": 1})
+    if eps:
+        target = cx.b.add(cx.b.scale(target, 1.0 - eps), cx.b.full(eps / c, [], elem))
+    prod = cx.b.mul(logp, target)
+    if weight is not None:
+        prod = cx.b.mul(prod, cx.b.broadcast_to(cx.b.reshape(weight, [1, c]), [n, c]))
+    if red == "none":
+        return cx.b.neg(cx.b.reduce_sum(prod, [1]))
+    total = cx.b.neg(cx.b.reduce_sum(prod, [0, 1]))
+    return total if red == "sum" else cx.b.div(total, cx.b.full(float(n), [], elem))
 
 
 @converts(aten.scaled_dot_product_attention.default)

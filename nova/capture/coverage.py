@@ -46,12 +46,14 @@ their patches (`tests/numerics/test_convolution.py`).
 
 `cross_entropy` with class weights is built from plain ops as ATen computes it (log_softmax,
 the targets' weighted log-probabilities, "mean" over the targets' weights, label smoothing),
-not the fused kernel (`tests/numerics/test_loss_edge_cases.py`).
+not the fused kernel (`tests/numerics/test_loss_edge_cases.py`); so is `cross_entropy` with
+class-probability targets [N, C] (ATen's `cross_entropy_loss_prob_target`: "mean" over N,
+label smoothing, class weights, targets that carry gradients).
 
 Not covered (a clear `nova.UnsupportedError`): transposed convolutions, batch norm's running
 statistics (buffer mutation in forward), `sort`/`topk`, `erfinv`, integer `bitwise`
-ops other than on booleans, data-dependent shapes (boolean-mask indexing), class-probability
-targets in `cross_entropy`, `dropout_p >= 1` in SDPA, int16 / uint8 tensors, int32
+ops other than on booleans, data-dependent shapes (boolean-mask indexing), `ignore_index`
+with class-probability targets (eager refuses it too), `dropout_p >= 1` in SDPA, int16 / uint8 tensors, int32
 values whose range Nova cannot bound (`nova/capture/int_range.py`).
 """
 

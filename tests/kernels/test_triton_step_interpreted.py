@@ -122,3 +122,17 @@ def test_interpreted_triton_step_survives_a_batch_of_padding(mode, smoothing, we
     for mine, theirs in (losses[0], losses[2]):
         assert abs(mine - theirs) <= 1e-5 * abs(theirs)
     assert worst < 1e-4, worst
+
+
+@pytest.mark.parametrize("weighted,from_teacher", [(True, False), (False, True)])
+def test_interpreted_triton_step_trains_class_probability_targets(weighted, from_teacher):
+    """cross_entropy with [N, C] probabilities (plain ops, each its own kernel), given or a
+    second head's softmax, against eager in float32."""
+    from loss_cases import SoftLM, run_both, soft_batches
+
+    torch.manual_seed(0)
+    losses, worst = run_both(SoftLM("mean", 0.1, weighted, from_teacher), soft_batches(torch.float32), "triton",
+                             torch.float32)
+    for mine, theirs in losses:
+        assert abs(mine - theirs) <= 1e-5 * abs(theirs)
+    assert worst < 1e-4, worst

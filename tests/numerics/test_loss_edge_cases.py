@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from loss_cases import LM, loss_batches, run_both
+from loss_cases import LM, SoftLM, loss_batches, run_both, soft_batches
 
 
 def test_a_batch_of_padding_gives_nan_loss_and_leaves_training_intact():
@@ -74,3 +74,37 @@ def test_class_weights_with_a_target_out_of_range_raise_and_keep_the_parameters(
     with pytest.raises(IndexError, match="out of range"):
         step(ids, y)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize("mode,smoothing,weighted,from_teacher",
+                         [("mean", 0.0, False, False), ("mean", 0.1, True, False), ("sum", 0.2, False, False),
+                          ("none", 0.0, True, False), ("mean", 0.1, False, True)])  # fmt: skip
+def test_class_probability_targets_match_eager(mode, smoothing, weighted, from_teacher):
+    """cross_entropy with [N, C] probabilities: "mean" divides by N whatever the weights,
+    label smoothing mixes in eps / C; with the targets a second head's softmax, both heads train."""
+    torch.manual_seed(4)
+    model = SoftLM(mode, smoothing, weighted, from_teacher)
+    losses, worst = run_both(_Summed(model) if mode == "none" else model, soft_batches(), "reference",
+                             torch.float64)
+    for mine, theirs in losses:
+        assert abs(mine - theirs) <= 1e-12 * abs(theirs)
+    assert worst < 1e-9, worst
+
+
+class _Summed(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids, p):
+        return (self.inner(ids, p) * torch.linspace(0.5, 1.5, 10, dtype=torch.float64)).sum()
+
+
+def test_class_probability_targets_of_another_dtype_are_refused():
+    import nova
+
+    model = SoftLM("mean", 0.0, False, False).to(torch.float64)
+    step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="reference")
+    ids, p = soft_batches()[0]
+    with pytest.raises(nova.UnsupportedError, match="class-probability targets tensor<10x16xf32> for logits"):
+        step(ids, p.float())
