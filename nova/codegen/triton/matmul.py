@@ -243,8 +243,11 @@ TF32_RN = ("{x}_bits = {x}.to(tl.uint32, bitcast=True)\n"
 # CUDA-core issue slots beside the tensor cores on it. Where the kernels are built for a target
 # without it (the interpreter, which runs no inline assembly; a CUDA device before sm_90) the
 # integer form is written instead: the same bits (tests/gpu/test_tf32_cvt_gpu.py checks that on
-# a Hopper GPU), so the switch chooses an instruction, never a result. Off: not yet measured.
-TF32_RN_CVT = False
+# a Hopper GPU), so the switch chooses an instruction, never a result. On since 2026-12-07
+# (twenty-fourth session): on an H100 at a4d16f9, Nova alone, off then on, the 46M MLP tf32 b8
+# 953,317 -> 981,290 tok/s (+2.9%) and GPT-2 124M tf32 b16 224,447 -> 233,550 (+4.1%)
+# (bench/results/runs/ab_cvt_*_h100_a4d16f9.json).
+TF32_RN_CVT = True
 
 
 def cvt_target() -> bool:
