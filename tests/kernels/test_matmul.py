@@ -214,6 +214,26 @@ def test_tf32_rn_cvt_text_and_the_targets_without_it(monkeypatch):
     assert mm.tf32_rn_text("a") == integer
 
 
+def test_generated_kernels_are_cached_per_rounding_form(monkeypatch):
+    """A process that turns ``TF32_RN_CVT`` on after a kernel was generated gets the other text,
+    not the cached one (the cache is keyed by ``rn_cvt()``, which ``_run`` passes)."""
+    from nova.codegen.triton import source
+
+    monkeypatch.setattr(source, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(mm, "load_kernel", lambda src, name: (src, f"{name}.py"))  # the text, not a kernel
+    c = LoweringConfig(kind="matmul", block_m=32, block_n=64, block_k=16, num_warps=4, num_stages=2)
+    texts = []
+    try:
+        for on in (False, True):
+            monkeypatch.setattr(mm, "TF32_RN_CVT", on)
+            kern = mm.matmul_kernels(c, False, "tf32-rn", "float32", "float32", False, False, False, None, mm.rn_cvt())
+            texts.append(kern.main)
+    finally:
+        mm.matmul_kernels.cache_clear()  # no stub's text left for a later test
+    assert "cvt.rn.tf32.f32" not in texts[0] and "cvt.rn.tf32.f32" in texts[1]
+
+
 def test_tf32_rn_kernel_rounds_operands_like_the_host(device):
     """precision="tf32-rn" rounds both operand tiles in the kernel (the TF32_RN text,
     the same arithmetic as round_to_tf32). The interpreter computes the tf32 dot in

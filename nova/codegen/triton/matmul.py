@@ -262,10 +262,18 @@ def cvt_target() -> bool:
     return not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (9, 0)
 
 
+def rn_cvt() -> bool:
+    """Whether ``tf32_rn_text`` writes the instruction now: ``TF32_RN_CVT`` and a target that has
+    it. Part of the key of every cache of generated kernels (``matmul_kernels``,
+    ``streamk_kernels``), so that a process that changes the switch never launches a kernel
+    generated under the other value."""
+    return TF32_RN_CVT and cvt_target()
+
+
 def tf32_rn_text(x: str) -> str:
     """Lines rounding the fp32 tile ``x`` to tf32 in place: ``TF32_RN``'s integer arithmetic, or
-    the instruction under ``TF32_RN_CVT`` where the target has it (``cvt_target``)."""
-    if not (TF32_RN_CVT and cvt_target()):
+    the instruction under ``TF32_RN_CVT`` where the target has it (``rn_cvt``)."""
+    if not rn_cvt():
         return TF32_RN.format(x=x)
     return (f'{x} = tl.inline_asm_elementwise("cvt.rn.tf32.f32 $0, $1;", "=r,f", [{x}], dtype=tl.uint32, '
             f"is_pure=True, pack=1).to(tl.float32, bitcast=True)")
@@ -833,8 +841,9 @@ def _streamk_device_tables(device: torch.device, tiles: int, k_steps: int, progr
 
 @functools.lru_cache(maxsize=None)
 def streamk_kernels(cfg: LoweringConfig, tma: TmaLayout, has_bias: bool, precision: str, in_dtype: str,
-                    out_dtype: str, prerounded: tuple[str, ...], interpreted: bool = False):
-    """(main, fix-up, source path) of ``streamk_source`` (``interpreted`` keys the cache)."""
+                    out_dtype: str, prerounded: tuple[str, ...], interpreted: bool = False, cvt: bool = False):
+    """(main, fix-up, source path) of ``streamk_source`` (``interpreted`` and ``cvt``, ``rn_cvt()``'s
+    value, key the cache)."""
     key_cfg = LoweringConfig(kind="matmul", block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k,
                              group_m=cfg.group_m, instruction=cfg.instruction)  # (the path: _register_a)
     src = streamk_source(key_cfg, tma, has_bias=has_bias, precision=precision, in_dtype=in_dtype,
@@ -1539,6 +1548,7 @@ def matmul_kernels(
     index_64: bool,
     interpreted: bool = False,  # part of the key: @triton.jit builds a different object
     tma: TmaLayout | None = None,
+    cvt: bool = False,  # part of the key: rn_cvt(), the tf32 rounding's form in the text
     prerounded: tuple[str, ...] = (),
     epilogue: Epilogue | None = None,
     serial: bool = False,
@@ -2096,7 +2106,7 @@ def _run_streamk(a3, b3, bias, cfg, precision, out, c3, tma, in_name, out_name, 
     ``streamk_source``): the main kernel on one program an SM, then the fix-up."""
     M, K, N = a3.shape[1], a3.shape[2], b3.shape[2]
     main, fixup, path = streamk_kernels(cfg, tma[0], bias is not None, precision, in_name, out_name, staged,
-                                        interpreting())
+                                        interpreting(), rn_cvt())
     if record is not None and path not in record:
         record[path] = kernel_source(main)
     programs, segments = streamk_plan(M, N, K, cfg, num_programs or _num_sms(a3.device))
@@ -2254,8 +2264,8 @@ def _run(a, b, bias, cfg, precision, out, out_dtype, num_programs, warmup, recor
     if e_descs is not None:
         tma = (dataclasses.replace(tma[0], e=True), tma[1])
     kern = matmul_kernels(
-        cfg, bias is not None, precision, out_name, in_name, batched, index_64, interpreting(), tma and tma[0], staged,
-        ep, serial, last, pro,
+        cfg, bias is not None, precision, out_name, in_name, batched, index_64, interpreting(), tma and tma[0], rn_cvt(),
+        staged, ep, serial, last, pro,
     )
 
     if record is not None and kern.path not in record:  # once per kernel: this runs every step
