@@ -706,9 +706,9 @@ class CompiledStep:
                 args.append(by_name[s.name].detach())
             elif s.role == "buffer":
                 args.append(c.captured.buffers[s.name])
-            elif s.role == "batch":  # an int32 batch is the step's int64 argument (the executable's copy casts)
+            elif s.role == "batch":  # a narrow-int batch is the step's int64 argument (the executable's copy casts)
                 t = batch[c.captured.batch_names.index(s.name)]
-                args.append(t.long() if t.dtype == torch.int32 else t)
+                args.append(t.long() if t.dtype in (torch.int32, torch.int16, torch.int8, torch.uint8) else t)
             elif s.role == "seed":
                 # one draw from torch's default generator per step: torch.manual_seed reproduces runs
                 args.append(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).to(device))

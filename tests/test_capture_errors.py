@@ -207,9 +207,63 @@ def test_a_batch_of_an_unsupported_dtype_is_named():
     model = Weighted()
     step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.1))
     ids, y = _batch()
-    w = torch.ones(2, 6, dtype=torch.int16)
-    model(ids, y, w)  # eager runs it
-    with pytest.raises(nova.UnsupportedError, match=r"int16 .*and int32 batches\)"):
+    w = torch.ones(2, 6, dtype=torch.complex64)
+    with pytest.raises(nova.UnsupportedError, match=r"complex64 .*and int32, int16, int8 and uint8 batches\)"):
+        step(ids, y, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16])
+def test_a_narrow_int_batch_trains_as_its_int64_copy(dtype):
+    """Per-token weights given as uint8 / int8 / int16 (as image pixels or quantized labels come),
+    captured as the step's int64 argument and copied in widened: bit for bit the step given
+    the int64 copy, and eager's loss and parameters."""
+    torch.manual_seed(0)
+    model, twin, wide = (Weighted().double() for _ in range(3))
+    twin.load_state_dict(model.state_dict())
+    wide.load_state_dict(model.state_dict())
+    step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.5), backend="reference")
+    step64 = nova.compile(wide, torch.optim.SGD(wide.parameters(), lr=0.5), backend="reference")
+    opt = torch.optim.SGD(twin.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids, y = _batch()
+        w = torch.randint(int(torch.iinfo(dtype).min), int(torch.iinfo(dtype).max) + 1, (2, 6), generator=g).to(dtype)
+        loss = step(ids, y, w)
+        assert torch.equal(loss, step64(ids, y, w.long()))
+        opt.zero_grad()
+        want = twin(ids, y, w)
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-10, atol=1e-12)
+    for (n, a), b, c in zip(model.named_parameters(), twin.parameters(), wide.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-10, atol=1e-12, msg=n)
+        assert torch.equal(a, c), n
+
+
+class Inverted(nn.Module):  # uint8 arithmetic on a uint8 batch: 255 - w stays in range, w + 1 may wrap
+    def __init__(self, wrap: bool):
+        super().__init__()
+        self.net, self.wrap = Net(int32_input), wrap
+
+    def forward(self, ids, y, w):
+        v = w + 1 if self.wrap else 255 - w
+        return self.net(ids, y) * v.float().mean()
+
+
+def test_uint8_arithmetic_is_taken_where_it_cannot_wrap():
+    """uint8 values are captured in int64: ``255 - w`` is proved within uint8's range and
+    matches eager; ``w + 1`` could wrap at 255 in eager and is refused."""
+    ids, y = _batch()
+    w = torch.tensor([[0, 1, 7, 128, 254, 255]] * 2, dtype=torch.uint8)
+    torch.manual_seed(0)
+    model = Inverted(wrap=False).double()
+    want = Inverted(wrap=False).double()
+    want.load_state_dict(model.state_dict())
+    step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="reference")
+    torch.testing.assert_close(step(ids, y, w), want(ids, y, w).detach(), rtol=1e-12, atol=0)
+    wraps = Inverted(wrap=True)
+    step = nova.compile(wraps, torch.optim.SGD(wraps.parameters(), lr=0.1))
+    with pytest.raises(nova.UnsupportedError, match="cannot prove"):
         step(ids, y, w)
 
 

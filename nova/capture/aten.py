@@ -66,13 +66,19 @@ def _dim(d: int, rank: int) -> int:
     return d % rank if rank else 0
 
 
-# int32 is captured as i64: the importer proves every value eager computes in int32 stays in
-# its range (nova/capture/int_range.py), so the wider arithmetic is exact
-WIDENED_INTS = {torch.int32: torch.int64}
+# int32, int16, int8 and uint8 are captured as i64: the importer proves every value eager computes
+# in one of them stays in its range (nova/capture/int_range.py), so the wider arithmetic is exact
+WIDENED_INTS = {torch.int32: torch.int64, torch.int16: torch.int64, torch.int8: torch.int64, torch.uint8: torch.int64}
+
+
+def int_span(dtype: torch.dtype) -> tuple[int, int]:
+    """A widened integer dtype's range, where eager's arithmetic would wrap outside it."""
+    info = torch.iinfo(dtype)
+    return int(info.min), int(info.max)
 
 
 def capture_elem(dtype: torch.dtype):
-    """The nova element type of a torch dtype an op asks for (int32 as i64)."""
+    """The nova element type of a torch dtype an op asks for (int32, int16, int8, uint8 as i64)."""
     return from_torch_dtype(WIDENED_INTS.get(dtype, dtype))
 
 

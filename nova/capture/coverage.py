@@ -53,8 +53,10 @@ label smoothing, class weights, targets that carry gradients).
 Not covered (a clear `nova.UnsupportedError`): transposed convolutions, batch norm's running
 statistics (buffer mutation in forward), `sort`/`topk`, `erfinv`, integer `bitwise`
 ops other than on booleans, data-dependent shapes (boolean-mask indexing), `ignore_index`
-with class-probability targets (eager refuses it too), `dropout_p >= 1` in SDPA, int16 / uint8 tensors, int32
-values whose range Nova cannot bound (`nova/capture/int_range.py`).
+with class-probability targets (eager refuses it too), `dropout_p >= 1` in SDPA, int32 / int16 /
+int8 / uint8 parameters and buffers, and values of those dtypes whose range Nova cannot bound
+(`nova/capture/int_range.py`: they are computed in int64, exact only where eager would not wrap). A
+batch of those dtypes (token ids, pixels) is the step's int64 argument, copied in widened.
 """
 
 

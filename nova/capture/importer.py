@@ -20,8 +20,8 @@ from xdsl.dialects import func
 from xdsl.dialects.builtin import ModuleOp, i64
 from xdsl.ir import SSAValue
 
-from nova.capture.aten import CONVERTERS, IGNORED, WIDENED_INTS, Ctx, Unsupported
-from nova.capture.int_range import INT32, bounds, fits_int32
+from nova.capture.aten import CONVERTERS, IGNORED, WIDENED_INTS, Ctx, Unsupported, int_span
+from nova.capture.int_range import bounds, fits
 from nova.errors import CaptureError, UnsupportedError
 from nova.ir.builder import OpBuilder
 from nova.ir.module import Slot, add_arg, new_step, set_results
@@ -64,26 +64,26 @@ def _location(node: torch.fx.Node) -> str:
 
 
 def _tensor_slot(role: str, name: str, t: torch.Tensor) -> Slot:
-    if role == "batch" and t.dtype == torch.int32:  # widened exactly; the step copies it in as int64
+    if role == "batch" and t.dtype in WIDENED_INTS:  # widened exactly; the step copies it in as int64
         return Slot(role, name, tensor(t.shape, i64))
     try:
         elem = from_torch_dtype(t.dtype)
     except TypeError:
         raise UnsupportedError([(
             f"{role} tensor of dtype {t.dtype} (Nova takes float16, bfloat16, float32, float64, int64 and bool"
-            f"{', and int32 batches' if role == 'batch' else ''})", name,
+            f"{', and int32, int16, int8 and uint8 batches' if role == 'batch' else ''})", name,
         )]) from None  # fmt: skip
     return Slot(role, name, tensor(t.shape, elem))
 
 
 def _check_widened(node: torch.fx.Node, value, memo: dict) -> None:
-    """An op that eager computes in int32 (captured in i64: ``aten.WIDENED_INTS``) is
-    exact only if its values cannot leave int32's range, where eager would wrap:
+    """An op that eager computes in int32, int16, int8 or uint8 (captured in i64: ``aten.WIDENED_INTS``)
+    is exact only if its values cannot leave that dtype's range, where eager would wrap:
     ``int_range`` must prove it, or the op is refused."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dtype not in WIDENED_INTS or not isinstance(value, SSAValue):
         return
-    if not fits_int32(value, memo):
+    if not fits(value, int_span(val.dtype), memo):
         b = bounds(value, memo)
         raise Unsupported(f"{val.dtype} values that Nova (computing them in int64) cannot prove stay within "
                           f"{val.dtype}'s range ({'unbounded' if b is None else f'bounds {list(b)}'}), where eager "
@@ -159,7 +159,7 @@ def _capture(model: torch.nn.Module, batch: tuple) -> Captured:
     alias: dict[str, str] = {}  # tied placeholder -> placeholder of the same tensor
     cap = Captured(module=None, fn=None)  # type: ignore[arg-type]
     user_i = 0
-    widened: list[str] = []  # placeholders of int32 batch tensors
+    widened: dict[str, tuple[int, int]] = {}  # placeholders of narrow-int batch tensors: their range
     for spec in sig.input_specs:
         ph = spec.arg.name
         if spec.kind == InputKind.PARAMETER:
@@ -190,8 +190,8 @@ def _capture(model: torch.nn.Module, batch: tuple) -> Captured:
             name = f"batch.{user_i}"
             slots.append(_tensor_slot("batch", name, t))
             cap.batch_names.append(name)
-            if t.dtype == torch.int32:  # an i64 argument holding int32's values (int_range, below)
-                widened.append(ph)
+            if t.dtype in WIDENED_INTS:  # an i64 argument holding the narrower dtype's values (int_range, below)
+                widened[ph] = int_span(t.dtype)
             user_i += 1
         else:
             problems.append((f"input kind {spec.kind.name}", ph))
@@ -216,7 +216,7 @@ def _capture(model: torch.nn.Module, batch: tuple) -> Captured:
 
     b = OpBuilder(block)
     cx = Ctx(b, get_seed)
-    bounds_memo: dict = {arg_of[ph]: INT32 for ph in widened}  # int_range.bounds of the values seen so far
+    bounds_memo: dict = {arg_of[ph]: span for ph, span in widened.items()}  # int_range.bounds of the values seen
     output = None
     for node in ep.graph.nodes:
         if node.op != "call_function":

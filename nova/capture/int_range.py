@@ -1,4 +1,5 @@
-"""Bounds of integer values, proved from the IR: how capture takes int32 tensors.
+"""Bounds of integer values, proved from the IR: how capture takes int32 tensors (and int16,
+int8 and uint8 ones, by the same rule against their own ranges).
 
 Nova's integers are i64. A model's int32 tensors (RoBERTa's position ids built from
 ``input_ids.ne(pad).int()``, BLOOM's ALiBi exponents from ``arange(dtype=torch.int32)``)
@@ -129,9 +130,14 @@ def bounds(v: SSAValue, memo: dict | None = None) -> Bounds:
     return memo[v]
 
 
-def fits_int32(v: SSAValue, memo: dict | None = None) -> bool:
+def fits(v: SSAValue, span: tuple[int, int], memo: dict | None = None) -> bool:
+    """Whether ``bounds`` proves every element of ``v`` within ``span`` (a dtype's range)."""
     b = bounds(v, memo)
-    return b is not None and INT32[0] <= b[0] and b[1] <= INT32[1]
+    return b is not None and span[0] <= b[0] and b[1] <= span[1]
 
 
-__all__ = ["INT32", "bounds", "fits_int32"]
+def fits_int32(v: SSAValue, memo: dict | None = None) -> bool:
+    return fits(v, INT32, memo)
+
+
+__all__ = ["INT32", "bounds", "fits", "fits_int32"]
