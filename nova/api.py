@@ -706,9 +706,9 @@ class CompiledStep:
                 args.append(by_name[s.name].detach())
             elif s.role == "buffer":
                 args.append(c.captured.buffers[s.name])
-            elif s.role == "batch":  # a narrow-int batch is the step's int64 argument (the executable's copy casts)
-                t = batch[c.captured.batch_names.index(s.name)]
-                args.append(t.long() if t.dtype in (torch.int32, torch.int16, torch.int8, torch.uint8) else t)
+            elif s.role == "batch":  # in the argument's dtype: a narrow-int batch widened to int64 (the
+                t = batch[c.captured.batch_names.index(s.name)]  # executable's copy casts the same way)
+                args.append(t.to(to_torch_dtype(elem_of(s.type))))
             elif s.role == "seed":
                 # one draw from torch's default generator per step: torch.manual_seed reproduces runs
                 args.append(torch.randint(0, 2**31 - 1, (), dtype=torch.int64).to(device))
