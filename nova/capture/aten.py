@@ -681,6 +681,13 @@ def _cross_entropy(cx, logits, target, weight=None, reduction=1, ignore_index=-1
     return cx.b.one(nv.CrossEntropyOp, [logits, target], props)
 
 
+def _check_class_weights(weight, logits) -> None:
+    """cross_entropy's ``weight``: a [C] vector of the logits' dtype, as eager takes it."""
+    if list(_shape(weight)) != [_shape(logits)[1]] or elem_of(weight.type) != elem_of(logits.type):
+        raise Unsupported(f"cross_entropy with class weights {weight.type} for logits {logits.type} (eager takes a "
+                          f"[C] weight of the logits' dtype)")
+
+
 def _weighted_cross_entropy(cx, logits, target, weight, red: str, ignore_index: int, eps: float) -> SSAValue:
     """cross_entropy with class weights w [C], from plain ops, as ATen computes it
     (``cross_entropy_loss_label_smoothing`` over ``nll_loss_nd``, and torch's decomposition of
@@ -694,9 +701,7 @@ def _weighted_cross_entropy(cx, logits, target, weight, red: str, ignore_index: 
 
     n, c = _shape(logits)
     elem = elem_of(logits.type)
-    if list(_shape(weight)) != [c] or elem_of(weight.type) != elem:
-        raise Unsupported(f"cross_entropy with class weights {weight.type} for logits {logits.type} (eager takes a "
-                          f"[C] weight of the logits' dtype)")
+    _check_class_weights(weight, logits)
     logp = cx.b.one(nv.LogSoftmaxOp, [logits], {"dim": 1})
     keep = cx.b.one(nv.NeOp, [target, cx.b.full(float(ignore_index), [], i64)])
     safe = cx.b.where(keep, target, cx.b.full(0.0, [], i64))
@@ -736,9 +741,8 @@ def _probability_cross_entropy(cx, logits, target, weight, red: str, ignore_inde
                           f"(Nova takes logits [N, C] and targets of the same shape and dtype)")
     if ignore_index >= 0:  # eager: "ignore_index is not supported for floating point target"
         raise Unsupported(f"cross_entropy with class-probability targets and ignore_index {ignore_index}")
-    if weight is not None and (list(_shape(weight)) != [c] or elem_of(weight.type) != elem):
-        raise Unsupported(f"cross_entropy with class weights {weight.type} for logits {logits.type} (eager takes a "
-                          f"[C] weight of the logits' dtype)")
+    if weight is not None:
+        _check_class_weights(weight, logits)
     logp = cx.b.one(nv.LogSoftmaxOp, [logits], {"dim": 1})
     if eps:
         target = cx.b.add(cx.b.scale(target, 1.0 - eps), cx.b.full(eps / c, [], elem))
