@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nova.capture.int_range import INT32, bounds, fits_int32
+from nova.capture.int_range import INT32, bounds, fits
 from nova.ir import dialect as nv
 from nova.ir.builder import OpBuilder
 from nova.ir.module import Slot, new_step
@@ -62,10 +62,10 @@ def test_unknowns_stay_unknown(b):
 
 
 def test_fits_int32_at_its_edges(b):
-    assert fits_int32(b.full(float(INT32[1]), [], i64))
-    assert not fits_int32(b.add(b.full(float(INT32[1]), [], i64), b.full(1.0, [], i64)))
-    assert fits_int32(b.full(float(INT32[0]), [], i64))
-    assert not fits_int32(b.ids)
+    assert fits(b.full(float(INT32[1]), [], i64), INT32)
+    assert not fits(b.add(b.full(float(INT32[1]), [], i64), b.full(1.0, [], i64)), INT32)
+    assert fits(b.full(float(INT32[0]), [], i64), INT32)
+    assert not fits(b.ids, INT32)
 
 
 def test_long_chains_do_not_recurse(b):

@@ -136,8 +136,4 @@ def fits(v: SSAValue, span: tuple[int, int], memo: dict | None = None) -> bool:
     return b is not None and span[0] <= b[0] and b[1] <= span[1]
 
 
-def fits_int32(v: SSAValue, memo: dict | None = None) -> bool:
-    return fits(v, INT32, memo)
-
-
-__all__ = ["INT32", "bounds", "fits", "fits_int32"]
+__all__ = ["INT32", "bounds", "fits"]
