@@ -206,10 +206,16 @@ def test_tf32_rn_cvt_text_and_the_targets_without_it(monkeypatch):
     cast, _ = mm._dot_text("float32", "tf32-rn", ("b",))
     assert cast.count("cvt.rn.tf32.f32") == 1  # A only: B is prerounded
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))  # an A100
-    assert mm.tf32_rn_text("a") == integer
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
-    assert mm.tf32_rn_text("a") == text
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    mm._sm90_or_newer.cache_clear()
+    try:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))  # an A100
+        assert mm.tf32_rn_text("a") == integer
+        mm._sm90_or_newer.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
+        assert mm.tf32_rn_text("a") == text
+    finally:
+        mm._sm90_or_newer.cache_clear()  # no patched device's answer left for a later test
     monkeypatch.setattr(source, "interpreting", lambda: True)
     assert mm.tf32_rn_text("a") == integer
 

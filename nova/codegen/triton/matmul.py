@@ -252,14 +252,19 @@ TF32_RN_CVT = True
 
 def cvt_target() -> bool:
     """Whether the kernels being built can use ``cvt.rn.tf32.f32``: not under the interpreter,
-    not for a CUDA device older than sm_90; with no CUDA device (an offline sm_90a build) yes."""
-    import torch
-
+    not for a CUDA device older than sm_90; with no CUDA device (an offline sm_90a build) yes.
+    Asked at every matmul launch (``rn_cvt`` keys the kernel caches): the device's answer is
+    cached."""
     from nova.codegen.triton.source import interpreting
 
     if interpreting():
         return False
-    return not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (9, 0)
+    return not torch.cuda.is_available() or _sm90_or_newer(torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def rn_cvt() -> bool:
