@@ -217,27 +217,10 @@ def test_a_narrow_int_batch_trains_as_its_int64_copy(dtype):
     """Per-token weights given as uint8 / int8 / int16 (as image pixels or quantized labels come),
     captured as the step's int64 argument and copied in widened: bit for bit the step given
     the int64 copy, and eager's loss and parameters."""
-    torch.manual_seed(0)
-    model, twin, wide = (Weighted().double() for _ in range(3))
-    twin.load_state_dict(model.state_dict())
-    wide.load_state_dict(model.state_dict())
-    step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.5), backend="reference")
-    step64 = nova.compile(wide, torch.optim.SGD(wide.parameters(), lr=0.5), backend="reference")
-    opt = torch.optim.SGD(twin.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        ids, y = _batch()
-        w = torch.randint(int(torch.iinfo(dtype).min), int(torch.iinfo(dtype).max) + 1, (2, 6), generator=g).to(dtype)
-        loss = step(ids, y, w)
-        assert torch.equal(loss, step64(ids, y, w.long()))
-        opt.zero_grad()
-        want = twin(ids, y, w)
-        want.backward()
-        opt.step()
-        torch.testing.assert_close(loss, want.detach(), rtol=1e-10, atol=1e-12)
-    for (n, a), b, c in zip(model.named_parameters(), twin.parameters(), wide.parameters()):
-        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-10, atol=1e-12, msg=n)
-        assert torch.equal(a, c), n
+    lo, hi = int(torch.iinfo(dtype).min), int(torch.iinfo(dtype).max)
+    batches = [(*_batch(), torch.randint(lo, hi + 1, (2, 6), generator=g).to(dtype)) for _ in range(3)]
+    _trains_as_eager_and_as_its_int64_copy(Weighted, batches, "reference")
 
 
 class Inverted(nn.Module):  # uint8 arithmetic on a uint8 batch: 255 - w stays in range, w + 1 may wrap
@@ -267,33 +250,43 @@ def test_uint8_arithmetic_is_taken_where_it_cannot_wrap():
         step(ids, y, w)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_an_int32_batch_trains_as_eager_does_and_as_its_int64_copy(backend):
-    """int32 token ids (an embedding's indices: eager takes them) are captured as the
-    step's int64 argument, copied in widened (exact): the same loss and parameters as
-    eager over 3 SGD steps, and bit for bit the step given the int64 ids. The interpreted
-    Triton backend copies the batch into its arena, casting there."""
+def _trains_as_eager_and_as_its_int64_copy(make, batches, backend: str) -> None:
+    """Three SGD steps of ``make()`` on each of ``batches`` (argument tuples holding a narrow-int
+    tensor): Nova's loss and parameters as eager's, and bit for bit the step given the tensors
+    widened to int64."""
     dtype = torch.float64 if backend == "reference" else torch.float32
     torch.manual_seed(0)
-    model, twin, wide = (Net(int32_input).to(dtype) for _ in range(3))
+    model, twin, wide = (make().to(dtype) for _ in range(3))
     twin.load_state_dict(model.state_dict())
     wide.load_state_dict(model.state_dict())
     step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.5), backend=backend)
     step64 = nova.compile(wide, torch.optim.SGD(wide.parameters(), lr=0.5), backend=backend)
     opt = torch.optim.SGD(twin.parameters(), lr=0.5)
     tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
-    for _ in range(3):
-        ids, y = _batch()
-        loss = step(ids.int(), y)
-        assert torch.equal(loss, step64(ids, y))
+    for args in batches:
+        loss = step(*args)
+        assert torch.equal(loss, step64(*(a.long() if not a.is_floating_point() else a for a in args)))
         opt.zero_grad()
-        want = twin(ids.int(), y)
+        want = twin(*args)
         want.backward()
         opt.step()
         torch.testing.assert_close(loss, want.detach(), **tol)
     for (n, a), b, c in zip(model.named_parameters(), twin.parameters(), wide.parameters()):
         torch.testing.assert_close(a.detach(), b.detach(), **tol, msg=n)
         assert torch.equal(a, c), n
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_an_int32_batch_trains_as_eager_does_and_as_its_int64_copy(backend):
+    """int32 token ids (an embedding's indices: eager takes them) are captured as the
+    step's int64 argument, copied in widened (exact): the same loss and parameters as
+    eager over 3 SGD steps, and bit for bit the step given the int64 ids. The interpreted
+    Triton backend copies the batch into its arena, casting there."""
+    batches = []
+    for _ in range(3):
+        ids, y = _batch()
+        batches.append((ids.int(), y))
+    _trains_as_eager_and_as_its_int64_copy(lambda: Net(int32_input), batches, backend)
 
 
 def test_int32_arithmetic_on_an_int32_batch_is_refused():
