@@ -764,6 +764,10 @@ class CompiledStep:
                                          f"the parameter {dst.dtype}{list(dst.shape)}")  # fmt: skip
                 if not (in_place and v.data_ptr() == dst.data_ptr()):
                     writes.append(("copy", dst, v))
+            elif s.role == "buffer":  # a buffer the forward writes (batch norm's running statistics)
+                dst = prog.compilation.captured.buffers[s.name]
+                if not (in_place and v.data_ptr() == dst.data_ptr()):
+                    writes.append(("copy", dst, v))
             elif s.role == "state":
                 pname, key = s.name.split("::")
                 p = by_name[pname]

@@ -657,6 +657,82 @@ def _layer_norm(cx, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn
     return cx.b.reshape(y, s)
 
 
+def _batch_norm(cx, x, weight, bias, stats, momentum: float, eps: float, running=None):
+    """Batch norm from plain ops, as PyTorch's own decomposition (``torch._decomp``'s
+    ``native_batch_norm_helper``, what Inductor compiles) computes it: per channel (dim 1), in
+    f32 for a 16-bit input, ``(x - mean) * rsqrt(var + eps) * weight + bias``, the mean and the
+    biased variance over every other dim. ``stats``: the batch's own (training), else
+    ``running`` = (mean, var) are used as they are (eval). In training with ``running``, also
+    the new running statistics ``momentum * batch + (1 - momentum) * running``, the variance
+    unbiased (n / (n - 1)); they are step results the step writes into the buffers.
+    Returns (out, mean, rstd, new running mean, new running var)."""
+    s = _shape(x)
+    if len(s) < 2:
+        raise Unsupported(f"batch_norm of a rank-{len(s)} input (it needs [N, C, ...])")
+    c = s[1]
+    keep = [1, c] + [1] * (len(s) - 2)
+    dims = [0, *range(2, len(s))]
+    elem = elem_of(x.type)
+    wide = to_torch_dtype(elem) in (torch.float32, torch.float64)
+    acc = x if wide else cx.b.cast(x, from_torch_dtype(torch.float32))
+    n = numel([s[d] for d in dims])
+    new_mean = new_var = None
+    if stats:
+        mean = cx.b.div(cx.b.reduce_sum(acc, dims, True), cx.b.scalar(float(n), acc))
+        dev = cx.b.sub(acc, mean)
+        var = cx.b.div(cx.b.reduce_sum(cx.b.mul(dev, dev), dims, True), cx.b.scalar(float(n), acc))
+        rstd = cx.b.one(nv.RsqrtOp, [cx.b.add(var, cx.b.scalar(float(eps), var))])
+        out = cx.b.mul(dev, rstd)
+        if running is not None:
+            rm, rv = running
+            flat_mean, flat_var = cx.b.reshape(mean, [c]), cx.b.reshape(var, [c])
+            unbiased = cx.b.mul(flat_var, cx.b.scalar(n / (n - 1) if n > 1 else math.inf, flat_var))
+            new_mean = _running_update(cx, rm, flat_mean, momentum)
+            new_var = _running_update(cx, rv, unbiased, momentum)
+    else:
+        if running is None:
+            raise Unsupported("batch_norm in eval mode without running statistics")
+        rm, rv = running
+        mean = cx.b.reshape(cx.b.cast(rm, elem_of(acc.type)), keep)
+        rstd = cx.b.one(nv.RsqrtOp, [cx.b.add(cx.b.reshape(cx.b.cast(rv, elem_of(acc.type)), keep),
+                                              cx.b.scalar(float(eps), acc))])  # fmt: skip
+        out = cx.b.mul(cx.b.sub(acc, mean), rstd)
+    if weight is not None:
+        out = cx.b.mul(out, cx.b.reshape(weight, keep))
+    if bias is not None:
+        out = cx.b.add(out, cx.b.reshape(bias, keep))
+    out = cx.b.cast(out, elem)
+    return out, cx.b.reshape(mean, [c]), cx.b.reshape(rstd, [c]), new_mean, new_var
+
+
+def _running_update(cx, old, batch, momentum: float) -> SSAValue:
+    """``momentum * batch + (1 - momentum) * old`` in the running statistic's dtype (the
+    decomposition's order); no gradient flows into it (eager updates it under no_grad)."""
+    batch = cx.b.one(nv.StopGradientOp, [cx.b.cast(batch, elem_of(old.type))])
+    return cx.b.add(cx.b.scale(batch, float(momentum)), cx.b.scale(old, 1.0 - float(momentum)))
+
+
+@converts(aten._native_batch_norm_legit_functional.default)
+def _batch_norm_functional(cx, x, weight, bias, running_mean, running_var, training, momentum, eps):
+    out, mean, rstd, new_mean, new_var = _batch_norm(cx, x, weight, bias, bool(training), momentum, eps,
+                                                      (running_mean, running_var))  # fmt: skip
+    if not training:  # eval through the functional form: the buffers come back unchanged
+        new_mean, new_var = running_mean, running_var
+    return out, mean, rstd, new_mean, new_var
+
+
+@converts(aten._native_batch_norm_legit_no_training.default)
+def _batch_norm_eval(cx, x, weight, bias, running_mean, running_var, momentum, eps):
+    return _batch_norm(cx, x, weight, bias, False, momentum, eps, (running_mean, running_var))[:3]
+
+
+@converts(aten._native_batch_norm_legit.no_stats)
+def _batch_norm_no_stats(cx, x, weight, bias, training, momentum, eps):
+    if not training:
+        raise Unsupported("batch_norm in eval mode without running statistics")
+    return _batch_norm(cx, x, weight, bias, True, momentum, eps)[:3]
+
+
 @converts(aten.embedding.default)
 def _embedding(cx, weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     if scale_grad_by_freq or sparse:

@@ -44,14 +44,27 @@ covers `label_smoothing`, `reduction="none"` and a batch whose targets are all i
 Convolutions (1-, 2-, 3-D, stride, zero padding, dilation, groups) are a matmul over
 their patches (`tests/numerics/test_convolution.py`).
 
+Batch norm is built from plain ops as PyTorch's own decomposition computes it (per channel,
+in f32 for a 16-bit input): in training from the batch's statistics, and the running mean,
+the running (unbiased) variance and `num_batches_tracked` are the step's `buffer` results,
+written into the model's buffers in place like the parameters (and, like them, not written by
+a step that fails); in eval mode from the running statistics; `track_running_stats=False`
+and no affine weights too (`tests/numerics/test_batch_norm.py`). Not with data parallelism
+(each rank's statistics would drift apart: refused), nor with `momentum=None` (its
+cumulative average reads the batch count on the host: torch.export refuses it).
+
 `cross_entropy` with class weights is built from plain ops as ATen computes it (log_softmax,
 the targets' weighted log-probabilities, "mean" over the targets' weights, label smoothing),
 not the fused kernel (`tests/numerics/test_loss_edge_cases.py`); so is `cross_entropy` with
 class-probability targets [N, C] (ATen's `cross_entropy_loss_prob_target`: "mean" over N,
 label smoothing, class weights, targets that carry gradients).
 
-Not covered (a clear `nova.UnsupportedError`): transposed convolutions, batch norm's running
-statistics (buffer mutation in forward), `sort`/`topk`, `erfinv`, integer `bitwise`
+Any buffer the forward writes in place (`add_`, `copy_`, `mul_` on a registered buffer, batch
+norm's statistics) is written the same way: torch.export turns the write into the buffer's new
+value, which the step returns and writes back.
+
+Not covered (a clear `nova.UnsupportedError`): transposed convolutions, a forward that writes
+a parameter or a batch tensor in place, `sort`/`topk`, `erfinv`, integer `bitwise`
 ops other than on booleans, data-dependent shapes (boolean-mask indexing), `ignore_index`
 with class-probability targets (eager refuses it too), `dropout_p >= 1` in SDPA, int32 / int16 /
 int8 / uint8 parameters and buffers, and values of those dtypes whose range Nova cannot bound

@@ -25,7 +25,7 @@ from nova.capture.int_range import bounds, fits
 from nova.errors import CaptureError, UnsupportedError
 from nova.ir.builder import OpBuilder
 from nova.ir.module import Slot, add_arg, new_step, set_results
-from nova.ir.types import from_torch_dtype, is_float, shape_of, tensor
+from nova.ir.types import elem_of, from_torch_dtype, is_float, shape_of, tensor, to_torch_dtype
 from nova.log import get_logger
 from nova.runtime.collector import paused
 
@@ -112,9 +112,15 @@ def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     the high-level ones it fuses later (linear, layer_norm, attention,
     cross_entropy, gelu) stay whole; what is left is reported by ``capture``."""
     table = torch.export.default_decompositions()
-    for _ in range(_DECOMPOSE_ROUNDS):
-        todo = {op: table[op] for op in _unconverted(ep) if op in table}
-        if not todo:
+    for round_ in range(_DECOMPOSE_ROUNDS):
+        left = _unconverted(ep)
+        todo = {op: table[op] for op in left if op in table}
+        if not todo and round_ == 0 and left:
+            # none to decompose, but any round also functionalizes: an in-place op of the forward
+            # (a buffer's add_, batch_norm's running statistics) becomes its functional form and a
+            # buffer mutation, as it does when another op needs a round
+            todo = {}
+        elif not todo:
             break
         try:
             ep = ep.run_decompositions(todo)
@@ -135,6 +141,15 @@ def capture(model: torch.nn.Module, batch: tuple) -> Captured:
         return _capture(model, batch)
 
 
+def _buffer_value(buf: torch.Tensor, v: SSAValue, name: str) -> SSAValue:
+    """The new value of a buffer the forward writes, checked against the buffer: it is
+    written in place, in the buffer's own dtype and shape."""
+    if shape_of(v.type) != tuple(buf.shape) or to_torch_dtype(elem_of(v.type)) != buf.dtype:
+        raise CaptureError(f"the forward writes buffer {name!r} ({buf.dtype}{list(buf.shape)}) with a "
+                           f"{v.type}: Nova writes buffers in place, in their own dtype and shape")
+    return v
+
+
 def _home_device(model: torch.nn.Module, batch: tuple) -> torch.device:
     """The device the step runs on: its parameters', else its batch's."""
     for t in (*model.parameters(), *batch):
@@ -148,9 +163,14 @@ def _capture(model: torch.nn.Module, batch: tuple) -> Captured:
     sig = ep.graph_signature
     problems: list[tuple[str, str]] = []
 
+    mutated: list[str | None] = []  # per output: the buffer it writes (batch norm's running statistics), or None
     for spec in sig.output_specs:
-        if spec.kind != OutputKind.USER_OUTPUT:
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            mutated.append(spec.target)
+        elif spec.kind != OutputKind.USER_OUTPUT:
             problems.append((f"model forward mutates {spec.kind.name.lower()} {spec.target!r}", "forward"))
+        else:
+            mutated.append(None)
 
     # --- arguments -------------------------------------------------------
     slots: list[Slot] = []
@@ -260,12 +280,17 @@ def _capture(model: torch.nn.Module, batch: tuple) -> Captured:
         raise UnsupportedError(problems)
 
     outs = output.args[0]
-    if len(outs) != 1 or not isinstance(outs[0], torch.fx.Node):
-        raise CaptureError(f"the model must return one scalar loss tensor; it returned {len(outs)} values")
-    loss = env[outs[0]]
+    user = [o for o, m in zip(outs, mutated, strict=True) if m is None]
+    if len(user) != 1 or not isinstance(user[0], torch.fx.Node):
+        raise CaptureError(f"the model must return one scalar loss tensor; it returned {len(user)} values")
+    loss = env[user[0]]
     if not isinstance(loss, SSAValue) or shape_of(loss.type) != () or not is_float(loss.type):
         raise CaptureError(f"the model must return a 0-d floating-point loss; it returned {loss.type}")
-    set_results(fn, [("loss", "loss", loss)])
+    results = [("loss", "loss", loss)]
+    for o, target in zip(outs, mutated, strict=True):
+        if target is not None:  # the buffer's new value: the step writes it in place, as eager's forward does
+            results.append(("buffer", target, _buffer_value(cap.buffers[target], env[o], target)))
+    set_results(fn, results)
     try:
         module.verify()
     except Exception as e:  # noqa: BLE001 - a converter bug must not surface as an xDSL error

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from xdsl.dialects.builtin import ModuleOp
 from xdsl.ir import Operation, SSAValue
 
+from nova.errors import UnsupportedError
 from nova.ir import dialect as nv
 from nova.ir.builder import OpBuilder
 from nova.ir.module import Slot, add_arg, arg_slots, return_op, returned, set_results, step_func
@@ -291,6 +292,12 @@ def distribute(module: ModuleOp, mode: str, world: int, grads: dict[str, SSAValu
         raise ValueError("@train_step is distributed already (it has collective ops)")
     if mode == "zero1" and spec is None:
         raise ValueError("distribute: zero1 shards the optimizer's update; the step has no optimizer")
+    written = [name for role, name, _ in returned(fn) if role == "buffer"]
+    if written:  # each rank's statistics of its own batch: the ranks' buffers would drift apart
+        raise UnsupportedError([(f"data parallelism over a forward that writes buffers {written} (batch norm's "
+                                 "running statistics: DDP broadcasts rank 0's each step, SyncBatchNorm syncs "
+                                 "them; Nova does neither yet). Put the model in eval mode, or use LayerNorm or "
+                                 "track_running_stats=False", "distribute")])  # fmt: skip
     link = link or LINKS["gloo-loopback"]
     plan, groups = plan_buckets(fn, grads, mode, world, link, bucket_bytes, device, precision)
     pos = {op: i for i, op in enumerate(block.ops)}

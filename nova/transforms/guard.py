@@ -123,7 +123,7 @@ def guard(module: ModuleOp, skip_nonfinite: bool = False, grads: dict[str, SSAVa
     args = {(s.role, s.name): a for s, a in zip(arg_slots(fn), fn.body.block.args, strict=True)}
     gated = []
     for role, name, v in results:
-        old = args.get((role, name)) if role in ("param", "state") else None
+        old = args.get((role, name)) if role in ("param", "state", "buffer") else None
         # the 0-d flag broadcasts in where; an unchanged result needs no gate
         gated.append((role, name, b.where(ok, v, old) if old is not None and v is not old else v))
     set_results(fn, gated + status + guards)

@@ -117,7 +117,8 @@ def state_keys(gs: GroupSpec) -> tuple[str, ...]:
 
 
 def append_optimizer(module: ModuleOp, spec: OptimizerSpec, step_dtype=None) -> None:
-    """Consumes the ``grad`` results; returns loss, new params and new state."""
+    """Consumes the ``grad`` results; returns loss, new params and new state (and the
+    new values of the buffers the forward writes, as they were)."""
     fn = step_func(module)
     results = returned(fn)
     loss = [r for r in results if r[0] == "loss"]
@@ -126,7 +127,7 @@ def append_optimizer(module: ModuleOp, spec: OptimizerSpec, step_dtype=None) -> 
     b = OpBuilder(fn.body.block, before=return_op(fn))
     # PyTorch keeps ``step`` as a 0-d float32 (float64 when that is the default dtype)
     step_elem = from_torch_dtype(step_dtype or torch.float32)
-    new_results: list[tuple[str, str, SSAValue]] = list(loss)
+    new_results: list[tuple[str, str, SSAValue]] = list(loss) + [r for r in results if r[0] == "buffer"]
 
     for g, gs in enumerate(spec.groups):
         hyper = {}

@@ -78,8 +78,9 @@ SAME_INDEX = (
     nv.CosOp, nv.SinOp, nv.AbsOp, nv.GeluOp, nv.GeluBackwardOp, nv.RoundTf32Op,
 )  # fmt: skip
 EXTERNAL_ROLES = ("param", "state", "buffer", "guard")
-# arguments whose result of the same name is their new value (written in place where it can be)
-UPDATED_ROLES = ("param", "state", "guard")
+# arguments whose result of the same name is their new value (written in place where it can be;
+# a buffer has one only where the forward writes it: batch norm's running statistics)
+UPDATED_ROLES = ("param", "state", "buffer", "guard")
 INPUT_ROLES = ("batch", "hyper", "seed")
 
 

@@ -215,35 +215,6 @@ def test_nanogpt_with_inverted_mask_trains_like_eager(dtype):
     assert loss < TOL[dtype] and param < TOL[dtype], (loss, name, param)
 
 
-# --- a batch-norm classifier is rejected with everything it needs -----------------
-
-
-class ConvNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.bn = nn.BatchNorm2d(4)
-        self.fc = nn.Linear(4, 5)
-
-    def forward(self, x, y):
-        h = F.relu(self.bn(self.conv(x)))
-        return F.cross_entropy(self.fc(h.mean((2, 3))), y)
-
-
-def test_batchnorm_classifier_is_rejected_listing_its_ops():
-    model = ConvNet().train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    before = copy.deepcopy(model.state_dict())
-    step = nova.compile(model, opt, backend="reference")
-    with pytest.raises(nova.UnsupportedError) as e:
-        step(torch.randn(2, 3, 6, 6), torch.tensor([1, 3]))
-    msg = str(e.value)
-    assert "convolution" not in msg, msg  # a matmul of its patches (tests/numerics/test_convolution.py)
-    assert "mutates buffer" in msg and "running_mean" in msg and "batch_norm" in msg, msg  # its running statistics
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, before[k]), k
-
-
 @pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("bert", "eager")])
 def test_nova_verify_passes_on_transformers_models(family, attn):
     """The user-facing check (nova.verify) on the same models, float32, AdamW."""

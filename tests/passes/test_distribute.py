@@ -10,6 +10,7 @@ import torch
 from xdsl.utils.exceptions import VerifyException
 
 from nova import pipeline
+from nova.errors import UnsupportedError
 from nova.ir import dialect as nv
 from nova.ir.builder import OpBuilder
 from nova.ir.module import arg_slots, parse_module, print_module, returned, step_func
@@ -174,6 +175,30 @@ def test_errors():
         distribute(c.module, "fsdp", 2, dict(c.grads), c.spec)
     distribute(c.module, "ddp", 2, dict(c.grads), c.spec)
     with pytest.raises(ValueError, match="distributed already"):
+        distribute(c.module, "ddp", 2, dict(c.grads), c.spec)
+
+
+class _BatchNormed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+
+    def forward(self, x):
+        return self.model(x).square().mean()
+
+
+def test_a_forward_writing_buffers_is_refused():
+    """Batch norm's running statistics, written by every rank from its own batch, would drift
+    apart across the ranks: refused with what to do instead (eval mode, LayerNorm)."""
+    torch.manual_seed(0)
+    model = _BatchNormed()
+    c = pipeline.Compilation(model, (torch.randn(5, 4),), torch.optim.SGD(model.parameters(), lr=0.1), "fp32",
+                             torch.float32)  # fmt: skip
+    for name, fn in pipeline.STAGES:
+        if name == "distribute":
+            break
+        fn(c)
+    with pytest.raises(UnsupportedError, match=r"writes buffers \['model.1.running_mean'"):
         distribute(c.module, "ddp", 2, dict(c.grads), c.spec)
 
 
