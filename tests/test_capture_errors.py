@@ -194,6 +194,34 @@ def test_unsupported_code_is_one_unsupported_error_with_locations(body):
     assert all("node" in where and "test_capture_errors.py" in where for _, where in e.value.problems), e.value.problems
 
 
+def _halve_weight(m, ids, h):  # a parameter written in place by the forward
+    with torch.no_grad():
+        m.head.weight.mul_(0.5)
+    return h
+
+
+def _double_batch(m, ids, h):  # a batch tensor written in place by the forward
+    ids.mul_(2)
+    return h
+
+
+@pytest.mark.parametrize("body,what", [(_halve_weight, "parameter_mutation 'head.weight'"),
+                                       (_double_batch, "user_input_mutation 'ids'")])  # fmt: skip
+def test_a_forward_writing_a_parameter_or_its_batch_is_refused(body, what):
+    """A buffer the forward writes is a step result (tests/numerics/test_batch_norm.py); a
+    parameter or a batch tensor is not: refused by name, nothing written."""
+    model = Net(body)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ids, y = _batch()
+    kept = ids.clone()
+    with pytest.raises(nova.UnsupportedError, match=f"model forward mutates {what}"):
+        step(ids, y)
+    assert torch.equal(ids, kept)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
 class Weighted(nn.Module):  # a third batch tensor: per-token weights, given as int16 (eager takes them)
     def __init__(self):
         super().__init__()

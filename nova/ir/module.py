@@ -6,8 +6,10 @@ so the IR itself says what binds to what:
   arguments  param (a model parameter), state (an optimizer state tensor),
              hyper (a 0-d hyper-parameter read from param_groups each call),
              buffer (a model buffer), batch (a user input), seed (dropout RNG)
-  results    loss, grad (after autodiff), param and state (after the optimizer:
-             the new value of the argument with the same name), status (after
+  results    loss, buffer (from capture: the new value of a buffer the forward
+             writes, batch norm's running statistics), grad (after autodiff), param
+             and state (after the optimizer); param, state and buffer results are
+             the new value of the argument with the same name, status (after
              the guard: 0-d i64 counts of what made the step write nothing,
              "bad_ids" and, when asked for, "nonfinite")
   both       guard (after the guard: 0-d i64 device-side memory of failed and
