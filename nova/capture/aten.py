@@ -733,6 +733,31 @@ def _batch_norm_no_stats(cx, x, weight, bias, training, momentum, eps):
     return _batch_norm(cx, x, weight, bias, True, momentum, eps)[:3]
 
 
+@converts(aten.native_group_norm.default)
+def _group_norm(cx, x, weight, bias, n, c, hw, group, eps):
+    """Group norm from plain ops, as PyTorch's decomposition computes it: [N, C, *] seen as
+    [N, G, C/G * HxW], each row normalized by its mean and biased variance (in f32 for a
+    16-bit input), then the per-channel affine. Returns (out, mean [N, G], rstd [N, G])."""
+    s = _shape(x)
+    g = int(group)
+    elem = elem_of(x.type)
+    wide = to_torch_dtype(elem) in (torch.float32, torch.float64)
+    acc = x if wide else cx.b.cast(x, from_torch_dtype(torch.float32))
+    rows = cx.b.reshape(acc, [s[0], g, numel(s) // (s[0] * g)])
+    m = _shape(rows)[2]
+    mean = cx.b.div(cx.b.reduce_sum(rows, [2], True), cx.b.scalar(float(m), rows))
+    dev = cx.b.sub(rows, mean)
+    var = cx.b.div(cx.b.reduce_sum(cx.b.mul(dev, dev), [2], True), cx.b.scalar(float(m), rows))
+    rstd = cx.b.one(nv.RsqrtOp, [cx.b.add(var, cx.b.scalar(float(eps), var))])
+    out = cx.b.reshape(cx.b.mul(dev, rstd), s)
+    keep = [1, s[1]] + [1] * (len(s) - 2)
+    if weight is not None:
+        out = cx.b.mul(out, cx.b.reshape(weight, keep))
+    if bias is not None:
+        out = cx.b.add(out, cx.b.reshape(bias, keep))
+    return cx.b.cast(out, elem), cx.b.reshape(mean, [s[0], g]), cx.b.reshape(rstd, [s[0], g])
+
+
 @converts(aten.embedding.default)
 def _embedding(cx, weight, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     if scale_grad_by_freq or sparse:

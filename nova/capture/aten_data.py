@@ -21,13 +21,15 @@ backend code of its own:
 from __future__ import annotations
 
 import itertools
+import math
 
+import torch
 from xdsl.dialects.builtin import i1, i64
 from xdsl.ir import SSAValue
 
 from nova.capture.aten import Unsupported, _dim, _promote, _shape, as_bool, aten, cast_to, converts, scalar_like
 from nova.ir import dialect as nv
-from nova.ir.types import elem_of, is_float, numel, tensor, to_torch_dtype
+from nova.ir.types import elem_of, from_torch_dtype, is_float, numel, tensor, to_torch_dtype
 
 # --- boolean logic -----------------------------------------------------------
 
@@ -345,6 +347,200 @@ def _convolution(cx, x, w, bias, stride, padding, dilation, transposed, output_p
     if bias is not None:
         y = cx.b.add(y, bias)
     return cx.b.transpose(cx.b.reshape(y, [n, *out, o]), [0, nd + 1, *range(1, nd + 1)])  # [N, O, out...]
+
+
+# --- pooling -------------------------------------------------------------------------
+
+
+def _pool_geometry(space, k, stride, padding, dilation, ceil_mode: bool) -> tuple[list[int], list[int]]:
+    """(output sizes, extra right padding) of a pooling window walk, as ATen's
+    ``pooling_output_shape`` computes them: with ``ceil_mode`` the last window may run past
+    the padded input (never starting past it), which the extra padding covers."""
+    out, extra = [], []
+    for s, kk, st, p, d in zip(space, k, stride, padding, dilation):
+        if p > kk // 2:
+            raise Unsupported(f"pooling with padding {p} past half the kernel {kk} (eager refuses it too)")
+        n = (s + 2 * p - d * (kk - 1) - 1 + (st - 1 if ceil_mode else 0)) // st + 1
+        if ceil_mode and (n - 1) * st >= s + p:
+            n -= 1
+        if n < 1:
+            raise Unsupported(f"pooling with no output (input {list(space)}, kernel {list(k)}, padding {list(padding)})")
+        out.append(n)
+        extra.append(max(0, (n - 1) * st + d * (kk - 1) + 1 - (s + 2 * p)))
+    return out, extra
+
+
+def _pool_taps(cx, x, k, stride, dilation, out, left, right) -> list[SSAValue]:
+    """One [N, C, out...] strided slice of ``x`` per kernel offset, in row-major order over
+    the kernel (the order eager walks a window in), after padding ``x`` by ``left`` and
+    ``right`` zeros per spatial dim."""
+    space = _shape(x)[2:]
+    for d, (lo, hi) in enumerate(zip(left, right)):
+        if lo or hi:
+            x = cx.b.one(nv.PadOp, [x], {"dim": 2 + d, "start": lo, "step": 1, "size": space[d] + lo + hi})
+    taps = []
+    for offset in itertools.product(*(range(kk) for kk in k)):
+        t = x
+        for d, i in enumerate(offset):
+            start = i * dilation[d]
+            t = cx.b.one(nv.SliceOp, [t], {"dim": 2 + d, "start": start, "end": start + (out[d] - 1) * stride[d] + 1,
+                                           "step": stride[d]})  # fmt: skip
+        taps.append(t)
+    return taps
+
+
+def _pool_args(x, nd: int, kernel, stride, padding, dilation=1):
+    """The input as [N, C, *space] (an unbatched [C, *space] gets a batch of 1) and the
+    window's parameters, each a list of ``nd`` ints (eager's defaults: stride = kernel)."""
+    def ints(v):
+        v = [int(v)] if isinstance(v, int) else [int(e) for e in v]
+        return v * nd if len(v) == 1 else v
+
+    if len(_shape(x)) not in (nd + 1, nd + 2):
+        raise Unsupported(f"{nd}-D pooling of a rank-{len(_shape(x))} input")
+    k = ints(kernel)
+    return k, ints(stride) if stride not in (None, [], ()) else k, ints(padding), ints(dilation)
+
+
+def _batched(cx, x, nd: int):
+    return (cx.b.reshape(x, [1, *_shape(x)]), True) if len(_shape(x)) == nd + 1 else (x, False)
+
+
+def _max_pool(nd: int):
+    def convert(cx, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+        """Max pooling as a chain over the window's taps: a tap replaces the running
+        maximum where it is greater or NaN (eager's ``val > max || isnan(val)``: the first
+        of equal maxima wins, and so gets the gradient, through each ``where``), its flat
+        index in the input's spatial dims carried alongside (the op's second result).
+        Padding never wins (-inf)."""
+        k, st, pad, dil = _pool_args(x, nd, kernel_size, stride, padding, dilation)
+        x, unbatched = _batched(cx, x, nd)
+        space = list(_shape(x)[2:])
+        out, extra = _pool_geometry(space, k, st, pad, dil, bool(ceil_mode))
+        right = [p + e for p, e in zip(pad, extra)]
+        elem = elem_of(x.type)
+        # which padded positions hold input, and each one's flat index: static, folded at compile time
+        inside = cx.b.full(1.0, [1, 1, *space], elem)
+        flat = cx.b.reshape(cx.b.one(nv.ArangeOp, [], {"start": 0, "step": 1}, tensor([numel(space)], i64)),
+                            [1, 1, *space])  # fmt: skip
+        taps = _pool_taps(cx, x, k, st, dil, out, pad, right)
+        masks = _pool_taps(cx, inside, k, st, dil, out, pad, right)
+        where = _pool_taps(cx, flat, k, st, dil, out, pad, right)
+        low = cx.b.full(float("-inf"), (), elem)
+        best, at = None, None
+        for t, m, i in zip(taps, masks, where, strict=True):
+            t = cx.b.where(cx.b.one(nv.GtOp, [m, cx.b.full(0.5, (), elem)]), t, low)
+            if best is None:
+                best, at = t, cx.b.broadcast_to(i, _shape(t))
+                continue
+            take = _or(cx, cx.b.one(nv.GtOp, [t, best]), cx.b.one(nv.NeOp, [t, t]))
+            best, at = cx.b.where(take, t, best), cx.b.where(take, i, at)
+        if unbatched:
+            best, at = cx.b.reshape(best, _shape(best)[1:]), cx.b.reshape(at, _shape(at)[1:])
+        return best, at
+
+    return convert
+
+
+def _avg_pool(nd: int):
+    def convert(cx, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+                divisor_override=None):  # fmt: skip
+        """Average pooling: the window's taps summed in eager's order (zero padding adds
+        nothing), divided by eager's count: the window's positions inside the padded input
+        (``count_include_pad``), or inside the input, or ``divisor_override``."""
+        k, st, pad, dil = _pool_args(x, nd, kernel_size, stride, padding)
+        x, unbatched = _batched(cx, x, nd)
+        space = list(_shape(x)[2:])
+        out, extra = _pool_geometry(space, k, st, pad, dil, bool(ceil_mode))
+        right = [p + e for p, e in zip(pad, extra)]
+        taps = _pool_taps(cx, x, k, st, dil, out, pad, right)
+        total = taps[0]
+        for t in taps[1:]:
+            total = cx.b.add(total, t)
+        elem = elem_of(x.type)
+        if divisor_override is not None:
+            count = cx.b.full(float(divisor_override), (), elem)
+        else:  # static: folded at compile time
+            if count_include_pad:
+                region = cx.b.full(1.0, [1, 1, *(s + 2 * p for s, p in zip(space, pad))], elem)
+                counted = _pool_taps(cx, region, k, st, dil, out, [0] * nd, extra)
+            else:
+                counted = _pool_taps(cx, cx.b.full(1.0, [1, 1, *space], elem), k, st, dil, out, pad, right)
+            count = counted[0]
+            for c in counted[1:]:
+                count = cx.b.add(count, c)
+        y = cx.b.div(total, count)
+        return cx.b.reshape(y, _shape(y)[1:]) if unbatched else y
+
+    return convert
+
+
+def _adaptive_avg_pool(nd: int):
+    def convert(cx, x, output_size):
+        """Adaptive average pooling where every output size divides its input size: the
+        average pooling of kernel = stride = input / output (eager's windows then are those).
+        Other sizes have windows of unequal lengths: refused."""
+        out = [int(v) for v in output_size]
+        space = _shape(x)[-nd:]
+        if any(o < 1 or s % o for s, o in zip(space, out)):
+            raise Unsupported(f"adaptive average pooling of {list(space)} to {out} (Nova takes output sizes that "
+                              f"divide the input's)")  # fmt: skip
+        k = [s // o for s, o in zip(space, out)]
+        return _avg_pool(nd)(cx, x, k, k)
+
+    return convert
+
+
+def _nearest_sources(cx, n_in: int, n_out: int, scale) -> SSAValue:
+    """The source index of each of ``n_out`` nearest-upsampled positions where the size
+    neither stays nor doubles, as ATen's ``nearest_idx`` computes it: ``min(floor(i * s),
+    n_in - 1)`` in f32, s = (float)(1 / scale) where a scale is given, else n_in / n_out in
+    float division."""
+    if scale:
+        s = torch.tensor(1.0 / scale, dtype=torch.float32)
+    else:
+        s = torch.tensor(float(n_in), dtype=torch.float32) / torch.tensor(float(n_out), dtype=torch.float32)
+    f32 = from_torch_dtype(torch.float32)
+    i = cx.b.one(nv.ArangeOp, [], {"start": 0, "step": 1}, tensor([n_out], i64))
+    src = cx.b.cast(cx.b.mul(cx.b.cast(i, f32), cx.b.full(s.item(), (), f32)), i64)  # i * s >= 0: the cast floors
+    top = _i64(cx, n_in - 1)
+    return cx.b.where(cx.b.one(nv.GtOp, [src, top]), top, src)
+
+
+def _upsample_nearest(nd: int):
+    def convert(cx, x, output_size=None, scale_factors=None):
+        """Nearest upsampling (``F.interpolate(mode="nearest")``), dim by dim as eager's
+        ``nearest_idx``: a size kept is the input, a size doubled each source twice (a
+        broadcast), any other size an index_select of the sources above."""
+        space = _shape(x)[-nd:]
+        if output_size is not None:
+            out, scales = [int(v) for v in output_size], [None] * nd
+        else:
+            scales = [float(f) for f in scale_factors]
+            out = [int(math.floor(s * f)) for s, f in zip(space, scales)]
+        r = len(_shape(x))
+        for d, (n_in, n_out, f) in enumerate(zip(space, out, scales)):
+            dim = r - nd + d
+            if n_out == n_in:
+                continue
+            if n_out == 2 * n_in:
+                s = list(_shape(x))
+                wide = cx.b.broadcast_to(cx.b.reshape(x, [*s[: dim + 1], 1, *s[dim + 1 :]]), [*s[: dim + 1], 2, *s[dim + 1 :]])
+                x = cx.b.reshape(wide, [*s[:dim], n_out, *s[dim + 1 :]])
+            else:
+                x = _index_select(cx, x, dim, _nearest_sources(cx, n_in, n_out, f))
+        return x
+
+    return convert
+
+
+for _nd in (1, 2, 3):
+    converts(getattr(aten, f"max_pool{_nd}d_with_indices").default)(_max_pool(_nd))
+    converts(getattr(aten, f"avg_pool{_nd}d").default)(_avg_pool(_nd))
+    converts(getattr(aten, f"upsample_nearest{_nd}d").vec)(_upsample_nearest(_nd))
+for _nd in (2, 3):
+    converts(getattr(aten, f"_adaptive_avg_pool{_nd}d").default)(_adaptive_avg_pool(_nd))
+converts(aten.adaptive_avg_pool1d.default)(_adaptive_avg_pool(1))
 
 
 @converts(aten.repeat.default)

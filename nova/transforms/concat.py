@@ -91,7 +91,8 @@ def _pads_as_cat(root: nv.AddOp) -> SSAValue | None:
     if any(p.props()["step"] != 1 or p.props()["dim"] != p0["dim"] or p.props()["size"] != p0["size"] for p in pads):
         return None
     d, size = p0["dim"], p0["size"]
-    windows = sorted((p.props()["start"], p.props()["start"] + shape_of(p.operands[0].type)[d], p) for p in pads)
+    windows = sorted(((p.props()["start"], p.props()["start"] + shape_of(p.operands[0].type)[d], p) for p in pads),
+                     key=lambda w: w[:2])  # two pads of one window (a real sum, below) are not compared themselves
     if any(windows[i][1] > windows[i + 1][0] for i in range(len(windows) - 1)):
         return None  # overlapping windows: a real sum
     b = _builder(root)

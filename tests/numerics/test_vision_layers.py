@@ -1,0 +1,166 @@
+"""The layers of convolutional networks beside convolutions and batch norm, each from plain
+ops in capture (``nova/capture/aten_data.py``, "pooling"; ``aten.py``: group norm): max
+pooling (its indices too, ties to the first maximum as eager), average pooling (eager's
+divisors: padding counted or not, ceil mode, divisor_override), adaptive average pooling to
+sizes that divide the input's, nearest upsampling, group norm; and a small ResNet built of
+them. Each trains 3 SGD steps like eager in float64 on the reference backend (loss, every
+parameter and buffer); some through the interpreted Triton kernels in float32."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nova
+
+LAYERS = {  # name: (layer, input shape)
+    "max2d": (lambda: nn.MaxPool2d(2), (2, 3, 6, 5)),
+    "max2d-stem": (lambda: nn.MaxPool2d(3, stride=2, padding=1), (2, 3, 7, 7)),  # ResNet's
+    "max2d-ceil-dilation": (lambda: nn.MaxPool2d(2, stride=2, dilation=2, ceil_mode=True), (2, 3, 8, 7)),
+    "max1d": (lambda: nn.MaxPool1d(3, stride=2, padding=1, ceil_mode=True), (2, 3, 10)),
+    "max3d": (lambda: nn.MaxPool3d(2), (1, 2, 4, 4, 4)),
+    "avg2d": (lambda: nn.AvgPool2d(3, stride=2, padding=1), (2, 3, 7, 6)),
+    "avg2d-exclude-pad-ceil": (lambda: nn.AvgPool2d(3, stride=2, padding=1, ceil_mode=True, count_include_pad=False),
+                               (2, 3, 8, 7)),
+    "avg2d-ceil": (lambda: nn.AvgPool2d(2, ceil_mode=True), (2, 3, 5, 5)),
+    "avg2d-divisor": (lambda: nn.AvgPool2d(2, divisor_override=3), (2, 3, 6, 4)),
+    "avg1d": (lambda: nn.AvgPool1d(4, stride=3, padding=2), (2, 3, 11)),
+    "adaptive-avg2d": (lambda: nn.AdaptiveAvgPool2d((2, 3)), (2, 3, 6, 6)),
+    "upsample-x2": (lambda: nn.Upsample(scale_factor=2), (2, 3, 3, 4)),
+    "upsample-size": (lambda: nn.Upsample(size=(5, 7)), (2, 3, 3, 4)),
+    "upsample-x1.5": (lambda: nn.Upsample(scale_factor=1.5), (2, 3, 4, 3)),
+    "groupnorm": (lambda: nn.GroupNorm(3, 6), (2, 6, 4, 3)),
+}
+
+
+class Around(nn.Module):
+    """conv -> the layer -> a head, so the layer sees values and gradients of its own."""
+
+    def __init__(self, layer, channels: int, rank: int):
+        super().__init__()
+        conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[rank]
+        self.conv = conv(channels, channels, 1)
+        self.layer = layer
+        self.head = nn.LazyLinear(4)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(self.layer(self.conv(x)).flatten(1)), y)
+
+
+def _trains_like_eager(make, shape, backend: str, steps: int = 3, ints: bool = False) -> None:
+    torch.manual_seed(0)
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    eager = make().to(dtype)
+    g = torch.Generator().manual_seed(1)
+
+    def batch():
+        x = torch.randint(-3, 4, shape, generator=g).to(dtype) if ints else torch.randn(shape, generator=g, dtype=dtype)
+        return x, torch.randint(0, 4, (shape[0],), generator=g)
+
+    eager(*batch())  # sizes the lazy head
+    ours = copy.deepcopy(eager)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    step = nova.compile(ours, torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9), backend=backend)
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    for _ in range(steps):
+        x, y = batch()
+        opt_e.zero_grad()
+        want = eager(x, y)
+        want.backward()
+        opt_e.step()
+        torch.testing.assert_close(step(x, y), want.detach(), **tol)
+        for (name, a), b in zip(ours.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(a.detach(), b.detach(), **tol, msg=lambda m, n=name: f"{n}: {m}")
+        for (name, a), b in zip(ours.named_buffers(), eager.buffers(), strict=True):
+            torch.testing.assert_close(a, b, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_layer_trains_like_eager(name):
+    make, shape = LAYERS[name]
+    _trains_like_eager(lambda: Around(make(), shape[1], len(shape) - 2), shape, "reference")
+
+
+@pytest.mark.parametrize("name", ["max2d-stem", "avg2d-exclude-pad-ceil", "upsample-x1.5", "groupnorm"])
+def test_layer_trains_like_eager_through_triton(name):
+    make, shape = LAYERS[name]
+    _trains_like_eager(lambda: Around(make(), shape[1], len(shape) - 2), shape, "triton", steps=2)
+
+
+class Ties(nn.Module):
+    """Max pooling of integer-valued inputs, so windows hold equal maxima: eager gives the
+    whole gradient to the first of them in the window's row-major order, and so must Nova."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3, 1, 1))
+        self.head = nn.Linear(3 * 3 * 3, 4)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(F.max_pool2d(x * self.scale, 3, stride=2, padding=1).flatten(1)), y)
+
+
+def test_max_pool_ties_go_to_the_first_maximum():
+    _trains_like_eager(Ties, (2, 3, 6, 6), "reference", ints=True)
+
+
+def test_max_pool_indices_are_eagers():
+    """return_indices=True: the flat index of each maximum in its input plane, ties included."""
+
+    class WithIndices(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(()))
+
+        def forward(self, x, y):
+            out, idx = F.max_pool2d(x * self.w, 3, stride=2, padding=1, return_indices=True)
+            return (out * (idx.to(out.dtype) + 1)).mean() + 0 * y.sum()
+
+    _trains_like_eager(WithIndices, (2, 3, 7, 6), "reference", ints=True)
+
+
+def test_adaptive_pooling_to_a_size_that_does_not_divide_is_refused():
+    model = Around(nn.AdaptiveAvgPool2d(4), 3, 2)
+    model(torch.randn(1, 3, 6, 6), torch.zeros(1, dtype=torch.long))
+    step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(nova.UnsupportedError, match=r"adaptive average pooling of \[6, 6\] to \[4, 4\]"):
+        step(torch.randn(1, 3, 6, 6), torch.zeros(1, dtype=torch.long))
+
+
+class Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+                     if stride != 1 or cin != cout else nn.Identity())  # fmt: skip
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(h)) + self.down(x))
+
+
+class TinyResNet(nn.Module):
+    """torchvision's ResNet layout at toy size: conv 7x7 / 2, BN, ReLU, max pool 3 / 2, two
+    stages of basic blocks, global average pooling, a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.MaxPool2d(3, stride=2, padding=1))  # fmt: skip
+        self.stages = nn.Sequential(Block(8, 8, 1), Block(8, 16, 2))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.fc(self.pool(self.stages(self.stem(x))).flatten(1)), y)
+
+
+def test_a_tiny_resnet_trains_like_eager():
+    _trains_like_eager(TinyResNet, (4, 3, 16, 16), "reference")
