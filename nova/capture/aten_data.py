@@ -305,9 +305,9 @@ def _convolution(cx, x, w, bias, stride, padding, dilation, transposed, output_p
     it per kernel offset stacked after the channels, [N * out, C/g * kernel] per group
     times the weight [O/g, C/g * kernel]^T. A patch embedding (kernel == stride, no
     padding or dilation: ViT's, CLIP's) needs no slices: its patches are a reshape.
-    Transposed convolutions are refused."""
+    A transposed convolution is the convolution it is the input gradient of (below)."""
     if transposed:
-        raise Unsupported("transposed convolution")
+        return _transposed_convolution(cx, x, w, bias, stride, padding, dilation, output_padding, groups)
     k = [int(n) for n in _shape(w)[2:]]
     nd, g = len(k), int(groups)
     stride, padding, dilation = ([int(v) for v in t] for t in (stride, padding, dilation))
@@ -541,6 +541,38 @@ for _nd in (1, 2, 3):
 for _nd in (2, 3):
     converts(getattr(aten, f"_adaptive_avg_pool{_nd}d").default)(_adaptive_avg_pool(_nd))
 converts(aten.adaptive_avg_pool1d.default)(_adaptive_avg_pool(1))
+
+
+def _transposed_convolution(cx, x, w, bias, stride, padding, dilation, output_padding, groups):
+    """A transposed convolution as a plain one (stride 1, the same dilation and groups): the
+    input spread ``stride`` apart (a stepped ``nova.pad``: zeros between the elements), padded by
+    ``dilation * (kernel - 1) - padding`` each side (sliced where that is negative) and by
+    ``output_padding`` more on the right; the weight [C_in, C_out / g, k...] as [C_out, C_in / g,
+    k...] per group, flipped along the kernel. It computes the products on the zeros too: correct,
+    not a tuned kernel."""
+    k = [int(n) for n in _shape(w)[2:]]
+    nd, g = len(k), int(groups)
+    stride, padding, dilation, extra = ([int(v) for v in t] for t in (stride, padding, dilation, output_padding))
+    for d in range(nd):
+        n = _shape(x)[2 + d]
+        if stride[d] > 1 and n > 1:
+            x = cx.b.one(nv.PadOp, [x], {"dim": 2 + d, "start": 0, "step": stride[d], "size": (n - 1) * stride[d] + 1})
+        n = _shape(x)[2 + d]
+        edge = dilation[d] * (k[d] - 1) - padding[d]
+        lo, hi = edge, edge + extra[d]
+        if lo < 0 or hi < 0:  # a negative padding crops
+            start, end = max(0, -lo), n - max(0, -hi)
+            if end <= start:
+                raise Unsupported(f"transposed convolution with no output (input {_shape(x)[2:]}, kernel {k})")
+            x = cx.b.one(nv.SliceOp, [x], {"dim": 2 + d, "start": start, "end": end, "step": 1})
+            lo, hi = max(lo, 0), max(hi, 0)
+        if lo or hi:
+            x = cx.b.one(nv.PadOp, [x], {"dim": 2 + d, "start": lo, "step": 1, "size": _shape(x)[2 + d] + lo + hi})
+    cin, cout_g = _shape(w)[:2]
+    wt = cx.b.reshape(w, [g, cin // g, cout_g, *k])
+    wt = cx.b.reshape(cx.b.transpose(wt, [0, 2, 1, *range(3, 3 + nd)]), [g * cout_g, cin // g, *k])
+    wt = _flip(cx, wt, list(range(2, 2 + nd)))
+    return _convolution(cx, x, wt, bias, [1] * nd, [0] * nd, dilation, False, [0] * nd, g)
 
 
 @converts(aten.repeat.default)

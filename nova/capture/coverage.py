@@ -42,7 +42,9 @@ position ids, `gather`, `flip`, `clamp`, `minimum`; `tests/numerics/test_loss_ed
 covers `label_smoothing`, `reduction="none"` and a batch whose targets are all ignored.
 
 Convolutions (1-, 2-, 3-D, stride, zero padding, dilation, groups) are a matmul over
-their patches (`tests/numerics/test_convolution.py`).
+their patches (`tests/numerics/test_convolution.py`); a transposed convolution is the plain
+convolution of its input spread `stride` apart and padded (cropped where its padding passes
+the kernel), with its weight swapped per group and flipped.
 
 Batch norm is built from plain ops as PyTorch's own decomposition computes it (per channel,
 in f32 for a 16-bit input): in training from the batch's statistics, and the running mean,
@@ -71,7 +73,7 @@ Any buffer the forward writes in place (`add_`, `copy_`, `mul_` on a registered 
 norm's statistics) is written the same way: torch.export turns the write into the buffer's new
 value, which the step returns and writes back.
 
-Not covered (a clear `nova.UnsupportedError`): transposed convolutions, bilinear and bicubic
+Not covered (a clear `nova.UnsupportedError`): bilinear and bicubic
 upsampling, adaptive pooling to sizes that do not divide the input's, adaptive max pooling,
 `log1p` and `expm1` (softplus, Mish, ELU), a forward that writes
 a parameter or a batch tensor in place, `sort`/`topk`, `erfinv`, integer `bitwise`

@@ -1,7 +1,9 @@
 """Convolutions as matmuls over their patches (capture's im2col, ``aten_data._convolution``):
 1-, 2- and 3-D, stride, zero padding, dilation, groups (depthwise too), with and without
-a bias, and the patch embedding's reshape; each trains 3 SGD steps like eager in float64
-(loss and every parameter), on the reference backend and the interpreted Triton kernels."""
+a bias, and the patch embedding's reshape; transposed ones (stride, padding, cropping,
+output_padding, dilation, groups) as the plain convolution of their spread input. Each trains
+3 SGD steps like eager in float64 (loss and every parameter), on the reference backend and
+the interpreted Triton kernels."""
 
 from __future__ import annotations
 
@@ -20,6 +22,13 @@ CASES = {  # name: (conv, input shape)
     "2d-depthwise-no-bias": (lambda: nn.Conv2d(4, 4, (3, 2), stride=(1, 2), groups=4, bias=False), (2, 4, 5, 7)),
     "2d-patches": (lambda: nn.Conv2d(3, 5, 4, stride=4), (2, 3, 10, 9)),  # a reshape; the tail pixels left out
     "3d": (lambda: nn.Conv3d(2, 3, 2, stride=(1, 2, 1), padding=(1, 0, 0)), (1, 2, 3, 4, 3)),
+    # transposed: the input gradient's convolution (a decoder's upsampling)
+    "t1d-stride-outpad": (lambda: nn.ConvTranspose1d(4, 3, 3, stride=2, padding=1, output_padding=1), (2, 4, 5)),
+    "t2d-x2": (lambda: nn.ConvTranspose2d(4, 6, 4, stride=2, padding=1), (2, 4, 3, 4)),  # DCGAN's, a VAE decoder's
+    "t2d-groups-dilation": (lambda: nn.ConvTranspose2d(4, 6, 3, stride=(2, 1), padding=(0, 2), dilation=2, groups=2,
+                                                       bias=False), (2, 4, 3, 5)),
+    "t2d-crop": (lambda: nn.ConvTranspose2d(3, 2, 2, padding=2), (1, 3, 6, 5)),  # padding past the kernel crops
+    "t3d": (lambda: nn.ConvTranspose3d(2, 3, 2, stride=2), (1, 2, 2, 3, 2)),
 }
 
 
@@ -58,11 +67,3 @@ def test_convolution_trains_like_eager(case, backend):
         torch.testing.assert_close(step(x, y), want.detach(), **tol)
         for (name, a), b in zip(ours.named_parameters(), eager.parameters()):
             torch.testing.assert_close(a.detach(), b.detach(), **tol, msg=name)
-
-
-def test_transposed_convolution_is_refused():
-    model = ConvNet(nn.ConvTranspose1d(4, 2, 3))
-    model(torch.randn(2, 4, 5), torch.zeros(2, dtype=torch.long))
-    step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(nova.UnsupportedError, match="transposed convolution"):
-        step(torch.randn(2, 4, 5), torch.zeros(2, dtype=torch.long))
