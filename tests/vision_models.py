@@ -36,3 +36,21 @@ class TinyResNet(nn.Module):
 
     def forward(self, x, y):
         return F.cross_entropy(self.fc(self.pool(self.stages(self.stem(x))).flatten(1)), y)
+
+
+class TinyDecoder(nn.Module):
+    """A VAE / UNet decoder's layers at toy size: conv, group norm, SiLU, a transposed
+    convolution (x2), nearest upsampling (x2), average pooling, a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 8)
+        self.up = nn.ConvTranspose2d(8, 8, 4, stride=2, padding=1)
+        self.out = nn.Conv2d(8, 4, 3, padding=1)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        h = self.up(F.silu(self.norm(self.conv(x))))
+        h = self.out(F.interpolate(h, scale_factor=2.0, mode="nearest"))
+        return F.cross_entropy(self.head(F.avg_pool2d(h, h.shape[-1]).flatten(1)), y)

@@ -1,6 +1,7 @@
 """Batch norm and the vision layers on the GPU (tests/numerics/test_batch_norm.py and
-test_vision_layers.py on the CPU): a small conv net with BatchNorm2d and a tiny ResNet
-(max pooling, residual blocks), the Triton backend against the reference executor on CUDA,
+test_vision_layers.py on the CPU): a small conv net with BatchNorm2d, a tiny ResNet
+(max pooling, residual blocks) and a tiny decoder (group norm, a transposed convolution,
+nearest upsampling), the Triton backend against the reference executor on CUDA,
 fp32 and bf16, 5 SGD-with-momentum steps in training mode, then 2 in eval mode: the loss,
 every parameter and the running statistics (written into the buffers in place by both)."""
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nova
-from vision_models import TinyResNet
+from vision_models import TinyDecoder, TinyResNet
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -38,11 +39,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("model", ["convbn", "resnet"])
+@pytest.mark.parametrize("model", ["convbn", "resnet", "decoder"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_triton_step_trains_batch_norm_like_the_reference(precision, model):
     torch.manual_seed(0)
-    ref = (ConvBN() if model == "convbn" else TinyResNet()).cuda()
+    ref = {"convbn": ConvBN, "resnet": TinyResNet, "decoder": TinyDecoder}[model]().cuda()
     mine = copy.deepcopy(ref)
     oracle = nova.compile(ref, torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9), precision=precision,
                           backend="reference")  # fmt: skip

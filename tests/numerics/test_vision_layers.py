@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nova
-from vision_models import TinyResNet
+from vision_models import TinyDecoder, TinyResNet
 
 LAYERS = {  # name: (layer, input shape)
     "max2d": (lambda: nn.MaxPool2d(2), (2, 3, 6, 5)),
@@ -134,3 +134,7 @@ def test_adaptive_pooling_to_a_size_that_does_not_divide_is_refused():
 
 def test_a_tiny_resnet_trains_like_eager():
     _trains_like_eager(TinyResNet, (4, 3, 16, 16), "reference")
+
+
+def test_a_tiny_decoder_trains_like_eager():
+    _trains_like_eager(TinyDecoder, (2, 3, 6, 6), "reference")
