@@ -218,6 +218,20 @@ def _sin(b, op, cts):
     return [b.mul(cts[0], b.one(nv.CosOp, [op.operands[0]]))]
 
 
+@defvjp(nv.Log1pOp)
+def _log1p(b, op, cts):
+    # torch: grad / (x + 1)
+    x = op.operands[0]
+    return [b.div(cts[0], b.add(x, b.scalar(1.0, x)))]
+
+
+@defvjp(nv.Expm1Op)
+def _expm1(b, op, cts):
+    # torch: grad * (result + 1)
+    y = op.results[0]
+    return [b.mul(cts[0], b.add(y, b.scalar(1.0, y)))]
+
+
 @defvjp(nv.AbsOp)
 def _abs(b, op, cts):
     # torch: g * sign(x), so no gradient at 0

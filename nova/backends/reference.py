@@ -52,6 +52,7 @@ _UNARY = {
     nv.NegOp: torch.neg, nv.ExpOp: torch.exp, nv.LogOp: torch.log, nv.SqrtOp: torch.sqrt,
     nv.RsqrtOp: torch.rsqrt, nv.TanhOp: torch.tanh, nv.SigmoidOp: torch.sigmoid, nv.ReluOp: torch.relu,
     nv.CosOp: torch.cos, nv.SinOp: torch.sin, nv.AbsOp: torch.abs,
+    nv.Log1pOp: torch.log1p, nv.Expm1Op: torch.expm1,
 }  # fmt: skip
 
 

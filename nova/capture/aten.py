@@ -216,7 +216,7 @@ for _t, _c in [
     (aten.neg.default, nv.NegOp), (aten.exp.default, nv.ExpOp), (aten.log.default, nv.LogOp),
     (aten.sqrt.default, nv.SqrtOp), (aten.rsqrt.default, nv.RsqrtOp), (aten.tanh.default, nv.TanhOp),
     (aten.sigmoid.default, nv.SigmoidOp), (aten.relu.default, nv.ReluOp), (aten.cos.default, nv.CosOp),
-    (aten.sin.default, nv.SinOp),
+    (aten.sin.default, nv.SinOp), (aten.log1p.default, nv.Log1pOp), (aten.expm1.default, nv.Expm1Op),
 ]:  # fmt: skip
     converts(_t)(_unary(_c))
 

@@ -27,7 +27,8 @@ import torch
 from xdsl.dialects.builtin import i1, i64
 from xdsl.ir import SSAValue
 
-from nova.capture.aten import Unsupported, _dim, _promote, _shape, as_bool, aten, cast_to, converts, scalar_like
+from nova.capture.aten import (Unsupported, _dim, _dims, _promote, _shape, as_bool, aten, cast_to, converts,
+                               scalar_like)
 from nova.ir import dialect as nv
 from nova.ir.types import elem_of, from_torch_dtype, is_float, numel, tensor, to_torch_dtype
 
@@ -182,6 +183,54 @@ def _abs(cx, x):
     if elem_of(x.type) == i1:
         return x
     return cx.b.where(cx.b.one(nv.LtOp, [x, cx.b.scalar(0.0, x)]), _neg(cx, x), x)
+
+
+@converts(aten.elu.default)
+def _elu(cx, x, alpha=1.0, scale=1.0, input_scale=1.0):
+    # torch: x > 0 ? x * scale : expm1(x * input_scale) * alpha * scale (SELU and CELU are ELUs)
+    positive = cx.b.one(nv.GtOp, [x, cx.b.scalar(0.0, x)])
+    inner = x if input_scale == 1 else cx.b.mul(x, scalar_like(cx, float(input_scale), x))
+    neg = cx.b.mul(cx.b.one(nv.Expm1Op, [inner]), scalar_like(cx, float(alpha) * float(scale), x))
+    return cx.b.where(positive, x if scale == 1 else cx.b.mul(x, scalar_like(cx, float(scale), x)), neg)
+
+
+@converts(aten.isnan.default)
+def _isnan(cx, x):
+    return cx.b.one(nv.NeOp, [x, x]) if is_float(x.type) else cx.b.broadcast_to(_false(cx), _shape(x))
+
+
+@converts(aten.isinf.default)
+def _isinf(cx, x):
+    if not is_float(x.type):
+        return cx.b.broadcast_to(_false(cx), _shape(x))
+    return cx.b.one(nv.EqOp, [cx.b.one(nv.AbsOp, [x]), cx.b.scalar(float("inf"), x)])
+
+
+@converts(aten.isfinite.default)
+def _isfinite(cx, x):
+    if not is_float(x.type):
+        return cx.b.broadcast_to(_true(cx), _shape(x))
+    return _and(cx, cx.b.one(nv.EqOp, [x, x]), _not(cx, _isinf(cx, x)))
+
+
+@converts(aten.linalg_vector_norm.default)
+def _vector_norm(cx, x, ord=2, dim=None, keepdim=False, dtype=None):
+    """The 2-norm sqrt(sum(x^2)) and the 1-norm sum(|x|) over ``dim``. torch's 2-norm gradient
+    is 0 at a zero vector (``norm_backward`` masks it), where sqrt's would be 0 * inf: the sum
+    goes through a where that keeps the zero vector's sqrt off its gradient path."""
+    if dtype is not None:
+        x = cast_to(cx, x, dtype)
+    if not is_float(x.type):
+        raise Unsupported(f"vector_norm of {x.type}")
+    dims = _dims(x, dim)
+    if float(ord) == 1.0:
+        return cx.b.reduce_sum(cx.b.one(nv.AbsOp, [x]), dims, keepdim)
+    if float(ord) != 2.0:
+        raise Unsupported(f"vector_norm with ord={ord} (Nova takes 1 and 2)")
+    total = cx.b.reduce_sum(cx.b.mul(x, x), dims, keepdim)
+    zero = cx.b.one(nv.EqOp, [total, cx.b.scalar(0.0, total)])
+    safe = cx.b.where(zero, cx.b.scalar(1.0, total), total)
+    return cx.b.where(zero, cx.b.scalar(0.0, total), cx.b.one(nv.SqrtOp, [safe]))
 
 
 # --- prefix sums -----------------------------------------------------------------

@@ -69,13 +69,19 @@ padding counted or not, ceil mode, `divisor_override`), adaptive average pooling
 divide the input's (others refused), nearest upsampling (eager's source indices), group norm;
 a small ResNet (conv, batch norm, max pool, residual blocks, global pooling) trains like eager.
 
+`log1p` and `expm1` are ops of their own (`nova.log1p`, `nova.expm1`: accurate near 0, as
+torch's), so binary cross-entropy (with logits and `pos_weight` too), softplus, logsigmoid,
+Mish, ELU, SELU and CELU are captured; so are `isnan` / `isinf` / `isfinite` (compares; KL
+divergence's), and the 1- and 2-norm (`F.normalize`, cosine similarity; the 2-norm's gradient
+at a zero vector is 0, as torch's) (`tests/numerics/test_losses_activations.py`).
+
 Any buffer the forward writes in place (`add_`, `copy_`, `mul_` on a registered buffer, batch
 norm's statistics) is written the same way: torch.export turns the write into the buffer's new
 value, which the step returns and writes back.
 
 Not covered (a clear `nova.UnsupportedError`): bilinear and bicubic
 upsampling, adaptive pooling to sizes that do not divide the input's, adaptive max pooling,
-`log1p` and `expm1` (softplus, Mish, ELU), a forward that writes
+vector norms other than the 1- and 2-norm, `cumprod`, a forward that writes
 a parameter or a batch tensor in place, `sort`/`topk`, `erfinv`, integer `bitwise`
 ops other than on booleans, data-dependent shapes (boolean-mask indexing), `ignore_index`
 with class-probability targets (eager refuses it too), `dropout_p >= 1` in SDPA, int32 / int16 /

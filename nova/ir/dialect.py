@@ -402,6 +402,20 @@ class CosOp(UnaryOp):
 
 
 @irdl_op_definition
+class Log1pOp(UnaryOp):
+    """log(1 + x), accurate where x is small (binary cross-entropy with logits, softplus)."""
+
+    name = "nova.log1p"
+
+
+@irdl_op_definition
+class Expm1Op(UnaryOp):
+    """exp(x) - 1, accurate where x is small (ELU)."""
+
+    name = "nova.expm1"
+
+
+@irdl_op_definition
 class SinOp(UnaryOp):
     name = "nova.sin"
 
@@ -1777,7 +1791,7 @@ class YieldOp(IRDLOperation):
 NOVA_OPS: list[type[NovaOp]] = [
     AddOp, SubOp, MulOp, DivOp, MaximumOp, PowOp,
     EqOp, NeOp, LtOp, LeOp, GtOp, GeOp, WhereOp,
-    NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, TanhOp, SigmoidOp, ReluOp, CosOp, SinOp, AbsOp,
+    NegOp, ExpOp, LogOp, SqrtOp, RsqrtOp, TanhOp, SigmoidOp, ReluOp, CosOp, SinOp, AbsOp, Log1pOp, Expm1Op,
     GeluOp, GeluBackwardOp, RoundTf32Op, CastOp, FullOp, ArangeOp, DropoutMaskOp, StopGradientOp,
     ReshapeOp, TransposeOp, BroadcastToOp, SliceOp, PadOp, CatOp,
     ReduceSumOp, ReduceMaxOp, CumsumOp, MatmulOp,

@@ -46,7 +46,7 @@ ELEMENTWISE = (
     nv.AddOp, nv.SubOp, nv.MulOp, nv.DivOp, nv.MaximumOp, nv.PowOp,
     nv.EqOp, nv.NeOp, nv.LtOp, nv.LeOp, nv.GtOp, nv.GeOp, nv.WhereOp,
     nv.NegOp, nv.ExpOp, nv.LogOp, nv.SqrtOp, nv.RsqrtOp, nv.TanhOp, nv.SigmoidOp, nv.ReluOp,
-    nv.CosOp, nv.SinOp, nv.AbsOp, nv.GeluOp, nv.GeluBackwardOp, nv.RoundTf32Op,
+    nv.CosOp, nv.SinOp, nv.AbsOp, nv.Log1pOp, nv.Expm1Op, nv.GeluOp, nv.GeluBackwardOp, nv.RoundTf32Op,
     nv.CastOp, nv.FullOp, nv.ArangeOp, nv.DropoutMaskOp, nv.PadOp, nv.CatOp, nv.EmbeddingOp, nv.EmbeddingBackwardOp,
     *nv.CHECK_OPS,
 )  # fmt: skip

@@ -75,7 +75,7 @@ VIEW_OPS = nv.VIEW_OPS
 SAME_INDEX = (
     nv.AddOp, nv.SubOp, nv.MulOp, nv.DivOp, nv.MaximumOp, nv.PowOp, nv.WhereOp,
     nv.NegOp, nv.ExpOp, nv.LogOp, nv.SqrtOp, nv.RsqrtOp, nv.TanhOp, nv.SigmoidOp, nv.ReluOp,
-    nv.CosOp, nv.SinOp, nv.AbsOp, nv.GeluOp, nv.GeluBackwardOp, nv.RoundTf32Op,
+    nv.CosOp, nv.SinOp, nv.AbsOp, nv.Log1pOp, nv.Expm1Op, nv.GeluOp, nv.GeluBackwardOp, nv.RoundTf32Op,
 )  # fmt: skip
 EXTERNAL_ROLES = ("param", "state", "buffer", "guard")
 # arguments whose result of the same name is their new value (written in place where it can be;

@@ -91,7 +91,7 @@ from nova.transforms.simplify import dce
 ELEMENTWISE = (
     nv.CastOp, nv.AddOp, nv.SubOp, nv.MulOp, nv.DivOp, nv.MaximumOp, nv.PowOp, nv.WhereOp,
     nv.NegOp, nv.ExpOp, nv.LogOp, nv.SqrtOp, nv.RsqrtOp, nv.TanhOp, nv.SigmoidOp, nv.ReluOp,
-    nv.CosOp, nv.SinOp, nv.AbsOp, nv.GeluOp, nv.GeluBackwardOp, nv.RoundTf32Op, nv.CompareOp,
+    nv.CosOp, nv.SinOp, nv.AbsOp, nv.Log1pOp, nv.Expm1Op, nv.GeluOp, nv.GeluBackwardOp, nv.RoundTf32Op, nv.CompareOp,
     nv.TransposeOp, nv.ReshapeOp, nv.BroadcastToOp, nv.SliceOp, nv.PadOp, nv.FullOp,
 )  # fmt: skip
 # one pass over a row: reads the row and writes it, like an elementwise kernel

@@ -108,13 +108,13 @@ def test_maximum_and_relu_propagate_nan():
 
 
 UNARY = [nv.NegOp, nv.ExpOp, nv.LogOp, nv.SqrtOp, nv.RsqrtOp, nv.TanhOp, nv.SigmoidOp, nv.ReluOp, nv.CosOp, nv.SinOp,
-         nv.AbsOp]  # fmt: skip
+         nv.AbsOp, nv.Log1pOp, nv.Expm1Op]  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=str)
 @pytest.mark.parametrize("cls", UNARY, ids=lambda c: c.name)
 def test_unary(cls, dtype):
-    kind = "pos" if cls in (nv.LogOp, nv.SqrtOp, nv.RsqrtOp) else "signed"
+    kind = "pos" if cls in (nv.LogOp, nv.SqrtOp, nv.RsqrtOp, nv.Log1pOp) else "signed"
     x = transposed((3, 7), dtype, kind, seed=5) * (1 if kind == "pos" else 3)  # tanh: both branches
     check(*run(build(cls, [((3, 7), dtype)]), [x]))
 
@@ -184,6 +184,23 @@ def test_cos_sin_wide_range(cls, dtype):
     # any evaluation of the rounded argument is only that good)
     atol = {F32: 2e-7, F64: 1e-15, BF16: 2**-8, F16: 2**-11}[dtype]
     check(*run(op, [x]), atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=str)
+@pytest.mark.parametrize("cls", [nv.Log1pOp, nv.Expm1Op], ids=lambda c: c.name)
+def test_log1p_expm1_small_large_and_non_finite(cls, dtype):
+    """Where log(1 + x) and exp(x) - 1 lose everything (|x| near an ulp of 1 and below),
+    at -1 (log1p: -inf), past it (NaN), at the overflow and at +-inf and NaN: within a
+    few ulp of torch's log1p / expm1, relative."""
+    g = torch.Generator().manual_seed(29)
+    tiny = torch.logspace(-30, -1, 40, dtype=F64) * torch.where(torch.rand(40, generator=g, dtype=F64) < 0.5, -1.0, 1.0)
+    wide = (torch.rand(40, generator=g, dtype=F64) - 0.5) * 60
+    edges = [0.0, -0.0, -1.0, -0.999999, 1e30, 88.0, 89.0, 700.0, 710.0, -1e30, float("inf"), float("-inf"),
+             float("nan")]  # fmt: skip
+    x = torch.cat([tiny, wide, torch.tensor(edges + ([-2.0] if cls is nv.Log1pOp else []), dtype=F64)]).to(dtype)
+    out, ref = run(build(cls, [((x.numel(),), dtype)]), [x])
+    ulps = 4 * torch.finfo(dtype).eps
+    torch.testing.assert_close(out, ref, equal_nan=True, rtol=ulps, atol=0.0)
 
 
 def test_abs_exact_and_signed_zero():

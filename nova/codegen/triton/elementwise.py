@@ -561,6 +561,28 @@ def _div(a: str, b: str, ct: str) -> str:
     return f"tl.math.div_rn({a}, {b})" if ct == "f32" else f"({a}) / ({b})"
 
 
+def _log1p(x: str, y: str, ct: str) -> str:
+    """log(1 + x) from the core log without libdevice (which the interpreter lacks): with
+    u = 1 + x rounded, log(u) * x / (u - 1) cancels u's rounding error (Goldberg, "What every
+    computer scientist should know about floating-point arithmetic", theorem 4): within a few
+    ulp of log1p; x where u rounds to 1, and u itself where it is inf."""
+    one = const(1.0, ct)
+    return (f"{y}_u = {one} + {x}\n"
+            f"{y} = tl.where({y}_u == {one}, {x}, tl.where({y}_u == float('inf'), {y}_u, "
+            + _div(f"tl.log({y}_u) * {x}", f"{y}_u - {one}", ct) + "))")
+
+
+def _expm1(x: str, y: str, ct: str) -> str:
+    """exp(x) - 1 from the core exp and log (Kahan's form): with u = exp(x) rounded,
+    (u - 1) * (x / log(u)) (that order: (u - 1) * x overflows near exp's own overflow); x
+    where u rounds to 1, -1 where u - 1 does, u where it is inf."""
+    one = const(1.0, ct)
+    return (f"{y}_u = tl.exp({x})\n"
+            f"{y}_m = {y}_u - {one}\n"
+            f"{y} = tl.where({y}_u == {one}, {x}, tl.where({y}_m == -{one}, -{one}, tl.where({y}_u == float('inf'), "
+            f"{y}_u, {y}_m * " + _div(x, f"tl.log({y}_u)", ct) + ")))")
+
+
 # --------------------------------------------------------------------------- expressions
 
 
@@ -657,6 +679,8 @@ _UNARY: dict[type, Callable[[Sequence[str], str, str], str]] = {
     nv.CosOp: lambda a, y, ct: f"{y} = tl.cos({a[0]})",
     nv.SinOp: lambda a, y, ct: f"{y} = tl.sin({a[0]})",
     nv.AbsOp: lambda a, y, ct: f"{y} = tl.abs({a[0]})",
+    nv.Log1pOp: lambda a, y, ct: _log1p(a[0], y, ct),
+    nv.Expm1Op: lambda a, y, ct: _expm1(a[0], y, ct),
     # matmul.TF32_RN in one expression
     nv.RoundTf32Op: lambda a, y, ct: f"{y} = ({tf32_rn_bits(a[0] + '.to(tl.uint32, bitcast=True)')}).to(tl.float32, bitcast=True)",
 }  # fmt: skip
