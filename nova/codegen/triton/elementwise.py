@@ -31,6 +31,9 @@ Design choices, and why:
   ``sqrt_rn``. libdevice cannot run under the interpreter, so tanh and pow are
   written out (Cephes tanh; pow through exp2/log2 in fp64 with C's special
   cases): the text that is tested on the CPU is the text that runs on the GPU.
+* log1p and expm1 are Goldberg's and Kahan's forms over the core log and exp, computed in
+  fp64 (fp32 too, as pow: the GPU's fp32 log and exp are approximations whose absolute
+  error near log(1) would undo the forms), then rounded once.
 * cos and sin are Triton's core ``tl.cos`` / ``tl.sin`` (no explicit libdevice call
   in the text): the GPU build links libdevice's ``__nv_cosf`` / ``__nv_cos`` (with
   the full Payne-Hanek reduction for large arguments), the interpreter uses numpy;
@@ -572,6 +575,12 @@ def _log1p(x: str, y: str, ct: str) -> str:
             + _div(f"tl.log({y}_u) * {x}", f"{y}_u - {one}", ct) + "))")
 
 
+def _in_f64(form, x: str, y: str, ct: str) -> str:
+    if ct == "f64":
+        return form(x, y, ct)
+    return form(f"{y}_x", f"{y}_d", "f64").join([f"{y}_x = {x}.to(tl.float64)\n", f"\n{y} = {y}_d.to(tl.float32)"])
+
+
 def _expm1(x: str, y: str, ct: str) -> str:
     """exp(x) - 1 from the core exp and log (Kahan's form): with u = exp(x) rounded,
     (u - 1) * (x / log(u)) (that order: (u - 1) * x overflows near exp's own overflow); x
@@ -580,7 +589,7 @@ def _expm1(x: str, y: str, ct: str) -> str:
     return (f"{y}_u = tl.exp({x})\n"
             f"{y}_m = {y}_u - {one}\n"
             f"{y} = tl.where({y}_u == {one}, {x}, tl.where({y}_m == -{one}, -{one}, tl.where({y}_u == float('inf'), "
-            f"{y}_u, {y}_m * " + _div(x, f"tl.log({y}_u)", ct) + ")))")
+            f"{y}_u, {y}_m * (" + _div(x, f"tl.log({y}_u)", ct) + "))))")
 
 
 # --------------------------------------------------------------------------- expressions
@@ -679,8 +688,10 @@ _UNARY: dict[type, Callable[[Sequence[str], str, str], str]] = {
     nv.CosOp: lambda a, y, ct: f"{y} = tl.cos({a[0]})",
     nv.SinOp: lambda a, y, ct: f"{y} = tl.sin({a[0]})",
     nv.AbsOp: lambda a, y, ct: f"{y} = tl.abs({a[0]})",
-    nv.Log1pOp: lambda a, y, ct: _log1p(a[0], y, ct),
-    nv.Expm1Op: lambda a, y, ct: _expm1(a[0], y, ct),
+    # in fp64 for fp32 too (as pow): the GPU's fp32 log and exp are approximations whose
+    # absolute error near log(1) would undo the forms' accuracy
+    nv.Log1pOp: lambda a, y, ct: _in_f64(_log1p, a[0], y, ct),
+    nv.Expm1Op: lambda a, y, ct: _in_f64(_expm1, a[0], y, ct),
     # matmul.TF32_RN in one expression
     nv.RoundTf32Op: lambda a, y, ct: f"{y} = ({tf32_rn_bits(a[0] + '.to(tl.uint32, bitcast=True)')}).to(tl.float32, bitcast=True)",
 }  # fmt: skip
