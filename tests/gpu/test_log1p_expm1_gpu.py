@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nova.codegen.triton import elementwise  # noqa: F401 (registers the elementwise lowerings)
 from nova.codegen.triton.lowering import lowering_for
 from nova.ir import dialect as nv
 from nova.ir.builder import OpBuilder
