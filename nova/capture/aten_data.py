@@ -583,6 +583,68 @@ def _upsample_nearest(nd: int):
     return convert
 
 
+def _linear_taps(cx, n_in: int, n_out: int, align: bool, scale, elem):
+    """The two source indices and weights of each of ``n_out`` linearly upsampled positions,
+    as ATen's CPU kernel computes them (``compute_source_index_and_lambda``) in the input's
+    float type: the ratio (n_in - 1) / (n_out - 1) with ``align_corners``, else 1 / scale or
+    n_in / n_out; the source ratio * i, or max(ratio * (i + 0.5) - 0.5, 0); i0 its floor
+    (at most n_in - 1), i1 the next index (not past the end), l1 = clamp(src - i0, 0, 1),
+    l0 = 1 - l1."""
+    dtype = to_torch_dtype(elem)
+    if align:
+        ratio = (torch.tensor(float(n_in - 1), dtype=dtype) / (n_out - 1)).item() if n_out > 1 else 0.0
+    elif scale:
+        ratio = torch.tensor(1.0 / scale, dtype=dtype).item()
+    else:
+        ratio = (torch.tensor(float(n_in), dtype=dtype) / n_out).item()
+    i = cx.b.cast(cx.b.one(nv.ArangeOp, [], {"start": 0, "step": 1}, tensor([n_out], i64)), elem)
+    if align:
+        src = cx.b.mul(cx.b.full(ratio, (), elem), i)
+    else:
+        src = cx.b.sub(cx.b.mul(cx.b.full(ratio, (), elem), cx.b.add(i, cx.b.full(0.5, (), elem))), cx.b.full(0.5, (), elem))
+        src = cx.b.where(cx.b.one(nv.LtOp, [src, cx.b.full(0.0, (), elem)]), cx.b.full(0.0, (), elem), src)
+    top = _i64(cx, n_in - 1)
+    i0 = cx.b.cast(src, i64)  # src >= 0: the cast floors
+    i0 = cx.b.where(cx.b.one(nv.GtOp, [i0, top]), top, i0)
+    i1 = cx.b.where(cx.b.one(nv.LtOp, [i0, top]), cx.b.add(i0, _i64(cx, 1)), i0)
+    l1 = cx.b.sub(src, cx.b.cast(i0, elem))
+    l1 = cx.b.where(cx.b.one(nv.LtOp, [l1, cx.b.full(0.0, (), elem)]), cx.b.full(0.0, (), elem), l1)
+    l1 = cx.b.where(cx.b.one(nv.GtOp, [l1, cx.b.full(1.0, (), elem)]), cx.b.full(1.0, (), elem), l1)
+    return i0, i1, cx.b.sub(cx.b.full(1.0, (), elem), l1), l1
+
+
+def _upsample_linear(nd: int):
+    def convert(cx, x, output_size=None, align_corners=False, scale_factors=None):
+        """Linear, bilinear and trilinear upsampling, one dim at a time from the last (eager's
+        nesting: the last dim's two taps interpolated first), each output the sum of its two
+        sources' products with their weights (``_linear_taps``)."""
+        if not is_float(x.type):
+            raise Unsupported(f"linear upsampling of {x.type}")
+        space = _shape(x)[-nd:]
+        if output_size is not None:
+            out, scales = [int(v) for v in output_size], [None] * nd
+        else:
+            scales = [float(f) for f in scale_factors]
+            out = [int(math.floor(s * f)) for s, f in zip(space, scales)]
+        r = len(_shape(x))
+        elem = elem_of(x.type)
+        for d in reversed(range(nd)):
+            n_in, n_out, dim = space[d], out[d], r - nd + d
+            if n_out == n_in:
+                continue
+            i0, i1, l0, l1 = _linear_taps(cx, n_in, n_out, bool(align_corners), scales[d], elem)
+            along = [1] * r
+            along[dim] = n_out
+            x = cx.b.add(cx.b.mul(_index_select(cx, x, dim, i0), cx.b.reshape(l0, along)),
+                         cx.b.mul(_index_select(cx, x, dim, i1), cx.b.reshape(l1, along)))  # fmt: skip
+        return x
+
+    return convert
+
+
+converts(aten.upsample_linear1d.vec)(_upsample_linear(1))
+converts(aten.upsample_bilinear2d.vec)(_upsample_linear(2))
+converts(aten.upsample_trilinear3d.vec)(_upsample_linear(3))
 for _nd in (1, 2, 3):
     converts(getattr(aten, f"max_pool{_nd}d_with_indices").default)(_max_pool(_nd))
     converts(getattr(aten, f"avg_pool{_nd}d").default)(_avg_pool(_nd))

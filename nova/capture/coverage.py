@@ -66,7 +66,8 @@ Pooling is built from the window's taps, one strided slice each, as the convolut
 ceil mode; a tap replaces the running maximum where it is greater or NaN, so equal maxima give
 the gradient to the first, as eager; its indices too), average pooling (eager's divisors:
 padding counted or not, ceil mode, `divisor_override`), adaptive average pooling to sizes that
-divide the input's (others refused), nearest upsampling (eager's source indices), group norm;
+divide the input's (others refused), nearest and (bi-, tri-)linear upsampling (eager's source
+indices and weights, `align_corners` or not), group norm;
 a small ResNet (conv, batch norm, max pool, residual blocks, global pooling) trains like eager.
 
 `log1p` and `expm1` are ops of their own (`nova.log1p`, `nova.expm1`: accurate near 0, as
@@ -79,8 +80,7 @@ Any buffer the forward writes in place (`add_`, `copy_`, `mul_` on a registered 
 norm's statistics) is written the same way: torch.export turns the write into the buffer's new
 value, which the step returns and writes back.
 
-Not covered (a clear `nova.UnsupportedError`): bilinear and bicubic
-upsampling, adaptive pooling to sizes that do not divide the input's, adaptive max pooling,
+Not covered (a clear `nova.UnsupportedError`): bicubic and area upsampling, adaptive pooling to sizes that do not divide the input's, adaptive max pooling,
 vector norms other than the 1- and 2-norm, `cumprod`, a forward that writes
 a parameter or a batch tensor in place, `sort`/`topk`, `erfinv`, integer `bitwise`
 ops other than on booleans, data-dependent shapes (boolean-mask indexing), `ignore_index`

@@ -2,8 +2,9 @@
 ops in capture (``nova/capture/aten_data.py``, "pooling"; ``aten.py``: group norm): max
 pooling (its indices too, ties to the first maximum as eager), average pooling (eager's
 divisors: padding counted or not, ceil mode, divisor_override), adaptive average pooling to
-sizes that divide the input's, nearest upsampling, group norm; and a small ResNet built of
-them. Each trains 3 SGD steps like eager in float64 on the reference backend (loss, every
+sizes that divide the input's, nearest and (bi-, tri-)linear upsampling (eager's source indices
+and weights, align_corners or not), group norm; and a small ResNet and a small decoder built
+of them. Each trains 3 SGD steps like eager in float64 on the reference backend (loss, every
 parameter and buffer); some through the interpreted Triton kernels in float32."""
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ LAYERS = {  # name: (layer, input shape)
     "upsample-size": (lambda: nn.Upsample(size=(5, 7)), (2, 3, 3, 4)),
     "upsample-x1.5": (lambda: nn.Upsample(scale_factor=1.5), (2, 3, 4, 3)),
     "groupnorm": (lambda: nn.GroupNorm(3, 6), (2, 6, 4, 3)),
+    "bilinear-x2": (lambda: nn.Upsample(scale_factor=2, mode="bilinear"), (2, 3, 3, 4)),
+    "bilinear-align-size": (lambda: nn.Upsample(size=(5, 7), mode="bilinear", align_corners=True), (2, 3, 3, 4)),
+    "bilinear-x1.7": (lambda: nn.Upsample(scale_factor=1.7, mode="bilinear"), (2, 3, 4, 3)),
+    "linear1d-down": (lambda: nn.Upsample(size=3, mode="linear"), (2, 3, 7)),
+    "trilinear": (lambda: nn.Upsample(scale_factor=(1, 2, 1.5), mode="trilinear"), (1, 2, 2, 3, 2)),
 }
 
 
@@ -86,7 +92,7 @@ def test_layer_trains_like_eager(name):
     _trains_like_eager(lambda: Around(make(), shape[1], len(shape) - 2), shape, "reference")
 
 
-@pytest.mark.parametrize("name", ["max2d-stem", "avg2d-exclude-pad-ceil", "upsample-x1.5", "groupnorm"])
+@pytest.mark.parametrize("name", ["max2d-stem", "avg2d-exclude-pad-ceil", "upsample-x1.5", "groupnorm", "bilinear-x1.7"])
 def test_layer_trains_like_eager_through_triton(name):
     make, shape = LAYERS[name]
     _trains_like_eager(lambda: Around(make(), shape[1], len(shape) - 2), shape, "triton", steps=2)
