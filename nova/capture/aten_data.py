@@ -526,18 +526,52 @@ def _avg_pool(nd: int):
 
 def _adaptive_avg_pool(nd: int):
     def convert(cx, x, output_size):
-        """Adaptive average pooling where every output size divides its input size: the
-        average pooling of kernel = stride = input / output (eager's windows then are those).
-        Other sizes have windows of unequal lengths: refused."""
+        """Adaptive average pooling: where every output size divides its input size, the
+        average pooling of kernel = stride = input / output (eager's windows then are those);
+        else eager's windows [floor(i * n / m), ceil((i + 1) * n / m)) of unequal lengths, summed
+        one dim at a time from the last (their taps gathered, past a window's end 0) and divided
+        by the window's size."""
         out = [int(v) for v in output_size]
         space = _shape(x)[-nd:]
-        if any(o < 1 or s % o for s, o in zip(space, out)):
-            raise Unsupported(f"adaptive average pooling of {list(space)} to {out} (Nova takes output sizes that "
-                              f"divide the input's)")  # fmt: skip
-        k = [s // o for s, o in zip(space, out)]
-        return _avg_pool(nd)(cx, x, k, k)
+        if any(o < 1 for o in out):
+            raise Unsupported(f"adaptive average pooling to {out}")
+        if not any(s % o for s, o in zip(space, out)):
+            k = [s // o for s, o in zip(space, out)]
+            return _avg_pool(nd)(cx, x, k, k)
+        r = len(_shape(x))
+        size = None
+        for d in reversed(range(nd)):
+            n, m, dim = space[d], out[d], r - nd + d
+            starts = [i * n // m for i in range(m)]
+            ends = [-(-(i + 1) * n // m) for i in range(m)]
+            total = None
+            for j in range(max(e - b for b, e in zip(starts, ends))):
+                idx = _index_vector(cx, [min(b + j, e - 1) for b, e in zip(starts, ends)])
+                inside = _index_vector(cx, [1 if b + j < e else 0 for b, e in zip(starts, ends)])
+                along = [1] * r
+                along[dim] = m
+                keep = cx.b.reshape(cx.b.one(nv.EqOp, [inside, _i64(cx, 1)]), along)
+                tap = cx.b.where(keep, _index_select(cx, x, dim, idx), cx.b.scalar(0.0, x))
+                total = tap if total is None else cx.b.add(total, tap)
+            count = cx.b.reshape(cx.b.cast(_index_vector(cx, [e - b for b, e in zip(starts, ends)]), elem_of(x.type)),
+                                 [m if k == dim else 1 for k in range(r)])  # fmt: skip
+            size = count if size is None else cx.b.mul(size, count)
+            x = total
+        return cx.b.div(x, size)
 
     return convert
+
+
+def _index_vector(cx, values: list[int]) -> SSAValue:
+    """A static i64 vector: a sum of one-hot pads of 0-d constants (folded at compile time)."""
+    n = len(values)
+    acc = None
+    for k, v in enumerate(values):
+        if v == 0:
+            continue
+        one = cx.b.one(nv.PadOp, [cx.b.reshape(_i64(cx, v), [1])], {"dim": 0, "start": k, "step": 1, "size": n})
+        acc = one if acc is None else cx.b.add(acc, one)
+    return acc if acc is not None else cx.b.full(0.0, [n], i64)
 
 
 def _nearest_sources(cx, n_in: int, n_out: int, scale) -> SSAValue:

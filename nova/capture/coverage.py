@@ -65,8 +65,8 @@ Pooling is built from the window's taps, one strided slice each, as the convolut
 (`tests/numerics/test_vision_layers.py`): max pooling 1-, 2- and 3-D (stride, padding, dilation,
 ceil mode; a tap replaces the running maximum where it is greater or NaN, so equal maxima give
 the gradient to the first, as eager; its indices too), average pooling (eager's divisors:
-padding counted or not, ceil mode, `divisor_override`), adaptive average pooling to sizes that
-divide the input's (others refused), nearest and (bi-, tri-)linear upsampling (eager's source
+padding counted or not, ceil mode, `divisor_override`), adaptive average pooling (eager's
+windows, of unequal lengths too), nearest and (bi-, tri-)linear upsampling (eager's source
 indices and weights, `align_corners` or not), group norm;
 a small ResNet (conv, batch norm, max pool, residual blocks, global pooling) trains like eager.
 
@@ -80,8 +80,8 @@ Any buffer the forward writes in place (`add_`, `copy_`, `mul_` on a registered 
 norm's statistics) is written the same way: torch.export turns the write into the buffer's new
 value, which the step returns and writes back.
 
-Not covered (a clear `nova.UnsupportedError`): bicubic and area upsampling, adaptive pooling to sizes that do not divide the input's, adaptive max pooling,
-vector norms other than the 1- and 2-norm, `cumprod`, a forward that writes
+Not covered (a clear `nova.UnsupportedError`): bicubic and area upsampling, adaptive max
+pooling, vector norms other than the 1- and 2-norm, `cumprod`, a forward that writes
 a parameter or a batch tensor in place, `sort`/`topk`, `erfinv`, integer `bitwise`
 ops other than on booleans, data-dependent shapes (boolean-mask indexing), `ignore_index`
 with class-probability targets (eager refuses it too), `dropout_p >= 1` in SDPA, int32 / int16 /
