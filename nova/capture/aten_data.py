@@ -590,17 +590,22 @@ def _nearest_sources(cx, n_in: int, n_out: int, scale) -> SSAValue:
     return cx.b.where(cx.b.one(nv.GtOp, [src, top]), top, src)
 
 
+def _upsampled_sizes(space, output_size, scale_factors) -> tuple[list[int], list]:
+    """(output sizes, per-dim scale or None) of an upsampling ``.vec`` op: its output_size,
+    else floor(input * scale), the scales then passed on to the index math as eager does."""
+    if output_size is not None:
+        return [int(v) for v in output_size], [None] * len(space)
+    scales = [float(f) for f in scale_factors]
+    return [int(math.floor(s * f)) for s, f in zip(space, scales)], scales
+
+
 def _upsample_nearest(nd: int):
     def convert(cx, x, output_size=None, scale_factors=None):
         """Nearest upsampling (``F.interpolate(mode="nearest")``), dim by dim as eager's
         ``nearest_idx``: a size kept is the input, a size doubled each source twice (a
         broadcast), any other size an index_select of the sources above."""
         space = _shape(x)[-nd:]
-        if output_size is not None:
-            out, scales = [int(v) for v in output_size], [None] * nd
-        else:
-            scales = [float(f) for f in scale_factors]
-            out = [int(math.floor(s * f)) for s, f in zip(space, scales)]
+        out, scales = _upsampled_sizes(space, output_size, scale_factors)
         r = len(_shape(x))
         for d, (n_in, n_out, f) in enumerate(zip(space, out, scales)):
             dim = r - nd + d
@@ -655,11 +660,7 @@ def _upsample_linear(nd: int):
         if not is_float(x.type):
             raise Unsupported(f"linear upsampling of {x.type}")
         space = _shape(x)[-nd:]
-        if output_size is not None:
-            out, scales = [int(v) for v in output_size], [None] * nd
-        else:
-            scales = [float(f) for f in scale_factors]
-            out = [int(math.floor(s * f)) for s, f in zip(space, scales)]
+        out, scales = _upsampled_sizes(space, output_size, scale_factors)
         r = len(_shape(x))
         elem = elem_of(x.type)
         for d in reversed(range(nd)):

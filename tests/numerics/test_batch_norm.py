@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nova
+from train_like_eager import assert_trains_like_eager
 
 
 class BNNet(nn.Module):
@@ -50,23 +51,10 @@ def _trains_like_eager(case: str, backend: str) -> None:
             if buf.is_floating_point():
                 buf.copy_(torch.rand_like(buf) + (0.5 if name == "running_var" else -0.5))
     getattr(eager, mode)()
-    ours = copy.deepcopy(eager)
-    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
-    step = nova.compile(ours, torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9), backend=backend)
-    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
     g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x = torch.randn(shape, generator=g, dtype=dtype) * 2 + 1
-        y = torch.randint(0, 3, (shape[0],), generator=g)
-        opt_e.zero_grad()
-        want = eager(x, y)
-        want.backward()
-        opt_e.step()
-        torch.testing.assert_close(step(x, y), want.detach(), **tol)
-        for (name, a), b in zip(ours.named_parameters(), eager.parameters(), strict=True):
-            torch.testing.assert_close(a.detach(), b.detach(), **tol, msg=name)
-        for (name, a), b in zip(ours.named_buffers(), eager.buffers(), strict=True):
-            torch.testing.assert_close(a, b, **tol, msg=name)
+    batches = [(torch.randn(shape, generator=g, dtype=dtype) * 2 + 1, torch.randint(0, 3, (shape[0],), generator=g))
+               for _ in range(3)]  # fmt: skip
+    assert_trains_like_eager(eager, batches, backend)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -155,19 +143,6 @@ class Counting(nn.Module):
 def test_buffers_written_in_place_by_the_forward_are_written_by_the_step(backend):
     torch.manual_seed(0)
     dtype = torch.float64 if backend == "reference" else torch.float32
-    eager = Counting().to(dtype)
-    ours = copy.deepcopy(eager)
-    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
-    step = nova.compile(ours, torch.optim.SGD(ours.parameters(), lr=0.1), backend=backend)
-    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
     g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x, y = torch.randn(4, 6, generator=g, dtype=dtype), torch.randint(0, 3, (4,), generator=g)
-        opt_e.zero_grad()
-        want = eager(x, y)
-        want.backward()
-        opt_e.step()
-        torch.testing.assert_close(step(x, y), want.detach(), **tol)
-        torch.testing.assert_close(ours.ema, eager.ema, **tol)
-        assert int(ours.seen) == int(eager.seen)
-        torch.testing.assert_close(ours.lin.weight.detach(), eager.lin.weight.detach(), **tol)
+    batches = [(torch.randn(4, 6, generator=g, dtype=dtype), torch.randint(0, 3, (4,), generator=g)) for _ in range(3)]
+    assert_trains_like_eager(Counting().to(dtype), batches, backend)  # the count and the average among the buffers

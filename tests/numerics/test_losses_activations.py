@@ -6,14 +6,13 @@ Triton kernels in float32."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import nova
+from train_like_eager import assert_trains_like_eager
 
 CASES = {  # name: loss of (h, y), h [6, 4] from a linear layer, y [6, 4] random
     "bce-with-logits": lambda h, y: F.binary_cross_entropy_with_logits(h, (y > 0).to(h.dtype)),
@@ -48,21 +47,12 @@ class Head(nn.Module):
 def _trains_like_eager(name: str, backend: str) -> None:
     torch.manual_seed(0)
     dtype = torch.float64 if backend == "reference" else torch.float32
-    eager = Head(CASES[name]).to(dtype)
-    ours = copy.deepcopy(eager)
-    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
-    step = nova.compile(ours, torch.optim.SGD(ours.parameters(), lr=0.1), backend=backend)
-    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=1e-6)
     g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x, y = torch.randn(6, 5, generator=g, dtype=dtype), torch.randn(6, 4, generator=g, dtype=dtype)
-        opt_e.zero_grad()
-        want = eager(x, y)
-        want.backward()
-        opt_e.step()
-        torch.testing.assert_close(step(x, y), want.detach(), **tol)
-        for (n, a), b in zip(ours.named_parameters(), eager.parameters(), strict=True):
-            torch.testing.assert_close(a.detach(), b.detach(), **tol, msg=lambda m, n=n: f"{n}: {m}")
+    batches = [(torch.randn(6, 5, generator=g, dtype=dtype), torch.randn(6, 4, generator=g, dtype=dtype))
+               for _ in range(3)]  # fmt: skip
+    tol = None if dtype == torch.float64 else dict(rtol=2e-5, atol=1e-6)
+    assert_trains_like_eager(Head(CASES[name]).to(dtype), batches, backend, tol,
+                             lambda params: torch.optim.SGD(params, lr=0.1))  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -9,14 +9,13 @@ parameter and buffer); some through the interpreted Triton kernels in float32.""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import nova
+from train_like_eager import assert_trains_like_eager
 from vision_models import TinyDecoder, TinyResNet
 
 LAYERS = {  # name: (layer, input shape)
@@ -71,21 +70,7 @@ def _trains_like_eager(make, shape, backend: str, steps: int = 3, ints: bool = F
         return x, torch.randint(0, 4, (shape[0],), generator=g)
 
     eager(*batch())  # sizes the lazy head
-    ours = copy.deepcopy(eager)
-    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
-    step = nova.compile(ours, torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9), backend=backend)
-    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
-    for _ in range(steps):
-        x, y = batch()
-        opt_e.zero_grad()
-        want = eager(x, y)
-        want.backward()
-        opt_e.step()
-        torch.testing.assert_close(step(x, y), want.detach(), **tol)
-        for (name, a), b in zip(ours.named_parameters(), eager.parameters(), strict=True):
-            torch.testing.assert_close(a.detach(), b.detach(), **tol, msg=lambda m, n=name: f"{n}: {m}")
-        for (name, a), b in zip(ours.named_buffers(), eager.buffers(), strict=True):
-            torch.testing.assert_close(a, b, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    assert_trains_like_eager(eager, [batch() for _ in range(steps)], backend)
 
 
 @pytest.mark.parametrize("name", list(LAYERS))
