@@ -34,6 +34,7 @@ the interpreter, `tests/gpu/test_hf_models_gpu.py` on the H200):
 | a nanoGPT-style GPT | `masked_fill(~mask, -inf)`, tied head, `ignore_index` |
 | transformers `WhisperForConditionalGeneration` (float64, against eager only) | log-mel features through 1-D convolutions (one strided), an encoder-decoder |
 | transformers `ViTForImageClassification`, `CLIPVisionModelWithProjection` (against eager only) | the patch embedding, a convolution with kernel == stride, as a reshape and a matmul of the patches (pixels past the last whole patch left out, as torch does), class token |
+| transformers `ResNetForImageClassification` (basic and bottleneck), `ConvNextForImageClassification` (float64, 2 SGD steps, against eager only: `tests/numerics/test_hf_vision.py`) | convolutions, batch norm in training (the running statistics written into the buffers), max pooling, adaptive average pooling; depthwise 7x7 convolutions, channels-last LayerNorm, layer scale |
 
 All of them with a padding `attention_mask` (boolean masks, SDPA `attn_mask`,
 `__and__`, `index.Tensor`, `new_ones`) and labels at -100. `tests/test_capture_errors.py`
