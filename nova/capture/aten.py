@@ -308,6 +308,28 @@ def _empty(cx, size, dtype=None, **kw):
     return _fill(cx, size, 0, dtype)
 
 
+@converts(aten.empty_permuted.default)
+def _empty_permuted(cx, size, physical_layout, dtype=None, **kw):
+    return _fill(cx, size, 0, dtype)  # a layout is no value: as empty
+
+
+@converts(aten.bernoulli.p)
+def _bernoulli(cx, x, p=0.5, generator=None):
+    """A tensor of x's shape and dtype, 1 with probability p, else 0, from Nova's RNG (the
+    dropout mask's draw: torch's distribution, not its bit stream). PyTorch draws in-place
+    dropout (``nn.Dropout(inplace=True)``) on the CPU this way, then scales and multiplies."""
+    if generator is not None:
+        raise Unsupported("bernoulli with a torch.Generator (Nova draws from its own counter-based RNG)")
+    if not is_float(x.type):
+        raise Unsupported(f"bernoulli into {x.type}")
+    if p >= 1.0 or p <= 0.0:
+        return cx.b.full(1.0 if p >= 1.0 else 0.0, _shape(x), elem_of(x.type))
+    cx.salt += 1
+    keep = cx.b.one(nv.DropoutMaskOp, [cx.seed()], {"p": 1.0 - float(p), "salt": cx.salt}, x.type)
+    zero = cx.b.scalar(0.0, x)
+    return cx.b.where(cx.b.one(nv.GtOp, [keep, zero]), cx.b.scalar(1.0, x), zero)
+
+
 @converts(aten.zeros.default)
 def _zeros(cx, size, dtype=None, **kw):
     return _fill(cx, size, 0.0, dtype)

@@ -77,6 +77,10 @@ Mish, ELU, SELU and CELU are captured; so are `isnan` / `isinf` / `isfinite` (co
 divergence's), and the 1- and 2-norm (`F.normalize`, cosine similarity; the 2-norm's gradient
 at a zero vector is 0, as torch's) (`tests/numerics/test_losses_activations.py`).
 
+In-place dropout (`nn.Dropout(inplace=True)`), which PyTorch draws on the CPU as
+`bernoulli(1 - p)`, scales and multiplies in, is captured as that: `bernoulli` is Nova's
+dropout mask's draw (torch's distribution, not its bit stream).
+
 Any buffer the forward writes in place (`add_`, `copy_`, `mul_` on a registered buffer, batch
 norm's statistics) is written the same way: torch.export turns the write into the buffer's new
 value, which the step returns and writes back.

@@ -124,3 +124,27 @@ def test_a_tiny_resnet_trains_like_eager():
 
 def test_a_tiny_decoder_trains_like_eager():
     _trains_like_eager(TinyDecoder, (2, 3, 6, 6), "reference")
+
+
+class InPlaceDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(()))
+        self.drop = nn.Dropout(0.25, inplace=True)
+
+    def forward(self, x):
+        return self.drop(x * self.w).sum()
+
+
+def test_in_place_dropout_keeps_three_quarters_scaled():
+    """nn.Dropout(inplace=True): PyTorch draws it on the CPU as bernoulli(1 - p), divided by
+    1 - p and multiplied in; Nova's bernoulli is its dropout mask's draw. Each element is 0 or
+    x / 0.75 exactly, about 3/4 of them kept, and the gradient of w is the kept x's sum / 0.75."""
+    model = InPlaceDropout()
+    step = nova.compile(model, torch.optim.SGD(model.parameters(), lr=1.0), backend="reference")
+    x = torch.rand(200, 200) + 1.0
+    loss = step(x)
+    kept_sum = (loss / 1.0).item()  # the loss is the kept elements' sum / 0.75 (w = 1)
+    kept = kept_sum * 0.75 / x.mean().item() / x.numel()
+    assert 0.72 < kept < 0.78, kept
+    assert torch.allclose(model.w.detach(), torch.tensor(1.0 - kept_sum), rtol=1e-5)  # SGD: w -= grad, grad = loss
