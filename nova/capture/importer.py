@@ -108,20 +108,20 @@ def _unconverted(ep: torch.export.ExportedProgram) -> set:
 def decompose(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """Decomposes every op without a nova conversion through PyTorch's own
     decomposition table (torch.export's default, towards core ATen), round by
-    round while that makes progress. Ops Nova converts are never decomposed, so
-    the high-level ones it fuses later (linear, layer_norm, attention,
-    cross_entropy, gelu) stay whole; what is left is reported by ``capture``."""
+    round while that makes progress (a round also functionalizes in-place ops: a
+    buffer the forward writes becomes a buffer mutation output). Ops Nova converts
+    are never decomposed, so the high-level ones it fuses later (linear,
+    layer_norm, attention, cross_entropy, gelu) stay whole; what is left is
+    reported by ``capture``."""
     table = torch.export.default_decompositions()
     for round_ in range(_DECOMPOSE_ROUNDS):
         left = _unconverted(ep)
         todo = {op: table[op] for op in left if op in table}
-        if not todo and round_ == 0 and left:
-            # none to decompose, but any round also functionalizes: an in-place op of the forward
-            # (a buffer's add_, batch_norm's running statistics) becomes its functional form and a
-            # buffer mutation, as it does when another op needs a round
-            todo = {}
-        elif not todo:
+        if not todo and not (round_ == 0 and left):
             break
+        # a first round with nothing to decompose still runs where some op is unconverted: any
+        # round also functionalizes, so an in-place op of the forward (a buffer's add_, batch
+        # norm's running statistics) becomes its functional form and a buffer mutation
         try:
             ep = ep.run_decompositions(todo)
         except Exception as e:  # noqa: BLE001 - torch cannot apply one here: the ops are reported as they are
