@@ -1,4 +1,4 @@
-"""Batch norm (``aten_data``'s converters in ``nova/capture/aten.py``: ``_batch_norm``) trains
+"""Batch norm (the converters in ``nova/capture/aten.py``, ``_batch_norm``) trains
 like eager: the output and gradients from the batch's statistics in training mode, the running
 statistics and ``num_batches_tracked`` written into the model's buffers by the step (the
 step's ``buffer`` results, written in place like the parameters), the running statistics
