@@ -84,8 +84,8 @@ def _cotangent(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 BINARY = [nv.AddOp, nv.SubOp, nv.MulOp, nv.DivOp, nv.MaximumOp]
 BROADCASTS = [((3, 4), (3, 4)), ((3, 4), (4,)), ((2, 1, 4), (3, 1)), ((), (3, 4)), ((1, 4), (3, 1))]
-UNARY = [nv.NegOp, nv.ExpOp, nv.TanhOp, nv.SigmoidOp, nv.ReluOp, nv.CosOp, nv.SinOp, nv.AbsOp]
-UNARY_POS = [nv.LogOp, nv.SqrtOp, nv.RsqrtOp]
+UNARY = [nv.NegOp, nv.ExpOp, nv.TanhOp, nv.SigmoidOp, nv.ReluOp, nv.CosOp, nv.SinOp, nv.AbsOp, nv.Expm1Op]
+UNARY_POS = [nv.LogOp, nv.SqrtOp, nv.RsqrtOp, nv.Log1pOp]
 
 
 def _ties(shape_a, shape_b) -> list[In]:
